@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make run` (the default model on a local CPU mesh) and `make test`.
+# Both create .venv when it is missing: torch==2.13.0 first (the machine's CPU wheel; a looser pin
+# would pull the CUDA build), then shardmesh with its dev extras.
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: run test lint format protos venv clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/shardmesh generate --model smollm2-135m-instruct --pp 2 --max-new-tokens 96 "$(PROMPT)"
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+protos: $(STAMP)
+	$(PY) protos/generate.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,159 @@
+"""The `shardmesh` command: one entry point for every service and tool, configured by flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, no traceback."""
+
+
+def resolve_model(arg: str) -> Path:
+    """A model directory, or the name of a model `shardmesh model pull` knows (pulled on first use)."""
+    path = Path(arg).expanduser()
+    if path.is_dir():
+        return path
+    from shardmesh import pull
+
+    if arg in pull.known_models():
+        return pull.pull(arg)
+    raise UsageError(
+        f"--model: {arg!r} is neither a directory nor a known model name ({', '.join(pull.known_models())})"
+    )
+
+
+def _parse_token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UsageError(f"--token-ids: expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UsageError("--token-ids: at least one token id is needed")
+    return ids
+
+
+def _prompt_ids(args: argparse.Namespace, model_dir: Path, vocab_size: int) -> tuple[list[int], Any]:
+    from shardmesh.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    if args.token_ids is not None:
+        if args.prompt:
+            raise UsageError("give either a PROMPT or --token-ids, not both")
+        ids = _parse_token_ids(args.token_ids)
+    else:
+        if not args.prompt:
+            raise UsageError("a PROMPT or --token-ids is required")
+        if tokenizer is None:
+            raise UsageError(f"{model_dir} has no tokenizer.json: pass --token-ids instead of a PROMPT")
+        if tokenizer.chat_template and not args.raw:
+            ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+        else:
+            ids = tokenizer.encode(args.prompt, add_special_tokens=True)
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise UsageError(f"--token-ids: {bad} outside the vocabulary [0, {vocab_size})")
+    return ids, tokenizer
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from shardworker.config import ModelConfig
+    from shardworker.offline import OfflineRequest, generate_local
+    from shardworker.sampling import SamplingParams
+
+    if args.max_new_tokens <= 0:
+        raise UsageError(f"--max-new-tokens: must be > 0, got {args.max_new_tokens}")
+    model_dir = resolve_model(args.model)
+    cfg = ModelConfig.from_dir(model_dir)
+    ids, tokenizer = _prompt_ids(args, model_dir, cfg.vocab_size)
+    try:
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    except ValueError as e:
+        raise UsageError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None
+    stop_ids = tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else cfg.eos_token_ids
+    request = OfflineRequest(ids, args.max_new_tokens, sampling, stop_ids)
+    result = generate_local(model_dir, request, args.pp, args.tp, args.dtype, args.device)
+    text = tokenizer.decode(result.token_ids) if tokenizer is not None else ""
+    if args.json:
+        out = {"token_ids": result.token_ids, "logprobs": result.logprobs, "text": text,
+               "finish_reason": result.finish_reason}  # fmt: skip
+        print(json.dumps(out))
+    else:
+        print(text if tokenizer is not None else " ".join(map(str, result.token_ids)))
+    return 0
+
+
+def cmd_model_pull(args: argparse.Namespace) -> int:
+    from shardmesh import pull
+
+    path = pull.pull(args.name, Path(args.cache_dir) if args.cache_dir else None)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardmesh", description="A sharded LLM inference mesh over gRPC.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate from a model sharded over local processes")
+    g.add_argument("prompt", nargs="?", help="user message (wrapped in the chat template when the model has one)")
+    g.add_argument("--model", required=True, help="model directory or known model name")
+    g.add_argument("--token-ids", help="comma-separated prompt token ids, instead of a PROMPT")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template to PROMPT")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per stage (default 1)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="cpu or cuda")
+    g.add_argument(
+        "--json", action="store_true", help="print one JSON object: token_ids, logprobs, text, finish_reason"
+    )
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("model", help="manage local models")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    mp = msub.add_parser("pull", help="fetch and convert a known model into the local cache")
+    mp.add_argument("name")
+    mp.add_argument("--cache-dir", default=None)
+    mp.set_defaults(func=cmd_model_pull)
+
+    # --- coordinator: membership and placement service (flags and validation live in coordinator/app.py) ---
+    from coordinator import app as coordinator_app
+
+    c = sub.add_parser("coordinator", help="run the coordinator: worker registry, placement, topology versions")
+    coordinator_app.add_arguments(c)
+    c.set_defaults(func=coordinator_app.run)
+    # --- end coordinator ---
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command in ("generate",) and (args.pp < 1 or args.tp < 1):
+        print("error: --pp and --tp must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
+        # Config, checkpoint and placement errors already name their file and field.
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2) as one readable, parallelism-agnostic file.
+
+A `Transformer` holds one pipeline stage: a half-open range of decoder layers, plus the embedding if it
+is the first stage and the final norm and LM head if it is the last. Module paths mirror the Hugging
+Face checkpoint (`model.layers.7.self_attn.q_proj.weight`), so a parameter's name *is* its tensor name
+in the safetensors files. Tensor parallelism is not here: `tp.apply_tp` swaps the linear layers for
+sharded ones and tells each attention module how many heads it now owns.
+
+Tokens are packed: one step carries several sequences back to back as a (T, hidden) tensor, and
+`BatchLayout` says which rows belong to which sequence, at which positions, in which KV-cache slot.
+The linear layers see all T rows at once; only attention looks at sequences one at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shardworker.config import ModelConfig, RopeScaling
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's share of a step: `length` new tokens at positions [start, start + length)."""
+
+    slot: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    segments: tuple[Segment, ...]
+    positions: Tensor  # (T,) int64, the absolute position of every packed token
+    last_index: Tensor  # (B,) int64, row of each sequence's last token in the packed batch
+
+    @classmethod
+    def build(cls, segments: list[Segment] | tuple[Segment, ...], device: torch.device | str = "cpu") -> BatchLayout:
+        if not segments:
+            raise ValueError("a batch needs at least one segment")
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
+        ends = torch.tensor([s.length for s in segments]).cumsum(0) - 1
+        return cls(tuple(segments), positions.to(device), ends.to(device))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.segments)
+
+
+class KVCache:
+    """Static keys and values for `num_slots` sequences of up to `max_len` tokens, per local layer.
+
+    Allocated once, up front, so memory use is known before the first request and never grows.
+    Shape per layer: (num_slots, kv_heads, max_len, head_dim).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, 2, num_slots, kv_heads, max_len, head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.num_slots = num_slots
+
+    def keys(self, layer: int) -> Tensor:
+        return self.data[layer, 0]
+
+    def values(self, layer: int) -> Tensor:
+        return self.data[layer, 1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 whatever the activation dtype, as the reference implementation does.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> Tensor:
+    """Inverse frequencies (head_dim // 2,), with Llama-3.1's wavelength-dependent scaling if asked."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[Tensor, Tensor]:
+    """cos and sin, each (max_len, head_dim), in float32."""
+    inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: (T, heads, head_dim); cos, sin: (T, 1, head_dim)
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, cache_index: int) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        # Heads this module computes; tp.apply_tp lowers them to the local share.
+        self.n_heads = cfg.num_heads
+        self.n_kv_heads = cfg.num_kv_heads
+        self.cache_index = cache_index
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_proj_bias)
+
+    def forward(self, x: Tensor, batch: BatchLayout, cache: KVCache, cos: Tensor, sin: Tensor) -> Tensor:
+        T = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(T, self.n_heads, self.head_dim), cos, sin)  # (T, h, hd)
+        k = apply_rope(self.k_proj(x).view(T, self.n_kv_heads, self.head_dim), cos, sin)  # (T, kvh, hd)
+        v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        keys, values = cache.keys(self.cache_index), cache.values(self.cache_index)
+        out = torch.empty_like(q)
+        row = 0
+        for seg in batch.segments:
+            rows = slice(row, row + seg.length)
+            end = seg.start + seg.length
+            keys[seg.slot, :, seg.start : end] = k[rows].transpose(0, 1)
+            values[seg.slot, :, seg.start : end] = v[rows].transpose(0, 1)
+            out[rows] = self._attend(q[rows].transpose(0, 1), keys[seg.slot, :, :end], values[seg.slot, :, :end], seg)
+            row += seg.length
+        return self.o_proj(out.view(T, self.n_heads * self.head_dim))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment) -> Tensor:
+        """q: (h, n, hd) new queries; k, v: (kvh, start + n, hd) everything cached so far → (n, h, hd)."""
+        if seg.length == 1:
+            mask, causal = None, False  # one new token sees the whole cache
+        elif seg.start == 0:
+            mask, causal = None, True  # a fresh prompt: plain causal attention
+        else:
+            # A prompt chunk after earlier chunks: row i sees the cache plus new tokens up to i.
+            n, total = seg.length, seg.start + seg.length
+            mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=seg.start)
+            causal = False
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_heads != self.n_kv_heads
+        )
+        return o.transpose(0, 1)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, cache_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, cache_index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, batch: BatchLayout, cache: KVCache, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    """Named `model` inside `Transformer`, so that paths match `model.layers.N...` in checkpoints."""
+
+    def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first else None
+        # Keyed by the global layer index; the value's position is its slot in this stage's KV cache.
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i - layers.start) for i in layers})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
+
+
+class Transformer(nn.Module):
+    """One pipeline stage: layers [start, end) of the model, plus embedding / head at the ends."""
+
+    def __init__(self, cfg: ModelConfig, layers: range, max_len: int | None = None) -> None:
+        super().__init__()
+        if not (0 <= layers.start < layers.stop <= cfg.num_layers) or layers.step != 1:
+            raise ValueError(f"layer range [{layers.start}, {layers.stop}) is not within [0, {cfg.num_layers})")
+        self.cfg = cfg
+        self.layer_range = layers
+        self.is_first = layers.start == 0
+        self.is_last = layers.stop == cfg.num_layers
+        self.model = Body(cfg, layers, self.is_first, self.is_last)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last else None
+        self.max_len = max_len or cfg.max_context
+        # Rope tables are derived data, rebuilt on the real device after loading (see `init_buffers`).
+        self.rope_cos: Tensor | None = None
+        self.rope_sin: Tensor | None = None
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        self.rope_cos, self.rope_sin = (t.to(device) for t in rope_tables(self.cfg, self.max_len))
+
+    def forward(self, inputs: Tensor, batch: BatchLayout, cache: KVCache, all_logits: bool = False) -> Tensor:
+        """inputs: token ids (T,) on the first stage, hidden states (T, hidden) elsewhere.
+
+        Returns hidden states (T, hidden) for the next stage, or on the last stage float32 logits:
+        (B, vocab) for each sequence's last token, or (T, vocab) for every token with `all_logits`.
+        """
+        assert self.rope_cos is not None and self.rope_sin is not None, "call init_buffers() first"
+        x = self.model.embed_tokens(inputs) if self.model.embed_tokens is not None else inputs
+        cos = self.rope_cos[batch.positions].unsqueeze(1)  # (T, 1, hd)
+        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        for layer in self.model.layers.values():
+            x = layer(x, batch, cache, cos, sin)
+        if self.lm_head is None:
+            return x
+        assert self.model.norm is not None
+        if not all_logits:
+            x = x[batch.last_index]
+        return self.lm_head(self.model.norm(x)).float()
+
+    def make_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
+        attn = next(iter(self.model.layers.values())).self_attn
+        return KVCache(
+            len(self.model.layers), num_slots, attn.n_kv_heads, self.max_len, self.cfg.head_dim, dtype, device
+        )

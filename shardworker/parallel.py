@@ -1,0 +1,209 @@
+"""Where a shard sits in the mesh, and the process groups it talks over, as explicit objects.
+
+No `torch.distributed.init_process_group`: that creates a hidden global default group, and our
+topology changes at run time. Instead every group is a c10d `ProcessGroup` object built from a
+store prefix that names the topology version, so a process can form new groups for a new topology
+next to (and then instead of) the old ones without restarting.
+
+Rank layout: global rank = stage * tp + tp_rank, i.e. `torch.arange(pp * tp).reshape(pp, tp)`.
+A stage's tensor-parallel group is one row; rank t of stage s sends activations to rank t of s+1
+(after the row-parallel all-reduce every tp rank holds the same hidden state, so each pair of
+neighbours forms its own point-to-point link and no extra broadcast is needed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What one process holds: layers [layer_start, layer_end) × tensor-parallel slice tp_rank of tp_size."""
+
+    layer_start: int
+    layer_end: int
+    num_layers: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layer_start < self.layer_end <= self.num_layers:
+            raise ValueError(
+                f"layer range [{self.layer_start}, {self.layer_end}) must be non-empty and within "
+                f"[0, {self.num_layers})"
+            )
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} must be in [0, {self.tp_size})")
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer_start, self.layer_end)
+
+    @property
+    def is_first(self) -> bool:
+        return self.layer_start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.layer_end == self.num_layers
+
+
+def split_layers(num_layers: int, stages: int, weights: list[float] | None = None) -> list[tuple[int, int]]:
+    """Half-open layer ranges for `stages` pipeline stages, proportional to `weights` (even by default).
+
+    Largest-remainder rounding keeps the total exact; every stage gets at least one layer.
+    """
+    if stages < 1:
+        raise ValueError(f"pipeline stages must be >= 1, got {stages}")
+    if stages > num_layers:
+        raise ValueError(f"cannot split {num_layers} layers over {stages} stages: each stage needs a layer")
+    w = weights or [1.0] * stages
+    if len(w) != stages or any(x <= 0 for x in w):
+        raise ValueError(f"need {stages} positive stage weights, got {w}")
+    spare = num_layers - stages  # one layer is reserved per stage, the rest is shared out
+    exact = [spare * x / sum(w) for x in w]
+    counts = [1 + int(e) for e in exact]
+    by_remainder = sorted(range(stages), key=lambda i: exact[i] - int(exact[i]), reverse=True)
+    for i in by_remainder[: num_layers - sum(counts)]:
+        counts[i] += 1
+    bounds, start = [], 0
+    for c in counts:
+        bounds.append((start, start + c))
+        start += c
+    return bounds
+
+
+def shard_specs(num_layers: int, pp: int, tp: int) -> list[ShardSpec]:
+    """One spec per global rank, in rank order (stage-major)."""
+    return [ShardSpec(start, end, num_layers, t, tp) for start, end in split_layers(num_layers, pp) for t in range(tp)]
+
+
+class Collective(Protocol):
+    """The collectives tensor parallelism needs, over one tensor-parallel group."""
+
+    size: int
+    rank: int
+
+    def all_reduce(self, x: Tensor) -> Tensor: ...
+
+    def all_gather(self, x: Tensor) -> Tensor: ...
+
+
+class SingleRank:
+    """A group of one: tensor parallelism degree 1. Every collective is the identity."""
+
+    size = 1
+    rank = 0
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        return x
+
+    def all_gather(self, x: Tensor) -> Tensor:
+        return x
+
+
+class GroupCollective:
+    """Collectives over a c10d ProcessGroup object (Gloo or NCCL)."""
+
+    def __init__(self, pg: dist.ProcessGroup, rank: int, size: int) -> None:
+        self.pg, self.rank, self.size = pg, rank, size
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        x = x.contiguous()
+        self.pg.allreduce([x]).wait()
+        return x
+
+    def all_gather(self, x: Tensor) -> Tensor:
+        """Concatenate every rank's `x` along the last dim (all ranks pass the same shape)."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.pg.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=-1)
+
+
+class StageLink:
+    """A point-to-point link between rank t of stage s (sender) and rank t of stage s + 1 (receiver)."""
+
+    def __init__(self, pg: dist.ProcessGroup, is_sender: bool) -> None:
+        self.pg = pg
+        self.peer = 1 if is_sender else 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def send(self, x: Tensor) -> None:
+        x = x.contiguous()
+        self.pg.send([x], self.peer, 0).wait()
+        self.bytes_sent += x.numel() * x.element_size()
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+        x = torch.empty(shape, dtype=dtype, device=device)
+        self.pg.recv([x], self.peer, 0).wait()
+        self.bytes_received += x.numel() * x.element_size()
+        return x
+
+
+@dataclass
+class ShardGroups:
+    """Everything a shard needs to talk to its peers, passed to the code that needs it."""
+
+    spec: ShardSpec
+    stage: int
+    num_stages: int
+    tp: Collective
+    prev: StageLink | None  # receives activations from the previous stage
+    next: StageLink | None  # sends activations to the next stage
+
+
+class Backend:
+    """Builds process groups for one communication library; picked once, at start-up."""
+
+    name: str
+
+    def __init__(self, name: str, timeout: timedelta) -> None:
+        if name == "nccl" and not dist.is_nccl_available():
+            raise RuntimeError("backend 'nccl' requested but this torch build has no NCCL")
+        if name not in ("gloo", "nccl"):
+            raise ValueError(f"unknown backend {name!r}; expected 'gloo' or 'nccl'")
+        self.name, self.timeout = name, timeout
+
+    @classmethod
+    def for_device(cls, device: torch.device, timeout: timedelta = timedelta(seconds=60)) -> Backend:
+        return cls("nccl" if device.type == "cuda" else "gloo", timeout)
+
+    def group(self, store: dist.Store, prefix: str, rank: int, size: int) -> dist.ProcessGroup:
+        prefixed = dist.PrefixStore(prefix, store)
+        if self.name == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+        return dist.ProcessGroupGloo(prefixed, rank, size, self.timeout)
+
+
+def form_groups(
+    store: dist.Store, prefix: str, spec: ShardSpec, stage: int, num_stages: int, backend: Backend
+) -> ShardGroups:
+    """Join this shard's tensor-parallel group and its links to the neighbouring stages.
+
+    Every shard forms, in order: its stage's tp group, the link from the previous stage, the link
+    to the next. Stage 0 has no previous link, so by induction stage s reaches its `prev` link only
+    after stage s - 1 has formed its tp group, and the chain cannot deadlock.
+    `prefix` should name the topology version: groups of different versions never collide.
+    """
+    tp: Collective = SingleRank()
+    if spec.tp_size > 1:
+        pg = backend.group(store, f"{prefix}/tp/stage{stage}", spec.tp_rank, spec.tp_size)
+        tp = GroupCollective(pg, spec.tp_rank, spec.tp_size)
+    prev = nxt = None
+    if stage > 0:
+        pg = backend.group(store, f"{prefix}/pp/{stage - 1}-{stage}/tp{spec.tp_rank}", 1, 2)
+        prev = StageLink(pg, is_sender=False)
+    if stage < num_stages - 1:
+        pg = backend.group(store, f"{prefix}/pp/{stage}-{stage + 1}/tp{spec.tp_rank}", 0, 2)
+        nxt = StageLink(pg, is_sender=True)
+    return ShardGroups(spec, stage, num_stages, tp, prev, nxt)

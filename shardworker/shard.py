@@ -1,0 +1,96 @@
+"""Build one shard: config → model on `meta` → tensor-parallel transform → read exactly its bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardworker.config import ModelConfig
+from shardworker.model import Transformer
+from shardworker.parallel import Collective, ShardSpec, SingleRank
+from shardworker.tp import apply_tp, checkpoint_index
+from shardworker.weights import Checkpoint, TensorRead, read_tensors
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not supported; expected one of {sorted(DTYPES)}") from None
+
+
+def _source_name(cfg: ModelConfig, name: str) -> str:
+    # Tied embeddings: the head reuses the embedding matrix, which checkpoints store once.
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return "model.embed_tokens.weight"
+    return name
+
+
+def plan_reads(model: nn.Module, full_shapes: dict[str, tuple[int, ...]], cfg: ModelConfig) -> list[TensorRead]:
+    return [
+        TensorRead(name, _source_name(cfg, name), full_shapes[name], checkpoint_index(model, name))
+        for name, _ in model.named_parameters()
+    ]
+
+
+def _meta_shard(
+    cfg: ModelConfig, spec: ShardSpec, tp: Collective, max_len: int | None
+) -> tuple[Transformer, list[TensorRead]]:
+    """The shard's model on the meta device (no memory) and the checkpoint reads that will fill it."""
+    with torch.device("meta"):
+        model = Transformer(cfg, spec.layers, max_len=max_len)
+    full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    apply_tp(model, tp)
+    return model, plan_reads(model, full_shapes, cfg)
+
+
+class _PlannedRank(SingleRank):
+    """Stands in for a tensor-parallel group when only shapes matter (planning, validation)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+
+def check_shards(model_dir: str | Path, specs: list[ShardSpec], cfg: ModelConfig | None = None) -> Checkpoint:
+    """Validate that every shard can be built from this checkpoint, reading headers only.
+
+    Run before starting any process, so a bad checkpoint or an impossible split fails once, clearly.
+    """
+    cfg = cfg or ModelConfig.from_dir(model_dir)
+    ckpt = Checkpoint(model_dir)
+    for spec in specs:
+        _, reads = _meta_shard(cfg, spec, _PlannedRank(spec.tp_rank, spec.tp_size), None)
+        ckpt.check(reads)
+    return ckpt
+
+
+def build_shard(
+    model_dir: str | Path,
+    spec: ShardSpec,
+    tp: Collective | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    max_len: int | None = None,
+    progress: bool = True,
+    cfg: ModelConfig | None = None,
+) -> Transformer:
+    """Load layers `spec.layers` (and tensor slice `spec.tp_rank`) of the checkpoint in `model_dir`."""
+    cfg = cfg or ModelConfig.from_dir(model_dir)
+    if spec.num_layers != cfg.num_layers:
+        raise ValueError(f"shard spec says {spec.num_layers} layers but config.json has {cfg.num_layers}")
+    tp = tp or SingleRank()
+    if tp.size != spec.tp_size or tp.rank != spec.tp_rank:
+        raise ValueError(f"group is rank {tp.rank} of {tp.size} but the spec says {spec.tp_rank} of {spec.tp_size}")
+    ckpt = Checkpoint(model_dir)
+    model, reads = _meta_shard(cfg, spec, tp, max_len)
+    tensors = read_tensors(ckpt, reads, dtype, device, progress)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.init_buffers(device)
+    return model.eval()

@@ -1,0 +1,61 @@
+"""A whole P × T mesh inside one test process: one thread per rank, real Gloo groups between them.
+
+The groups, links and engines are exactly those the worker processes use; only the process
+boundary is missing, which the multi-process tests cover. Threads make the full equivalence matrix
+cheap: no interpreter start-up and no torch import per rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardworker.config import ModelConfig
+from shardworker.engine import StageEngine
+from shardworker.parallel import Backend, form_groups, shard_specs
+from shardworker.shard import build_shard
+
+_prefixes = itertools.count()
+
+
+def run_mesh(
+    model_dir: Path, pp: int, tp: int, body: Callable[[StageEngine, int], Any], *, max_len: int = 128,
+    dtype: torch.dtype = torch.float32,
+) -> list[Any]:  # fmt: skip
+    """Build every shard in its own thread, run `body(engine, rank)` in each, return results by rank."""
+    cfg = ModelConfig.from_dir(model_dir)
+    specs = shard_specs(cfg.num_layers, pp, tp)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    prefix = f"test{next(_prefixes)}"
+    backend = Backend("gloo", timedelta(seconds=60))
+    results: list[Any] = [None] * len(specs)
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            # Its own store client, as a process would have: one client shared by threads serialises waits.
+            client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=60))
+            groups = form_groups(client, prefix, specs[rank], rank // tp, pp, backend)
+            model = build_shard(model_dir, specs[rank], groups.tp, dtype=dtype, max_len=max_len, progress=False)
+            engine = StageEngine(model, groups, model.make_cache(2, dtype, "cpu"), torch.device("cpu"))
+            results[rank] = body(engine, rank)
+        except BaseException as e:  # surfaced to the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"mesh pp={pp} tp={tp} did not finish")
+    return results
