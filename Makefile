@@ -32,7 +32,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-protos: $(STAMP)
+protos: $(STAMP)  # regenerate shardmesh/proto/ from protos/ (tests check they match)
 	$(PY) protos/generate.py
 
 clean-venv:

@@ -1,0 +1,152 @@
+"""`shardmesh coordinator`: flags (each also settable as SHARDMESH_COORDINATOR_<FLAG>), validation, run.
+
+Everything that can be wrong with the configuration (an unreadable config.json, a pp or tp the model
+cannot be split by) is found here, before anything listens, and reported as one line with exit
+code 2. This module imports only the standard library at import time, so building the `shardmesh`
+parser stays cheap; the service itself is imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "SHARDMESH_COORDINATOR_"
+DTYPES = ("float32", "bfloat16", "float16")
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    def flag(name: str, default: Any = None, **kw: Any) -> None:
+        """A flag whose default comes from its environment variable when set; argparse converts a
+        string default with the flag's `type`, so env values are parsed like command-line ones."""
+        env = ENV_PREFIX + name.lstrip("-").replace("-", "_").upper()
+        kw["help"] = f"{kw.get('help', '')} [env {env}]".strip()
+        value = os.environ.get(env, default)
+        p.add_argument(name, default=value, required=kw.pop("required", False) and value is None, **kw)
+
+    flag("--listen", "127.0.0.1:50051", help="host:port for the gRPC server; port 0 picks a free one")
+    flag("--model", required=True, help="model directory (config.json is read here; workers load the weights)")
+    flag("--pp", 1, type=int, help="pipeline stages (default 1)")
+    flag("--tp", 1, type=int, help="tensor-parallel degree per stage (default 1)")
+    flag("--dtype", "float32", choices=DTYPES, help="weight and activation dtype the shards use (default float32)")
+    flag("--heartbeat-interval", 1.0, type=float, help="seconds between worker heartbeats (default 1.0)")
+    flag("--heartbeat-timeout", type=float, help="seconds of silence before a worker is UNHEALTHY (default 3×interval)")
+    flag("--store-host", help="host workers reach the rendezvous store at (default: the --listen host)")
+    flag("--store-port", 0, type=int, help="port of the rendezvous TCPStore; 0 picks a free one (default)")
+    flag("--kv-slots", 8, type=int, help="KV-cache slots per shard: sequences in flight (default 8)")
+    flag("--max-context", type=int, help="tokens per sequence, prompt + completion (default: the model's)")
+    flag("--max-batch-tokens", type=int, help="tokens per step over the batch (default: --max-context)")
+    flag("--max-message-mb", 64, type=int, help="gRPC max send/receive message size in MiB (default 64)")
+    flag("--log-level", help="debug, info, warning or error (default: $SHARDMESH_LOG_LEVEL or info)")
+
+
+EXIT_USAGE = 2
+
+
+class CoordinatorUsageError(Exception):
+    """A bad flag or model, found before anything listens; printed as one line, exit code 2.
+
+    Our own class rather than `shardmesh.cli.UsageError`: under `python -m shardmesh.cli` that module
+    runs as `__main__`, and a second import of it would define a second, uncaught UsageError.
+    """
+
+
+def _usage(message: str) -> CoordinatorUsageError:
+    return CoordinatorUsageError(message)
+
+
+def _listen_host(listen: str) -> str:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise _usage(f"--listen: expected host:port (port 0-65535), got {listen!r}")
+    return host
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    """Validate every flag against each other and the model; returns a `CoordinatorConfig`."""
+    from coordinator.server import CoordinatorConfig
+    from coordinator.topology import ModelSpec, ServingLimits
+    from shardworker.config import ModelConfig
+    from shardworker.parallel import shard_specs
+    from shardworker.tp import HeadSplit, TensorParallelError
+
+    host = _listen_host(args.listen)
+    if args.dtype not in DTYPES:  # a value from the environment skips argparse's `choices`
+        raise _usage(f"--dtype: must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    model_dir = Path(args.model).expanduser()
+    if not model_dir.is_dir():
+        raise _usage(f"--model: {args.model!r} is not a directory")
+    try:
+        cfg = ModelConfig.from_dir(model_dir)
+    except (ValueError, FileNotFoundError) as e:
+        raise _usage(f"--model: {e}") from None
+    if args.pp < 1 or args.tp < 1:
+        raise _usage(f"--pp and --tp must be >= 1, got pp={args.pp} tp={args.tp}")
+    try:
+        shard_specs(cfg.num_layers, args.pp, args.tp)
+    except ValueError as e:
+        raise _usage(f"--pp: {e}") from None
+    try:
+        HeadSplit.of(cfg, 0, args.tp)
+    except TensorParallelError as e:
+        raise _usage(f"--tp: {e}") from None
+    interval = args.heartbeat_interval
+    if not interval > 0:
+        raise _usage(f"--heartbeat-interval: must be > 0 seconds, got {interval}")
+    timeout = args.heartbeat_timeout if args.heartbeat_timeout is not None else 3 * interval
+    if not timeout > interval:
+        raise _usage(f"--heartbeat-timeout: must exceed --heartbeat-interval ({interval} s), got {timeout}")
+    if not 0 <= args.store_port <= 65535:
+        raise _usage(f"--store-port: must be in 0..65535, got {args.store_port}")
+    if args.kv_slots < 1:
+        raise _usage(f"--kv-slots: must be >= 1, got {args.kv_slots}")
+    max_context = args.max_context if args.max_context is not None else cfg.max_context
+    if not 1 <= max_context <= cfg.max_context:
+        raise _usage(f"--max-context: must be in 1..{cfg.max_context} (the model's context), got {max_context}")
+    max_batch = args.max_batch_tokens if args.max_batch_tokens is not None else max_context
+    if max_batch < 1:
+        raise _usage(f"--max-batch-tokens: must be >= 1, got {max_batch}")
+    if args.max_message_mb < 1:
+        raise _usage(f"--max-message-mb: must be >= 1, got {args.max_message_mb}")
+    store_host = args.store_host or (socket.gethostname() if host in _WILDCARD_HOSTS else host.strip("[]"))
+    model = ModelSpec(str(model_dir.resolve()), args.dtype, cfg.architecture, cfg.num_layers, cfg.hidden_size,
+                      cfg.vocab_size, cfg.max_context)  # fmt: skip
+    return CoordinatorConfig(
+        listen=args.listen, model=model, pp=args.pp, tp=args.tp,
+        limits=ServingLimits(args.kv_slots, max_context, max_batch), heartbeat_interval=interval,
+        heartbeat_timeout=timeout, store_host=store_host, store_port=args.store_port,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully (exit 0)."""
+    from coordinator.server import CoordinatorServer
+    from shardmesh import log
+
+    try:
+        cfg = build_config(args)
+    except CoordinatorUsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    logger = log.configure("coordinator", level=args.log_level)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    server = CoordinatorServer(cfg, logger)
+    try:
+        server.start()
+        while not stop.wait(1.0):
+            pass
+        logger.info("signal_received")
+    finally:
+        server.stop(grace=2.0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

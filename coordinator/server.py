@@ -1,0 +1,202 @@
+"""The Coordinator gRPC service and the process around it.
+
+The servicer only translates: protobuf in -> `membership` request types (which validate and name the
+bad field) -> `Registry` -> protobuf out, with refusals mapped to status codes. `CoordinatorServer`
+owns everything with a life cycle: the c10d TCPStore workers rendezvous on, the registry, the gRPC
+server with health and reflection, and the thread that notices silent workers.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import duration_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from coordinator.membership import (
+    HeartbeatReport,
+    InvalidArgument,
+    Registration,
+    Registry,
+    RequestError,
+    UnknownWorker,
+    check_worker_id,
+)
+from coordinator.topology import ModelSpec, ServingLimits
+from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name  # "shardmesh.v1.Coordinator"
+WATCH_POLL_S = 0.5  # how often an idle watch stream checks that its client is still there
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    listen: str  # host:port for gRPC; port 0 picks a free one
+    model: ModelSpec
+    pp: int
+    tp: int
+    limits: ServingLimits
+    heartbeat_interval: float  # seconds
+    heartbeat_timeout: float  # seconds without a heartbeat before a worker is UNHEALTHY
+    store_host: str  # host workers reach the rendezvous store at
+    store_port: int = 0  # 0 picks a free one
+    max_message_bytes: int = 64 * 1024 * 1024
+
+    @property
+    def thread_pool_size(self) -> int:
+        """Every open WatchTopology stream holds a server thread, and one watch per worker (plus
+        gateways) is normal: size the pool so watches never starve heartbeats."""
+        return 32 + 2 * self.pp * self.tp
+
+
+def _status_for(e: RequestError) -> grpc.StatusCode:
+    if isinstance(e, UnknownWorker):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(e, InvalidArgument):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _maps_errors(method: Callable[..., R]) -> Callable[..., R]:
+    """Turn the registry's refusals into gRPC status codes with the message naming the field."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
+        try:
+            return method(self, request, context)
+        except RequestError as e:
+            context.abort(_status_for(e), str(e))
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromTimedelta(timedelta(seconds=seconds))
+    return d
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, registry: Registry, heartbeat_interval: float) -> None:
+        self._registry = registry
+        self._interval = heartbeat_interval
+
+    @_maps_errors
+    def Register(self, request: coordinator_pb2.RegisterRequest, context: grpc.ServicerContext) -> Any:
+        worker_id, topology = self._registry.register(Registration.from_pb(request))
+        return coordinator_pb2.RegisterResponse(
+            worker_id=worker_id, heartbeat_interval=_duration(self._interval),
+            heartbeat_timeout=_duration(self._registry.heartbeat_timeout), topology=topology.to_pb(),
+        )  # fmt: skip
+
+    @_maps_errors
+    def Heartbeat(self, request: coordinator_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> Any:
+        known, version = self._registry.heartbeat(HeartbeatReport.from_pb(request))
+        return coordinator_pb2.HeartbeatResponse(known=known, topology_version=version)
+
+    @_maps_errors
+    def Deregister(self, request: coordinator_pb2.DeregisterRequest, context: grpc.ServicerContext) -> Any:
+        version = self._registry.deregister(check_worker_id(request.worker_id))
+        return coordinator_pb2.DeregisterResponse(topology_version=version)
+
+    def WatchTopology(
+        self, request: coordinator_pb2.WatchTopologyRequest, context: grpc.ServicerContext
+    ) -> Iterator[coordinator_pb2.Topology]:
+        store, after = self._registry.store, request.after_version
+        while context.is_active() and not store.closed:
+            topology = store.wait_newer(after, timeout=WATCH_POLL_S)
+            if topology is not None:
+                yield topology.to_pb()
+                after = topology.version
+
+    def GetTopology(self, request: coordinator_pb2.GetTopologyRequest, context: grpc.ServicerContext) -> Any:
+        return self._registry.store.current().to_pb()
+
+
+class CoordinatorServer:
+    """The running coordinator: `start()`, then `stop()` (from a signal handler's thread of control)."""
+
+    def __init__(self, cfg: CoordinatorConfig, logger: Any) -> None:
+        self.cfg = cfg
+        self._log = logger
+        self._stopping = threading.Event()
+        self._store: Any = None  # torch.distributed.TCPStore, kept alive while we serve
+        self._server: grpc.Server | None = None
+        self._health = health.HealthServicer(
+            experimental_non_blocking=True, experimental_thread_pool=futures.ThreadPoolExecutor(max_workers=2)
+        )
+        self._monitor: threading.Thread | None = None
+        self.registry: Registry | None = None
+        self.port = 0
+
+    def start(self) -> None:
+        import torch.distributed as dist  # heavy import, only where the store is made
+
+        cfg = self.cfg
+        self._store = dist.TCPStore(cfg.store_host, cfg.store_port, None, True,
+                                    timeout=timedelta(seconds=60), wait_for_workers=False)  # fmt: skip
+        self.registry = Registry(
+            model=cfg.model, pp=cfg.pp, tp=cfg.tp, limits=cfg.limits, store_host=cfg.store_host,
+            store_port=self._store.port, heartbeat_timeout=cfg.heartbeat_timeout, logger=self._log,
+        )  # fmt: skip
+        options = [
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ]
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.thread_pool_size), options=options)
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
+            CoordinatorServicer(self.registry, cfg.heartbeat_interval), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        try:
+            self.port = server.add_insecure_port(cfg.listen)
+        except RuntimeError as e:
+            raise RuntimeError(f"--listen: cannot listen on {cfg.listen}: {e}") from None
+        if self.port == 0:
+            raise RuntimeError(f"--listen: cannot listen on {cfg.listen}")
+        server.start()
+        self._server = server
+        for service in ("", SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._monitor = threading.Thread(target=self._watch_heartbeats, name="heartbeat-monitor", daemon=True)
+        self._monitor.start()
+        host = cfg.listen.rpartition(":")[0]
+        self._log.info(
+            "listening", address=f"{host}:{self.port}", port=self.port, store_host=cfg.store_host,
+            store_port=self._store.port, pp=cfg.pp, tp=cfg.tp, model=cfg.model.path, dtype=cfg.model.dtype,
+            heartbeat_interval_s=cfg.heartbeat_interval, heartbeat_timeout_s=cfg.heartbeat_timeout,
+        )  # fmt: skip
+
+    def _watch_heartbeats(self) -> None:
+        assert self.registry is not None
+        period = min(1.0, max(0.02, self.cfg.heartbeat_timeout / 8))
+        while not self._stopping.wait(period):
+            self.registry.expire()
+
+    def stop(self, grace: float = 2.0) -> None:
+        """NOT_SERVING first (so load balancers and workers look elsewhere), end the watch streams,
+        then let in-flight unary calls finish for up to `grace` seconds."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._log.info("shutdown_started", grace_s=grace)
+        self._health.enter_graceful_shutdown()
+        if self.registry is not None:
+            self.registry.store.close()
+        if self._server is not None:
+            self._server.stop(grace).wait(grace + 1.0)
+        if self._monitor is not None:
+            self._monitor.join(timeout=1.0)
+        self._log.info("shutdown_complete")

@@ -1,0 +1,260 @@
+"""The mesh as versioned, immutable data, and the one place the current version lives.
+
+A `Topology` is a frozen value: every change (a worker joins, turns READY, stops heartbeating)
+produces a new one with `version + 1`, published through `TopologyStore`. Consumers compare versions
+instead of sharing mutable state, which is what lets joining, draining and rebalancing change the
+mesh at run time without changing this shape. `to_pb` / `from_pb` are the only bridge to the wire
+format, so the rest of the coordinator never handles protobuf messages.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from shardmesh.proto.v1 import common_pb2, coordinator_pb2
+
+
+class ShardState(enum.Enum):
+    """A slot's life cycle; mirrors `shardmesh.v1.ShardState` without the UNSPECIFIED value."""
+
+    PENDING = "pending"
+    LOADING = "loading"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"
+
+    def to_pb(self) -> common_pb2.ShardState.ValueType:
+        return common_pb2.ShardState.Value(f"SHARD_STATE_{self.name}")
+
+    @classmethod
+    def from_pb(cls, value: int) -> ShardState:
+        """Raises ValueError for UNSPECIFIED and unknown values."""
+        name = common_pb2.ShardState.Name(value) if value in common_pb2.ShardState.values() else str(value)
+        if not name.startswith("SHARD_STATE_") or name == "SHARD_STATE_UNSPECIFIED":
+            raise ValueError(f"must be one of PENDING, LOADING, READY, UNHEALTHY, got {name}")
+        return cls[name.removeprefix("SHARD_STATE_")]
+
+
+DTYPES = ("float32", "bfloat16", "float16")  # the names `shardworker.shard.parse_dtype` takes
+
+
+def dtype_to_pb(name: str) -> common_pb2.DType.ValueType:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}")
+    return common_pb2.DType.Value(f"DTYPE_{name.upper()}")
+
+
+def dtype_from_pb(value: int) -> str:
+    name = common_pb2.DType.Name(value).removeprefix("DTYPE_").lower()
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {common_pb2.DType.Name(value)}")
+    return name
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model every shard loads: a directory plus the few config numbers consumers need up front."""
+
+    path: str
+    dtype: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_context: int
+
+    def to_pb(self) -> common_pb2.ModelSpec:
+        return common_pb2.ModelSpec(
+            path=self.path, dtype=dtype_to_pb(self.dtype), architecture=self.architecture,
+            num_layers=self.num_layers, hidden_size=self.hidden_size, vocab_size=self.vocab_size,
+            max_context=self.max_context,
+        )  # fmt: skip
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.ModelSpec) -> ModelSpec:
+        return cls(pb.path, dtype_from_pb(pb.dtype), pb.architecture, pb.num_layers, pb.hidden_size,
+                   pb.vocab_size, pb.max_context)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ShardAssignment:
+    """One tensor-parallel slot of a stage; `worker_id == ""` while nobody holds it."""
+
+    tp_rank: int
+    rank: int
+    worker_id: str = ""
+    address: str = ""
+    state: ShardState = ShardState.PENDING
+
+    @property
+    def vacant(self) -> bool:
+        return not self.worker_id
+
+    def to_pb(self) -> coordinator_pb2.ShardAssignment:
+        return coordinator_pb2.ShardAssignment(
+            tp_rank=self.tp_rank, rank=self.rank, worker_id=self.worker_id, address=self.address,
+            state=self.state.to_pb(),
+        )  # fmt: skip
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.ShardAssignment) -> ShardAssignment:
+        return cls(pb.tp_rank, pb.rank, pb.worker_id, pb.address, ShardState.from_pb(pb.state))
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Layers [layer_start, layer_end) of the pipeline, split over `len(shards)` tensor-parallel ranks."""
+
+    index: int
+    layer_start: int
+    layer_end: int
+    shards: tuple[ShardAssignment, ...]
+
+    def to_pb(self) -> coordinator_pb2.Stage:
+        return coordinator_pb2.Stage(index=self.index, layer_start=self.layer_start, layer_end=self.layer_end,
+                                     shards=[s.to_pb() for s in self.shards])  # fmt: skip
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.Stage) -> Stage:
+        return cls(pb.index, pb.layer_start, pb.layer_end, tuple(ShardAssignment.from_pb(s) for s in pb.shards))
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where one placement's process groups meet: a c10d TCPStore and a key prefix naming the placement.
+
+    The prefix names the epoch (the version that introduced the placement), not every version: shard
+    state changes must not make workers tear down groups that are still valid.
+    """
+
+    host: str
+    port: int
+    prefix: str
+    epoch: int
+    world_size: int
+
+    @classmethod
+    def for_epoch(cls, host: str, port: int, epoch: int, world_size: int) -> Rendezvous:
+        return cls(host, port, f"topo/v{epoch}", epoch, world_size)
+
+    def to_pb(self) -> coordinator_pb2.Rendezvous:
+        return coordinator_pb2.Rendezvous(host=self.host, port=self.port, prefix=self.prefix, epoch=self.epoch,
+                                          world_size=self.world_size)  # fmt: skip
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.Rendezvous) -> Rendezvous:
+        return cls(pb.host, pb.port, pb.prefix, pb.epoch, pb.world_size)
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """Sizes every shard allocates for, so that all stages agree on slots and lengths."""
+
+    kv_slots: int
+    max_context: int
+    max_batch_tokens: int
+
+    def to_pb(self) -> coordinator_pb2.ServingLimits:
+        return coordinator_pb2.ServingLimits(kv_slots=self.kv_slots, max_context=self.max_context,
+                                             max_batch_tokens=self.max_batch_tokens)  # fmt: skip
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.ServingLimits) -> ServingLimits:
+        return cls(pb.kv_slots, pb.max_context, pb.max_batch_tokens)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The whole mesh at one version. Built by `placement.build_topology`, never edited in place."""
+
+    version: int
+    model: ModelSpec
+    pp: int
+    tp: int
+    stages: tuple[Stage, ...]
+    rendezvous: Rendezvous | None  # None while any slot is vacant
+    complete: bool  # every slot READY under `rendezvous`
+    limits: ServingLimits
+
+    def shards(self) -> Iterator[tuple[Stage, ShardAssignment]]:
+        """Every slot with its stage, in global-rank order."""
+        for stage in self.stages:
+            for shard in stage.shards:
+                yield stage, shard
+
+    def find(self, worker_id: str) -> tuple[Stage, ShardAssignment] | None:
+        """The slot `worker_id` holds, or None (not placed: a standby, or unknown)."""
+        return next(((st, sh) for st, sh in self.shards() if worker_id and sh.worker_id == worker_id), None)
+
+    def same_content(self, other: Topology) -> bool:
+        """Equal apart from the version number: publishing `other` would tell nobody anything new."""
+        return replace(self, version=0) == replace(other, version=0)
+
+    def to_pb(self) -> coordinator_pb2.Topology:
+        pb = coordinator_pb2.Topology(
+            version=self.version, model=self.model.to_pb(), pp=self.pp, tp=self.tp,
+            stages=[s.to_pb() for s in self.stages], complete=self.complete, limits=self.limits.to_pb(),
+        )  # fmt: skip
+        if self.rendezvous is not None:
+            pb.rendezvous.CopyFrom(self.rendezvous.to_pb())
+        return pb
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.Topology) -> Topology:
+        return cls(
+            version=pb.version, model=ModelSpec.from_pb(pb.model), pp=pb.pp, tp=pb.tp,
+            stages=tuple(Stage.from_pb(s) for s in pb.stages),
+            rendezvous=Rendezvous.from_pb(pb.rendezvous) if pb.HasField("rendezvous") else None,
+            complete=pb.complete, limits=ServingLimits.from_pb(pb.limits),
+        )  # fmt: skip
+
+
+class TopologyStore:
+    """Holds the current topology; watchers block on a condition variable until a newer one exists.
+
+    A waiter asks for "newer than the version I have" and gets the newest one, so a slow watcher
+    skips intermediate versions instead of queueing them, and can never see one twice.
+    """
+
+    def __init__(self, initial: Topology) -> None:
+        self._cond = threading.Condition()
+        self._current = initial
+        self._closed = False
+
+    def current(self) -> Topology:
+        with self._cond:
+            return self._current
+
+    def publish(self, topology: Topology) -> None:
+        with self._cond:
+            if topology.version <= self._current.version:
+                raise ValueError(f"version {topology.version} is not newer than {self._current.version}")
+            self._current = topology
+            self._cond.notify_all()
+
+    def wait_newer(self, after_version: int, timeout: float | None = None) -> Topology | None:
+        """The current topology once its version exceeds `after_version`; None on timeout or close.
+
+        An `after_version` beyond the current version can only come from an earlier coordinator
+        (versions restart with the process), so it is treated as 0: the caller gets the current one.
+        """
+        with self._cond:
+            if after_version > self._current.version:
+                after_version = 0
+            self._cond.wait_for(lambda: self._closed or self._current.version > after_version, timeout)
+            if self._closed or self._current.version <= after_version:
+                return None
+            return self._current
+
+    def close(self) -> None:
+        """Wake every waiter for good: used at shutdown so watch streams end at once."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        with self._cond:
+            return self._closed

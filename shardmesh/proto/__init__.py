@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC modules: `python protos/generate.py`."""
