@@ -108,6 +108,26 @@ class SingleRank:
         return x
 
 
+class UnboundGroup:
+    """The shape of a tensor-parallel group (rank, size) before its process group exists.
+
+    Lets a worker load its shard while its peers are still starting; `tp.bind_group` swaps in the
+    real group once formed, and again whenever a new topology forms new groups. Using it for an
+    actual collective is a bug, so it raises.
+    """
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        if self.size == 1:
+            return x
+        raise RuntimeError("tensor-parallel group not formed yet")
+
+    def all_gather(self, x: Tensor) -> Tensor:
+        return self.all_reduce(x)
+
+
 class GroupCollective:
     """Collectives over a c10d ProcessGroup object (Gloo or NCCL)."""
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from shardworker.config import ModelConfig
 from shardworker.model import Transformer
-from shardworker.parallel import Collective, ShardSpec, SingleRank
+from shardworker.parallel import Collective, ShardSpec, UnboundGroup
 from shardworker.tp import apply_tp, checkpoint_index
 from shardworker.weights import Checkpoint, TensorRead, read_tensors
 
@@ -48,13 +48,6 @@ def _meta_shard(
     return model, plan_reads(model, full_shapes, cfg)
 
 
-class _PlannedRank(SingleRank):
-    """Stands in for a tensor-parallel group when only shapes matter (planning, validation)."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = rank, size
-
-
 def check_shards(model_dir: str | Path, specs: list[ShardSpec], cfg: ModelConfig | None = None) -> Checkpoint:
     """Validate that every shard can be built from this checkpoint, reading headers only.
 
@@ -63,7 +56,7 @@ def check_shards(model_dir: str | Path, specs: list[ShardSpec], cfg: ModelConfig
     cfg = cfg or ModelConfig.from_dir(model_dir)
     ckpt = Checkpoint(model_dir)
     for spec in specs:
-        _, reads = _meta_shard(cfg, spec, _PlannedRank(spec.tp_rank, spec.tp_size), None)
+        _, reads = _meta_shard(cfg, spec, UnboundGroup(spec.tp_rank, spec.tp_size), None)
         ckpt.check(reads)
     return ckpt
 
@@ -83,7 +76,7 @@ def build_shard(
     cfg = cfg or ModelConfig.from_dir(model_dir)
     if spec.num_layers != cfg.num_layers:
         raise ValueError(f"shard spec says {spec.num_layers} layers but config.json has {cfg.num_layers}")
-    tp = tp or SingleRank()
+    tp = tp or UnboundGroup(spec.tp_rank, spec.tp_size)
     if tp.size != spec.tp_size or tp.rank != spec.tp_rank:
         raise ValueError(f"group is rank {tp.rank} of {tp.size} but the spec says {spec.tp_rank} of {spec.tp_size}")
     ckpt = Checkpoint(model_dir)

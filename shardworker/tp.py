@@ -192,6 +192,15 @@ def apply_tp(model: Transformer, group: Collective) -> Transformer:
     return model
 
 
+def bind_group(model: Transformer, group: Collective) -> None:
+    """Point every sharded module at `group`: the process group of a (new) topology, same shard."""
+    for module in model.modules():
+        if isinstance(module, (RowParallelLinear, VocabParallelEmbedding, VocabParallelHead)):
+            if (module.group.rank, module.group.size) != (group.rank, group.size):
+                raise ValueError(f"shard was built for tp rank {module.group.rank} of {module.group.size}")
+            module.group = group
+
+
 def checkpoint_index(model: nn.Module, param_name: str) -> Index | None:
     """The slice of the checkpoint tensor that `param_name` holds, or None for the whole tensor."""
     module_path, _, leaf = param_name.rpartition(".")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from shardworker.config import ModelConfig
-from shardworker.parallel import ShardSpec, shard_specs, split_layers
-from shardworker.shard import _PlannedRank, build_shard
+from shardworker.parallel import ShardSpec, UnboundGroup, shard_specs, split_layers
+from shardworker.shard import build_shard
 from shardworker.tp import HeadSplit, TensorParallelError, _vocab_range
 from tests.checkpoints import make_checkpoint
 
@@ -75,7 +75,7 @@ def test_vocab_ranges_partition_the_vocabulary() -> None:
 def test_tp_slices_reassemble_the_unsharded_weights(tmp_path: Path, tp: int) -> None:
     d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=2, num_attention_heads=4, num_key_value_heads=4)
     full = dict(build_shard(d, ShardSpec(0, 2, 2), progress=False).named_parameters())
-    parts = [dict(build_shard(d, ShardSpec(0, 2, 2, r, tp), _PlannedRank(r, tp), progress=False).named_parameters())
+    parts = [dict(build_shard(d, ShardSpec(0, 2, 2, r, tp), UnboundGroup(r, tp), progress=False).named_parameters())
              for r in range(tp)]  # fmt: skip
     for name, weight in full.items():
         pieces = [p[name] for p in parts]
