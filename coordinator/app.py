@@ -9,7 +9,6 @@ parser stays cheap; the service itself is imported when the command runs.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import socket
 import sys
@@ -17,20 +16,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from shardmesh.flags import env_flags
+
 ENV_PREFIX = "SHARDMESH_COORDINATOR_"
 DTYPES = ("float32", "bfloat16", "float16")
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    def flag(name: str, default: Any = None, **kw: Any) -> None:
-        """A flag whose default comes from its environment variable when set; argparse converts a
-        string default with the flag's `type`, so env values are parsed like command-line ones."""
-        env = ENV_PREFIX + name.lstrip("-").replace("-", "_").upper()
-        kw["help"] = f"{kw.get('help', '')} [env {env}]".strip()
-        value = os.environ.get(env, default)
-        p.add_argument(name, default=value, required=kw.pop("required", False) and value is None, **kw)
-
+    flag = env_flags(p, ENV_PREFIX)
     flag("--listen", "127.0.0.1:50051", help="host:port for the gRPC server; port 0 picks a free one")
     flag("--model", required=True, help="model directory (config.json is read here; workers load the weights)")
     flag("--pp", 1, type=int, help="pipeline stages (default 1)")

@@ -89,6 +89,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    from shardmesh import up
+
+    if args.pp < 1 or args.tp < 1:
+        raise UsageError("--pp and --tp must be >= 1")
+    model_dir = resolve_model(args.model)
+    demo = None
+    if args.demo is not None:
+
+        def demo(gateway: str) -> int:
+            from gateway.client import stream_to_terminal
+
+            return stream_to_terminal(gateway, args.demo, args.max_new_tokens)
+
+    return up.run(args, model_dir, demo)
+
+
 def cmd_model_pull(args: argparse.Namespace) -> int:
     from shardmesh import pull
 
@@ -134,6 +151,29 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator_app.add_arguments(c)
     c.set_defaults(func=coordinator_app.run)
     # --- end coordinator ---
+
+    from shardworker import server as worker_server
+
+    w = sub.add_parser("worker", help="run a stage worker: holds the shard the coordinator assigns it")
+    worker_server.add_arguments(w)
+    w.set_defaults(func=worker_server.run)
+
+    u = sub.add_parser("up", help="run the whole mesh locally: coordinator, P×T workers, gateway")
+    u.add_argument("--model", required=True, help="model directory or known model name")
+    u.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    u.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per stage (default 1)")
+    u.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    u.add_argument("--device", default="cpu", help="cpu or cuda")
+    u.add_argument("--listen", default=None, help="gateway host:port (default 127.0.0.1 and a free port)")
+    u.add_argument("--kv-slots", type=int, default=8, help="sequences in flight per shard (default 8)")
+    u.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
+    u.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step (default: --max-context)")
+    u.add_argument("--log-dir", default=None, help="where each service's JSON log goes (default: a new temp dir)")
+    u.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for SERVING (default 600)")
+    u.add_argument("--max-restarts", type=int, default=3, help="restarts of a worker that dies (default 3)")
+    u.add_argument("--demo", metavar="PROMPT", default=None, help="stream one answer to PROMPT, then stop")
+    u.add_argument("--max-new-tokens", type=int, default=128, help="length of the --demo answer (default 128)")
+    u.set_defaults(func=cmd_up)
     return p
 
 

@@ -13,6 +13,7 @@ neighbours forms its own point-to-point link and no extra broadcast is needed).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
@@ -155,6 +156,7 @@ class StageLink:
         self.peer = 1 if is_sender else 0
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.wait_s = 0.0  # time spent in recv: compute upstream plus the transfer itself
 
     def send(self, x: Tensor) -> None:
         x = x.contiguous()
@@ -163,7 +165,9 @@ class StageLink:
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
         x = torch.empty(shape, dtype=dtype, device=device)
+        t0 = time.perf_counter()
         self.pg.recv([x], self.peer, 0).wait()
+        self.wait_s += time.perf_counter() - t0
         self.bytes_received += x.numel() * x.element_size()
         return x
 

@@ -1,0 +1,153 @@
+"""`shardmesh up`: the whole mesh as local processes — coordinator, P × T stage workers, gateway.
+
+Each service runs as its own process with exactly the flags compose would give it, so what runs
+here is what runs in a deployment. `up` waits until the gateway reports SERVING (which it does only
+for a complete topology), prints the gateway address, and on Ctrl-C or SIGTERM stops everything in
+reverse order; every child also dies with `up` itself (PR_SET_PDEATHSIG), so none is ever orphaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from subprocess import Popen
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shardmesh import procs
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 right now (the OS picks it; nothing else binds loopback ports here)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, children: list[tuple[str, Popen]], timeout_s: float, log_dir: Path) -> None:
+    """Poll grpc.health.v1 until SERVING; fail at once, with the log tail, if any child exits."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            for name, p in children:
+                if p.poll() is not None:
+                    tail = procs.tail(log_dir / f"{name}.log")
+                    raise RuntimeError(f"{name} exited with code {p.returncode} during start-up:\n{tail}")
+            with contextlib.suppress(grpc.RpcError):  # not listening yet
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == SERVING:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f} s; logs in {log_dir}")
+            time.sleep(0.2)
+
+
+@dataclass
+class LocalMesh:
+    """The processes of one local mesh, in start order."""
+
+    log_dir: Path
+    gateway: str = ""  # host:port
+    coordinator: str = ""
+    children: list[tuple[str, Popen]] = field(default_factory=list)
+    _files: list = field(default_factory=list)
+
+    commands: dict[str, tuple[list[str], dict[str, str] | None]] = field(default_factory=dict)
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Popen:
+        f = (self.log_dir / f"{name}.log").open("ab")
+        self._files.append(f)
+        p = procs.spawn(["-m", "shardmesh.cli", *args], env=env, stderr=f, stdout=f)
+        self.commands[name] = (args, env)
+        self.children = [(n, c) for n, c in self.children if n != name] + [(name, p)]
+        return p
+
+    def respawn(self, name: str) -> Popen:
+        args, env = self.commands[name]
+        return self.spawn(name, args, env)
+
+    def stop(self) -> None:
+        # Gateway first (it stops taking requests), then workers, then the coordinator.
+        procs.stop_all([p for _, p in reversed(self.children)])
+        for f in self._files:
+            f.close()
+
+
+def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="shardmesh-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    mesh = LocalMesh(log_dir)
+    try:
+        coord_port = free_port()
+        mesh.coordinator = f"127.0.0.1:{coord_port}"
+        coord = ["coordinator", "--listen", mesh.coordinator, "--model", str(model_dir), "--pp", str(args.pp),
+                 "--tp", str(args.tp), "--dtype", args.dtype, "--kv-slots", str(args.kv_slots)]  # fmt: skip
+        if args.max_context:
+            coord += ["--max-context", str(args.max_context)]
+        if args.max_batch_tokens:
+            coord += ["--max-batch-tokens", str(args.max_batch_tokens)]
+        mesh.spawn("coordinator", coord)
+        wait_serving(mesh.coordinator, mesh.children, 60, log_dir)
+        world = args.pp * args.tp
+        env = {**os.environ, "OMP_NUM_THREADS": str(procs.threads_per_process(world))}
+        for rank in range(world):
+            mesh.spawn(f"worker{rank}", ["worker", "--coordinator", mesh.coordinator, "--worker-id", f"worker-{rank}",
+                                         "--device", args.device], env=env)  # fmt: skip
+        mesh.gateway = args.listen or f"127.0.0.1:{free_port()}"
+        mesh.spawn("gateway", ["gateway", "--listen", mesh.gateway, "--coordinator", mesh.coordinator])
+        wait_serving(mesh.gateway, mesh.children, args.start_timeout, log_dir)
+        return mesh
+    except BaseException:
+        mesh.stop()
+        raise
+
+
+def _supervise(mesh: LocalMesh, max_restarts: int) -> int:
+    """Restart a worker that dies (same id, so it takes its slot back); any other death ends the mesh."""
+    restarts: dict[str, int] = {}
+    while True:
+        time.sleep(0.5)
+        for name, p in list(mesh.children):
+            if p.poll() is None:
+                continue
+            if name.startswith("worker") and restarts.get(name, 0) < max_restarts:
+                restarts[name] = restarts.get(name, 0) + 1
+                print(f"{name} exited with code {p.returncode}; restarting it ({restarts[name]}/{max_restarts})",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                mesh.respawn(name)
+                continue
+            print(f"error: {name} exited with code {p.returncode}; logs in {mesh.log_dir}", file=sys.stderr)
+            return 1
+
+
+def run(args: argparse.Namespace, model_dir: Path, demo: object | None = None) -> int:
+    """Start the mesh, print where it listens, serve until a signal (or run `demo` and stop)."""
+    with procs.terminate_on_signals():
+        mesh = None
+        try:
+            t0 = time.monotonic()
+            print(f"starting coordinator, {args.pp * args.tp} stage workers (pp={args.pp}, tp={args.tp}) and gateway "
+                  f"for {model_dir} ...", file=sys.stderr, flush=True)  # fmt: skip
+            mesh = start_mesh(args, model_dir)
+            print(f"gateway listening on {mesh.gateway} (ready in {time.monotonic() - t0:.1f} s; "
+                  f"logs in {mesh.log_dir})", file=sys.stderr, flush=True)  # fmt: skip
+            print(mesh.gateway, flush=True)
+            if callable(demo):
+                return int(demo(mesh.gateway) or 0)
+            return _supervise(mesh, args.max_restarts)
+        except KeyboardInterrupt:
+            print("stopping the mesh ...", file=sys.stderr, flush=True)
+            return 0
+        finally:
+            if mesh is not None:
+                mesh.stop()

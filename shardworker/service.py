@@ -1,0 +1,269 @@
+"""A stage worker's state, independent of gRPC: which shard it holds, which groups it is in, its steps.
+
+Life cycle of one assignment (driven by topology versions from the coordinator):
+  PENDING ──(assigned a shard)──► LOADING ──(weights read, groups formed, KV cache reserved)──► READY
+A new rendezvous epoch (someone joined, restarted or left) re-forms the groups; the weights are
+kept when the shard is the same. A step that fails on a broken link leaves the worker PENDING until
+the coordinator publishes a new epoch; the gateway fails that step's requests and waits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from coordinator.topology import Rendezvous, ServingLimits, ShardState, Topology
+from shardworker.config import ModelConfig
+from shardworker.engine import StageEngine
+from shardworker.model import BatchLayout, Segment, Transformer
+from shardworker.parallel import Backend, ShardSpec, form_groups
+from shardworker.sampling import SamplingParams, sample
+from shardworker.shard import build_shard, parse_dtype
+from shardworker.tp import bind_group
+
+
+class StepRefused(Exception):
+    """A step the worker will not run; `kind` picks the gRPC status, the message names the field."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # "invalid" | "exhausted" | "not_ready" | "peer_lost"
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    request_id: str
+    slot: int
+    start_pos: int
+    num_tokens: int
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    skip_sampling: bool = False
+
+
+@dataclass(frozen=True)
+class Sampled:
+    request_id: str
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this worker sits in one topology."""
+
+    spec: ShardSpec
+    stage: int
+    num_stages: int
+    rendezvous: Rendezvous
+    limits: ServingLimits
+    model_path: str
+    dtype: str
+
+    @classmethod
+    def of(cls, topology: Topology, worker_id: str) -> Placement | None:
+        found = topology.find(worker_id)
+        if found is None or topology.rendezvous is None:
+            return None
+        stage, shard = found
+        spec = ShardSpec(stage.layer_start, stage.layer_end, topology.model.num_layers, shard.tp_rank, topology.tp)
+        return cls(spec, stage.index, topology.pp, topology.rendezvous, topology.limits, topology.model.path,
+                   topology.model.dtype)  # fmt: skip
+
+
+@dataclass
+class StepStats:
+    steps: int = 0
+    compute_s: float = 0.0
+    recv_wait_s: float = 0.0
+
+
+@dataclass
+class _Runtime:
+    """A loaded shard joined to one rendezvous epoch."""
+
+    placement: Placement
+    engine: StageEngine
+    groups_epoch: int
+    generators: dict[str, torch.Generator | None] = field(default_factory=dict)
+    slots: dict[int, str] = field(default_factory=dict)  # occupied KV slot -> request id
+
+
+class StageWorkerCore:
+    def __init__(self, worker_id: str, device: torch.device, logger: Any, group_timeout_s: float = 60.0) -> None:
+        self.worker_id = worker_id
+        self.device = device
+        self.log = logger
+        self.backend = Backend.for_device(device, timedelta(seconds=group_timeout_s))
+        self.state = ShardState.PENDING
+        self.applied_version = 0
+        self.detail = ""
+        self.stats = StepStats()
+        self._model: Transformer | None = None
+        self._loaded_spec: tuple[Any, ...] | None = None  # what _model was built for
+        self._runtime: _Runtime | None = None
+        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
+        self._lock = threading.Lock()  # one step at a time; topology changes wait for the step
+
+    # ---- topology ------------------------------------------------------------------------------------
+
+    def apply(self, topology: Topology) -> None:
+        """Act on a topology version: load and join when our placement changed, otherwise just note it."""
+        placement = Placement.of(topology, self.worker_id)
+        current = self._runtime
+        if placement is None:
+            if current is not None and topology.rendezvous is None:
+                self.log.info("placement_suspended", version=topology.version)
+            return
+        if current is not None and current.groups_epoch == placement.rendezvous.epoch:
+            return  # same placement, same groups: a state-only update
+        with self._lock:
+            self._runtime = None
+            self.state = ShardState.LOADING
+            try:
+                model = self._load(placement)
+                runtime = self._join(placement, model)
+            except Exception as e:
+                self.state, self.detail = ShardState.UNHEALTHY, f"{type(e).__name__}: {e}"
+                self.log.error("placement_failed", epoch=placement.rendezvous.epoch, error=self.detail)
+                return
+            self._runtime = runtime
+            self.state, self.detail = ShardState.READY, ""
+            self.applied_version = max(topology.version, placement.rendezvous.epoch)
+        spec = placement.spec
+        self.log.info("ready", epoch=placement.rendezvous.epoch, stage=placement.stage,
+                      layers=[spec.layer_start, spec.layer_end], tp_rank=spec.tp_rank)  # fmt: skip
+
+    def _load(self, p: Placement) -> Transformer:
+        m = self._model
+        if m is not None and self._loaded_spec == (p.spec, p.model_path, p.dtype, p.limits.max_context):
+            return m
+        self._model = None  # drop the old shard before reading the new one
+        cfg = ModelConfig.from_dir(p.model_path)
+        t0 = time.perf_counter()
+        m = build_shard(p.model_path, p.spec, dtype=parse_dtype(p.dtype), device=self.device,
+                        max_len=p.limits.max_context, cfg=cfg)  # fmt: skip
+        self.log.info("shard_loaded", seconds=round(time.perf_counter() - t0, 2), weights_bytes=_nbytes(m))
+        self._model, self._loaded_spec = m, (p.spec, p.model_path, p.dtype, p.limits.max_context)
+        return m
+
+    def _join(self, p: Placement, model: Transformer) -> _Runtime:
+        r = p.rendezvous
+        key = (r.host, r.port)
+        if key not in self._stores:
+            self._stores[key] = dist.TCPStore(r.host, r.port, None, False, timeout=self.backend.timeout)
+        groups = form_groups(self._stores[key], r.prefix, p.spec, p.stage, p.num_stages, self.backend)
+        bind_group(model, groups.tp)
+        dtype = next(model.parameters()).dtype
+        cache = model.make_cache(p.limits.kv_slots, dtype, self.device)
+        return _Runtime(p, StageEngine(model, groups, cache, self.device), r.epoch)
+
+    # ---- steps ---------------------------------------------------------------------------------------
+
+    def step(self, topology_version: int, entries: list[StepEntry]) -> tuple[list[Sampled], float, float]:
+        """Run one step; returns the sampled tokens (last stage only), compute and receive-wait seconds."""
+        with self._lock:
+            rt = self._runtime
+            if rt is None or self.state is not ShardState.READY:
+                raise StepRefused("not_ready", f"worker is {self.state.name.lower()}: {self.detail or 'no shard'}")
+            if topology_version < rt.groups_epoch:
+                raise StepRefused(
+                    "not_ready",
+                    f"topology_version {topology_version} predates this worker's placement (epoch {rt.groups_epoch})",
+                )
+            self._validate(rt, entries)
+            for e in entries:
+                if e.start_pos == 0 or e.request_id not in rt.generators:
+                    rt.generators[e.request_id] = e.sampling.generator()
+                rt.slots[e.slot] = e.request_id
+            batch = BatchLayout.build([Segment(e.slot, e.start_pos, e.num_tokens) for e in entries], self.device)
+            ids = torch.tensor([t for e in entries for t in e.token_ids]) if rt.engine.is_first else None
+            t0 = time.perf_counter()
+            recv_before = rt.engine.groups.prev.wait_s if rt.engine.groups.prev else 0.0
+            try:
+                logits = rt.engine.step(batch, ids)
+            except RuntimeError as e:  # a collective or link failed: a peer is gone
+                self._runtime, self.state = None, ShardState.PENDING
+                self.detail = f"process group broken: {e}"
+                self.log.error("peer_lost", error=str(e))
+                raise StepRefused("peer_lost", f"a peer of stage {rt.placement.stage} was lost: {e}") from None
+            elapsed = time.perf_counter() - t0
+            recv_wait = (rt.engine.groups.prev.wait_s if rt.engine.groups.prev else 0.0) - recv_before
+            self.stats.steps += 1
+            self.stats.compute_s += elapsed - recv_wait
+            self.stats.recv_wait_s += recv_wait
+            if logits is None:
+                return [], elapsed - recv_wait, recv_wait
+            keep = [i for i, e in enumerate(entries) if not e.skip_sampling]
+            params = [entries[i].sampling for i in keep]
+            gens = [rt.generators[entries[i].request_id] for i in keep]
+            ids_out, lps = sample(logits[keep], params, gens) if keep else ([], [])
+            sampled = [Sampled(entries[i].request_id, t, lp) for i, t, lp in zip(keep, ids_out, lps, strict=True)]
+            return sampled, elapsed - recv_wait, recv_wait
+
+    def _validate(self, rt: _Runtime, entries: list[StepEntry]) -> None:
+        limits, cfg = rt.placement.limits, rt.engine.model.cfg
+        if not entries:
+            raise StepRefused("invalid", "entries: a step needs at least one entry")
+        total = sum(e.num_tokens for e in entries)
+        if total > limits.max_batch_tokens:
+            raise StepRefused("exhausted", f"entries: {total} tokens exceed max_batch_tokens={limits.max_batch_tokens}")
+        seen: set[int] = set()
+        for i, e in enumerate(entries):
+            where = f"entries[{i}]"
+            if not 0 <= e.slot < limits.kv_slots:
+                raise StepRefused("exhausted", f"{where}.slot: {e.slot} outside [0, {limits.kv_slots})")
+            if e.slot in seen:
+                raise StepRefused("invalid", f"{where}.slot: {e.slot} used twice in one step")
+            seen.add(e.slot)
+            if e.num_tokens < 1:
+                raise StepRefused("invalid", f"{where}.num_tokens: must be >= 1")
+            if e.start_pos + e.num_tokens > limits.max_context:
+                raise StepRefused("exhausted", f"{where}.start_pos: {e.start_pos} + num_tokens {e.num_tokens} "
+                                               f"exceeds max_context={limits.max_context}")  # fmt: skip
+            if rt.engine.is_first:
+                if len(e.token_ids) != e.num_tokens:
+                    msg = f"{len(e.token_ids)} ids for num_tokens={e.num_tokens}"
+                    raise StepRefused("invalid", f"{where}.token_ids: {msg}")
+                bad = [t for t in e.token_ids if t >= cfg.vocab_size]
+                if bad:
+                    msg = f"{bad[:5]} outside the vocabulary [0, {cfg.vocab_size})"
+                    raise StepRefused("invalid", f"{where}.token_ids: {msg}")
+
+    def release(self, sequences: list[tuple[str, int]]) -> int:
+        with self._lock:
+            rt = self._runtime
+            if rt is None:
+                return 0
+            for request_id, slot in sequences:
+                rt.generators.pop(request_id, None)
+                if rt.slots.get(slot) == request_id:
+                    del rt.slots[slot]
+            return rt.placement.limits.kv_slots - len(rt.slots)
+
+    # ---- reporting -----------------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        rt = self._runtime
+        model = self._model
+        out: dict[str, Any] = {
+            "state": self.state, "applied_version": self.applied_version, "detail": self.detail,
+            "weights_bytes": _nbytes(model) if model is not None else 0, "kv_cache_bytes": 0,
+            "total_slots": 0, "free_slots": 0, "active_sequences": 0, "placement": None, "max_context": 0,
+        }  # fmt: skip
+        if rt is not None:
+            kv = rt.placement.limits.kv_slots
+            out.update(kv_cache_bytes=rt.engine.cache.nbytes, total_slots=kv, free_slots=kv - len(rt.slots),
+                       active_sequences=len(rt.slots), placement=rt.placement,
+                       max_context=rt.placement.limits.max_context)  # fmt: skip
+        return out
+
+
+def _nbytes(model: Transformer) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
