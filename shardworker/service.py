@@ -110,6 +110,9 @@ class StageWorkerCore:
         self._runtime: _Runtime | None = None
         self._stores: dict[tuple[str, int], dist.TCPStore] = {}
         self._lock = threading.Lock()  # one step at a time; topology changes wait for the step
+        # Epochs whose groups broke (a peer died). Their store keys still name the dead peer, so
+        # rejoining would only wait out a connect timeout: only a new epoch can heal the mesh.
+        self._broken_epochs: set[int] = set()
 
     # ---- topology ------------------------------------------------------------------------------------
 
@@ -123,6 +126,8 @@ class StageWorkerCore:
             return
         if current is not None and current.groups_epoch == placement.rendezvous.epoch:
             return  # same placement, same groups: a state-only update
+        if placement.rendezvous.epoch in self._broken_epochs:
+            return  # wait for the coordinator to start a new epoch
         with self._lock:
             self._runtime = None
             self.state = ShardState.LOADING
@@ -189,6 +194,7 @@ class StageWorkerCore:
             try:
                 logits = rt.engine.step(batch, ids)
             except RuntimeError as e:  # a collective or link failed: a peer is gone
+                self._broken_epochs.add(rt.groups_epoch)
                 self._runtime, self.state = None, ShardState.PENDING
                 self.detail = f"process group broken: {e}"
                 self.log.error("peer_lost", error=str(e))

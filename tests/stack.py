@@ -1,0 +1,77 @@
+"""Real service processes on 127.0.0.1 for tests, always cleaned up (each dies with the test process too)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from subprocess import Popen
+
+import grpc
+
+from coordinator.topology import Topology
+from shardmesh import procs
+from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
+from shardmesh.up import free_port, wait_serving
+
+
+class Stack:
+    """Start services one by one, as compose would; `close()` stops whatever is still running."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: dict[str, Popen] = {}
+        self.coordinator = ""
+        self._files: list = []
+
+    def spawn(self, name: str, *args: str, threads: int = 1) -> Popen:
+        f = (self.log_dir / f"{name}.log").open("ab")
+        self._files.append(f)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "SHARDMESH_LOG_LEVEL": "info"}
+        p = procs.spawn(["-m", "shardmesh.cli", *args], env=env, stdout=f, stderr=f)
+        self.procs[name] = p
+        return p
+
+    def start_coordinator(self, model: Path, pp: int, tp: int, *extra: str) -> str:
+        self.coordinator = f"127.0.0.1:{free_port()}"
+        self.spawn("coordinator", "coordinator", "--listen", self.coordinator, "--model", str(model), "--pp", str(pp),
+                   "--tp", str(tp), "--heartbeat-interval", "0.3", *extra)  # fmt: skip
+        wait_serving(self.coordinator, [("coordinator", self.procs["coordinator"])], 60, self.log_dir)
+        return self.coordinator
+
+    def start_worker(self, worker_id: str) -> Popen:
+        return self.spawn(worker_id, "worker", "--coordinator", self.coordinator, "--worker-id", worker_id,
+                          "--group-timeout", "20")  # fmt: skip
+
+    def topology(self) -> Topology:
+        with grpc.insecure_channel(self.coordinator) as ch:
+            pb = coordinator_pb2_grpc.CoordinatorStub(ch).GetTopology(coordinator_pb2.GetTopologyRequest(), timeout=5)
+        return Topology.from_pb(pb)
+
+    def wait_complete(self, timeout: float = 120, after_version: int = 0) -> Topology:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                if p.poll() is not None and not name.startswith("killed"):
+                    raise RuntimeError(f"{name} exited ({p.returncode}):\n{procs.tail(self.log_dir / f'{name}.log')}")
+            t = self.topology()
+            if t.complete and t.version > after_version:
+                return t
+            time.sleep(0.2)
+        raise TimeoutError(f"topology not complete after {timeout} s; logs in {self.log_dir}")
+
+    def kill(self, name: str) -> None:
+        p = self.procs.pop(name)
+        p.kill()
+        p.wait()
+        self.procs[f"killed-{name}-{p.pid}"] = p
+
+    def close(self) -> None:
+        procs.stop_all(list(self.procs.values()))
+        for f in self._files:
+            f.close()
+
+
+def worker_stubs(topology: Topology) -> list[worker_pb2_grpc.StageWorkerStub]:
+    """One stub per shard, in global rank order."""
+    return [worker_pb2_grpc.StageWorkerStub(grpc.insecure_channel(sh.address)) for _, sh in topology.shards()]
