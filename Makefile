@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The whole mesh on this machine: coordinator, 2 pipeline-stage workers and the gateway, each its own
+# process; the answer streams from the gateway, then everything stops.
 run: $(STAMP)
-	$(VENV)/bin/shardmesh generate --model smollm2-135m-instruct --pp 2 --max-new-tokens 96 "$(PROMPT)"
+	$(VENV)/bin/shardmesh up --model smollm2-135m-instruct --pp 2 --max-new-tokens 96 --demo "$(PROMPT)"
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q

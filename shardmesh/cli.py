@@ -62,13 +62,34 @@ def _prompt_ids(args: argparse.Namespace, model_dir: Path, vocab_size: int) -> t
     return ids, tokenizer
 
 
+def _generate_via_gateway(args: argparse.Namespace) -> int:
+    """`generate --gateway ADDR`: the same request and output, served by a running gateway."""
+    from gateway import client
+
+    token_ids = None
+    if args.token_ids is not None:
+        if args.prompt:
+            raise UsageError("give either a PROMPT or --token-ids, not both")
+        token_ids = _parse_token_ids(args.token_ids)
+    elif not args.prompt:
+        raise UsageError("a PROMPT or --token-ids is required")
+    return client.generate(args, token_ids)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.max_new_tokens <= 0:
+        raise UsageError(f"--max-new-tokens: must be > 0, got {args.max_new_tokens}")
+    if args.gateway:  # before the torch imports below: the client needs none of them
+        return _generate_via_gateway(args)
+
     from shardworker.config import ModelConfig
     from shardworker.offline import OfflineRequest, generate_local
     from shardworker.sampling import SamplingParams
 
-    if args.max_new_tokens <= 0:
-        raise UsageError(f"--max-new-tokens: must be > 0, got {args.max_new_tokens}")
+    if args.model is None:
+        raise UsageError("--model is required (or --gateway ADDR to use a running gateway)")
+    if args.stop:
+        raise UsageError("--stop: stop strings need --gateway")
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
     ids, tokenizer = _prompt_ids(args, model_dir, cfg.vocab_size)
@@ -99,9 +120,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.demo is not None:
 
         def demo(gateway: str) -> int:
-            from gateway.client import stream_to_terminal
+            from gateway import client
 
-            return stream_to_terminal(gateway, args.demo, args.max_new_tokens)
+            request = argparse.Namespace(gateway=gateway, prompt=args.demo, token_ids=None, raw=False, json=False,
+                                         max_new_tokens=args.max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                                         seed=None, stop=None, timeout=None)  # fmt: skip
+            print(f"> {args.demo}", flush=True)
+            return client.generate(request, None)
 
     return up.run(args, model_dir, demo)
 
@@ -118,9 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardmesh", description="A sharded LLM inference mesh over gRPC.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate from a model sharded over local processes")
+    g = sub.add_parser("generate", help="generate from a model sharded over local processes, or via a gateway")
     g.add_argument("prompt", nargs="?", help="user message (wrapped in the chat template when the model has one)")
-    g.add_argument("--model", required=True, help="model directory or known model name")
+    g.add_argument("--model", help="model directory or known model name (required without --gateway)")
     g.add_argument("--token-ids", help="comma-separated prompt token ids, instead of a PROMPT")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template to PROMPT")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
@@ -135,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--json", action="store_true", help="print one JSON object: token_ids, logprobs, text, finish_reason"
     )
+    # --gateway mode: the request goes to a running `shardmesh gateway` (see gateway/client.py).
+    g.add_argument("--gateway", metavar="ADDR", help="host:port of a running gateway to send the request to")
+    g.add_argument("--stop", action="append", help="stop string, repeatable (with --gateway)")
+    g.add_argument("--timeout", type=float, default=None, help="seconds to wait for the gateway (with --gateway)")
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("model", help="manage local models")
@@ -151,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator_app.add_arguments(c)
     c.set_defaults(func=coordinator_app.run)
     # --- end coordinator ---
+
+    # --- gateway: the client API over the mesh (flags and validation live in gateway/app.py) ---
+    from gateway import app as gateway_app
+
+    gw = sub.add_parser("gateway", help="run the gateway: client API, batching over the stage workers")
+    gateway_app.add_arguments(gw)
+    gw.set_defaults(func=gateway_app.run)
+    # --- end gateway ---
 
     from shardworker import server as worker_server
 
@@ -178,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shardmesh import procs
+
+    procs.die_with_parent_if_asked()
     args = build_parser().parse_args(argv)
     if args.command in ("generate",) and (args.pp < 1 or args.tp < 1):
         print("error: --pp and --tp must be >= 1", file=sys.stderr)

@@ -3,6 +3,10 @@
 Every process shardmesh starts for a local mesh asks the kernel to SIGTERM it when its parent dies
 (Linux `PR_SET_PDEATHSIG`), and the parent stops all of them on exit, SIGINT or SIGTERM: whatever
 happens to the launcher, no worker is left running.
+
+The child makes that request itself, first thing at start-up (`die_with_parent_if_asked`), rather
+than in a `preexec_fn`: a preexec hook forces a plain fork of a parent that may hold live gRPC
+channels, and gRPC's fork handlers can then crash the child before it ever execs.
 """
 
 from __future__ import annotations
@@ -21,9 +25,18 @@ from typing import IO
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+_PARENT_ENV = "SHARDMESH_DIE_WITH_PARENT"
+
+
+def die_with_parent_if_asked() -> None:
+    """In a child `spawn` started: be SIGTERMed when the parent dies; exit now if it already has."""
+    parent = os.environ.pop(_PARENT_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # the parent died before we asked: nobody will stop us
+        sys.exit(0)
 
 
 def spawn(
@@ -33,11 +46,12 @@ def spawn(
     stdout: int | IO | None = None,
     stderr: int | IO | None = None,
 ) -> subprocess.Popen:
-    """Start `python -m ...`-style children with the current interpreter, tied to this process."""
-    preexec = _die_with_parent if sys.platform.startswith("linux") else None
-    return subprocess.Popen(
-        [sys.executable, *args], env=env, stdout=stdout, stderr=stderr, preexec_fn=preexec, stdin=subprocess.DEVNULL
-    )
+    """Start `python -m ...`-style children with the current interpreter, tied to this process.
+
+    The child must call `die_with_parent_if_asked()` at start-up (shardmesh's entry points do).
+    """
+    env = {**(os.environ if env is None else env), _PARENT_ENV: str(os.getpid())}
+    return subprocess.Popen([sys.executable, *args], env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
 
 
 def stop_all(procs: Sequence[subprocess.Popen], grace: float = 5.0) -> None:

@@ -141,9 +141,9 @@ def run(args: argparse.Namespace, model_dir: Path, demo: object | None = None) -
             mesh = start_mesh(args, model_dir)
             print(f"gateway listening on {mesh.gateway} (ready in {time.monotonic() - t0:.1f} s; "
                   f"logs in {mesh.log_dir})", file=sys.stderr, flush=True)  # fmt: skip
-            print(mesh.gateway, flush=True)
             if callable(demo):
                 return int(demo(mesh.gateway) or 0)
+            print(mesh.gateway, flush=True)  # stdout carries just the address, for scripts
             return _supervise(mesh, args.max_restarts)
         except KeyboardInterrupt:
             print("stopping the mesh ...", file=sys.stderr, flush=True)

@@ -169,6 +169,7 @@ def _decode(
 
 
 if __name__ == "__main__":
+    procs.die_with_parent_if_asked()
     try:
         _rank_main(sys.argv[1:])
     except KeyboardInterrupt:

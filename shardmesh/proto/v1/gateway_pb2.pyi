@@ -108,8 +108,8 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
-    """Upper bound on generated tokens; 0 means the gateway's default. Prompt + completion must fit
-    the model context.
+    """Upper bound on generated tokens, > 0 (0 is INVALID_ARGUMENT; leave `params` unset altogether
+    for the gateway's default length). Prompt + completion must fit the model context.
     """
     temperature: _builtins.float
     """Softmax temperature; 0 means greedy (always the most likely token). Must be >= 0."""

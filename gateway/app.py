@@ -1,0 +1,103 @@
+"""`shardmesh gateway`: flags (each also settable as SHARDMESH_GATEWAY_<FLAG>), validation, run.
+
+Bad flags are reported as one line with exit code 2 before anything listens. This module imports
+only the standard library at import time, so building the `shardmesh` parser stays cheap; the
+service (grpc, tokenizers) is imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+ENV_PREFIX = "SHARDMESH_GATEWAY_"
+EXIT_USAGE = 2
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    def flag(name: str, default: Any = None, **kw: Any) -> None:
+        """A flag whose default comes from its environment variable when set; argparse converts a
+        string default with the flag's `type`, so env values are parsed like command-line ones."""
+        env = ENV_PREFIX + name.lstrip("-").replace("-", "_").upper()
+        kw["help"] = f"{kw.get('help', '')} [env {env}]".strip()
+        value = os.environ.get(env, default)
+        p.add_argument(name, default=value, required=kw.pop("required", False) and value is None, **kw)
+
+    flag("--listen", "127.0.0.1:50050", help="host:port for the gRPC server; port 0 picks a free one")
+    flag("--coordinator", required=True, help="host:port of the coordinator whose topology the gateway serves on")
+    flag("--max-queue", 256, type=int, help="waiting requests before RESOURCE_EXHAUSTED (default 256)")
+    flag("--max-message-bytes", 64 * 1024 * 1024, type=int,
+         help="gRPC max send/receive message size, on the server and the worker channels (default 64 MiB)")  # fmt: skip
+    flag("--default-max-new-tokens", 256, type=int,
+         help="length for requests that leave max_new_tokens at 0, capped to the context (default 256)")  # fmt: skip
+    flag("--step-timeout", 120.0, type=float, help="seconds a worker may take for one step before it is lost")
+    flag("--shutdown-grace", 5.0, type=float, help="seconds running requests get to finish on SIGTERM (default 5)")
+    flag("--model-dir", help="where to read the tokenizer (default: the model path in the coordinator's topology)")
+    flag("--log-level", help="debug, info, warning or error (default: $SHARDMESH_LOG_LEVEL or info)")
+
+
+class GatewayUsageError(Exception):
+    """A bad flag, found before anything listens; printed as one line, exit code 2."""
+
+
+def _check_address(flag: str, value: str, *, dial: bool = False) -> None:
+    """host:port; an address to dial (`dial`) needs a host and a real port, one to listen on may use 0."""
+    host, sep, port = value.rpartition(":")
+    lowest = 1 if dial else 0
+    if not sep or not port.isdigit() or not lowest <= int(port) <= 65535 or (dial and not host):
+        raise GatewayUsageError(f"{flag}: expected host:port (port {lowest}-65535), got {value!r}")
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    """Validate the flags; returns a `GatewayConfig`."""
+    from gateway.server import GatewayConfig
+
+    _check_address("--listen", args.listen)
+    _check_address("--coordinator", args.coordinator, dial=True)
+    checks = [
+        ("--max-queue", args.max_queue >= 1, ">= 1"),
+        ("--max-message-bytes", args.max_message_bytes >= 1024, ">= 1024"),
+        ("--default-max-new-tokens", args.default_max_new_tokens >= 1, ">= 1"),
+        ("--step-timeout", args.step_timeout > 0, "> 0 seconds"),
+        ("--shutdown-grace", args.shutdown_grace >= 0, ">= 0 seconds"),
+    ]
+    for name, ok, rule in checks:
+        if not ok:
+            raise GatewayUsageError(f"{name}: must be {rule}, got {getattr(args, name[2:].replace('-', '_'))}")
+    return GatewayConfig(
+        listen=args.listen, coordinator=args.coordinator, max_queue=args.max_queue,
+        max_message_bytes=args.max_message_bytes, default_max_new_tokens=args.default_max_new_tokens,
+        step_timeout=args.step_timeout, shutdown_grace=args.shutdown_grace, model_dir=args.model_dir,
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully (exit 0)."""
+    from gateway.server import GatewayServer
+    from shardmesh import log
+
+    try:
+        cfg = build_config(args)
+    except GatewayUsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    # The process identity goes on the logger itself, not only in the main thread's contextvars:
+    # gRPC handler threads and the scheduler thread start with an empty context.
+    logger = log.configure("gateway", level=args.log_level).bind(service="gateway", pid=os.getpid())
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    server = GatewayServer(cfg, logger)
+    try:
+        server.start()
+        while not stop.wait(1.0):
+            pass
+        logger.info("signal_received")
+    finally:
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

@@ -1,0 +1,451 @@
+"""Continuous batching over the mesh, in one thread: a waiting queue, a running set, KV slots.
+
+Each iteration, at a step boundary:
+  1. end what must end: requests whose client went away (CANCELLED), requests whose workers'
+     KV cache is gone (a new placement), and everything once the shutdown grace is over;
+  2. release the slots of every request that ended since the last step, on every shard, and wait
+     for the answers (a Release racing the next Step into the same slot could free the new
+     request's cache);
+  3. admit waiting requests while a slot is free: the gateway owns the slots, and a request keeps
+     the same slot on every shard until it is released;
+  4. build one step: a decode entry (1 token) per running request past its prompt, then prompt
+     entries in admission order (the whole prompt, or a chunk of what is left of the
+     max_batch_tokens budget; a chunk that is not the last one skips sampling);
+  5. send it to every shard, wait for all, and apply the sampled tokens: text deltas, stop
+     strings, end-of-sequence, length.
+
+Steps run strictly one after another. When a shard fails, every running request fails with
+UNAVAILABLE naming the worker, is released, and nothing is served until the coordinator publishes
+a newer complete topology. Waiting requests stay queued through that and are served afterwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import GatewayError, Internal, InvalidArgument, ResourceExhausted, Unavailable
+from gateway.mesh import MeshView, ShardFailure
+from gateway.requests import ModelContext, PreparedRequest
+from gateway.results import EndEvent, FinishReason, RequestHandle, Summary, Timings, TokenEvent
+from gateway.text import CompletionText
+from gateway.topology import MeshState
+from shardmesh.proto.v1 import worker_pb2
+
+IDLE_WAIT_S = 0.5  # longest sleep without a wake-up; bounds how late a shutdown deadline is noticed
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_queue: int = 256  # waiting (not yet admitted) requests; more is RESOURCE_EXHAUSTED
+    default_max_new_tokens: int = 256  # for requests with max_new_tokens == 0 (capped to the context)
+    step_timeout: float = 120.0  # seconds a shard may take for one step before it counts as lost
+    release_timeout: float = 5.0  # seconds to wait for Release answers
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """The scheduler's record of one request (owned by the scheduler thread once admitted)."""
+
+    req: PreparedRequest
+    handle: RequestHandle
+    key: str  # the request id the workers see; unique among requests in flight
+    text: CompletionText
+    slot: int = -1
+    view: MeshView | None = None  # the mesh holding its KV cache, once admitted
+    cached: int = 0  # tokens in the KV cache: prompt chunks, then each decoded input
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    first_step_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.req.prompt_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cached < self.prompt_len
+
+
+@dataclass(frozen=True)
+class _Planned:
+    seq: _Sequence
+    num_tokens: int
+    sample: bool
+
+
+class Scheduler:
+    """Owns request admission and the step loop. Thread-safe entry points: `submit`,
+    `serving_context`, `update_mesh`, `snapshot`, `shutdown` and `RequestHandle.cancel`."""
+
+    def __init__(self, cfg: SchedulerConfig, logger: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self._log = logger
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()  # orders readiness notifications; taken before _lock
+        self._wakeup = threading.Event()
+        # Shared with RPC threads, guarded by _lock:
+        self._mesh = MeshState()
+        self._waiting: deque[_Sequence] = deque()
+        self._keys: set[str] = set()
+        self._failed_seq = -1  # MeshState.seq at the last step failure
+        self._failure = ""
+        self._closing = False
+        self._deadline = 0.0
+        self._ready = False
+        self._ready_listeners: list[Callable[[bool], None]] = []
+        # Changed by the scheduler thread only, under _lock (submit reads how many slots are free):
+        self._free: list[int] = []
+        self._slots_for: tuple[Any, int] | None = None  # (placement, kv_slots) the free list was built for
+        # Owned by the scheduler thread:
+        self._running: list[_Sequence] = []
+        self._to_release: list[_Sequence] = []
+        self._step_id = 0
+        self._rotate = 0  # decode fairness when the running set exceeds the step budget
+        self._thread: threading.Thread | None = None
+
+    # -- entry points for the RPC side ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
+        self._thread.start()
+
+    def update_mesh(self, state: MeshState) -> None:
+        with self._lock:
+            self._mesh = state
+        self._wakeup.set()
+        self._publish_ready()
+
+    def add_ready_listener(self, callback: Callable[[bool], None]) -> None:
+        """`callback(ready)` now and on every change; the server drives health from it."""
+        with self._publish_lock:
+            with self._lock:
+                self._ready_listeners.append(callback)
+                ready = self._ready
+            callback(ready)
+
+    def snapshot(self) -> tuple[MeshState, bool]:
+        """The current mesh state and whether new requests are accepted."""
+        with self._lock:
+            return self._mesh, self._ready_locked()
+
+    def serving_context(self) -> ModelContext:
+        """The model as requests are validated against now; Unavailable when nothing can be served."""
+        with self._lock:
+            state, ready, reason = self._mesh, self._ready_locked(), self._not_ready_reason()
+        if not ready or state.view is None or state.model is None:
+            raise Unavailable(reason)
+        return ModelContext(
+            vocab_size=state.view.vocab_size, max_context=state.view.max_context, tokenizer=state.model.tokenizer,
+            eos_token_ids=state.model.eos_token_ids, default_max_new_tokens=self.cfg.default_max_new_tokens,
+        )  # fmt: skip
+
+    def submit(self, req: PreparedRequest) -> RequestHandle:
+        """Queue a request; its events arrive on the returned handle."""
+        with self._lock:
+            if not self._ready_locked():
+                raise Unavailable(self._not_ready_reason())
+            queued = self._queued_locked()
+            if queued >= self.cfg.max_queue:
+                raise ResourceExhausted(f"queue full: {queued} requests waiting for a KV slot (--max-queue)")
+            key, n = req.request_id, 1
+            while key in self._keys:  # the same client id twice in flight: workers key state by it
+                n += 1
+                key = f"{req.request_id}#{n}"
+            self._keys.add(key)
+            handle = RequestHandle(req.request_id, self._wakeup.set)
+            self._waiting.append(_Sequence(req, handle, key, CompletionText(req.tokenizer, req.stop)))
+        self._wakeup.set()
+        return handle
+
+    def shutdown(self, grace: float) -> None:
+        """Stop admitting, cancel waiting requests, let running ones finish for `grace` seconds,
+        then cancel and release them. Returns once the loop has exited (or gave up waiting)."""
+        with self._lock:
+            if not self._closing:
+                self._closing = True
+                self._deadline = self._clock() + grace
+        self._wakeup.set()
+        self._publish_ready()
+        if self._thread is not None:
+            self._thread.join(timeout=grace + self.cfg.release_timeout + 2.0)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- readiness --------------------------------------------------------------------------------
+
+    def _usable_locked(self) -> bool:
+        """A complete mesh that has not failed a step since it was published."""
+        return self._mesh.view is not None and self._mesh.seq > self._failed_seq
+
+    def _ready_locked(self) -> bool:
+        return not self._closing and self._usable_locked()
+
+    def _queued_locked(self) -> int:
+        """Requests still without a slot after the next step boundary: cancelled ones are dropped there,
+        cancelled running ones free their slots there, and free slots take waiting requests."""
+        waiting = sum(1 for s in self._waiting if not s.handle.cancelled)
+        return max(0, waiting - self._free_slots_locked())
+
+    def _free_slots_locked(self) -> int:
+        view = self._mesh.view
+        if view is None:
+            return 0
+        if self._slots_for != (view.placement, view.kv_slots):
+            return view.kv_slots  # a mesh the scheduler has not adopted yet: all its slots will be free
+        # tuple() copies the scheduler thread's list in one step under the GIL; only a count is needed.
+        return len(self._free) + sum(1 for s in tuple(self._running) if s.handle.cancelled)
+
+    def _not_ready_reason(self) -> str:
+        if self._closing:
+            return "gateway is shutting down"
+        if self._mesh.view is None:
+            return f"no ready topology: {self._mesh.reason}"
+        return f"no ready topology: {self._failure}; waiting for the coordinator to publish a complete one"
+
+    def _publish_ready(self) -> None:
+        """Tell listeners about a readiness change. Serialized, so that two threads noticing changes
+        at once (the watcher and the scheduler) cannot deliver them out of order."""
+        with self._publish_lock:
+            with self._lock:
+                ready = self._ready_locked()
+                if ready == self._ready:
+                    return
+                self._ready = ready
+                listeners = list(self._ready_listeners)
+                reason = "" if ready else self._not_ready_reason()
+            if ready:
+                self._log.info("mesh_ready")
+            else:
+                self._log.info("mesh_not_ready", reason=reason)
+            for callback in listeners:
+                callback(ready)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._iterate():
+                    return
+            except Exception:  # a bug must not leave RPCs waiting forever
+                self._log.exception("scheduler_error")
+                self._fail_everything(Internal("internal scheduler error (see gateway logs)"))
+                time.sleep(0.1)
+
+    def _iterate(self) -> bool:
+        """One step boundary and, when there is work and a mesh, one step. False: shut down."""
+        self._wakeup.clear()
+        with self._lock:
+            state, closing = self._mesh, self._closing
+            view = state.view if self._usable_locked() else None
+            expired = closing and self._clock() >= self._deadline
+            dropped = [s for s in self._waiting if s.handle.cancelled or closing]
+            if dropped:
+                self._waiting = deque(s for s in self._waiting if not (s.handle.cancelled or closing))
+            has_waiting = bool(self._waiting)
+        for s in dropped:  # never admitted: no slot to release
+            self._end_cancelled(s, by="client" if s.handle.cancelled else "shutdown")
+        for s in [s for s in self._running if s.handle.cancelled or expired]:
+            self._end_cancelled(s, by="client" if s.handle.cancelled else "shutdown")
+        held_by = self._running[0].view if self._running else None
+        if view is not None and held_by is not None and held_by.placement != view.placement:
+            error = Unavailable(f"topology changed to v{view.version} with other workers: "
+                                "the KV cache of running requests is gone")  # fmt: skip
+            for s in list(self._running):
+                self._end_failed(s, error)
+        self._release_ended()
+        if closing and not self._running and not has_waiting:
+            return False
+        if view is None or not (self._running or has_waiting):
+            timeout = IDLE_WAIT_S if not closing else max(0.0, min(IDLE_WAIT_S, self._deadline - self._clock()))
+            self._wakeup.wait(timeout)
+            return True
+        self._admit(view)
+        planned = self._plan(view)
+        if planned:
+            self._step(view, planned, state.seq)
+        return True
+
+    # -- admission and planning -------------------------------------------------------------------
+
+    def _admit(self, view: MeshView) -> None:
+        if self._slots_for != (view.placement, view.kv_slots) and not self._running:
+            with self._lock:
+                self._free = list(range(view.kv_slots))
+                self._slots_for = (view.placement, view.kv_slots)
+        while True:
+            with self._lock:
+                if not self._free or not self._waiting:
+                    return
+                s = self._waiting.popleft()
+                slot = self._free.pop(0)
+            if s.req.max_total_tokens > view.max_context:  # the limits changed while it waited
+                with self._lock:
+                    self._free.insert(0, slot)
+                limit = f"prompt + max_new_tokens ({s.req.max_total_tokens}) exceeds the context of {view.max_context}"
+                self._end_failed(s, InvalidArgument("params.max_new_tokens", limit))
+                continue
+            s.slot, s.view = slot, view
+            self._running.append(s)
+
+    def _plan(self, view: MeshView) -> list[_Planned]:
+        budget = view.max_batch_tokens
+        planned: list[_Planned] = []
+        decoding = [s for s in self._running if not s.prefilling]
+        if len(decoding) > budget:  # more sequences than tokens per step: take turns
+            k = self._rotate % len(decoding)
+            decoding = decoding[k:] + decoding[:k]
+            self._rotate += budget
+        for s in decoding[:budget]:
+            planned.append(_Planned(s, 1, True))
+        budget -= len(planned)
+        for s in self._running:
+            if budget <= 0:
+                break
+            if s.prefilling:
+                n = min(s.prompt_len - s.cached, budget)
+                planned.append(_Planned(s, n, s.cached + n == s.prompt_len))
+                budget -= n
+        return planned
+
+    def _entry(self, p: _Planned) -> worker_pb2.BatchEntry:
+        s = p.seq
+        ids = s.req.prompt_ids[s.cached : s.cached + p.num_tokens] if s.prefilling else (s.tokens[-1],)
+        sampling = worker_pb2.TokenSampling(temperature=s.req.sampling.temperature, top_p=s.req.sampling.top_p,
+                                            top_k=s.req.sampling.top_k, seed=s.req.sampling.seed)  # fmt: skip
+        return worker_pb2.BatchEntry(request_id=s.key, slot=s.slot, start_pos=s.cached, num_tokens=p.num_tokens,
+                                     token_ids=ids, sampling=sampling, skip_sampling=not p.sample)  # fmt: skip
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def _step(self, view: MeshView, planned: list[_Planned], seq: int) -> None:
+        self._step_id += 1
+        started = self._clock()
+        for p in planned:
+            if p.seq.first_step_at is None:
+                p.seq.first_step_at = started
+        request = worker_pb2.StepRequest(step_id=self._step_id, topology_version=view.version,
+                                         entries=[self._entry(p) for p in planned])  # fmt: skip
+        try:
+            response = view.step(request, self.cfg.step_timeout)
+            sampled = [p for p in planned if p.sample]
+            if len(response.tokens) != len(sampled):
+                raise ShardFailure(view.sampler, ValueError(
+                    f"answered {len(response.tokens)} tokens for {len(sampled)} sampled entries"))  # fmt: skip
+        except ShardFailure as e:
+            self._on_step_failure(e, seq)
+            return
+        now = self._clock()
+        self._log.debug("step", step_id=self._step_id, entries=len(planned), tokens=sum(p.num_tokens for p in planned),
+                        ms=round((now - started) * 1000, 3))  # fmt: skip
+        for p in planned:
+            p.seq.cached += p.num_tokens
+        for p, token in zip(sampled, response.tokens, strict=True):
+            self._on_token(p.seq, token.token_id, token.logprob, now)
+
+    def _on_step_failure(self, e: ShardFailure, seq: int) -> None:
+        with self._lock:
+            self._failed_seq = max(self._failed_seq, seq)
+            self._failure = str(e)
+        self._log.error("step_failed", step_id=self._step_id, error=str(e), worker=e.shard.address,
+                        stage=e.shard.stage, tp_rank=e.shard.tp_rank,
+                        request_ids=[s.req.request_id for s in self._running])  # fmt: skip
+        self._publish_ready()
+        error = Unavailable(str(e))
+        for s in list(self._running):  # every running request's cache lives on the broken mesh
+            self._end_failed(s, error)
+
+    def _on_token(self, s: _Sequence, token_id: int, logprob: float, now: float) -> None:
+        s.tokens.append(int(token_id))
+        s.logprobs.append(float(logprob))
+        s.token_times.append(now)
+        delta = s.text.add(token_id)
+        if s.text.stopped or token_id in s.req.eos_token_ids:
+            reason: FinishReason | None = FinishReason.STOP
+        elif len(s.tokens) >= s.req.max_new_tokens:
+            reason = FinishReason.LENGTH
+        else:
+            reason = None
+        summary = None
+        if reason is not None:
+            delta += s.text.finish()
+            summary = self._summary(s, reason, now)
+            self._finish(s, summary)
+        s.handle.events.put(TokenEvent(len(s.tokens) - 1, int(token_id), float(logprob), delta, summary))
+
+    # -- endings ----------------------------------------------------------------------------------
+
+    def _summary(self, s: _Sequence, reason: FinishReason, now: float) -> Summary:
+        arrival = s.req.arrival
+        times = s.token_times
+        timings = Timings(
+            queue_ms=((s.first_step_at if s.first_step_at is not None else now) - arrival) * 1000,
+            time_to_first_token_ms=(times[0] - arrival) * 1000 if times else 0.0,
+            inter_token_ms=tuple((b - a) * 1000 for a, b in itertools.pairwise(times)),
+            total_ms=((times[-1] if times else now) - arrival) * 1000,
+        )
+        return Summary(reason, s.prompt_len, len(s.tokens), timings)
+
+    def _finish(self, s: _Sequence, summary: Summary) -> None:
+        """Take `s` out of the running set; its slot is released at the next step boundary."""
+        if s in self._running:
+            self._running.remove(s)
+            self._to_release.append(s)
+        with self._lock:
+            self._keys.discard(s.key)
+        t = summary.timings
+        self._log.info("request_finished", request_id=s.req.request_id, finish_reason=summary.finish_reason.value,
+                       prompt_tokens=summary.prompt_tokens, completion_tokens=summary.completion_tokens,
+                       queue_ms=round(t.queue_ms, 3), time_to_first_token_ms=round(t.time_to_first_token_ms, 3),
+                       total_ms=round(t.total_ms, 3))  # fmt: skip
+
+    def _end_cancelled(self, s: _Sequence, by: str) -> None:
+        delta = s.text.finish()
+        summary = self._summary(s, FinishReason.CANCELLED, self._clock())
+        self._log.info("request_cancelled", request_id=s.req.request_id, by=by, completion_tokens=len(s.tokens))
+        self._finish(s, summary)
+        s.handle.events.put(EndEvent(summary=summary, text_delta=delta))
+
+    def _end_failed(self, s: _Sequence, error: GatewayError) -> None:
+        if s in self._running:
+            self._running.remove(s)
+            self._to_release.append(s)
+        with self._lock:
+            self._keys.discard(s.key)
+        s.handle.events.put(EndEvent(error=error))
+
+    def _release_ended(self) -> None:
+        """Release every ended request's slot on the mesh that holds it, then free the slots."""
+        ended, self._to_release = self._to_release, []
+        by_view: dict[int, tuple[MeshView, list[_Sequence]]] = {}
+        for s in ended:
+            if s.view is not None:
+                by_view.setdefault(id(s.view), (s.view, []))[1].append(s)
+        for view, group in by_view.values():
+            sequences = [worker_pb2.ReleasedSequence(request_id=s.key, slot=s.slot) for s in group]
+            for failure in view.release(sequences, self.cfg.release_timeout):
+                self._log.warning("release_failed", error=str(failure), request_ids=[s.req.request_id for s in group])
+        with self._lock:
+            current = self._slots_for
+            for s in ended:
+                if s.view is not None and current == (s.view.placement, s.view.kv_slots):
+                    self._free.append(s.slot)
+            self._free.sort()
+
+    def _fail_everything(self, error: GatewayError) -> None:
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), deque()
+        for s in [*waiting, *self._running]:
+            self._end_failed(s, error)
+        with self._lock:
+            self._free, self._slots_for = [], None  # rebuilt from kv_slots at the next admission

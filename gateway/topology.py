@@ -1,0 +1,217 @@
+"""The gateway's view of the mesh: a thread that watches the coordinator's topologies.
+
+Why a watch and not a lookup per request: the scheduler must know at every step which workers
+form the mesh and whether it is complete, and it must notice a repaired mesh after a failure
+without polling. The watcher keeps the latest topology and, when it is complete, a `MeshView` with
+a stub per shard; every change is published as an immutable `MeshState` to subscribers (the
+scheduler). A coordinator that goes away does not take the mesh down with it: the last topology
+stays in force while the watcher reconnects with backoff.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+
+from coordinator.topology import ShardState, Topology
+from gateway.mesh import MeshView, ShardClient
+from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The gateway's own reading of the model directory: tokenizer and end-of-sequence ids."""
+
+    path: str
+    tokenizer: Any | None  # shardmesh.tokenizer.Tokenizer
+    eos_token_ids: frozenset[int]
+    problem: str = ""  # why the tokenizer or eos ids are missing, for logs
+
+    @classmethod
+    def load(cls, path: str) -> ModelFiles:
+        """Never raises: a gateway without a tokenizer still serves token ids (and says so in logs)."""
+        from shardmesh.tokenizer import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_dir(path)
+        except (ValueError, OSError) as e:
+            return cls(path, None, _config_eos_ids(path), f"tokenizer not loaded: {e}")
+        if tokenizer is None:
+            problem = "" if Path(path).is_dir() else f"model directory {path} is not readable here"
+            return cls(path, None, _config_eos_ids(path), problem or "no tokenizer.json: token ids only")
+        return cls(path, tokenizer, frozenset(tokenizer.eos_token_ids))
+
+
+def _config_eos_ids(path: str) -> frozenset[int]:
+    from shardworker.config import ModelConfig
+
+    try:
+        return frozenset(ModelConfig.from_dir(path).eos_token_ids)
+    except (ValueError, OSError):
+        return frozenset()
+
+
+@dataclass(frozen=True)
+class MeshState:
+    """One published state. `seq` counts topologies received by this gateway (coordinator versions
+    restart with the coordinator, so they cannot order what the gateway saw)."""
+
+    seq: int = 0
+    topology: Topology | None = None
+    view: MeshView | None = None  # set only while `topology` is complete
+    model: ModelFiles | None = None
+    reason: str = "waiting for the first topology from the coordinator"  # why `view` is None
+
+    @property
+    def ready(self) -> bool:
+        return self.view is not None
+
+
+class MeshSource(Protocol):
+    """What the gateway server needs from a topology source (the watcher, or a test double)."""
+
+    def subscribe(self, callback: Callable[[MeshState], None]) -> None: ...
+    def state(self) -> MeshState: ...
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+
+
+def incompleteness(topology: Topology) -> str:
+    """Why `topology` cannot serve, for the client-facing UNAVAILABLE message."""
+    bad = [f"stage {st.index} tp rank {sh.tp_rank} {'vacant' if sh.vacant else sh.state.name}"
+           for st, sh in topology.shards() if sh.vacant or sh.state is not ShardState.READY]  # fmt: skip
+    detail = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+    return f"topology v{topology.version} is not complete" + (f" ({detail})" if detail else "")
+
+
+class TopologyWatcher:
+    """Follows `WatchTopology` on a thread and publishes a `MeshState` for every new topology."""
+
+    def __init__(
+        self, coordinator: str, *, logger: Any, max_message_bytes: int = 64 * 1024 * 1024,
+        model_dir: str | None = None, backoff: tuple[float, float] = (0.1, 2.0),
+    ) -> None:  # fmt: skip
+        self.coordinator = coordinator
+        self._log = logger
+        self._options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        self._model_dir = model_dir  # overrides the topology's model path (a gateway on another host)
+        self._backoff = backoff
+        self._lock = threading.Lock()
+        self._state = MeshState(reason=f"waiting for the first topology from the coordinator at {coordinator}")
+        self._subscribers: list[Callable[[MeshState], None]] = []
+        self._channels: dict[str, grpc.Channel] = {}  # worker address -> channel, reused across versions
+        self._stopping = threading.Event()
+        self._call: Any = None
+        self._thread: threading.Thread | None = None
+
+    def subscribe(self, callback: Callable[[MeshState], None]) -> None:
+        with self._lock:
+            self._subscribers.append(callback)
+            state = self._state
+        callback(state)
+
+    def state(self) -> MeshState:
+        with self._lock:
+            return self._state
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="topology-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        for channel in self._channels.values():
+            channel.close()
+
+    # -- the watch loop ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = self._backoff[0]
+        last_problem = ""
+        with grpc.insecure_channel(self.coordinator, options=self._options) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            while not self._stopping.is_set():
+                # after_version 0: the first message is always the current topology, which also
+                # covers a restarted coordinator whose versions began again from 1.
+                self._call = stub.WatchTopology(coordinator_pb2.WatchTopologyRequest(after_version=0))
+                if self._stopping.is_set():  # stop() ran between the loop test and the call: end it here
+                    self._call.cancel()
+                try:
+                    for pb in self._call:
+                        delay, last_problem = self._backoff[0], ""
+                        self._apply(Topology.from_pb(pb))
+                    problem = "watch stream ended (coordinator shutting down?)"
+                except grpc.RpcError as e:
+                    problem = f"{e.code().name}: {e.details()}"
+                except ValueError as e:  # a topology we cannot parse: keep the last good one
+                    problem = f"bad topology from the coordinator: {e}"
+                if self._stopping.is_set():
+                    break
+                if problem != last_problem:
+                    self._log.warning("coordinator_watch_lost", coordinator=self.coordinator, error=problem,
+                                      retry_s=delay)  # fmt: skip
+                    last_problem = problem
+                self._stopping.wait(delay)
+                delay = min(delay * 2, self._backoff[1])
+
+    def _apply(self, topology: Topology) -> None:
+        with self._lock:
+            current = self._state
+        if current.topology == topology:
+            return  # the same version again, after a reconnect
+        model = current.model
+        path = self._model_dir or topology.model.path
+        if model is None or model.path != path:
+            model = ModelFiles.load(path)
+            if model.problem:
+                self._log.warning("model_files_incomplete", path=path, problem=model.problem)
+        view, reason = self._view(topology)
+        state = MeshState(current.seq + 1, topology, view, model, reason)
+        self._log.info("topology", version=topology.version, complete=topology.complete, ready=view is not None,
+                       pp=topology.pp, tp=topology.tp, reason=reason or None)  # fmt: skip
+        with self._lock:
+            self._state = state
+            subscribers = list(self._subscribers)
+        for callback in subscribers:
+            callback(state)
+
+    def _view(self, topology: Topology) -> tuple[MeshView | None, str]:
+        if not topology.complete or topology.rendezvous is None:
+            return None, incompleteness(topology)
+        shards: list[ShardClient] = []
+        for stage, shard in topology.shards():
+            if not shard.address:
+                return None, incompleteness(topology)
+            shards.append(ShardClient(stage.index, shard.tp_rank, shard.address, shard.worker_id,
+                                      worker_pb2_grpc.StageWorkerStub(self._channel(shard.address))))  # fmt: skip
+        if len(shards) != topology.pp * topology.tp or topology.pp < 1:
+            return None, f"topology v{topology.version} has {len(shards)} shards for pp={topology.pp} tp={topology.tp}"
+        limits = topology.limits
+        rdv = topology.rendezvous
+        placement = (rdv.host, rdv.port, rdv.prefix, tuple((s.address, s.worker_id) for s in shards))
+        return MeshView(
+            version=topology.version, placement=placement, pp=topology.pp, tp=topology.tp,
+            kv_slots=limits.kv_slots, max_context=limits.max_context,
+            max_batch_tokens=limits.max_batch_tokens or limits.max_context, vocab_size=topology.model.vocab_size,
+            shards=tuple(shards),
+        ), ""  # fmt: skip
+
+    def _channel(self, address: str) -> grpc.Channel:
+        """Channels are kept for the watcher's life: a worker that comes back at the same address
+        reuses its channel, and a view the scheduler still steps on is never closed under it."""
+        if address not in self._channels:
+            self._channels[address] = grpc.insecure_channel(address, options=self._options)
+        return self._channels[address]
