@@ -66,7 +66,7 @@ def _listen_host(listen: str) -> str:
 def build_config(args: argparse.Namespace) -> Any:
     """Validate every flag against each other and the model; returns a `CoordinatorConfig`."""
     from coordinator.server import CoordinatorConfig
-    from coordinator.topology import ModelSpec, ServingLimits
+    from shardmesh.topology import ModelSpec, ServingLimits
     from shardworker.config import ModelConfig
     from shardworker.parallel import shard_specs
     from shardworker.tp import HeadSplit, TensorParallelError

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from coordinator import placement
-from coordinator.topology import ModelSpec, ServingLimits, ShardState, Topology, TopologyStore
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2
+from shardmesh.topology import ModelSpec, ServingLimits, ShardState, Topology, TopologyStore
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9._/-]{1,63}")

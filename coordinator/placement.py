@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from coordinator.topology import ModelSpec, Rendezvous, ServingLimits, ShardAssignment, ShardState, Stage, Topology
+from shardmesh.topology import ModelSpec, Rendezvous, ServingLimits, ShardAssignment, ShardState, Stage, Topology
 from shardworker.parallel import split_layers
 
 Slots = tuple[str | None, ...]  # global rank -> id of the worker holding it, None when vacant

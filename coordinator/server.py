@@ -30,8 +30,8 @@ from coordinator.membership import (
     UnknownWorker,
     check_worker_id,
 )
-from coordinator.topology import ModelSpec, ServingLimits
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
+from shardmesh.topology import ModelSpec, ServingLimits
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name  # "shardmesh.v1.Coordinator"
 WATCH_POLL_S = 0.5  # how often an idle watch stream checks that its client is still there

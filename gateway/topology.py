@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 import grpc
 
-from coordinator.topology import ShardState, Topology
 from gateway.mesh import MeshView, ShardClient
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
+from shardmesh.topology import ShardState, Topology
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from coordinator.topology import ShardState, Topology, dtype_to_pb
 from shardmesh import log
 from shardmesh.flags import env_flags
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
+from shardmesh.topology import ShardState, Topology, dtype_to_pb
 from shardworker.sampling import SamplingParams
 from shardworker.service import StageWorkerCore, StepEntry, StepRefused
 

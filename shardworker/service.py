@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from coordinator.topology import Rendezvous, ServingLimits, ShardState, Topology
+from shardmesh.topology import Rendezvous, ServingLimits, ShardState, Topology
 from shardworker.config import ModelConfig
 from shardworker.engine import StageEngine
 from shardworker.model import BatchLayout, Segment, Transformer

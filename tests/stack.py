@@ -9,9 +9,9 @@ from subprocess import Popen
 
 import grpc
 
-from coordinator.topology import Topology
 from shardmesh import procs
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
+from shardmesh.topology import Topology
 from shardmesh.up import free_port, wait_serving
 
 

@@ -32,9 +32,9 @@ from coordinator.membership import (
 )
 from coordinator.placement import WorkerView
 from coordinator.server import SERVICE_NAME
-from coordinator.topology import ModelSpec, Rendezvous, ServingLimits, ShardState, Topology, TopologyStore
 from shardmesh import cli
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from shardmesh.topology import ModelSpec, Rendezvous, ServingLimits, ShardState, Topology, TopologyStore
 
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4,

@@ -22,7 +22,6 @@ import pytest
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.topology import ModelSpec, Rendezvous, ServingLimits, ShardAssignment, ShardState, Stage, Topology
 from gateway.errors import InvalidArgument, ResourceExhausted, Unavailable
 from gateway.mesh import MeshView, ShardClient
 from gateway.requests import GenerateCall, ModelContext, PreparedRequest, Sampling, prepare
@@ -32,6 +31,7 @@ from gateway.server import SERVICE_NAME, GatewayConfig, GatewayServer
 from gateway.text import CompletionText
 from gateway.topology import MeshState, ModelFiles
 from shardmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
+from shardmesh.topology import ModelSpec, Rendezvous, ServingLimits, ShardAssignment, ShardState, Stage, Topology
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -24,7 +24,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.topology import Topology, TopologyStore
 from gateway.server import SERVICE_NAME, GatewayConfig, GatewayServer
 from gateway.topology import ModelFiles
 from shardmesh import cli
@@ -35,6 +34,7 @@ from shardmesh.proto.v1 import (
     gateway_pb2_grpc,
     worker_pb2_grpc,
 )
+from shardmesh.topology import Topology, TopologyStore
 from tests.test_gateway import WAIT_S, FakeMesh, FakeRpcError, FakeShard, LogLines, ids_of, write_tokenizer
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
