@@ -10,7 +10,7 @@ from torch import nn
 from shardworker.config import ModelConfig
 from shardworker.model import Transformer
 from shardworker.parallel import Collective, ShardSpec, UnboundGroup
-from shardworker.tp import apply_tp, checkpoint_index
+from shardworker.tp import VocabParallelEmbedding, apply_tp, checkpoint_index
 from shardworker.weights import Checkpoint, TensorRead, read_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,6 +61,22 @@ def check_shards(model_dir: str | Path, specs: list[ShardSpec], cfg: ModelConfig
     return ckpt
 
 
+def _input_major(model: nn.Module) -> None:
+    """Re-store every matrix that `F.linear` multiplies as the transpose of an (in, out) array.
+
+    Same shape, same name, same values: only the memory order changes. `F.linear(x, W)` computes
+    `x @ W.t()`, and with this layout `W.t()` is contiguous, which on CPUs is the faster GEMM for the
+    few rows of a decode step (SmolLM2, all weights, one token: 41 -> 28 ms, see bench/). The
+    embedding keeps its row-major layout: lookups read whole rows.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) or getattr(module, "weight", None) is None:
+            continue
+        w = module.weight
+        if w.dim() == 2 and not isinstance(module, VocabParallelEmbedding):
+            module.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=False)
+
+
 def build_shard(
     model_dir: str | Path,
     spec: ShardSpec,
@@ -85,5 +101,7 @@ def build_shard(
     model.load_state_dict(tensors, strict=True, assign=True)
     for p in model.parameters():
         p.requires_grad_(False)
+    if torch.device(device).type == "cpu":
+        _input_major(model)
     model.init_buffers(device)
     return model.eval()

@@ -1,0 +1,200 @@
+"""One command, one results table: shardmesh against `transformers` on the same model, prompts and machine.
+
+    .venv/bin/python bench/run.py [--model smollm2-135m-instruct] [--layouts 1x1,2x1,1x2,2x2] [--streams 1,4,16]
+
+Writes bench/results/<host>-<date>.{md,json} and prints the markdown. Every number is measured in
+this run: the baseline (`transformers` fp32 `generate`, greedy, same prompt and lengths) is measured
+first, then the mesh (`shardmesh up` for each pp×tp layout, requests through the gateway, greedy).
+
+- single stream: decode tokens/s = completion tokens / (total - time to first token), TTFT as the
+  gateway reports it (queue wait + prefill + first step), and client-side totals.
+- aggregate: N concurrent streams, total completion tokens / wall time of the slowest.
+- stage boundary: per-token latency of pp=2 minus pp=1 (both tp=1), i.e. what one extra hop costs.
+- memory: peak RSS of every worker process (psutil), next to the planner-free raw weights size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())  # fmt: skip
+    return {
+        "host": socket.gethostname(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
+        "torch": torch.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }  # fmt: skip
+
+
+def baseline_transformers(model_dir: Path, prompt_ids: list[int], new_tokens: int) -> dict:
+    """`transformers` greedy generate, fp32, all cores: TTFT from a 1-token run, decode from the rest."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+    kw = {"do_sample": False, "pad_token_id": 0}
+    with torch.inference_mode():
+        ref.generate(ids, max_new_tokens=4, **kw)  # warm-up
+        t0 = time.perf_counter()
+        ref.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = ref.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        total = time.perf_counter() - t0
+    n = out.shape[1] - ids.shape[1]
+    return {
+        "ttft_ms": ttft * 1e3,
+        "decode_tok_s": (n - 1) / (total - ttft),
+        "ms_per_token": (total - ttft) / (n - 1) * 1e3,
+    }
+
+
+class Mesh:
+    def __init__(self, model_dir: Path, pp: int, tp: int, slots: int, log_dir: Path) -> None:
+        args = [sys.executable, "-m", "shardmesh.cli", "up", "--model", str(model_dir), "--pp", str(pp),
+                "--tp", str(tp), "--kv-slots", str(slots), "--max-context", "1024", "--log-dir", str(log_dir)]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.address = self.proc.stdout.readline().decode().strip()
+        if not self.address:
+            raise RuntimeError(f"shardmesh up failed; logs in {log_dir}")
+
+    def worker_peak_rss(self) -> list[int]:
+        out = []
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            if "worker" in " ".join(p.cmdline()):
+                status = Path(f"/proc/{p.pid}/status").read_text()
+                out.append(next(int(x.split()[1]) * 1024 for x in status.splitlines() if x.startswith("VmHWM")))
+        return out
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def run_streams(address: str, prompt_ids: list[int], new_tokens: int, n: int) -> dict:
+    import grpc
+
+    from shardmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
+
+    stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
+    params = gateway_pb2.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, stop=[])
+    req = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt_ids), params=params)
+    results: list = []
+
+    def one() -> None:
+        results.append(stub.Generate(req, timeout=600))
+
+    stub.Generate(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt_ids[:8]),
+                                              params=gateway_pb2.SamplingParams(max_new_tokens=2)))  # fmt: skip
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.token_ids) for r in results)
+    decode = [r.timings.mean_inter_token_ms for r in results if len(r.token_ids) > 1]
+    return {"streams": n, "tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall,
+            "ttft_ms": statistics.median(r.timings.time_to_first_token_ms for r in results),
+            "ms_per_token": statistics.median(decode) if decode else float("nan")}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--layouts", default="1x1,2x1,1x3,2x3", help="pp x tp pairs (tp must divide the heads)")
+    ap.add_argument("--streams", default="1,4,16")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    a = ap.parse_args()
+
+    from shardmesh.cli import resolve_model
+    from shardmesh.tokenizer import Tokenizer
+
+    model_dir = resolve_model(a.model)
+    prompt_ids = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])
+    info = machine()
+    print(f"machine: {info}", file=sys.stderr)
+    base = baseline_transformers(model_dir, prompt_ids, a.new_tokens)
+    print(f"transformers: {base}", file=sys.stderr)
+    streams = [int(s) for s in a.streams.split(",")]
+    rows = []
+    for layout in a.layouts.split(","):
+        pp, tp = (int(x) for x in layout.split("x"))
+        with tempfile.TemporaryDirectory() as logs:
+            mesh = Mesh(model_dir, pp, tp, max(streams), Path(logs))
+            try:
+                for n in streams:
+                    r = run_streams(mesh.address, prompt_ids, a.new_tokens, n)
+                    r.update(pp=pp, tp=tp)
+                    rows.append(r)
+                    print(f"pp={pp} tp={tp}: {r}", file=sys.stderr)
+                rss = mesh.worker_peak_rss()
+                for r in rows:
+                    if (r["pp"], r["tp"]) == (pp, tp):
+                        r["worker_peak_rss_mib"] = [round(x / 2**20) for x in rss]
+            finally:
+                mesh.close()
+    report(info, base, rows, a, Path(a.out))
+
+
+def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out: Path) -> None:
+    single = {(r["pp"], r["tp"]): r for r in rows if r["streams"] == 1}
+    lines = [
+        f"## shardmesh vs transformers — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {info['date']}",
+        "",
+        f"Model `{a.model}` float32, greedy, chat prompt of {PROMPT!r}, {a.new_tokens} new tokens.",
+        f"Baseline `transformers.generate` (same run): **{base['decode_tok_s']:.1f} tok/s** decode "
+        f"({base['ms_per_token']:.1f} ms/token), TTFT {base['ttft_ms']:.0f} ms.",
+        "",
+        "| pp | tp | streams | decode ms/token (median) | TTFT ms | aggregate tok/s | × transformers "
+        "| worker peak RSS MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]  # fmt: skip
+    for r in rows:
+        ratio = (
+            (1e3 / r["ms_per_token"]) / base["decode_tok_s"]
+            if r["streams"] == 1
+            else r["aggregate_tok_s"] / base["decode_tok_s"]
+        )
+        lines.append(f"| {r['pp']} | {r['tp']} | {r['streams']} | {r['ms_per_token']:.1f} | {r['ttft_ms']:.0f} | "
+                     f"{r['aggregate_tok_s']:.1f} | {ratio:.2f} | {r.get('worker_peak_rss_mib', '')} |")  # fmt: skip
+    if (1, 1) in single and (2, 1) in single:
+        hop = single[(2, 1)]["ms_per_token"] - single[(1, 1)]["ms_per_token"]
+        lines += ["", f"Stage boundary (pp=2 minus pp=1, tp=1, one stream): **{hop:+.2f} ms per decode step**."]
+    md = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{info['host']}-{info['date'][:10]}"
+    (out / f"{stem}.md").write_text(md)
+    (out / f"{stem}.json").write_text(json.dumps({"machine": info, "baseline": base, "rows": rows}, indent=1))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
