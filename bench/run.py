@@ -77,7 +77,8 @@ def baseline_transformers(model_dir: Path, prompt_ids: list[int], new_tokens: in
 class Mesh:
     def __init__(self, model_dir: Path, pp: int, tp: int, slots: int, log_dir: Path) -> None:
         args = [sys.executable, "-m", "shardmesh.cli", "up", "--model", str(model_dir), "--pp", str(pp),
-                "--tp", str(tp), "--kv-slots", str(slots), "--max-context", "1024", "--log-dir", str(log_dir)]  # fmt: skip
+                "--tp", str(tp), "--kv-slots", str(slots), "--max-context", "1024",
+                "--log-dir", str(log_dir)]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.address = self.proc.stdout.readline().decode().strip()
         if not self.address:
