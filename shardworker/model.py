@@ -211,12 +211,17 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _embedding(cfg: ModelConfig) -> nn.Embedding:
+    # `_weight` skips the random init, which on `meta` imports torch's dynamo stack (~70 MB, ~1.3 s).
+    return nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+
+
 class Body(nn.Module):
     """Named `model` inside `Transformer`, so that paths match `model.layers.N...` in checkpoints."""
 
     def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first else None
+        self.embed_tokens = _embedding(cfg) if first else None
         # Keyed by the global layer index; the value's position is its slot in this stage's KV cache.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i - layers.start) for i in layers})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None

@@ -99,9 +99,10 @@ def build_shard(
     model, reads = _meta_shard(cfg, spec, tp, max_len)
     tensors = read_tensors(ckpt, reads, dtype, device, progress)
     model.load_state_dict(tensors, strict=True, assign=True)
+    del tensors  # the model holds them now; no second reference may outlive `_input_major`'s copies
     for p in model.parameters():
         p.requires_grad_(False)
     if torch.device(device).type == "cpu":
-        _input_major(model)
+        _input_major(model)  # one matrix at a time: each original is freed as its copy replaces it
     model.init_buffers(device)
     return model.eval()
