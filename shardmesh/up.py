@@ -88,10 +88,11 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
     log_dir.mkdir(parents=True, exist_ok=True)
     mesh = LocalMesh(log_dir)
     try:
-        coord_port = free_port()
-        mesh.coordinator = f"127.0.0.1:{coord_port}"
+        mesh.coordinator = getattr(args, "coordinator_listen", None) or f"127.0.0.1:{free_port()}"
         coord = ["coordinator", "--listen", mesh.coordinator, "--model", str(model_dir), "--pp", str(args.pp),
                  "--tp", str(args.tp), "--dtype", args.dtype, "--kv-slots", str(args.kv_slots)]  # fmt: skip
+        if getattr(args, "store_port", None):  # from a manifest (services.coordinator.store_port)
+            coord += ["--store-port", str(args.store_port)]
         if args.max_context:
             coord += ["--max-context", str(args.max_context)]
         if args.max_batch_tokens:
@@ -104,7 +105,10 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
             mesh.spawn(f"worker{rank}", ["worker", "--coordinator", mesh.coordinator, "--worker-id", f"worker-{rank}",
                                          "--device", args.device], env=env)  # fmt: skip
         mesh.gateway = args.listen or f"127.0.0.1:{free_port()}"
-        mesh.spawn("gateway", ["gateway", "--listen", mesh.gateway, "--coordinator", mesh.coordinator])
+        gateway = ["gateway", "--listen", mesh.gateway, "--coordinator", mesh.coordinator]
+        if getattr(args, "max_queue", None):  # from a manifest (serving.max_queue)
+            gateway += ["--max-queue", str(args.max_queue)]
+        mesh.spawn("gateway", gateway)
         wait_serving(mesh.gateway, mesh.children, args.start_timeout, log_dir)
         return mesh
     except BaseException:
@@ -151,3 +155,35 @@ def run(args: argparse.Namespace, model_dir: Path, demo: object | None = None) -
         finally:
             if mesh is not None:
                 mesh.stop()
+
+
+# --- `up --manifest FILE`: the manifest mapped onto the flags above (see shardmesh/planning/deploy.py) ---
+
+# up's flags that a manifest sets, and where; giving one as well is refused rather than silently overridden.
+MANIFEST_FLAGS = {
+    "model": "model.path", "pp": "parallelism.pipeline", "tp": "parallelism.tensor", "dtype": "model.dtype",
+    "device": "services.worker.device", "listen": "services.gateway.listen", "kv_slots": "serving.kv_slots",
+    "max_context": "serving.max_context", "max_batch_tokens": "serving.max_batch_tokens",
+}  # fmt: skip
+
+
+def args_from_manifest(args: argparse.Namespace, defaults: dict[str, object]) -> tuple[argparse.Namespace, list[str]]:
+    """`args` with every field the manifest at `args.manifest` sets, and notes on how it was planned.
+
+    Raises `ManifestError` (one line per problem) or `PlanError` (the nodes cannot hold the model).
+    """
+    from shardmesh.planning import deploy
+    from shardmesh.planning.manifest import ManifestError, load_manifest
+
+    source = Path(args.manifest)
+    given = [k for k in MANIFEST_FLAGS if getattr(args, k, None) != defaults.get(k)]
+    if given:
+        raise ManifestError(str(source), [f"--{k.replace('_', '-')}: the manifest sets this ({MANIFEST_FLAGS[k]})"
+                                          for k in given])  # fmt: skip
+    d = deploy.resolve(load_manifest(source), source)
+    notes = [f"manifest {source}: pp={d.pp} × tp={d.tp}, {d.dtype}, {d.limits.kv_slots} KV slots × "
+             f"{d.limits.max_context} tokens", *d.notes]  # fmt: skip
+    if d.plan is not None:
+        notes.append(f"planned layer split {list(d.plan.layer_split)}; tightest device keeps "
+                     f"{d.plan.min_headroom / 2**30:.2f} GiB free")  # fmt: skip
+    return deploy.up_args(d, args), notes

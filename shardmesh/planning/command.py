@@ -1,0 +1,149 @@
+"""`shardmesh plan`: how a model splits over given devices, or what a manifest will deploy.
+
+Exit codes: 0 a plan that fits; 1 it does not fit (the message says what is missing and what would
+fit); 2 bad input (a flag, a manifest field: one line per problem, no traceback).
+Imports only the standard library at import time, so building the `shardmesh` parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardmesh.planning.deploy import Deployment
+    from shardmesh.planning.devices import Device
+    from shardmesh.planning.memory import ModelInfo
+    from shardmesh.planning.planner import PlanOptions
+
+EXIT_USAGE, EXIT_INFEASIBLE = 2, 1
+DTYPES = ("float32", "bfloat16", "float16")
+# Flags a manifest sets itself; giving them as well is refused rather than silently overridden.
+MANIFEST_FIELDS = {
+    "model": "model.path", "devices": "nodes", "dtype": "model.dtype", "kv_slots": "serving.kv_slots",
+    "max_context": "serving.max_context", "max_batch_tokens": "serving.max_batch_tokens",
+    "tp": "parallelism.tensor", "pp": "parallelism.pipeline", "balance": "placement.balance",
+    "reserve": "placement.reserve", "runtime_overhead": "placement.runtime_overhead",
+    "device": "services.worker.device",
+}  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model directory: config.json (+ safetensors, optional: a config alone plans too)")
+    p.add_argument("--devices", help="devices as [NODE:]COUNTxSIZE[@SPEED],...: 4x24GiB or nodeA:2x80GiB,nodeB:1x48GiB")
+    p.add_argument("--manifest", metavar="FILE", help="plan the deployment a YAML manifest describes")
+    p.add_argument("--dtype", choices=DTYPES, help="serving dtype (default float32, as `up` and the coordinator)")
+    p.add_argument("--kv-slots", type=int, help="KV-cache slots per shard (default 8)")
+    p.add_argument("--max-context", type=int, help="tokens per sequence (default: the model's)")
+    p.add_argument("--max-batch-tokens", type=int, help="tokens per step (default: --max-context)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (default: choose)")
+    p.add_argument("--pp", type=int, help="pipeline stages (default: choose)")
+    p.add_argument("--balance", choices=("memory", "speed"), help="split layers by free memory (default) or speed")
+    p.add_argument("--reserve", help="memory every device keeps free, e.g. 2GiB (default 0)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="what the workers run on: cpu plans host memory "
+                   "(default), cuda plans device memory")  # fmt: skip
+    p.add_argument("--runtime-overhead", help="fixed bytes per worker process (default: the CPU measurement, or "
+                   "1GiB for a CUDA context)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.add_argument("--manifest-schema", action="store_true", help="print the manifest's JSON Schema and exit")
+
+
+class _Usage(Exception):
+    pass
+
+
+def _flag_options(args: argparse.Namespace) -> tuple[ModelInfo, tuple[Device, ...], PlanOptions]:
+    from shardmesh.planning.devices import parse_devices
+    from shardmesh.planning.memory import Limits, RuntimeCosts, load_model
+    from shardmesh.planning.planner import PlanOptions
+    from shardmesh.planning.units import parse_bytes
+
+    if not args.model or not args.devices:
+        raise _Usage("give --model DIR and --devices SPEC, or --manifest FILE")
+    try:
+        devices = parse_devices(args.devices)
+        reserve = parse_bytes(args.reserve) if args.reserve else 0
+        overhead = parse_bytes(args.runtime_overhead) if args.runtime_overhead else None
+        runtime = RuntimeCosts.for_device(args.device or "cpu", overhead)
+    except ValueError as e:
+        raise _Usage(str(e)) from None
+    model_dir = Path(args.model).expanduser()
+    if not model_dir.is_dir():
+        raise _Usage(f"--model: {args.model!r} is not a directory")
+    try:
+        model = load_model(model_dir)
+    except (ValueError, FileNotFoundError) as e:
+        raise _Usage(f"--model: {e}") from None
+    ctx = args.max_context if args.max_context is not None else model.cfg.max_context
+    if not 1 <= ctx <= model.cfg.max_context:
+        raise _Usage(f"--max-context: must be in 1..{model.cfg.max_context} (the model's context), got {ctx}")
+    for flag, value in (("--kv-slots", args.kv_slots), ("--max-batch-tokens", args.max_batch_tokens),
+                        ("--tp", args.tp), ("--pp", args.pp)):  # fmt: skip
+        if value is not None and value < 1:
+            raise _Usage(f"{flag}: must be >= 1, got {value}")
+    limits = Limits(args.kv_slots or 8, ctx, args.max_batch_tokens or ctx)
+    opts = PlanOptions(dtype=args.dtype or "float32", limits=limits, runtime=runtime, tp=args.tp, pp=args.pp,
+                       balance=args.balance or "memory", reserve=reserve)  # fmt: skip
+    return model, devices, opts
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardmesh.planning import deploy, report
+    from shardmesh.planning.manifest import ManifestError, load_manifest, schema_text
+    from shardmesh.planning.planner import Infeasible, PlanError, plan
+
+    if args.manifest_schema:
+        sys.stdout.write(schema_text())
+        return 0
+    try:
+        if args.manifest:
+            given = [k for k in MANIFEST_FIELDS if getattr(args, k) is not None]
+            if given:
+                raise _Usage("; ".join(f"--{k.replace('_', '-')}: the manifest sets this ({MANIFEST_FIELDS[k]})"
+                                       for k in given))  # fmt: skip
+            source = Path(args.manifest)
+            d = deploy.resolve(load_manifest(source), source)
+            return _print_deployment(d, args.json)
+        model, devices, opts = _flag_options(args)
+        chosen = plan(model, devices, opts)
+    except _Usage as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ManifestError as e:
+        for line in e.errors:
+            print(f"error: {e.source}: {line}", file=sys.stderr)
+        return EXIT_USAGE
+    except Infeasible as e:
+        if args.json:
+            print(json.dumps(report.infeasible_to_json(e)))
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(report.plan_to_json(chosen)) if args.json else report.render_table(chosen))
+    return 0
+
+
+def _print_deployment(d: Deployment, as_json: bool) -> int:
+    from shardmesh.planning import deploy, report
+
+    commands = deploy.service_commands(d)
+    if as_json:
+        out = {"pp": d.pp, "tp": d.tp, "dtype": d.dtype, "plan": report.plan_to_json(d.plan) if d.plan else None,
+               "notes": d.notes, "commands": commands}  # fmt: skip
+        print(json.dumps(out))
+        return 0
+    if d.plan is not None:
+        print(report.render_table(d.plan))
+    else:
+        print(f"model: {d.model.name}; pp={d.pp} × tp={d.tp}, {d.dtype} (no nodes listed: nothing to place)")
+    for n in d.notes:
+        print(f"note: {n}")
+    print("\nservices (`shardmesh up --manifest FILE` starts them as local processes):")
+    for c in commands:
+        print(f"  {c}")
+    return 0

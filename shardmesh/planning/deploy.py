@@ -1,0 +1,162 @@
+"""From a validated manifest to what runs: the plan (when nodes are listed) and the services' flags.
+
+`resolve` turns a `Manifest` into a `Deployment` (pp, tp, dtype, limits, and the plan behind them);
+`up_args` maps that onto the flags `shardmesh up` already takes, so a manifest deploys exactly what
+the equivalent command line would; `service_commands` prints those command lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardmesh.planning.devices import Device, make_devices
+from shardmesh.planning.manifest import Manifest, ManifestError, address_port
+from shardmesh.planning.memory import Limits, ModelInfo, RuntimeCosts, load_model
+from shardmesh.planning.planner import Plan, PlanError, PlanOptions, even, plan, valid_tp_degrees
+from shardmesh.planning.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Deployment:
+    manifest: Manifest
+    model: ModelInfo
+    pp: int
+    tp: int
+    limits: Limits
+    plan: Plan | None  # None when the manifest lists no nodes (fixed pp and tp, nothing to place)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest.model.dtype
+
+
+def model_dir(m: Manifest, source: Path | None, resolve_name: bool = True) -> Path:
+    """`model.path`: a directory (relative to the manifest's own directory), else a known model name."""
+    raw = Path(m.model.path).expanduser()
+    if not raw.is_absolute() and source is not None and (source.parent / raw).is_dir():
+        return source.parent / raw
+    if raw.is_dir():
+        return raw
+    if resolve_name:
+        from shardmesh import pull
+
+        if m.model.path in pull.known_models():
+            return pull.pull(m.model.path)
+    raise ManifestError(str(source or "manifest"), [f"model.path: {m.model.path!r} is neither a directory (relative "
+                                                     f"paths are read from the manifest's directory) nor a known "
+                                                     f"model name"])  # fmt: skip
+
+
+def devices(m: Manifest) -> tuple[Device, ...]:
+    return make_devices([(n.name, g.count, g.memory, g.speed) for n in m.nodes for g in n.devices])
+
+
+def limits(m: Manifest, model: ModelInfo, source: str) -> Limits:
+    s, ctx = m.serving, model.cfg.max_context
+    if s.max_context is not None and s.max_context > ctx:
+        raise ManifestError(source, [f"serving.max_context: must be <= {ctx} (the model's context), got "
+                                     f"{s.max_context}"])  # fmt: skip
+    max_context = s.max_context or ctx
+    return Limits(s.kv_slots, max_context, s.max_batch_tokens or max_context)
+
+
+def options(m: Manifest, model: ModelInfo, source: str) -> PlanOptions:
+    p, par = m.placement, m.parallelism
+    runtime = RuntimeCosts.for_device(m.services.worker.device, p.runtime_overhead)
+    return PlanOptions(
+        dtype=m.model.dtype, limits=limits(m, model, source), runtime=runtime,
+        tp=None if par.tensor == "auto" else par.tensor, pp=None if par.pipeline == "auto" else par.pipeline,
+        balance=p.balance, node_order=tuple(p.node_order), reserve=p.reserve,
+    )  # fmt: skip
+
+
+def resolve(m: Manifest, source: Path | None = None, model: ModelInfo | None = None) -> Deployment:
+    """Plan the manifest's deployment. ManifestError for fields that do not fit the model; `Infeasible`
+    (a PlanError) when the nodes cannot hold it."""
+    src = str(source or "manifest")
+    model = model or load_model(model_dir(m, source))
+    opts = options(m, model, src)
+    par = m.parallelism
+    if not m.nodes:
+        auto = [f"parallelism.{k}" for k, v in (("tensor", par.tensor), ("pipeline", par.pipeline)) if v == "auto"]
+        if auto:
+            raise ManifestError(src, [f"{a}: 'auto' needs nodes to plan on; list nodes, or give an integer"
+                                      for a in auto])  # fmt: skip
+        assert isinstance(par.tensor, int) and isinstance(par.pipeline, int)
+        problems = []
+        if par.tensor not in valid_tp_degrees(model.cfg):
+            problems.append(f"parallelism.tensor: {par.tensor} is not valid for this model; valid: "
+                            f"{valid_tp_degrees(model.cfg)}")  # fmt: skip
+        if par.pipeline > model.cfg.num_layers:
+            problems.append(f"parallelism.pipeline: must be <= {model.cfg.num_layers} (one layer per stage at "
+                            f"least), got {par.pipeline}")  # fmt: skip
+        if problems:
+            raise ManifestError(src, problems)
+        return Deployment(m, model, par.pipeline, par.tensor, opts.limits, None)
+    try:
+        chosen = plan(model, devices(m), opts)
+    except PlanError as e:
+        if type(e) is PlanError:  # a request that cannot be tried: name the manifest fields
+            raise ManifestError(src, [f"parallelism: {e}"]) from None
+        raise
+    notes = []
+    if not chosen.even_split:
+        flat = even(chosen)
+        if not flat.fits:
+            worst = min(flat.shards, key=lambda sh: sh.headroom)
+            raise PlanError(
+                f"the plan needs an uneven layer split {list(chosen.layer_split)}, but the coordinator splits "
+                f"layers evenly ({list(flat.layer_split)}), and then {worst.device.name} would need "
+                f"{format_bytes(worst.memory.total + chosen.options.reserve)} of its "
+                f"{format_bytes(worst.device.memory)}: use devices of equal memory, or fix parallelism.pipeline"
+            )  # fmt: skip
+        notes.append(f"the planner's split {list(chosen.layer_split)} is uneven; the coordinator splits evenly "
+                     f"{list(flat.layer_split)}, which also fits: deploying that")  # fmt: skip
+        chosen = flat
+    return Deployment(m, model, chosen.pp, chosen.tp, opts.limits, chosen, notes)
+
+
+def up_args(d: Deployment, base: argparse.Namespace) -> argparse.Namespace:
+    """`base` (the `up` command's own flags: log dir, timeouts, demo) with everything the manifest sets."""
+    m = d.manifest
+    out = argparse.Namespace(**vars(base))
+    out.model = str(d.model.path)
+    out.pp, out.tp, out.dtype = d.pp, d.tp, d.dtype
+    out.device = m.services.worker.device
+    gateway, coordinator = m.services.gateway.listen, m.services.coordinator.listen
+    out.listen = gateway if address_port(gateway) else None  # port 0: `up` picks a free one
+    out.kv_slots = d.limits.kv_slots
+    out.max_context = d.limits.max_context
+    out.max_batch_tokens = d.limits.max_batch_tokens
+    out.max_queue = m.serving.max_queue
+    out.coordinator_listen = coordinator if address_port(coordinator) else None
+    out.store_port = m.services.coordinator.store_port
+    return out
+
+
+def service_commands(d: Deployment) -> list[str]:
+    """The command line of every service the deployment runs (what compose or `up` would start)."""
+    m, coord = d.manifest, d.manifest.services.coordinator.listen
+    lim = d.limits
+    coordinator = ["shardmesh", "coordinator", "--listen", coord, "--model", str(d.model.path), "--pp", str(d.pp),
+                   "--tp", str(d.tp), "--dtype", d.dtype, "--kv-slots", str(lim.kv_slots), "--max-context",
+                   str(lim.max_context), "--max-batch-tokens", str(lim.max_batch_tokens), "--store-port",
+                   str(m.services.coordinator.store_port)]  # fmt: skip
+    lines = [shlex.join(coordinator)]
+    shards = d.plan.shards if d.plan is not None else ()
+    for rank in range(d.pp * d.tp):
+        worker = ["shardmesh", "worker", "--coordinator", coord, "--worker-id", f"worker-{rank}", "--device",
+                  m.services.worker.device]  # fmt: skip
+        if shards:
+            node = next(n for n in m.nodes if n.name == shards[rank].device.node)
+            labels = sorted({"node": node.name, **node.labels}.items())
+            worker += [a for k, v in labels for a in ("--label", f"{k}={v}")]
+        lines.append(shlex.join(worker))
+    gateway = ["shardmesh", "gateway", "--listen", m.services.gateway.listen, "--coordinator", coord,
+               "--max-queue", str(m.serving.max_queue)]  # fmt: skip
+    lines.append(shlex.join(gateway))
+    return lines

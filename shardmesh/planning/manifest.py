@@ -1,0 +1,381 @@
+"""The deployment manifest: one YAML file that says what to serve, on what, with which limits and where.
+
+Validated by the pydantic models below (unknown fields refused, bounds per field). Every problem is
+reported as one line naming the field's path and what was expected, e.g.
+``parallelism.tensor: must be 'auto' or an integer >= 1, got 0``, never as a traceback. The JSON Schema
+of the file (for editors and CI) is `schema()`, committed as ``compose/manifest.schema.json``.
+
+Tensor split dimensions: attention is split by **heads** (query heads, and kv heads or their
+replicas: q/k/v column-parallel, o_proj row-parallel) and the MLP by the **intermediate** dimension
+(gate/up column-parallel, down_proj row-parallel); these are the only ones `shardworker.tp` implements.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
+
+from shardmesh.planning.units import parse_bytes
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "compose" / "manifest.schema.json"
+SCHEMA_ID = "https://shardmesh.dev/schemas/manifest-v1.json"
+DTYPES = ("float32", "bfloat16", "float16")
+_ADDRESS = r"^[A-Za-z0-9_.\-\[\]:]*:\d{1,5}$"
+_NAME = r"^[A-Za-z0-9_.-]+$"
+_URL = r"^(https?|grpc)://[^\s/]+(/\S*)?$"
+_DEVICE = r"^(cpu|cuda(:\d+)?)$"
+_PATTERNS = {
+    _ADDRESS: "host:port",
+    _NAME: "a name of letters, digits, '_', '.' and '-'",
+    _URL: "a URL like http://collector:4317",
+    _DEVICE: "cpu, cuda or cuda:N",
+}
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used; `errors` holds one line per problem (path: what was expected)."""
+
+    def __init__(self, source: str, errors: list[str]) -> None:
+        self.source, self.errors = source, errors
+        super().__init__("\n".join(f"{source}: {e}" for e in errors))
+
+
+# --- field types ----------------------------------------------------------------------------------------------
+
+
+def _degree(value: Any) -> Any:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise PydanticCustomError("degree", "must be 'auto' or an integer >= 1, got {value}", {"value": repr(value)})
+
+
+Degree = Annotated[
+    Literal["auto"] | int,
+    BeforeValidator(_degree),
+    WithJsonSchema({"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 1}]}),
+]
+
+
+def _size(value: Any) -> int:
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError
+        return parse_bytes(value)
+    except ValueError:
+        raise PydanticCustomError(
+            "byte_size", "must be a size like 80GiB, 48GB or 512MiB, or a number of bytes, got {value}",
+            {"value": repr(value)},
+        ) from None  # fmt: skip
+
+
+ByteSize = Annotated[
+    int,
+    BeforeValidator(_size),
+    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 0},
+                              {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([KkMmGgTt][Ii]?[Bb]|[Bb])?\s*$"}],
+                    "description": "bytes, or a size with a unit: KB/MB/GB/TB (powers of 1000), "
+                                   "KiB/MiB/GiB/TiB (powers of 1024)"}),
+]  # fmt: skip
+
+
+def _one_of(allowed: str, what: str, explain: str) -> Any:
+    def check(value: Any) -> Any:
+        if value != allowed:
+            raise PydanticCustomError(
+                "split_dim", "{what} can only be split by '{allowed}' ({explain}); got {value}",
+                {"what": what, "allowed": allowed, "explain": explain, "value": repr(value)},
+            )  # fmt: skip
+        return value
+
+    return check
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+# --- sections -------------------------------------------------------------------------------------------------
+
+
+class ModelSection(_Section):
+    """What to serve."""
+
+    path: str = Field(min_length=1, description="model directory (config.json + safetensors), or a known model "
+                                                "name such as smollm2-135m-instruct")  # fmt: skip
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype weights and KV cache are held in (the checkpoint is converted while loading)"
+    )
+
+
+_HEADS = "query and key/value heads; q/k/v column-parallel, o_proj row-parallel"
+_INTERMEDIATE = "the intermediate dimension; gate/up column-parallel, down_proj row-parallel"
+
+
+class TensorSplit(_Section):
+    """Which dimension tensor parallelism splits. Only what `shardworker.tp` implements is accepted."""
+
+    attention: Annotated[
+        Literal["heads"],
+        BeforeValidator(_one_of("heads", "attention", _HEADS)),
+    ] = Field("heads", description="attention is split by heads")
+    mlp: Annotated[
+        Literal["intermediate"],
+        BeforeValidator(_one_of("intermediate", "mlp", _INTERMEDIATE)),
+    ] = Field("intermediate", description="the MLP is split along its intermediate dimension")
+
+
+class Parallelism(_Section):
+    """Tensor degree (ranks per stage) and pipeline stages; 'auto' lets the planner choose from `nodes`."""
+
+    tensor: Degree = Field("auto", description="tensor-parallel degree per stage, or 'auto'")
+    pipeline: Degree = Field("auto", description="pipeline stages, or 'auto'")
+    tensor_split: TensorSplit = Field(default_factory=TensorSplit)  # type: ignore[arg-type]
+
+
+class DeviceGroup(_Section):
+    """`count` identical devices of one node."""
+
+    count: int = Field(1, ge=1, le=4096, description="how many such devices the node has")
+    memory: ByteSize = Field(description="memory of one device (accelerator memory, or host memory for CPU)")
+    speed: float = Field(1.0, gt=0, le=1e6, description="relative throughput; only ratios between devices matter")
+
+
+class Node(_Section):
+    """One machine. Tensor-parallel groups never span nodes."""
+
+    name: str = Field(pattern=_NAME, max_length=64, description="node name, unique in the manifest")
+    devices: list[DeviceGroup] = Field(min_length=1, description="the node's devices, in groups of equal ones")
+    labels: dict[str, str] = Field(default_factory=dict, description="worker --label values for this node's workers")
+
+
+class Placement(_Section):
+    """How the planner places stages on nodes and devices."""
+
+    balance: Literal["memory", "speed"] = Field(
+        "memory", description="split layers in proportion to each stage's free memory, or to its speed"
+    )
+    node_order: list[str] = Field(default_factory=list, description="nodes in pipeline order (default: as listed)")
+    reserve: ByteSize = Field(0, description="memory every device keeps free beyond the predicted peak")
+    runtime_overhead: ByteSize | None = Field(
+        None, description="fixed bytes of one worker process (default: the CPU measurement in "
+                          "shardmesh/planning/memory.py; set the CUDA context size for GPUs)",
+    )  # fmt: skip
+
+
+class Serving(_Section):
+    """Limits every shard allocates for."""
+
+    kv_slots: int = Field(8, ge=1, le=65536, description="KV-cache slots per shard: sequences in flight")
+    max_context: int | None = Field(
+        None, ge=1, le=10_000_000, description="tokens per sequence, prompt + completion (default: the model's)"
+    )
+    max_batch_tokens: int | None = Field(
+        None, ge=1, le=10_000_000, description="tokens per step over the batch (default: max_context)"
+    )
+    max_queue: int = Field(256, ge=1, le=1_000_000, description="waiting requests before RESOURCE_EXHAUSTED")
+
+
+class Telemetry(_Section):
+    """Where telemetry goes. Carried in the schema; the services do not read it yet."""
+
+    otlp_endpoint: str | None = Field(None, pattern=_URL,
+                                      description="OTLP collector, e.g. http://collector:4317")  # fmt: skip
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus metrics port of every service")
+
+
+class CoordinatorService(_Section):
+    listen: str = Field("127.0.0.1:0", pattern=_ADDRESS, description="host:port; port 0 picks a free one")
+    store_port: int = Field(0, ge=0, le=65535, description="rendezvous TCPStore port; 0 picks a free one")
+
+
+class GatewayService(_Section):
+    listen: str = Field("127.0.0.1:0", pattern=_ADDRESS, description="host:port clients reach; 0 picks a free port")
+
+
+class WorkerService(_Section):
+    device: str = Field("cpu", pattern=_DEVICE, description="cpu, cuda or cuda:N")
+
+
+class Services(_Section):
+    """The address of each service."""
+
+    coordinator: CoordinatorService = Field(default_factory=CoordinatorService)  # type: ignore[arg-type]
+    gateway: GatewayService = Field(default_factory=GatewayService)  # type: ignore[arg-type]
+    worker: WorkerService = Field(default_factory=WorkerService)  # type: ignore[arg-type]
+
+
+class Manifest(_Section):
+    """A shardmesh deployment: model, parallelism, nodes, placement, serving limits, telemetry, services."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, title="shardmesh deployment manifest")
+
+    version: Literal[1] = Field(1, description="manifest format version")
+    model: ModelSection
+    parallelism: Parallelism = Field(default_factory=Parallelism)  # type: ignore[arg-type]
+    nodes: list[Node] = Field(default_factory=list, description="machines and their devices (needed for 'auto')")
+    placement: Placement = Field(default_factory=Placement)  # type: ignore[arg-type]
+    serving: Serving = Field(default_factory=Serving)  # type: ignore[arg-type]
+    telemetry: Telemetry = Field(default_factory=Telemetry)  # type: ignore[arg-type]
+    services: Services = Field(default_factory=Services)  # type: ignore[arg-type]
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Manifest:
+        problems = []
+        names = [n.name for n in self.nodes]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                problems.append(f"nodes[{i}].name: duplicate node name {name!r}")
+        for i, name in enumerate(self.placement.node_order):
+            if name not in names:
+                known = ", ".join(dict.fromkeys(names)) or "-"
+                problems.append(f"placement.node_order[{i}]: unknown node {name!r}; nodes: {known}")
+        s = self.serving
+        if s.max_context is not None and s.max_batch_tokens is not None and s.max_batch_tokens > 64 * s.max_context:
+            problems.append("serving.max_batch_tokens: more than 64 × max_context is never useful; got "
+                            f"{s.max_batch_tokens}")  # fmt: skip
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+# --- reading ------------------------------------------------------------------------------------------------
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+
+def _mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _fields_at(loc: tuple[int | str, ...]) -> list[str] | None:
+    """The field names allowed in the mapping at `loc`, by walking the models' annotations."""
+    model: Any = Manifest
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        candidates = [ann, *args]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return None
+    return list(model.model_fields)
+
+
+_MESSAGES = {
+    "missing": "is required",
+    "int_type": "must be an integer, got {input!r}",
+    "float_type": "must be a number, got {input!r}",
+    "string_type": "must be a string, got {input!r}",
+    "bool_type": "must be true or false, got {input!r}",
+    "list_type": "must be a list, got {input!r}",
+    "dict_type": "must be a mapping of key: value, got {input!r}",
+    "model_type": "must be a mapping of key: value, got {input!r}",
+    "model_attributes_type": "must be a mapping of key: value, got {input!r}",
+    "greater_than_equal": "must be >= {ge}, got {input!r}",
+    "greater_than": "must be > {gt}, got {input!r}",
+    "less_than_equal": "must be <= {le}, got {input!r}",
+    "less_than": "must be < {lt}, got {input!r}",
+    "string_too_short": "must not be empty",
+    "string_too_long": "must be at most {max_length} characters",
+    "too_short": "must list at least {min_length} item(s)",
+    "literal_error": "must be {expected}, got {input!r}",
+    "string_pattern_mismatch": "must be {pattern}, got {input!r}",
+}
+
+
+def _message(err: dict[str, Any]) -> str:
+    kind, ctx = err["type"], dict(err.get("ctx") or {})
+    if kind == "extra_forbidden":
+        allowed = _fields_at(tuple(err["loc"][:-1]))
+        return "unknown field" + (f"; expected one of: {', '.join(allowed)}" if allowed else "")
+    if kind == "value_error":  # our cross-checks: the message carries its own path
+        return str(ctx.get("error", err["msg"])).removeprefix("Value error, ")
+    template = _MESSAGES.get(kind)
+    if template is None:
+        return err["msg"][0].lower() + err["msg"][1:]
+    pattern = ctx.get("pattern", "")
+    if kind == "string_pattern_mismatch":
+        ctx["pattern"] = _PATTERNS.get(pattern, f"text matching {pattern!r}")
+    return template.format(input=err.get("input"), **ctx)
+
+
+def format_errors(e: ValidationError) -> list[str]:
+    """One line per problem: ``path: what was expected``."""
+    lines = []
+    for err in e.errors(include_url=False):
+        msg = _message(err)
+        if err["type"] == "value_error" and not err["loc"]:
+            lines += msg.splitlines()  # cross-checks name their own paths
+        else:
+            lines.append(f"{_path(tuple(err['loc']))}: {msg}")
+    return lines
+
+
+def parse_manifest(data: Any, source: str = "manifest") -> Manifest:
+    """Validate an already-parsed document; ManifestError with one line per problem."""
+    if not isinstance(data, dict):
+        raise ManifestError(source, [f"(top level): must be a mapping of key: value, got {type(data).__name__}"])
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as e:
+        raise ManifestError(source, format_errors(e)) from None
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read and validate a YAML manifest; ManifestError (one line per problem) for anything wrong."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ManifestError(str(p), [f"cannot read: {e.strerror or e}"]) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: no arbitrary objects
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ManifestError(str(p), [f"not valid YAML: {where}{problem}"]) from None
+    return parse_manifest(data, str(p))
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema of the manifest (draft 2020-12), as committed in compose/manifest.schema.json."""
+    out = Manifest.model_json_schema(mode="validation")
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID, **out}
+
+
+def schema_text() -> str:
+    return json.dumps(schema(), indent=2, sort_keys=True) + "\n"
+
+
+def address_port(address: str) -> int:
+    """The port of a host:port address."""
+    return int(re.split(r":", address)[-1])

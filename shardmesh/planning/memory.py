@@ -1,0 +1,279 @@
+"""How many bytes one shard needs, from config.json (and safetensors headers) alone: no weight is read.
+
+Notation, per shard (stage `s` × tensor rank `r` of `tp`); `b` is the bytes of the serving dtype
+(4 for float32, 2 for bfloat16 / float16), `n` the number of layers the stage holds:
+
+  weights     = Σ numel(p) × b over the parameters of the shard's meta model, built by the same route
+                as `build_shard` (`shardworker.shard._meta_shard`: meta `Transformer` → `apply_tp`), so
+                tensor-parallel slices, replicated kv heads, an uneven vocabulary split and untied /
+                tied heads count exactly as loaded. All decoder layers have the same shapes, so the
+                count is n × (one layer) + embedding (first stage) + norm and LM head (last stage).
+  kv_cache    = n × 2 × kv_slots × kv_heads_local × max_context × head_dim × b
+                (the `KVCache` tensor: layers × {k, v} × slots × kv heads × positions × head_dim)
+  buffers     = 2 × max_context × head_dim × 4        (rope cos and sin tables, always float32)
+  activations = T × ( b × (2H + max(3F, 4Q + 3K)) + 8H + 8·head_dim )  +  T × max_context
+                + on the last stage: B × V × (2b + 16)
+                with T = max_batch_tokens, H = hidden, F = intermediate / tp, Q = q_heads_local × head_dim,
+                K = kv_heads_local × head_dim, V = vocab, B = min(kv_slots, T). Read as: the residual and
+                the normed input (2H) plus, whichever is larger, the MLP's live SwiGLU tensors (silu(gate),
+                up, their product: 3F) or attention's q with its rotary temporaries and k, v (4Q + 3K);
+                RMSNorm's float32 copies (8H bytes per token) and the gathered rope rows (8·head_dim);
+                the boolean mask of a chunked prompt (1 byte × T × max_context); and on the last stage the
+                sampled rows' logits in the serving dtype, gathered (2b) and in float32 for sampling (16).
+                Attention itself is assumed fused (SDPA flash / memory-efficient): no T × T score matrix.
+  load        = the transient of loading, on top of the weights:
+                cpu:  max(2 × S × c, M × b). Reading holds one tensor at a time twice: its mapped file
+                      pages and the slice safetensors returns (S = the shard's largest tensor slice in
+                      elements, c = bytes of the checkpoint's dtype; `shardworker.weights._read_one`).
+                      Then `build_shard` re-stores every matrix input-major (`shardworker.shard.
+                      _input_major`), one at a time, each original freed as its copy replaces it:
+                      M = elements of the shard's largest 2-D parameter but the embedding.
+                cuda: S × c (slices are read on the host; at most one is staged on the device).
+  runtime     = the fixed cost of a worker process (`RuntimeCosts`), measured on CPU.
+
+Peak = runtime + weights + buffers + max(load, kv_cache + activations): loading finishes (and frees its
+transient) before the KV cache is reserved and the first step runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardworker.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_HF_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+              "half": "float16", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # fmt: skip
+
+# --- measured constants -----------------------------------------------------------------------------------
+#
+# WORKER_RSS_BYTES: the resident set of a `shardmesh worker` process that holds (almost) nothing: a
+# 2-layer Llama (hidden 64; 0.35-0.41 MiB of tensors) under a real coordinator, pp=2, tp=1 (and 2),
+# OMP_NUM_THREADS=1, CPU, torch 2.13: python, torch, gRPC, the shardworker modules, the gRPC server and
+# its threads, the Gloo groups, after one step. Measured as VmHWM in /proc/PID/status of each worker
+# minus its tensors, by `python -m shardmesh.planning.calibrate`: 258.0 - 258.2 MiB in four runs on 2
+# cores (252.5 MiB when READY; the first step adds ~6 MiB); tp=2 adds under 1 MiB. Rounded up.
+WORKER_RSS_BYTES = 259 * 2**20
+# FIRST_STAGE_EXTRA_BYTES: what the worker holding the first stage (the embedding) pays beyond the others,
+# tensors aside. It was 71.6 - 71.7 MiB while `nn.Embedding` was built with its random init on the meta
+# device (that imported torch's dynamo stack); the embedding is now built from an empty `_weight`, and
+# calibrate measures stage 0 at 257.5 MiB against 258.2 MiB for stage 1: nothing left to add.
+FIRST_STAGE_EXTRA_BYTES = 0
+# CUDA_RUNTIME_BYTES: device memory a CUDA worker pays before any tensor (context, cuBLAS workspace).
+# NOT measured here (the development machine has no GPU): 1 GiB is an upper estimate of a torch 2.x
+# context on current NVIDIA GPUs; measure yours (nvidia-smi after `torch.cuda.init()` and one matmul)
+# and pass it as `--runtime-overhead` / `placement.runtime_overhead`.
+CUDA_RUNTIME_BYTES = 2**30
+
+
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """Fixed bytes a worker process costs beyond its tensors, and which memory is planned.
+
+    `device` "cpu": host RSS, with the measured constants above. "cuda": device memory, where the
+    process pays its CUDA context instead and host-side costs (imports, the CPU relayout) do not count.
+    """
+
+    device: str = "cpu"
+    process: int = WORKER_RSS_BYTES
+    first_stage: int = FIRST_STAGE_EXTRA_BYTES
+
+    @classmethod
+    def for_device(cls, device: str, process: int | None = None) -> RuntimeCosts:
+        """Defaults for `cpu` or `cuda` (`cuda:N` too); `process` overrides the per-process bytes."""
+        kind = device.split(":")[0]
+        if kind == "cpu":
+            return cls("cpu", WORKER_RSS_BYTES if process is None else process, FIRST_STAGE_EXTRA_BYTES)
+        if kind == "cuda":
+            return cls("cuda", CUDA_RUNTIME_BYTES if process is None else process, 0)
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What every shard allocates for: KV slots (sequences in flight), tokens per sequence, tokens per step."""
+
+    kv_slots: int
+    max_context: int
+    max_batch_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("kv_slots", "max_context", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model to plan for: its config, and what is known of its checkpoint (maybe nothing)."""
+
+    cfg: ModelConfig
+    name: str
+    path: Path
+    checkpoint_dtype: str  # dtype the weights are stored in (headers, or config.json's torch_dtype)
+    has_weights: bool  # False: planned from config.json alone
+
+
+@dataclass(frozen=True)
+class ShardMemory:
+    """Bytes of one shard, by purpose; `total` is the predicted peak (see the module docstring)."""
+
+    weights: int
+    kv_cache: int
+    activations: int
+    buffers: int
+    load: int
+    runtime: int
+
+    @property
+    def other(self) -> int:
+        """Everything but weights and KV cache at the peak: runtime, buffers and the larger transient."""
+        return self.total - self.weights - self.kv_cache
+
+    @property
+    def total(self) -> int:
+        """The peak: loading, or serving, whichever holds more."""
+        return self.runtime + self.weights + self.buffers + max(self.load, self.kv_cache + self.activations)
+
+    @property
+    def serving(self) -> int:
+        """Resident while serving, after the load transient is gone."""
+        return self.runtime + self.weights + self.buffers + self.kv_cache + self.activations
+
+
+@dataclass(frozen=True)
+class Part:
+    """Elements of one part of a shard: the embedding, one decoder layer, or the final norm and LM head."""
+
+    total: int = 0
+    largest_matrix: int = 0  # the largest 2-D parameter `_input_major` re-stores on CPU (not the embedding)
+    largest: int = 0  # the largest single tensor
+
+
+@dataclass(frozen=True)
+class WeightParts:
+    """One tensor rank's slice of each part of the model (all decoder layers have the same shapes)."""
+
+    embedding: Part  # the first stage's extra
+    layer: Part  # one decoder layer
+    head: Part  # the last stage's extra
+
+
+@functools.lru_cache(maxsize=512)
+def weight_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
+    """Count the parameters of the meta shard `build_shard` would fill, as embedding / one layer / head.
+
+    Two one-layer meta models suffice: the first layer (with the embedding) and the last (with the
+    final norm and LM head); a one-layer model is both.
+    """
+    from shardworker.parallel import ShardSpec, UnboundGroup
+    from shardworker.shard import _meta_shard
+
+    sizes: dict[str, list[tuple[int, int]]] = {"embedding": [], "layer": [], "head": []}  # (numel, ndim)
+    last = cfg.num_layers - 1
+    for start in sorted({0, last}):
+        spec = ShardSpec(start, start + 1, cfg.num_layers, rank, tp)
+        model, _ = _meta_shard(cfg, spec, UnboundGroup(rank, tp), None)
+        for name, p in model.named_parameters():
+            if name.startswith("model.embed_tokens."):
+                sizes["embedding"].append((p.numel(), 0))  # lookups keep their row-major layout
+            elif name.startswith("model.layers."):
+                if start == 0:
+                    sizes["layer"].append((p.numel(), p.dim()))
+            else:
+                sizes["head"].append((p.numel(), p.dim()))
+
+    def part(entries: list[tuple[int, int]]) -> Part:
+        return Part(
+            sum(n for n, _ in entries),
+            max((n for n, d in entries if d == 2), default=0),
+            max((n for n, _ in entries), default=0),
+        )
+
+    return WeightParts(part(sizes["embedding"]), part(sizes["layer"]), part(sizes["head"]))
+
+
+def shard_memory(
+    model: ModelInfo,
+    layers: tuple[int, int],
+    tp: int,
+    rank: int,
+    dtype: str,
+    limits: Limits,
+    runtime: RuntimeCosts = RuntimeCosts(),  # frozen, so a shared default is safe
+) -> ShardMemory:
+    """The bytes of the shard holding layers [start, end) × tensor rank `rank` of `tp` (module docstring)."""
+    start, end = layers
+    if not 0 <= start < end <= model.cfg.num_layers:
+        raise ValueError(f"layer range [{start}, {end}) is not within [0, {model.cfg.num_layers})")
+    return stage_memory(model, end - start, start == 0, end == model.cfg.num_layers, tp, rank, dtype, limits, runtime)
+
+
+def stage_memory(
+    model: ModelInfo,
+    n: int,
+    first: bool,
+    last: bool,
+    tp: int,
+    rank: int,
+    dtype: str,
+    limits: Limits,
+    runtime: RuntimeCosts = RuntimeCosts(),  # frozen, so a shared default is safe
+) -> ShardMemory:
+    """`shard_memory` by position: `n` layers (any n >= 1, even more than the model has, for capacity
+    searches), plus the embedding when `first` and the final norm and LM head when `last`."""
+    from shardworker.tp import HeadSplit
+
+    cfg, b = model.cfg, DTYPE_BYTES[dtype]
+    parts = weight_parts(cfg, tp, rank)
+    held = [(n, parts.layer)] + [(1, parts.embedding)] * first + [(1, parts.head)] * last  # (count, part)
+    weights = sum(count * part.total for count, part in held) * b
+    split = HeadSplit.of(cfg, rank, tp)
+    hd = cfg.head_dim
+    kv = n * 2 * limits.kv_slots * split.kv_count * limits.max_context * hd * b
+    buffers = 2 * limits.max_context * hd * 4
+    t, h, f = limits.max_batch_tokens, cfg.hidden_size, cfg.intermediate_size // tp
+    q, k = split.q_count * hd, split.kv_count * hd
+    acts = t * (b * (2 * h + max(3 * f, 4 * q + 3 * k)) + 8 * h + 8 * hd) + t * limits.max_context
+    if last:
+        acts += min(limits.kv_slots, t) * cfg.vocab_size * (2 * b + 16)
+    read = max(part.largest for _, part in held) * DTYPE_BYTES[model.checkpoint_dtype]
+    relayout = max(part.largest_matrix for _, part in held) * b
+    load = max(2 * read, relayout) if runtime.device == "cpu" else read
+    fixed = runtime.process + first * runtime.first_stage
+    return ShardMemory(weights, kv, acts, buffers, load, fixed)
+
+
+def _config_dtype(raw: dict[str, Any], default: str) -> str:
+    """HF configs name the stored dtype `torch_dtype` (or `dtype` in transformers 5)."""
+    name = raw.get("torch_dtype") or raw.get("dtype")
+    return _HF_DTYPES.get(str(name), default) if name else default
+
+
+def load_model(path: str | Path, default_dtype: str = "bfloat16") -> ModelInfo:
+    """A model directory with config.json, and safetensors weights or not.
+
+    With weights, every tensor's header is checked against the shapes the model expects (as the
+    coordinator does before serving) and the stored dtype is read from the headers; without, the
+    stored dtype is config.json's `torch_dtype`, else `default_dtype`.
+    """
+    from shardworker.weights import INDEX_FILE, SINGLE_FILE, Checkpoint
+
+    d = Path(path).expanduser()
+    if d.is_file() and d.name.endswith(".json"):
+        d = d.parent
+    cfg = ModelConfig.from_dir(d)
+    raw = json.loads((d / "config.json").read_text())
+    name = str(raw.get("_name_or_path") or d.name)
+    if not ((d / SINGLE_FILE).is_file() or (d / INDEX_FILE).is_file()):
+        return ModelInfo(cfg, name, d, _config_dtype(raw, default_dtype), has_weights=False)
+    from shardworker.parallel import shard_specs
+    from shardworker.shard import check_shards
+
+    ckpt: Checkpoint = check_shards(d, shard_specs(cfg.num_layers, 1, 1), cfg)
+    stored = max(ckpt.tensors.values(), key=lambda t: t.nbytes).dtype if ckpt.tensors else "F32"
+    return ModelInfo(cfg, name, d, _HF_DTYPES.get(stored, "float32"), has_weights=True)

@@ -1,0 +1,449 @@
+"""Choose tensor degree, pipeline stages and the layer split for given devices: pure functions.
+
+The search, for every valid tensor degree `tp` (`valid_tp_degrees`: divides the query heads and the
+MLP width, divides or is a multiple of the kv heads; capped by `PlanOptions.tp` and the largest node):
+
+1. **Tensor groups inside nodes.** Each node's devices, largest memory first, are cut into groups
+   of `tp`; a node's remainder (its smallest devices) is left unused. A group never spans nodes.
+2. **Stages.** Every group is one pipeline stage (at most one per layer; with `PlanOptions.pp` the
+   `pp` groups with the most memory), ordered by node (`node_order`, else as listed), so the pipeline
+   crosses each node boundary once. The first stage also holds the embedding, the last the LM head.
+   A group that cannot hold even one layer is left out (unless `pp` is fixed).
+3. **Layer capacity.** `cap_s` = the most layers stage `s` holds with every rank's predicted peak
+   (`memory.shard_memory(...).total`) plus `reserve` within its device's memory. It fits iff every
+   `cap_s >= 1` and `Σ cap_s >= num_layers`.
+4. **Split.** Layers are shared in proportion to each stage's free memory (balance "memory": the
+   tightest rank's memory less the reserve and the stage's fixed costs, `free_memory`) or to its speed
+   (the slowest rank's; balance "speed"), by
+   `shardworker.parallel.split_layers`; if that leaves a stage over its capacity, by
+   `capped_split` (proportional shares clipped at each capacity, the rest shared among the others).
+
+Among the layouts that fit, the plan uses the most devices, then the fewest pipeline stages (each stage
+adds a hop to every token; tensor groups stay inside a node), then keeps the most headroom on its
+tightest device. When none fits, `Infeasible` says how many bytes are missing and which single change
+would fit (another dtype, more devices of the largest size, a shorter context, fewer KV slots).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from shardmesh.planning.devices import DEFAULT_NODE, Device, compact_bytes, describe_devices, nodes_of
+from shardmesh.planning.memory import (
+    DTYPE_BYTES,
+    Limits,
+    ModelInfo,
+    RuntimeCosts,
+    ShardMemory,
+    shard_memory,
+    stage_memory,
+)
+from shardmesh.planning.units import format_bytes
+from shardworker.config import ModelConfig
+from shardworker.parallel import split_layers
+
+BALANCES = ("memory", "speed")
+
+
+class PlanError(ValueError):
+    """A request the planner cannot even try (an invalid tensor degree, too few devices per node)."""
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One change that makes the plan fit: what to do, in words and as option values."""
+
+    text: str
+    changes: dict[str, object]
+
+
+class Infeasible(PlanError):
+    """The model does not fit the devices; the message says by how much and what would fit."""
+
+    def __init__(self, summary: str, missing: int, closest: str, suggestions: list[Suggestion]) -> None:
+        self.summary, self.missing, self.closest, self.suggestions = summary, missing, closest, suggestions
+        lines = [f"{summary}: {format_bytes(missing)} missing ({missing} bytes); closest layout: {closest}"]
+        if suggestions:
+            lines.append("options that fit:")
+            lines += [f"  - {s.text}" for s in suggestions]
+        else:
+            lines.append("no single change of dtype, device count, context or KV slots makes it fit")
+        super().__init__("\n".join(lines))
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What to plan for; `tp` / `pp` None means choose."""
+
+    dtype: str = "bfloat16"
+    limits: Limits = field(default_factory=lambda: Limits(8, 4096, 4096))
+    runtime: RuntimeCosts = field(default_factory=RuntimeCosts)
+    tp: int | None = None
+    pp: int | None = None
+    balance: str = "memory"
+    node_order: tuple[str, ...] = ()
+    reserve: int = 0  # bytes every device keeps free beyond the predicted peak
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise PlanError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.balance not in BALANCES:
+            raise PlanError(f"balance must be one of {', '.join(BALANCES)}, got {self.balance!r}")
+        for name in ("tp", "pp"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise PlanError(f"{name} must be >= 1, got {v}")
+        if self.reserve < 0:
+            raise PlanError(f"reserve must be >= 0 bytes, got {self.reserve}")
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One process: stage × tensor rank, on one device."""
+
+    stage: int
+    tp_rank: int
+    rank: int  # global rank = stage × tp + tp_rank
+    device: Device
+    layers: tuple[int, int]
+    memory: ShardMemory
+
+    @property
+    def headroom(self) -> int:
+        return self.device.memory - self.memory.total
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelInfo
+    options: PlanOptions
+    tp: int
+    pp: int
+    shards: tuple[ShardPlan, ...]  # global rank order
+    unused: tuple[Device, ...]
+
+    @property
+    def layer_split(self) -> tuple[tuple[int, int], ...]:
+        return tuple(sh.layers for sh in self.shards if sh.tp_rank == 0)
+
+    @property
+    def min_headroom(self) -> int:
+        return min(sh.headroom for sh in self.shards)
+
+    @property
+    def fits(self) -> bool:
+        """Every device keeps at least `reserve` bytes free at its predicted peak."""
+        return self.min_headroom >= self.options.reserve
+
+    @property
+    def even_split(self) -> bool:
+        """Whether the split is the one `split_layers` gives without weights (what the coordinator uses)."""
+        return list(self.layer_split) == split_layers(self.model.cfg.num_layers, self.pp)
+
+
+# --- pure building blocks -----------------------------------------------------------------------------------
+
+
+def valid_tp_degrees(cfg: ModelConfig) -> list[int]:
+    """Degrees `apply_tp` accepts: divide the query heads and intermediate_size; divide the kv heads
+    or be a multiple of them (each kv head then replicated on tp / kv ranks)."""
+    h, kv = cfg.num_heads, cfg.num_kv_heads
+    return [d for d in range(1, h + 1)
+            if h % d == 0 and cfg.intermediate_size % d == 0 and (kv % d == 0 if d <= kv else d % kv == 0)]  # fmt: skip
+
+
+def tensor_groups(devices: tuple[Device, ...], tp: int, node_order: tuple[str, ...] = ()) -> list[tuple[Device, ...]]:
+    """Groups of `tp` devices of one node each, in pipeline order; a node's leftover devices are unused.
+
+    Within a node the devices are taken largest memory first (then fastest), so a group's members are
+    as alike as possible: every rank of a stage holds about the same bytes.
+    """
+    by_node = nodes_of(devices)
+    order = [n for n in node_order if n in by_node] + [n for n in by_node if n not in node_order]
+    groups = []
+    for node in order:
+        ds = sorted(by_node[node], key=lambda d: (-d.memory, -d.speed, d.index))
+        groups += [tuple(ds[i : i + tp]) for i in range(0, len(ds) - tp + 1, tp)]
+    return groups
+
+
+def capped_split(total: int, weights: list[float], caps: list[int]) -> list[tuple[int, int]]:
+    """Layer ranges with counts ∝ `weights`, each in [1, cap]; requires 1 <= cap and Σ cap >= total >= stages.
+
+    Water-filling: find λ with Σ clip(λ·w_s, 1, cap_s) = total (bisection; the sum grows with λ), floor
+    the shares, then give the layers still unplaced to the largest remainders among stages below cap.
+    """
+    stages = len(weights)
+    if not (stages <= total <= sum(caps)) or min(caps) < 1 or len(caps) != stages:
+        raise ValueError(f"cannot place {total} layers on {stages} stages with capacities {caps}")
+
+    def shares(lam: float) -> list[float]:
+        return [min(float(c), max(1.0, lam * w)) for w, c in zip(weights, caps, strict=True)]
+
+    lo, hi = 0.0, float(total) / min(weights) + 1.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(shares(mid)) < total else (lo, mid)
+    exact = shares(hi)
+    counts = [min(c, max(1, math.floor(x + 1e-9))) for x, c in zip(exact, caps, strict=True)]
+    by_remainder = sorted(range(stages), key=lambda i: exact[i] - counts[i], reverse=True)
+    while sum(counts) < total:
+        i = next(i for i in by_remainder if counts[i] < caps[i])
+        counts[i] += 1
+        by_remainder.remove(i)
+        by_remainder.append(i)
+    while sum(counts) > total:  # only from float slack; take from the stage with the smallest remainder
+        i = next(i for i in reversed(by_remainder) if counts[i] > 1)
+        counts[i] -= 1
+    bounds, start = [], 0
+    for c in counts:
+        bounds.append((start, start + c))
+        start += c
+    return bounds
+
+
+def stage_capacity(model: ModelInfo, group: tuple[Device, ...], first: bool, last: bool, max_layers: int,
+                   options: PlanOptions) -> int:  # fmt: skip
+    """The most layers (<= max_layers) this group holds at this position with every rank within memory."""
+
+    def fits(n: int) -> bool:
+        return all(
+            stage_memory(model, n, first, last, len(group), r, options.dtype, options.limits, options.runtime).total
+            + options.reserve <= d.memory
+            for r, d in enumerate(group)
+        )  # fmt: skip
+
+    if max_layers < 1 or not fits(1):
+        return 0
+    lo, hi = 1, max_layers  # fits(lo) holds; find the largest n that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def free_memory(model: ModelInfo, group: tuple[Device, ...], first: bool, last: bool, options: PlanOptions) -> int:
+    """Bytes the group's tightest rank has for layers at this position: its memory less the reserve and
+    everything a one-layer shard needs besides that layer's weights and KV cache."""
+    free = []
+    for r, d in enumerate(group):
+        one = stage_memory(model, 1, first, last, len(group), r, options.dtype, options.limits, options.runtime)
+        free.append(d.memory - options.reserve - (one.total - one.weights - one.kv_cache))
+    return min(free)
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """One layout tried: a plan when it fits, else how far it is from fitting."""
+
+    tp: int
+    groups: list[tuple[Device, ...]]
+    caps: list[int]
+    plan: Plan | None
+    missing: int
+
+
+def _layer_cost(model: ModelInfo, tp: int, options: PlanOptions) -> int:
+    """Bytes one more layer costs a whole stage (all its ranks): weights plus KV cache."""
+    total = 0
+    for r in range(tp):
+        one = stage_memory(model, 1, False, False, tp, r, options.dtype, options.limits, options.runtime)
+        total += one.weights + one.kv_cache
+    return total
+
+
+def _attempt(model: ModelInfo, devices: tuple[Device, ...], tp: int, options: PlanOptions) -> _Attempt | None:
+    num_layers = model.cfg.num_layers
+    groups = tensor_groups(devices, tp, options.node_order)
+    if not groups:
+        return None
+    if options.pp is not None:
+        if options.pp > len(groups):
+            return None
+        keep = sorted(range(len(groups)), key=lambda i: -min(d.memory for d in groups[i]))[: options.pp]
+        groups = [g for i, g in enumerate(groups) if i in keep]
+    groups = groups[:num_layers]
+    while True:  # a group that cannot hold one layer is left out (unless pp is fixed), and the rest re-sized
+        pp = len(groups)
+        caps = [stage_capacity(model, g, s == 0, s == pp - 1, num_layers - (pp - 1), options)
+                for s, g in enumerate(groups)]  # fmt: skip
+        keep = [g for g, c in zip(groups, caps, strict=True) if c >= 1]
+        if options.pp is not None or not keep or len(keep) == len(groups):
+            break
+        groups = keep
+    if min(caps) >= 1 and sum(caps) >= num_layers:
+        if options.balance == "memory":
+            weights = [float(free_memory(model, g, s == 0, s == pp - 1, options)) for s, g in enumerate(groups)]
+        else:
+            weights = [min(d.speed for d in g) for g in groups]
+        split = split_layers(num_layers, pp, weights)
+        if any(e - s > c for (s, e), c in zip(split, caps, strict=True)):
+            split = capped_split(num_layers, weights, caps)
+        shards = []
+        for s, (g, rng) in enumerate(zip(groups, split, strict=True)):
+            for r, d in enumerate(g):
+                mem = shard_memory(model, rng, tp, r, options.dtype, options.limits, options.runtime)
+                shards.append(ShardPlan(s, r, s * tp + r, d, rng, mem))
+        used = {sh.device for sh in shards}
+        plan = Plan(model, options, tp, pp, tuple(shards), tuple(d for d in devices if d not in used))
+        assert plan.min_headroom >= options.reserve, plan
+        return _Attempt(tp, groups, caps, plan, 0)
+    # How far from fitting: stages that cannot hold one layer miss what one layer needs there; the
+    # layers nobody can hold miss a whole layer (weights + KV, every rank) each.
+    missing = 0
+    for s, (g, c) in enumerate(zip(groups, caps, strict=True)):
+        if c == 0:
+            for r, d in enumerate(g):
+                one = stage_memory(model, 1, s == 0, s == pp - 1, tp, r, options.dtype, options.limits, options.runtime)
+                need = one.total
+                missing += max(0, need + options.reserve - d.memory)
+    missing += max(0, num_layers - sum(max(c, 1) for c in caps)) * _layer_cost(model, tp, options)
+    return _Attempt(tp, groups, caps, None, missing)
+
+
+def _attempts(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> list[_Attempt]:
+    degrees = valid_tp_degrees(model.cfg)
+    if options.tp is not None:
+        if options.tp not in degrees:
+            raise PlanError(f"tensor degree {options.tp} is not valid for this model (num_attention_heads="
+                            f"{model.cfg.num_heads}, num_key_value_heads={model.cfg.num_kv_heads}, intermediate_size="
+                            f"{model.cfg.intermediate_size}); valid degrees: {degrees}")  # fmt: skip
+        degrees = [options.tp]
+    largest_node = max(len(ds) for ds in nodes_of(devices).values())
+    usable = [d for d in degrees if d <= largest_node]
+    if not usable:
+        raise PlanError(f"tensor degree {degrees[0]} needs {degrees[0]} devices on one node; the largest node has "
+                        f"{largest_node} (tensor groups never span nodes)")  # fmt: skip
+    out = [a for tp in usable if (a := _attempt(model, devices, tp, options)) is not None]
+    if not out:
+        raise PlanError(f"pipeline degree {options.pp} needs {options.pp} tensor groups; these devices form fewer "
+                        f"for every valid tensor degree {usable}")  # fmt: skip
+    return out
+
+
+def _best(attempts: list[_Attempt]) -> Plan | None:
+    plans = [a.plan for a in attempts if a.plan is not None]
+    if not plans:
+        return None
+    return max(plans, key=lambda p: (len(p.shards), -p.pp, p.min_headroom))
+
+
+def try_plan(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> Plan | None:
+    """The chosen plan, or None when nothing fits (PlanError for requests that cannot be tried)."""
+    if not devices:
+        raise PlanError("no devices to plan on")
+    return _best(_attempts(model, devices, options))
+
+
+def plan(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> Plan:
+    """The chosen plan; `Infeasible` (with the missing bytes and options that fit) when nothing fits."""
+    attempts = _attempts(model, devices, options)
+    chosen = _best(attempts)
+    if chosen is not None:
+        return chosen
+    closest = min(attempts, key=lambda a: (a.missing, -len(a.groups) * a.tp))
+    pp = len(closest.groups)
+    caps = ", ".join(str(c) for c in closest.caps)
+    where = (f"tp={closest.tp} × pp={pp} on {pp * closest.tp} of {len(devices)} devices, stages hold at most "
+             f"[{caps}] of {model.cfg.num_layers} layers")  # fmt: skip
+    lim = options.limits
+    summary = (f"{model.name} ({options.dtype}, {lim.kv_slots} KV slots × {lim.max_context} tokens) does not fit "
+               f"on {describe_devices(devices)}")  # fmt: skip
+    raise Infeasible(summary, closest.missing, where, suggest(model, devices, options))
+
+
+def resplit(p: Plan, split: list[tuple[int, int]]) -> Plan:
+    """The same devices, tensor groups and stages with another layer split (it may not fit: see `Plan.fits`)."""
+    if len(split) != p.pp:
+        raise ValueError(f"need {p.pp} layer ranges, got {len(split)}")
+    o = p.options
+    shards = tuple(
+        ShardPlan(sh.stage, sh.tp_rank, sh.rank, sh.device, split[sh.stage],
+                  shard_memory(p.model, split[sh.stage], p.tp, sh.tp_rank, o.dtype, o.limits, o.runtime))
+        for sh in p.shards
+    )  # fmt: skip
+    return replace(p, shards=shards)
+
+
+def even(p: Plan) -> Plan:
+    """The plan with the even split the coordinator uses (`split_layers` without weights)."""
+    return resplit(p, split_layers(p.model.cfg.num_layers, p.pp))
+
+
+# --- what would fit -----------------------------------------------------------------------------------------
+
+
+def _fits(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> bool:
+    try:
+        return try_plan(model, devices, options) is not None
+    except PlanError:
+        return False
+
+
+def _largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
+    """The largest n in [lo, hi] with fits(n), assuming fits is monotone (true up to some n); None if none."""
+    if hi < lo or not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def _more_devices(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> Suggestion | None:
+    """The fewest extra devices of the largest size given, on one new node, that make it fit."""
+    size = max(d.memory for d in devices)
+    speed = max(d.speed for d in devices if d.memory == size)
+    node = "extra" if "extra" not in nodes_of(devices) else "extra2"
+
+    def with_extra(k: int) -> tuple[Device, ...]:
+        return devices + tuple(Device(node, i, size, speed) for i in range(k))
+
+    limit = 4 * model.cfg.num_layers  # more than a few devices per layer is never the answer
+    k = 1
+    while k < limit and not _fits(model, with_extra(k), options):
+        k *= 2
+    k = min(k, limit)
+    if not _fits(model, with_extra(k), options):
+        return None
+    # The smallest j in (k/2, k] that fits: k/2 did not (or k is 1), so bisect on "does not fit".
+    fewest = 1 + (_largest_fitting(k // 2, k - 1, lambda j: not _fits(model, with_extra(j), options)) or 0)
+    fewest = max(fewest, 1)
+    spec = describe_devices(with_extra(fewest))
+    return Suggestion(f"{fewest} more {compact_bytes(size)} device{'s' * (fewest > 1)} (--devices {spec})",
+                      {"devices": spec})  # fmt: skip
+
+
+def suggest(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> list[Suggestion]:
+    """Single changes that make the model fit, each checked by planning again."""
+    out: list[Suggestion] = []
+    lim = options.limits
+    for dtype in ("bfloat16", "float16"):
+        if DTYPE_BYTES[dtype] < DTYPE_BYTES[options.dtype] and _fits(model, devices, replace(options, dtype=dtype)):
+            out.append(Suggestion(f"--dtype {dtype} instead of {options.dtype} (half the bytes per weight and per "
+                                  f"KV entry)", {"dtype": dtype}))  # fmt: skip
+            break
+    more = _more_devices(model, devices, options)
+    if more is not None:
+        out.append(more)
+
+    def with_context(n: int) -> PlanOptions:
+        return replace(options, limits=Limits(lim.kv_slots, n, min(lim.max_batch_tokens, n)))
+
+    ctx = _largest_fitting(1, lim.max_context - 1, lambda n: _fits(model, devices, with_context(n)))
+    if ctx is not None:
+        out.append(Suggestion(f"--max-context {ctx} instead of {lim.max_context} (a shorter KV cache per slot)",
+                              {"max_context": ctx, "max_batch_tokens": min(lim.max_batch_tokens, ctx)}))  # fmt: skip
+    slots = _largest_fitting(
+        1, lim.kv_slots - 1, lambda n: _fits(model, devices, replace(options, limits=replace(lim, kv_slots=n)))
+    )
+    if slots is not None:
+        out.append(Suggestion(f"--kv-slots {slots} instead of {lim.kv_slots} (fewer sequences in flight)",
+                              {"kv_slots": slots}))  # fmt: skip
+    return out
+
+
+__all__ = ["DEFAULT_NODE", "Infeasible", "Plan", "PlanError", "PlanOptions", "ShardPlan", "Suggestion", "plan",
+           "suggest", "try_plan", "valid_tp_degrees"]  # fmt: skip

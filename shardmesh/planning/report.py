@@ -1,0 +1,102 @@
+"""A plan as a table for people and as JSON for programs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardmesh.planning.devices import describe_devices
+from shardmesh.planning.planner import Infeasible, Plan
+from shardmesh.planning.units import format_bytes
+
+COLUMNS = ("rank", "stage", "node", "device", "layers", "tp rank", "weights", "KV cache", "other", "total",
+           "memory", "headroom")  # fmt: skip
+
+
+def _rows(plan: Plan) -> list[tuple[str, ...]]:
+    rows = []
+    for sh in plan.shards:
+        m = sh.memory
+        rows.append((str(sh.rank), str(sh.stage), sh.device.node, str(sh.device.index),
+                     f"[{sh.layers[0]}, {sh.layers[1]})", f"{sh.tp_rank}/{plan.tp}", format_bytes(m.weights),
+                     format_bytes(m.kv_cache), format_bytes(m.other), format_bytes(m.total),
+                     format_bytes(sh.device.memory), format_bytes(sh.headroom)))  # fmt: skip
+    return rows
+
+
+def notes(plan: Plan) -> list[str]:
+    """What a person should know before deploying this plan."""
+    out = []
+    if plan.unused:
+        out.append(f"unused devices: {', '.join(d.name for d in plan.unused)} (left over from whole tensor groups of "
+                   f"a node, or too small to hold a layer)")  # fmt: skip
+    if not plan.even_split:
+        out.append("the coordinator splits layers evenly today; `shardmesh up --manifest` deploys this plan only "
+                   "when the even split fits too")  # fmt: skip
+    if not plan.model.has_weights:
+        out.append(f"planned from config.json alone (weights assumed stored as {plan.model.checkpoint_dtype})")
+    rt = plan.options.runtime
+    where = "host memory (RSS)" if rt.device == "cpu" else "device memory"
+    out.append(f"planned for {rt.device} workers, in {where}; other = the worker process ({format_bytes(rt.process)}"
+               + (f", +{format_bytes(rt.first_stage)} on stage 0" if rt.first_stage else "")
+               + "), rope tables and step activations, or the loading transient when larger"
+               + (" (on CPU every matrix is briefly held twice while build_shard re-lays it out)"
+                  if rt.device == "cpu" else ""))  # fmt: skip
+    return out
+
+
+def render_table(plan: Plan) -> str:
+    """The plan as an aligned text table with a header and notes."""
+    cfg, o = plan.model.cfg, plan.options
+    weights = sum(sh.memory.weights for sh in plan.shards)
+    kv = sum(sh.memory.kv_cache for sh in plan.shards)
+    lines = [
+        f"model: {plan.model.name} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads / "
+        f"{cfg.num_kv_heads} kv heads, vocab {cfg.vocab_size})",
+        f"serving: {o.dtype}, {o.limits.kv_slots} KV slots × {o.limits.max_context} tokens, "
+        f"{o.limits.max_batch_tokens} tokens per step",
+        f"plan: tp={plan.tp} × pp={plan.pp} on {len(plan.shards)} of {len(plan.shards) + len(plan.unused)} devices "
+        f"(balance: {o.balance}); weights {format_bytes(weights)}, KV cache {format_bytes(kv)} in all",
+        "",
+    ]  # fmt: skip
+    rows = [COLUMNS, *_rows(plan)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    left = {"node", "layers"}
+    for r in rows:
+        cells = [c.ljust(widths[i]) if COLUMNS[i] in left else c.rjust(widths[i]) for i, c in enumerate(r)]
+        lines.append("  ".join(cells).rstrip())
+    lines.append("")
+    lines += [f"note: {n}" for n in notes(plan)]
+    return "\n".join(lines)
+
+
+def plan_to_json(plan: Plan) -> dict[str, Any]:
+    """Everything in the table, in bytes, plus the inputs."""
+    o = plan.options
+    return {
+        "model": {"name": plan.model.name, "path": str(plan.model.path), "num_layers": plan.model.cfg.num_layers,
+                  "has_weights": plan.model.has_weights, "checkpoint_dtype": plan.model.checkpoint_dtype},
+        "dtype": o.dtype,
+        "limits": {"kv_slots": o.limits.kv_slots, "max_context": o.limits.max_context,
+                   "max_batch_tokens": o.limits.max_batch_tokens},
+        "runtime": {"process": o.runtime.process, "first_stage": o.runtime.first_stage},
+        "balance": o.balance, "reserve": o.reserve,
+        "tp": plan.tp, "pp": plan.pp,
+        "layer_split": [list(r) for r in plan.layer_split],
+        "even_split": plan.even_split,
+        "shards": [
+            {"rank": sh.rank, "stage": sh.stage, "tp_rank": sh.tp_rank, "node": sh.device.node,
+             "device": sh.device.index, "layers": list(sh.layers), "device_memory": sh.device.memory,
+             "weights": sh.memory.weights, "kv_cache": sh.memory.kv_cache, "activations": sh.memory.activations,
+             "buffers": sh.memory.buffers, "load": sh.memory.load, "runtime": sh.memory.runtime,
+             "other": sh.memory.other, "total": sh.memory.total, "headroom": sh.headroom}
+            for sh in plan.shards
+        ],
+        "unused_devices": [d.name for d in plan.unused],
+        "devices": describe_devices(tuple(sh.device for sh in plan.shards) + plan.unused),
+        "notes": notes(plan),
+    }  # fmt: skip
+
+
+def infeasible_to_json(e: Infeasible) -> dict[str, Any]:
+    return {"error": "infeasible", "summary": e.summary, "missing_bytes": e.missing, "closest": e.closest,
+            "options": [{"text": s.text, "changes": s.changes} for s in e.suggestions]}  # fmt: skip
