@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from shardmesh import telemetry
 from shardmesh.flags import env_flags
 
 ENV_PREFIX = "SHARDMESH_COORDINATOR_"
@@ -39,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--max-batch-tokens", type=int, help="tokens per step over the batch (default: --max-context)")
     flag("--max-message-mb", 64, type=int, help="gRPC max send/receive message size in MiB (default 64)")
     flag("--log-level", help="debug, info, warning or error (default: $SHARDMESH_LOG_LEVEL or info)")
+    telemetry.add_flags(flag)
 
 
 EXIT_USAGE = 2
@@ -109,6 +111,11 @@ def build_config(args: argparse.Namespace) -> Any:
         raise _usage(f"--max-batch-tokens: must be >= 1, got {max_batch}")
     if args.max_message_mb < 1:
         raise _usage(f"--max-message-mb: must be >= 1, got {args.max_message_mb}")
+    try:
+        telemetry.check_metrics_port(args.metrics_port)
+        telemetry.export_config(args.otlp_endpoint)
+    except telemetry.TelemetryConfigError as e:
+        raise _usage(str(e)) from None
     store_host = args.store_host or (socket.gethostname() if host in _WILDCARD_HOSTS else host.strip("[]"))
     model = ModelSpec(str(model_dir.resolve()), args.dtype, cfg.architecture, cfg.num_layers, cfg.hidden_size,
                       cfg.vocab_size, cfg.max_context)  # fmt: skip
@@ -116,7 +123,8 @@ def build_config(args: argparse.Namespace) -> Any:
         listen=args.listen, model=model, pp=args.pp, tp=args.tp,
         limits=ServingLimits(args.kv_slots, max_context, max_batch), heartbeat_interval=interval,
         heartbeat_timeout=timeout, store_host=store_host, store_port=args.store_port,
-        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        max_message_bytes=args.max_message_mb * 1024 * 1024, metrics_port=args.metrics_port,
+        otlp_endpoint=args.otlp_endpoint,
     )  # fmt: skip
 
 
@@ -131,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     logger = log.configure("coordinator", level=args.log_level)
+    telemetry.setup_tracing("coordinator", args.otlp_endpoint)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     server = CoordinatorServer(cfg, logger)

@@ -146,7 +146,7 @@ class WorkerRecord:
 
     def view(self) -> placement.WorkerView:
         return placement.WorkerView(self.worker_id, self.address, self.incarnation, self.reported,
-                                    self.applied_version, self.timed_out)  # fmt: skip
+                                    self.applied_version, self.timed_out, self.labels)  # fmt: skip
 
 
 class Registry:

@@ -33,6 +33,7 @@ class WorkerView:
     reported: ShardState  # the state the worker last reported
     applied_version: int  # the newest topology version the worker says it has acted on
     timed_out: bool  # heartbeats stopped for longer than the timeout
+    labels: tuple[tuple[str, str], ...] = ()  # as registered; published with the slot it holds
 
 
 def empty_slots(pp: int, tp: int) -> Slots:
@@ -109,7 +110,7 @@ def build_topology(
             rank = s * tp + t
             worker = workers.get(slots[rank]) if slots[rank] is not None else None  # type: ignore[arg-type]
             shards.append(ShardAssignment(t, rank, worker.worker_id if worker else "", worker.address if worker else "",
-                                          shard_state(worker, epoch)))  # fmt: skip
+                                          shard_state(worker, epoch), worker.labels if worker else ()))  # fmt: skip
         stages.append(Stage(s, start, end, tuple(shards)))
     rendezvous = Rendezvous.for_epoch(store_host, store_port, epoch, pp * tp) if epoch is not None else None
     complete = rendezvous is not None and all(sh.state is ShardState.READY for st in stages for sh in st.shards)

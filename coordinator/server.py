@@ -8,6 +8,7 @@ server with health and reflection, and the thread that notices silent workers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from coordinator.membership import (
     UnknownWorker,
     check_worker_id,
 )
+from shardmesh import telemetry
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from shardmesh.topology import ModelSpec, ServingLimits
 
@@ -51,6 +53,8 @@ class CoordinatorConfig:
     store_host: str  # host workers reach the rendezvous store at
     store_port: int = 0  # 0 picks a free one
     max_message_bytes: int = 64 * 1024 * 1024
+    metrics_port: int = 0  # 0: no metrics endpoint
+    otlp_endpoint: str | None = None
 
     @property
     def thread_pool_size(self) -> int:
@@ -87,6 +91,22 @@ def _duration(seconds: float) -> duration_pb2.Duration:
     return d
 
 
+@contextlib.contextmanager
+def _membership_span(method: str, context: grpc.ServicerContext) -> Iterator[Any]:
+    """A span for a membership change (Register, Deregister: rare, unlike heartbeats); None when tracing is off."""
+    tracer = telemetry.tracer()
+    if tracer is None:
+        yield None
+        return
+    from opentelemetry.trace import SpanKind
+
+    parent = telemetry.extract(context.invocation_metadata())
+    attributes = {"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method}
+    with tracer.start_as_current_span(f"{SERVICE_NAME}/{method}", context=parent, kind=SpanKind.SERVER,
+                                      attributes=attributes) as span:  # fmt: skip
+        yield span
+
+
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, registry: Registry, heartbeat_interval: float) -> None:
         self._registry = registry
@@ -94,7 +114,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @_maps_errors
     def Register(self, request: coordinator_pb2.RegisterRequest, context: grpc.ServicerContext) -> Any:
-        worker_id, topology = self._registry.register(Registration.from_pb(request))
+        with _membership_span("Register", context) as span:
+            worker_id, topology = self._registry.register(Registration.from_pb(request))
+            if span is not None:
+                span.set_attributes({"shardmesh.worker_id": worker_id, "shardmesh.address": request.address,
+                                     "shardmesh.topology_version": topology.version})  # fmt: skip
         return coordinator_pb2.RegisterResponse(
             worker_id=worker_id, heartbeat_interval=_duration(self._interval),
             heartbeat_timeout=_duration(self._registry.heartbeat_timeout), topology=topology.to_pb(),
@@ -107,7 +131,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @_maps_errors
     def Deregister(self, request: coordinator_pb2.DeregisterRequest, context: grpc.ServicerContext) -> Any:
-        version = self._registry.deregister(check_worker_id(request.worker_id))
+        with _membership_span("Deregister", context) as span:
+            version = self._registry.deregister(check_worker_id(request.worker_id))
+            if span is not None:
+                span.set_attributes({"shardmesh.worker_id": request.worker_id, "shardmesh.topology_version": version})
         return coordinator_pb2.DeregisterResponse(topology_version=version)
 
     def WatchTopology(
@@ -137,8 +164,10 @@ class CoordinatorServer:
             experimental_non_blocking=True, experimental_thread_pool=futures.ThreadPoolExecutor(max_workers=2)
         )
         self._monitor: threading.Thread | None = None
+        self._metrics_server: Any = None
         self.registry: Registry | None = None
         self.port = 0
+        self.metrics_port = 0
 
     def start(self) -> None:
         import torch.distributed as dist  # heavy import, only where the store is made
@@ -166,6 +195,8 @@ class CoordinatorServer:
             raise RuntimeError(f"--listen: cannot listen on {cfg.listen}: {e}") from None
         if self.port == 0:
             raise RuntimeError(f"--listen: cannot listen on {cfg.listen}")
+        if cfg.metrics_port:
+            self._start_metrics(cfg.listen.rpartition(":")[0].strip("[]"), cfg.metrics_port)
         server.start()
         self._server = server
         for service in ("", SERVICE_NAME):
@@ -177,7 +208,19 @@ class CoordinatorServer:
             "listening", address=f"{host}:{self.port}", port=self.port, store_host=cfg.store_host,
             store_port=self._store.port, pp=cfg.pp, tp=cfg.tp, model=cfg.model.path, dtype=cfg.model.dtype,
             heartbeat_interval_s=cfg.heartbeat_interval, heartbeat_timeout_s=cfg.heartbeat_timeout,
+            metrics_port=self.metrics_port or "off", **telemetry.describe_tracing(cfg.otlp_endpoint),
         )  # fmt: skip
+
+    def _start_metrics(self, host: str, port: int) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from coordinator.metrics import CoordinatorCollector
+
+        assert self.registry is not None
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(CoordinatorCollector(self.registry))
+        self._metrics_server = telemetry.serve_metrics(registry, host, port)
+        self.metrics_port = self._metrics_server.server_port
 
     def _watch_heartbeats(self) -> None:
         assert self.registry is not None
@@ -199,4 +242,7 @@ class CoordinatorServer:
             self._server.stop(grace).wait(grace + 1.0)
         if self._monitor is not None:
             self._monitor.join(timeout=1.0)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        telemetry.shutdown_tracing()
         self._log.info("shutdown_complete")

@@ -38,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--shutdown-grace", 5.0, type=float, help="seconds running requests get to finish on SIGTERM (default 5)")
     flag("--model-dir", help="where to read the tokenizer (default: the model path in the coordinator's topology)")
     flag("--log-level", help="debug, info, warning or error (default: $SHARDMESH_LOG_LEVEL or info)")
+    from shardmesh import telemetry  # standard library only at import time
+
+    telemetry.add_flags(flag)
+    flag("--trace-decode-steps", 8, type=int,
+         help="decode steps traced per request, each with one span per shard; later ones are only counted on the "
+              "request span (default 8)")  # fmt: skip
 
 
 class GatewayUsageError(Exception):
@@ -55,6 +61,7 @@ def _check_address(flag: str, value: str, *, dial: bool = False) -> None:
 def build_config(args: argparse.Namespace) -> Any:
     """Validate the flags; returns a `GatewayConfig`."""
     from gateway.server import GatewayConfig
+    from shardmesh import telemetry
 
     _check_address("--listen", args.listen)
     _check_address("--coordinator", args.coordinator, dial=True)
@@ -64,21 +71,28 @@ def build_config(args: argparse.Namespace) -> Any:
         ("--default-max-new-tokens", args.default_max_new_tokens >= 1, ">= 1"),
         ("--step-timeout", args.step_timeout > 0, "> 0 seconds"),
         ("--shutdown-grace", args.shutdown_grace >= 0, ">= 0 seconds"),
+        ("--trace-decode-steps", args.trace_decode_steps >= 0, ">= 0"),
     ]
     for name, ok, rule in checks:
         if not ok:
             raise GatewayUsageError(f"{name}: must be {rule}, got {getattr(args, name[2:].replace('-', '_'))}")
+    try:
+        telemetry.check_metrics_port(args.metrics_port)
+        telemetry.export_config(args.otlp_endpoint)
+    except telemetry.TelemetryConfigError as e:
+        raise GatewayUsageError(str(e)) from None
     return GatewayConfig(
         listen=args.listen, coordinator=args.coordinator, max_queue=args.max_queue,
         max_message_bytes=args.max_message_bytes, default_max_new_tokens=args.default_max_new_tokens,
         step_timeout=args.step_timeout, shutdown_grace=args.shutdown_grace, model_dir=args.model_dir,
+        metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint, trace_decode_steps=args.trace_decode_steps,
     )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT, then shut down gracefully (exit 0)."""
     from gateway.server import GatewayServer
-    from shardmesh import log
+    from shardmesh import log, telemetry
 
     try:
         cfg = build_config(args)
@@ -88,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     # The process identity goes on the logger itself, not only in the main thread's contextvars:
     # gRPC handler threads and the scheduler thread start with an empty context.
     logger = log.configure("gateway", level=args.log_level).bind(service="gateway", pid=os.getpid())
+    telemetry.setup_tracing("gateway", args.otlp_endpoint)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     server = GatewayServer(cfg, logger)
@@ -98,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         logger.info("signal_received")
     finally:
         server.stop()
+        telemetry.shutdown_tracing()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0

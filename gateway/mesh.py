@@ -76,9 +76,13 @@ class MeshView:
         """Last stage, tp rank 0: the shard whose response carries the sampled tokens."""
         return self.shards[(self.pp - 1) * self.tp]
 
-    def step(self, request: worker_pb2.StepRequest, timeout: float) -> worker_pb2.StepResponse:
-        """Run `request` on every shard; the sampler's response, or ShardFailure for the first failure."""
-        calls = [(shard, shard.stub.Step.future(request, timeout=timeout)) for shard in self.shards]
+    def step(
+        self, request: worker_pb2.StepRequest, timeout: float, metadata: Sequence[tuple[str, str]] | None = None
+    ) -> worker_pb2.StepResponse:
+        """Run `request` on every shard; the sampler's response, or ShardFailure for the first failure.
+        `metadata`: trace context for the workers' spans (only when the step is traced)."""
+        kw: dict[str, Any] = {"timeout": timeout} if metadata is None else {"timeout": timeout, "metadata": metadata}
+        calls = [(shard, shard.stub.Step.future(request, **kw)) for shard in self.shards]
         responses = _gather(calls, timeout)
         return responses[(self.pp - 1) * self.tp]
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from gateway.errors import GatewayError, Internal, InvalidArgument, ResourceExhausted, Unavailable
 from gateway.mesh import MeshView, ShardFailure
+from gateway.observe import GatewayObserver, RequestTrace
 from gateway.requests import ModelContext, PreparedRequest
 from gateway.results import EndEvent, FinishReason, RequestHandle, Summary, Timings, TokenEvent
 from gateway.text import CompletionText
@@ -63,6 +64,8 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     first_step_at: float | None = None
     token_times: list[float] = field(default_factory=list)
+    trace: RequestTrace | None = None  # its spans, when tracing is on
+    trace_id: str = ""  # for log lines written outside the request's own thread
 
     @property
     def prompt_len(self) -> int:
@@ -84,10 +87,12 @@ class Scheduler:
     """Owns request admission and the step loop. Thread-safe entry points: `submit`,
     `serving_context`, `update_mesh`, `snapshot`, `shutdown` and `RequestHandle.cancel`."""
 
-    def __init__(self, cfg: SchedulerConfig, logger: Any, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cfg: SchedulerConfig, logger: Any, clock: Callable[[], float] = time.monotonic,
+                 observer: GatewayObserver | None = None) -> None:  # fmt: skip
         self.cfg = cfg
         self._log = logger
         self._clock = clock
+        self._obs = observer  # tracing and metrics; None when both are off
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()  # orders readiness notifications; taken before _lock
         self._wakeup = threading.Event()
@@ -147,8 +152,14 @@ class Scheduler:
             eos_token_ids=state.model.eos_token_ids, default_max_new_tokens=self.cfg.default_max_new_tokens,
         )  # fmt: skip
 
-    def submit(self, req: PreparedRequest) -> RequestHandle:
-        """Queue a request; its events arrive on the returned handle."""
+    def load(self) -> tuple[int, int, int, bool]:
+        """(waiting, running, free KV slots, ready), for metrics."""
+        with self._lock:
+            return len(self._waiting), len(self._running), self._free_slots_locked(), self._ready_locked()
+
+    def submit(self, req: PreparedRequest, trace: RequestTrace | None = None, trace_id: str = "") -> RequestHandle:
+        """Queue a request; its events arrive on the returned handle. `trace`: its spans (tracing on);
+        `trace_id`: what the scheduler's log lines about it carry."""
         with self._lock:
             if not self._ready_locked():
                 raise Unavailable(self._not_ready_reason())
@@ -161,7 +172,10 @@ class Scheduler:
                 key = f"{req.request_id}#{n}"
             self._keys.add(key)
             handle = RequestHandle(req.request_id, self._wakeup.set)
-            self._waiting.append(_Sequence(req, handle, key, CompletionText(req.tokenizer, req.stop)))
+            if trace is not None:
+                trace.queued()
+            self._waiting.append(_Sequence(req, handle, key, CompletionText(req.tokenizer, req.stop), trace=trace,
+                                           trace_id=trace_id))  # fmt: skip
         self._wakeup.set()
         return handle
 
@@ -296,6 +310,8 @@ class Scheduler:
                 self._end_failed(s, InvalidArgument("params.max_new_tokens", limit))
                 continue
             s.slot, s.view = slot, view
+            if s.trace is not None:
+                s.trace.admitted(slot)
             self._running.append(s)
 
     def _plan(self, view: MeshView) -> list[_Planned]:
@@ -336,16 +352,22 @@ class Scheduler:
                 p.seq.first_step_at = started
         request = worker_pb2.StepRequest(step_id=self._step_id, topology_version=view.version,
                                          entries=[self._entry(p) for p in planned])  # fmt: skip
+        obs = self._obs
+        traced = obs.step_started(self._step_id, view, planned) if obs is not None else None
         try:
-            response = view.step(request, self.cfg.step_timeout)
+            response = view.step(request, self.cfg.step_timeout, traced.metadata if traced is not None else None)
             sampled = [p for p in planned if p.sample]
             if len(response.tokens) != len(sampled):
                 raise ShardFailure(view.sampler, ValueError(
                     f"answered {len(response.tokens)} tokens for {len(sampled)} sampled entries"))  # fmt: skip
         except ShardFailure as e:
+            if obs is not None:
+                obs.step_done(traced, len(planned), 0, self._clock() - started, None, str(e))
             self._on_step_failure(e, seq)
             return
         now = self._clock()
+        if obs is not None:
+            obs.step_done(traced, len(planned), sum(p.num_tokens for p in planned), now - started, response)
         self._log.debug("step", step_id=self._step_id, entries=len(planned), tokens=sum(p.num_tokens for p in planned),
                         ms=round((now - started) * 1000, 3))  # fmt: skip
         for p in planned:
@@ -359,7 +381,8 @@ class Scheduler:
             self._failure = str(e)
         self._log.error("step_failed", step_id=self._step_id, error=str(e), worker=e.shard.address,
                         stage=e.shard.stage, tp_rank=e.shard.tp_rank,
-                        request_ids=[s.req.request_id for s in self._running])  # fmt: skip
+                        request_ids=[s.req.request_id for s in self._running],
+                        trace_ids=[s.trace_id for s in self._running])  # fmt: skip
         self._publish_ready()
         error = Unavailable(str(e))
         for s in list(self._running):  # every running request's cache lives on the broken mesh
@@ -369,6 +392,8 @@ class Scheduler:
         s.tokens.append(int(token_id))
         s.logprobs.append(float(logprob))
         s.token_times.append(now)
+        if s.trace is not None and len(s.tokens) == 1:
+            s.trace.first_token()
         delta = s.text.add(token_id)
         if s.text.stopped or token_id in s.req.eos_token_ids:
             reason: FinishReason | None = FinishReason.STOP
@@ -403,8 +428,11 @@ class Scheduler:
             self._to_release.append(s)
         with self._lock:
             self._keys.discard(s.key)
+        if self._obs is not None:
+            self._obs.request_finished(s.trace, summary)
         t = summary.timings
-        self._log.info("request_finished", request_id=s.req.request_id, finish_reason=summary.finish_reason.value,
+        self._log.info("request_finished", request_id=s.req.request_id, trace_id=s.trace_id,
+                       finish_reason=summary.finish_reason.value,
                        prompt_tokens=summary.prompt_tokens, completion_tokens=summary.completion_tokens,
                        queue_ms=round(t.queue_ms, 3), time_to_first_token_ms=round(t.time_to_first_token_ms, 3),
                        total_ms=round(t.total_ms, 3))  # fmt: skip
@@ -412,7 +440,8 @@ class Scheduler:
     def _end_cancelled(self, s: _Sequence, by: str) -> None:
         delta = s.text.finish()
         summary = self._summary(s, FinishReason.CANCELLED, self._clock())
-        self._log.info("request_cancelled", request_id=s.req.request_id, by=by, completion_tokens=len(s.tokens))
+        self._log.info("request_cancelled", request_id=s.req.request_id, trace_id=s.trace_id, by=by,
+                       completion_tokens=len(s.tokens))  # fmt: skip
         self._finish(s, summary)
         s.handle.events.put(EndEvent(summary=summary, text_delta=delta))
 
@@ -422,6 +451,8 @@ class Scheduler:
             self._to_release.append(s)
         with self._lock:
             self._keys.discard(s.key)
+        if self._obs is not None:
+            self._obs.request_failed(s.trace, error)
         s.handle.events.put(EndEvent(error=error))
 
     def _release_ended(self) -> None:
@@ -434,7 +465,8 @@ class Scheduler:
         for view, group in by_view.values():
             sequences = [worker_pb2.ReleasedSequence(request_id=s.key, slot=s.slot) for s in group]
             for failure in view.release(sequences, self.cfg.release_timeout):
-                self._log.warning("release_failed", error=str(failure), request_ids=[s.req.request_id for s in group])
+                self._log.warning("release_failed", error=str(failure), request_ids=[s.req.request_id for s in group],
+                                  trace_ids=[s.trace_id for s in group])  # fmt: skip
         with self._lock:
             current = self._slots_for
             for s in ended:

@@ -32,10 +32,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.errors import Cancelled, GatewayError, Internal, InvalidArgument, ResourceExhausted, Unavailable
+from gateway.observe import DEFAULT_TRACE_DECODE_STEPS, GatewayMetrics, GatewayObserver, RequestTrace
 from gateway.requests import GenerateCall, GenerateParams, PromptInput, prepare, request_id_of
 from gateway.results import EndEvent, Event, FinishReason, RequestHandle, Summary, TokenEvent, is_last
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.topology import MeshSource, TopologyWatcher
+from shardmesh import telemetry
 from shardmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name  # "shardmesh.v1.Gateway"
@@ -69,6 +71,9 @@ class GatewayConfig:
     step_timeout: float = 120.0
     shutdown_grace: float = 5.0
     model_dir: str | None = None  # where this gateway reads the tokenizer; default: the topology's model path
+    metrics_port: int = 0  # 0: no metrics endpoint
+    otlp_endpoint: str | None = None  # tracing is set up by the process (`app.run`); this is for the log line
+    trace_decode_steps: int = DEFAULT_TRACE_DECODE_STEPS  # decode steps traced per request; later ones aggregated
 
     @property
     def thread_pool_size(self) -> int:
@@ -88,37 +93,73 @@ def _summary_pb(summary: Summary) -> gateway_pb2.StreamSummary:
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One RPC as the servicer tracks it: the request id, its trace id (always set, for logs) and
+    its spans (tracing on only)."""
+
+    request_id: str
+    trace_id: str
+    trace: RequestTrace | None
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, scheduler: Scheduler, logger: Any) -> None:
+    def __init__(self, scheduler: Scheduler, logger: Any, observer: GatewayObserver | None = None) -> None:
         self._scheduler = scheduler
         self._log = logger
+        self._obs = observer
 
     @contextlib.contextmanager
-    def _request(self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext) -> Iterator[str]:
-        """Bind the request id to every log line and turn any failure into one status + one log line."""
+    def _request(self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext,
+                 method: str) -> Iterator[_Call]:  # fmt: skip
+        """Bind the request id and trace id to every log line, trace the RPC (when tracing is on), and
+        turn any failure into one status + one log line.
+
+        The trace id is the request span's when tracing is on; otherwise the client's `traceparent`'s
+        when it sent one, so its logs still join ours; otherwise a fresh one, for log correlation only.
+        """
         refusal: InvalidArgument | None = None
         try:
             request_id = request_id_of(request)
         except InvalidArgument as e:  # a too-long id: refuse it, logged under a shortened one
             request_id, refusal = request.request_id[:32] + "...", e
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
-            context.set_trailing_metadata((("request-id", request_id),))
+        metadata = context.invocation_metadata()
+        obs = self._obs
+        trace = obs.start_request(method, metadata, request_id) if obs is not None else None
+        trace_id = trace.trace_id if trace is not None else (telemetry.client_trace_id(metadata) or
+                                                              telemetry.new_trace_id())  # fmt: skip
+        error: BaseException | None = None
+        code_name = ""
+        with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=trace_id):
+            context.set_trailing_metadata((("request-id", request_id), ("trace-id", trace_id)))
             try:
                 if refusal is not None:
                     raise refusal
-                yield request_id
+                yield _Call(request_id, trace_id, trace)
             except GatewayError as e:
                 code = status_for(e)
+                error, code_name = e, code.name
                 self._log.warning("request_failed", code=code.name, error=str(e))
+                if obs is not None:
+                    obs.request_errored(code.name)
                 context.abort(code, str(e))
-            except Exception:
+            except Exception as e:
+                error, code_name = e, grpc.StatusCode.INTERNAL.name
                 self._log.exception("request_error")
+                if obs is not None:
+                    obs.request_errored(code_name)
                 context.abort(grpc.StatusCode.INTERNAL, f"internal error (request_id {request_id}; see gateway logs)")
+            finally:
+                if trace is not None:
+                    GatewayObserver.end_request(trace, error, code_name)
 
-    def _start(self, request: gateway_pb2.GenerateRequest, request_id: str, arrival: float) -> RequestHandle:
-        call = GenerateCall(request_id, PromptInput.from_pb(request), GenerateParams.of_request(request))
-        prepared = prepare(call, self._scheduler.serving_context(), arrival)
-        return self._scheduler.submit(prepared)
+    def _start(self, request: gateway_pb2.GenerateRequest, call: _Call, arrival: float) -> RequestHandle:
+        started_ns = time.time_ns() if call.trace is not None else 0
+        generate = GenerateCall(call.request_id, PromptInput.from_pb(request), GenerateParams.of_request(request))
+        prepared = prepare(generate, self._scheduler.serving_context(), arrival)
+        if call.trace is not None:
+            call.trace.prepared(started_ns, len(prepared.prompt_ids))
+        return self._scheduler.submit(prepared, call.trace, call.trace_id)
 
     def _events(self, handle: RequestHandle, context: grpc.ServicerContext) -> Iterator[Event]:
         if not context.add_callback(handle.cancel):
@@ -139,9 +180,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext) -> Any:
         arrival = time.monotonic()
-        with self._request(request, context) as request_id:
-            handle = self._start(request, request_id, arrival)
-            response = gateway_pb2.GenerateResponse(request_id=request_id)
+        with self._request(request, context, "Generate") as call:
+            handle = self._start(request, call, arrival)
+            response = gateway_pb2.GenerateResponse(request_id=call.request_id)
             text: list[str] = []
             for event in self._events(handle, context):
                 if isinstance(event, TokenEvent):
@@ -160,8 +201,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[gateway_pb2.GenerateStreamResponse]:
         arrival = time.monotonic()
-        with self._request(request, context) as request_id:
-            handle = self._start(request, request_id, arrival)
+        with self._request(request, context, "GenerateStream") as call:
+            handle = self._start(request, call, arrival)
+            request_id = call.request_id
             for event in self._events(handle, context):
                 if isinstance(event, EndEvent):  # cancelled: by the client (gone) or by shutdown
                     if context.is_active():
@@ -194,11 +236,20 @@ class GatewayServer:
     def __init__(self, cfg: GatewayConfig, logger: Any, mesh_source: MeshSource | None = None) -> None:
         self.cfg = cfg
         self._log = logger
+        tracer = telemetry.tracer()  # None unless the process set up tracing
+        observer = None
+        if tracer is not None or cfg.metrics_port:
+            observer = GatewayObserver(tracer, None, cfg.trace_decode_steps)
+        self.observer = observer
         self.scheduler = Scheduler(
             SchedulerConfig(max_queue=cfg.max_queue, default_max_new_tokens=cfg.default_max_new_tokens,
                             step_timeout=cfg.step_timeout),
-            logger,
+            logger, observer=observer,
         )  # fmt: skip
+        if observer is not None and cfg.metrics_port:
+            observer.metrics = GatewayMetrics(self.scheduler.load)
+        self._metrics_server: Any = None
+        self.metrics_port = 0
         self.mesh_source: MeshSource = mesh_source or TopologyWatcher(
             cfg.coordinator, logger=logger, max_message_bytes=cfg.max_message_bytes, model_dir=cfg.model_dir
         )
@@ -217,7 +268,8 @@ class GatewayServer:
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ]
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.thread_pool_size), options=options)
-        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self.scheduler, self._log), server)
+        servicer = GatewayServicer(self.scheduler, self._log, self.observer)
+        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         try:
@@ -226,6 +278,11 @@ class GatewayServer:
             raise RuntimeError(f"--listen: cannot listen on {cfg.listen}: {e}") from None
         if self.port == 0:
             raise RuntimeError(f"--listen: cannot listen on {cfg.listen}")
+        if self.observer is not None and self.observer.metrics is not None:
+            self._metrics_server = telemetry.serve_metrics(
+                self.observer.metrics.registry, cfg.listen.rpartition(":")[0].strip("[]"), cfg.metrics_port
+            )
+            self.metrics_port = self._metrics_server.server_port
         self._set_health(False)
         self.scheduler.add_ready_listener(self._set_health)
         self.scheduler.start()
@@ -235,7 +292,9 @@ class GatewayServer:
         self._server = server
         host = cfg.listen.rpartition(":")[0]
         self._log.info("listening", address=f"{host}:{self.port}", port=self.port, coordinator=cfg.coordinator,
-                       max_queue=cfg.max_queue, max_message_bytes=cfg.max_message_bytes)  # fmt: skip
+                       max_queue=cfg.max_queue, max_message_bytes=cfg.max_message_bytes,
+                       metrics_port=self.metrics_port or "off",
+                       **telemetry.describe_tracing(cfg.otlp_endpoint))  # fmt: skip
 
     def _set_health(self, ready: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -260,4 +319,6 @@ class GatewayServer:
         self.mesh_source.stop()
         if stopped is not None:
             stopped.wait(grace + 3.0)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         self._log.info("shutdown_complete")

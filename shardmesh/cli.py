@@ -113,6 +113,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from shardmesh import up
 
+    # --- up --manifest: the manifest sets model, parallelism, limits and addresses (shardmesh/planning) ---
+    if args.manifest:
+        from shardmesh.planning.manifest import ManifestError
+        from shardmesh.planning.planner import PlanError
+
+        try:
+            args, notes = up.args_from_manifest(args, args.up_defaults)
+        except ManifestError as e:
+            raise UsageError("\nerror: ".join(f"{e.source}: {line}" for line in e.errors)) from None
+        except PlanError as e:
+            raise UsageError(f"{args.manifest}: {e}") from None
+        for note in notes:
+            print(note, file=sys.stderr, flush=True)
+    elif args.model is None:
+        raise UsageError("--model is required (or --manifest FILE)")
+    # --- end up --manifest ---
     if args.pp < 1 or args.tp < 1:
         raise UsageError("--pp and --tp must be >= 1")
     model_dir = resolve_model(args.model)
@@ -195,8 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
     worker_server.add_arguments(w)
     w.set_defaults(func=worker_server.run)
 
+    # --- top: a live terminal view of the mesh (shardmesh/top.py) ---
+    from shardmesh import top
+
+    t = sub.add_parser("top", help="watch the mesh: workers' memory, links and steps; the gateway's latency")
+    top.add_arguments(t)
+    t.set_defaults(func=top.run)
+    # --- end top ---
+
     u = sub.add_parser("up", help="run the whole mesh locally: coordinator, P×T workers, gateway")
-    u.add_argument("--model", required=True, help="model directory or known model name")
+    u.add_argument("--model", default=None, help="model directory or known model name (required without --manifest)")
     u.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     u.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per stage (default 1)")
     u.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -210,7 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--max-restarts", type=int, default=3, help="restarts of a worker that dies (default 3)")
     u.add_argument("--demo", metavar="PROMPT", default=None, help="stream one answer to PROMPT, then stop")
     u.add_argument("--max-new-tokens", type=int, default=128, help="length of the --demo answer (default 128)")
+    u.add_argument("--manifest", metavar="FILE", default=None,
+                   help="deploy what this YAML manifest describes (see compose/manifest.example.yaml)")  # fmt: skip
     u.set_defaults(func=cmd_up)
+    u.set_defaults(up_defaults={a.dest: a.default for a in u._actions})  # what `--manifest` checks against
+    # --- plan: split a model over devices, or show what a manifest deploys (shardmesh/planning/command.py) ---
+    from shardmesh.planning import command as plan_command
+
+    pl = sub.add_parser("plan", help="plan the split of a model over devices from its size and their memory")
+    plan_command.add_arguments(pl)
+    pl.set_defaults(func=plan_command.run)
+    # --- end plan ---
     return p
 
 

@@ -87,20 +87,25 @@ class ShardAssignment:
     worker_id: str = ""
     address: str = ""
     state: ShardState = ShardState.PENDING
+    labels: tuple[tuple[str, str], ...] = ()  # the holder's registration labels, sorted by key
 
     @property
     def vacant(self) -> bool:
         return not self.worker_id
 
+    def label(self, key: str, default: str = "") -> str:
+        return next((v for k, v in self.labels if k == key), default)
+
     def to_pb(self) -> coordinator_pb2.ShardAssignment:
         return coordinator_pb2.ShardAssignment(
             tp_rank=self.tp_rank, rank=self.rank, worker_id=self.worker_id, address=self.address,
-            state=self.state.to_pb(),
+            state=self.state.to_pb(), labels=dict(self.labels),
         )  # fmt: skip
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.ShardAssignment) -> ShardAssignment:
-        return cls(pb.tp_rank, pb.rank, pb.worker_id, pb.address, ShardState.from_pb(pb.state))
+        return cls(pb.tp_rank, pb.rank, pb.worker_id, pb.address, ShardState.from_pb(pb.state),
+                   tuple(sorted(pb.labels.items())))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -130,22 +130,39 @@ class UnboundGroup:
 
 
 class GroupCollective:
-    """Collectives over a c10d ProcessGroup object (Gloo or NCCL)."""
+    """Collectives over a c10d ProcessGroup object (Gloo or NCCL).
+
+    Counts what it moves, for traces and metrics: `calls`, `bytes` (this rank's input to each
+    collective) and `wait_s` (time until the collective completed, i.e. the transfer plus waiting for
+    the slowest rank). Plain attributes, read as deltas around a step.
+    """
 
     def __init__(self, pg: dist.ProcessGroup, rank: int, size: int) -> None:
         self.pg, self.rank, self.size = pg, rank, size
+        self.calls = 0
+        self.bytes = 0
+        self.wait_s = 0.0
 
     def all_reduce(self, x: Tensor) -> Tensor:
         x = x.contiguous()
+        t0 = time.perf_counter()
         self.pg.allreduce([x]).wait()
+        self._count(x, t0)
         return x
 
     def all_gather(self, x: Tensor) -> Tensor:
         """Concatenate every rank's `x` along the last dim (all ranks pass the same shape)."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
+        t0 = time.perf_counter()
         self.pg.allgather([parts], [x]).wait()
+        self._count(x, t0)
         return torch.cat(parts, dim=-1)
+
+    def _count(self, x: Tensor, t0: float) -> None:
+        self.wait_s += time.perf_counter() - t0
+        self.calls += 1
+        self.bytes += x.numel() * x.element_size()
 
 
 class StageLink:
@@ -156,12 +173,18 @@ class StageLink:
         self.peer = 1 if is_sender else 0
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.messages_sent = 0
+        self.messages_received = 0
         self.wait_s = 0.0  # time spent in recv: compute upstream plus the transfer itself
+        self.send_s = 0.0  # time spent in send, until the transfer completed
 
     def send(self, x: Tensor) -> None:
         x = x.contiguous()
+        t0 = time.perf_counter()
         self.pg.send([x], self.peer, 0).wait()
+        self.send_s += time.perf_counter() - t0
         self.bytes_sent += x.numel() * x.element_size()
+        self.messages_sent += 1
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
         x = torch.empty(shape, dtype=dtype, device=device)
@@ -169,6 +192,7 @@ class StageLink:
         self.pg.recv([x], self.peer, 0).wait()
         self.wait_s += time.perf_counter() - t0
         self.bytes_received += x.numel() * x.element_size()
+        self.messages_received += 1
         return x
 
 

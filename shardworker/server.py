@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
@@ -24,12 +25,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shardmesh import log
+from shardmesh import log, telemetry
 from shardmesh.flags import env_flags
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from shardmesh.topology import ShardState, Topology, dtype_to_pb
 from shardworker.sampling import SamplingParams
-from shardworker.service import StageWorkerCore, StepEntry, StepRefused
+from shardworker.service import StageWorkerCore, StepEntry, StepRefused, StepResult
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["StageWorker"].full_name
 ENV_PREFIX = "SHARDMESH_WORKER_"
@@ -70,17 +71,40 @@ def entry_from_pb(pb: worker_pb2.BatchEntry) -> StepEntry:
 
 
 class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
-    def __init__(self, core: StageWorkerCore) -> None:
+    def __init__(self, core: StageWorkerCore, metrics: Any = None) -> None:
         self.core = core
+        self.metrics = metrics  # shardworker.metrics.WorkerMetrics, or None when --metrics-port is 0
 
     @_maps_errors
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext) -> worker_pb2.StepResponse:
+        tracer = telemetry.tracer()
+        parents = telemetry.step_parents(context.invocation_metadata()) if tracer is not None else ()
+        start_ns = time.time_ns() if parents else 0
         entries = [entry_from_pb(e) for e in request.entries]
-        sampled, compute_s, wait_s = self.core.step(request.topology_version, entries)
+        try:
+            result = self.core.step(request.topology_version, entries)
+        except StepRefused as e:
+            if self.metrics is not None:
+                self.metrics.failed(e.kind)
+            if parents:
+                self._spans(parents, start_ns, request, entries, None, f"{e.kind}: {e}")
+            raise
+        if self.metrics is not None:
+            self.metrics.observe(result, sum(e.num_tokens for e in entries))
+        if parents:
+            self._spans(parents, start_ns, request, entries, result)
         tokens = [worker_pb2.SampledToken(request_id=s.request_id, token_id=s.token_id, logprob=s.logprob)
-                  for s in sampled]  # fmt: skip
-        return worker_pb2.StepResponse(step_id=request.step_id, tokens=tokens, compute_ms=compute_s * 1e3,
-                                       recv_wait_ms=wait_s * 1e3)  # fmt: skip
+                  for s in result.sampled]  # fmt: skip
+        return worker_pb2.StepResponse(step_id=request.step_id, tokens=tokens,
+                                       compute_ms=(result.elapsed_s - result.comm.recv_wait_s) * 1e3,
+                                       recv_wait_ms=result.comm.recv_wait_s * 1e3)  # fmt: skip
+
+    def _spans(self, parents: Any, start_ns: int, request: worker_pb2.StepRequest, entries: list[StepEntry],
+               result: StepResult | None, error: str = "") -> None:  # fmt: skip
+        from shardworker.metrics import record_step_spans
+
+        record_step_spans(telemetry.tracer(), parents, start_ns, time.time_ns(), self.core.worker_id, request.step_id,
+                          request.topology_version, entries, result, error)  # fmt: skip
 
     @_maps_errors
     def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.ServicerContext) -> worker_pb2.ReleaseResponse:
@@ -126,6 +150,8 @@ class WorkerConfig:
     labels: dict[str, str]
     group_timeout_s: float
     max_message_bytes: int
+    metrics_port: int = 0  # 0: no metrics endpoint
+    otlp_endpoint: str | None = None
 
 
 class WorkerProcess:
@@ -150,6 +176,9 @@ class WorkerProcess:
         self._coord = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=opts)
         self._watch_call: Any = None
+        self._metrics_server: Any = None
+        self.metrics: Any = None
+        self.metrics_address = ""
         self.failed = False
 
     # ---- start-up ------------------------------------------------------------------------------------
@@ -163,19 +192,47 @@ class WorkerProcess:
         host = self.cfg.listen.rpartition(":")[0]
         self.address = self.cfg.advertise or f"{host}:{port}"
         self._set_health(False)
+        if self.cfg.metrics_port:
+            self._start_metrics(host)
         self._register()  # before serving Step, so the core exists
         assert self.core is not None
-        worker_pb2_grpc.add_StageWorkerServicer_to_server(StageWorkerServicer(self.core), self._server)
+        worker_pb2_grpc.add_StageWorkerServicer_to_server(StageWorkerServicer(self.core, self.metrics), self._server)
         self._server.start()
-        self.log.info("listening", address=self.address, coordinator=self.cfg.coordinator)
+        self.log.info("listening", address=self.address, coordinator=self.cfg.coordinator,
+                      metrics=self.metrics_address or "off",
+                      **telemetry.describe_tracing(self.cfg.otlp_endpoint))  # fmt: skip
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch"),
                              (self._placement_loop, "placement")):  # fmt: skip
             threading.Thread(target=target, name=name, daemon=True).start()
 
+    def _start_metrics(self, listen_host: str) -> None:
+        """Serve /metrics and register its address as the `metrics` label, so tools find it in the topology."""
+        from shardworker.metrics import WorkerMetrics
+
+        def info() -> dict[str, Any]:
+            core = self.core
+            if core is not None:
+                return core.info()
+            return {"weights_bytes": 0, "kv_cache_bytes": 0, "total_slots": 0, "free_slots": 0, "placement": None,
+                    "state": ShardState.PENDING}  # fmt: skip
+
+        self.metrics = WorkerMetrics(info, lambda: self.worker_id, self.device.type)
+        bind = listen_host.strip("[]")
+        self._metrics_server = telemetry.serve_metrics(self.metrics.registry, bind, self.cfg.metrics_port)
+        advertised = self.address.rpartition(":")[0]
+        if advertised.strip("[]") in ("", "0.0.0.0", "::"):
+            import socket
+
+            advertised = socket.gethostname()
+        self.metrics_address = f"{advertised}:{self._metrics_server.server_port}"
+
     def _register(self) -> None:
         """Register, retrying while the coordinator starts; keeps our id so a restart takes its slot back."""
+        labels = dict(self.cfg.labels)
+        if self.metrics_address:
+            labels[telemetry.METRICS_LABEL] = self.metrics_address
         req = coordinator_pb2.RegisterRequest(address=self.address, device=_device_pb(self.device.type),
-                                              labels=self.cfg.labels)  # fmt: skip
+                                              labels=labels)  # fmt: skip
         if self.worker_id:
             req.worker_id = self.worker_id
         delay = 0.1
@@ -290,6 +347,9 @@ class WorkerProcess:
                 self._coord.Deregister(coordinator_pb2.DeregisterRequest(worker_id=self.worker_id), timeout=1.0)
         self._server.stop(grace).wait(grace + 1.0)
         self._channel.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        telemetry.shutdown_tracing()
         self.log.info("shutdown_complete")
 
 
@@ -305,6 +365,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--max-message-mb", 64, type=int, help="gRPC max send/receive message size in MiB (default 64)")
     flag("--threads", type=int, help="torch intra-op threads (default: all cores, or $OMP_NUM_THREADS)")
     flag("--log-level", help="debug, info, warning or error")
+    telemetry.add_flags(flag)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -315,6 +376,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: --label: expected key=value, got {item!r}", file=sys.stderr)
             return 2
         labels[key] = value
+    try:
+        telemetry.check_metrics_port(args.metrics_port)
+        telemetry.export_config(args.otlp_endpoint)
+    except telemetry.TelemetryConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.threads:
         import torch
 
@@ -325,7 +392,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     logger = log.configure("shardworker", level=args.log_level)
     cfg = WorkerConfig(args.coordinator, args.listen, args.advertise, args.worker_id, args.device, labels,
-                       args.group_timeout, args.max_message_mb * 1024 * 1024)  # fmt: skip
+                       args.group_timeout, args.max_message_mb * 1024 * 1024, args.metrics_port,
+                       args.otlp_endpoint)  # fmt: skip
+    resource = {"service.instance.id": args.worker_id} if args.worker_id else {}
+    telemetry.setup_tracing("worker", args.otlp_endpoint, **resource)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     proc = WorkerProcess(cfg, logger)

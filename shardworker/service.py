@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +22,7 @@ from shardmesh.topology import Rendezvous, ServingLimits, ShardState, Topology
 from shardworker.config import ModelConfig
 from shardworker.engine import StageEngine
 from shardworker.model import BatchLayout, Segment, Transformer
-from shardworker.parallel import Backend, ShardSpec, form_groups
+from shardworker.parallel import Backend, ShardGroups, ShardSpec, form_groups
 from shardworker.sampling import SamplingParams, sample
 from shardworker.shard import build_shard, parse_dtype
 from shardworker.tp import bind_group
@@ -82,6 +82,49 @@ class StepStats:
     steps: int = 0
     compute_s: float = 0.0
     recv_wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class CommCounters:
+    """What a shard's links and collectives have moved: cumulative, or one step's share (a difference)."""
+
+    recv_wait_s: float = 0.0  # waiting for activations from the previous stage (its compute + the transfer)
+    recv_bytes: int = 0
+    recv_messages: int = 0
+    send_s: float = 0.0  # sending activations to the next stage
+    send_bytes: int = 0
+    send_messages: int = 0
+    collective_s: float = 0.0  # tensor-parallel all-reduce / all-gather, until complete on this rank
+    collective_bytes: int = 0
+    collective_calls: int = 0
+
+    @classmethod
+    def of(cls, groups: ShardGroups) -> CommCounters:
+        prev, nxt, tp = groups.prev, groups.next, groups.tp
+        return cls(
+            prev.wait_s if prev else 0.0, prev.bytes_received if prev else 0, prev.messages_received if prev else 0,
+            nxt.send_s if nxt else 0.0, nxt.bytes_sent if nxt else 0, nxt.messages_sent if nxt else 0,
+            getattr(tp, "wait_s", 0.0), getattr(tp, "bytes", 0), getattr(tp, "calls", 0),
+        )  # fmt: skip
+
+    def __sub__(self, other: CommCounters) -> CommCounters:
+        return CommCounters(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step on this shard: the sampled tokens (last stage only) and where the time went."""
+
+    sampled: list[Sampled]
+    elapsed_s: float  # the engine step, communication included
+    comm: CommCounters  # this step's share
+    placement: Placement
+
+    @property
+    def compute_s(self) -> float:
+        """Time not spent communicating: the layers themselves (and sampling-free bookkeeping)."""
+        c = self.comm
+        return max(0.0, self.elapsed_s - c.recv_wait_s - c.send_s - c.collective_s)
 
 
 @dataclass
@@ -171,8 +214,8 @@ class StageWorkerCore:
 
     # ---- steps ---------------------------------------------------------------------------------------
 
-    def step(self, topology_version: int, entries: list[StepEntry]) -> tuple[list[Sampled], float, float]:
-        """Run one step; returns the sampled tokens (last stage only), compute and receive-wait seconds."""
+    def step(self, topology_version: int, entries: list[StepEntry]) -> StepResult:
+        """Run one step; returns the sampled tokens (last stage only) and the step's timings and traffic."""
         with self._lock:
             rt = self._runtime
             if rt is None or self.state is not ShardState.READY:
@@ -189,29 +232,30 @@ class StageWorkerCore:
                 rt.slots[e.slot] = e.request_id
             batch = BatchLayout.build([Segment(e.slot, e.start_pos, e.num_tokens) for e in entries], self.device)
             ids = torch.tensor([t for e in entries for t in e.token_ids]) if rt.engine.is_first else None
+            before = CommCounters.of(rt.engine.groups)
             t0 = time.perf_counter()
-            recv_before = rt.engine.groups.prev.wait_s if rt.engine.groups.prev else 0.0
             try:
                 logits = rt.engine.step(batch, ids)
             except RuntimeError as e:  # a collective or link failed: a peer is gone
                 self._broken_epochs.add(rt.groups_epoch)
                 self._runtime, self.state = None, ShardState.PENDING
                 self.detail = f"process group broken: {e}"
-                self.log.error("peer_lost", error=str(e))
+                # The step's requests (the gateway's `step_failed` line has their trace ids and the step id).
+                self.log.error("peer_lost", error=str(e), request_ids=[x.request_id for x in entries])
                 raise StepRefused("peer_lost", f"a peer of stage {rt.placement.stage} was lost: {e}") from None
             elapsed = time.perf_counter() - t0
-            recv_wait = (rt.engine.groups.prev.wait_s if rt.engine.groups.prev else 0.0) - recv_before
+            comm = CommCounters.of(rt.engine.groups) - before
             self.stats.steps += 1
-            self.stats.compute_s += elapsed - recv_wait
-            self.stats.recv_wait_s += recv_wait
-            if logits is None:
-                return [], elapsed - recv_wait, recv_wait
-            keep = [i for i, e in enumerate(entries) if not e.skip_sampling]
-            params = [entries[i].sampling for i in keep]
-            gens = [rt.generators[entries[i].request_id] for i in keep]
-            ids_out, lps = sample(logits[keep], params, gens) if keep else ([], [])
-            sampled = [Sampled(entries[i].request_id, t, lp) for i, t, lp in zip(keep, ids_out, lps, strict=True)]
-            return sampled, elapsed - recv_wait, recv_wait
+            self.stats.compute_s += elapsed - comm.recv_wait_s
+            self.stats.recv_wait_s += comm.recv_wait_s
+            sampled: list[Sampled] = []
+            if logits is not None:
+                keep = [i for i, e in enumerate(entries) if not e.skip_sampling]
+                params = [entries[i].sampling for i in keep]
+                gens = [rt.generators[entries[i].request_id] for i in keep]
+                ids_out, lps = sample(logits[keep], params, gens) if keep else ([], [])
+                sampled = [Sampled(entries[i].request_id, t, lp) for i, t, lp in zip(keep, ids_out, lps, strict=True)]
+            return StepResult(sampled, elapsed, comm, rt.placement)
 
     def _validate(self, rt: _Runtime, entries: list[StepEntry]) -> None:
         limits, cfg = rt.placement.limits, rt.engine.model.cfg

@@ -24,10 +24,10 @@ class Stack:
         self.coordinator = ""
         self._files: list = []
 
-    def spawn(self, name: str, *args: str, threads: int = 1) -> Popen:
+    def spawn(self, name: str, *args: str, threads: int = 1, env: dict[str, str] | None = None) -> Popen:
         f = (self.log_dir / f"{name}.log").open("ab")
         self._files.append(f)
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "SHARDMESH_LOG_LEVEL": "info"}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "SHARDMESH_LOG_LEVEL": "info", **(env or {})}
         p = procs.spawn(["-m", "shardmesh.cli", *args], env=env, stdout=f, stderr=f)
         self.procs[name] = p
         return p
@@ -39,9 +39,9 @@ class Stack:
         wait_serving(self.coordinator, [("coordinator", self.procs["coordinator"])], 60, self.log_dir)
         return self.coordinator
 
-    def start_worker(self, worker_id: str) -> Popen:
+    def start_worker(self, worker_id: str, *extra: str, env: dict[str, str] | None = None) -> Popen:
         return self.spawn(worker_id, "worker", "--coordinator", self.coordinator, "--worker-id", worker_id,
-                          "--group-timeout", "20")  # fmt: skip
+                          "--group-timeout", "20", *extra, env=env)  # fmt: skip
 
     def topology(self) -> Topology:
         with grpc.insecure_channel(self.coordinator) as ch:

@@ -337,11 +337,32 @@ class ShardAssignment(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TP_RANK_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
     tp_rank: _builtins.int
     """Tensor-parallel rank within the stage, in [0, tp)."""
     rank: _builtins.int
@@ -352,6 +373,12 @@ class ShardAssignment(_message.Message):
     """host:port of that worker's StageWorker server; empty while vacant."""
     state: _common_pb2.ShardState.ValueType
     """The slot's state (PENDING while vacant)."""
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The holder's labels as it registered them (RegisterRequest.labels), e.g. "metrics" ->
+        host:port of its Prometheus endpoint, which `shardmesh top` reads; empty while vacant.
+        """
+
     def __init__(
         self,
         *,
@@ -360,10 +387,11 @@ class ShardAssignment(_message.Message):
         worker_id: _builtins.str = ...,
         address: _builtins.str = ...,
         state: _common_pb2.ShardState.ValueType = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "rank", b"rank", "state", b"state", "tp_rank", b"tp_rank", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "labels", b"labels", "rank", b"rank", "state", b"state", "tp_rank", b"tp_rank", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

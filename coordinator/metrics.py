@@ -1,0 +1,52 @@
+"""The coordinator's Prometheus metrics, all read at scrape time from the registry and the current topology."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from coordinator.membership import Registry
+from shardmesh.topology import ShardState
+
+
+class CoordinatorCollector:
+    def __init__(self, registry: Registry, clock: Any = time.monotonic) -> None:
+        self._registry, self._clock = registry, clock
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        topology = self._registry.store.current()
+        workers = self._registry.workers()
+        now = self._clock()
+        yield GaugeMetricFamily("shardmesh_topology_version", "Version of the published topology", topology.version)
+        yield GaugeMetricFamily("shardmesh_topology_complete", "1 while every shard is READY", int(topology.complete))
+        healthy = GaugeMetricFamily("shardmesh_worker_healthy", "1 while the worker's shard is READY",
+                                    labels=["worker_id", "stage", "tp_rank", "address"])  # fmt: skip
+        age = GaugeMetricFamily("shardmesh_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat",
+                                labels=["worker_id"])  # fmt: skip
+        slots = GaugeMetricFamily("shardmesh_slots", "Shard slots by state", labels=["state"])
+        counts = dict.fromkeys(["vacant", *(s.value for s in ShardState)], 0)
+        placed = set()
+        for stage, shard in topology.shards():
+            if shard.vacant:
+                counts["vacant"] += 1
+                continue
+            counts[shard.state.value] += 1
+            placed.add(shard.worker_id)
+            healthy.add_metric([shard.worker_id, str(stage.index), str(shard.tp_rank), shard.address],
+                               int(shard.state is ShardState.READY))  # fmt: skip
+        for worker_id, record in workers.items():
+            if worker_id not in placed:  # a standby: healthy while it heartbeats
+                healthy.add_metric([worker_id, "standby", "", record.address], int(not record.timed_out))
+            age.add_metric([worker_id], max(0.0, now - record.last_seen))
+        for state, n in counts.items():
+            slots.add_metric([state], n)
+        yield healthy
+        yield age
+        yield slots
+        yield GaugeMetricFamily("shardmesh_registered_workers", "Workers registered (placed and standby)", len(workers))

@@ -1,0 +1,291 @@
+"""What the gateway tells about itself: Prometheus metrics and one trace per request.
+
+**Span model.** Each request is one trace (under the client's own `traceparent` when it sent one):
+
+    shardmesh.v1.Gateway/Generate        the RPC, arrival to last message (SERVER)
+    ├── queue                            submitted until it got a KV slot
+    ├── step.prefill                     one per prompt chunk
+    │   ├── worker.step  (stage 0, tp 0)  one per shard: compute, recv wait, send, bytes in/out
+    │   └── ...
+    ├── step.decode                      one per decode step, for the first `trace_decode_steps`
+    │   └── worker.step ...
+    └── (later decode steps: counted on the request span, `shardmesh.decode.*`)
+
+A batched step serves several requests, so it has one `step.*` span in each traced request's trace
+(all with the same `shardmesh.step_id` and the batch's `shardmesh.batch.request_ids`), and every
+worker records its `worker.step` span once under each of them (the Step RPC carries every parent,
+see shardmesh/telemetry.py). Volume per request is bounded: prompt chunks + `trace_decode_steps`
+steps, each with pp × tp worker spans; past that, decode steps are only aggregated on the request
+span (count, gateway round-trip time, the last stage's compute and receive-wait time).
+
+All of it runs only when tracing is on (`tracer is not None`); metrics only when `--metrics-port` is
+set. With both off the scheduler holds no observer at all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shardmesh import telemetry
+
+if TYPE_CHECKING:
+    from gateway.mesh import MeshView
+    from gateway.results import Summary
+    from shardmesh.proto.v1 import worker_pb2
+
+DEFAULT_TRACE_DECODE_STEPS = 8
+MAX_BATCH_IDS = 64  # request ids listed on a step span
+
+
+class RequestTrace:
+    """One request's spans. The RPC thread creates it and ends the request span; in between the
+    scheduler thread owns it (queue, steps, summary)."""
+
+    def __init__(self, tracer: Any, span: Any) -> None:
+        self.tracer = tracer
+        self.span = span
+        self.trace_id = telemetry.span_trace_id(span)
+        self._queue: Any = None
+        self.prefill_steps = 0
+        self.decode_steps = 0
+        self.untraced_steps = 0
+        self.untraced_s = 0.0
+        self.untraced_compute_ms = 0.0
+        self.untraced_recv_wait_ms = 0.0
+
+    @property
+    def recording(self) -> bool:
+        return self.span.is_recording()
+
+    def child(self, name: str, **kw: Any) -> Any:
+        from opentelemetry import trace
+
+        return self.tracer.start_span(name, context=trace.set_span_in_context(self.span), **kw)
+
+    def queued(self) -> None:
+        if self.recording:
+            self._queue = self.child("queue")
+
+    def admitted(self, slot: int) -> None:
+        if self._queue is not None:
+            self._queue.set_attribute("shardmesh.slot", slot)
+            self._queue.end()
+            self._queue = None
+
+    def prepared(self, start_ns: int, prompt_tokens: int) -> None:
+        """Validation, chat template and tokenization, from `start_ns` until now."""
+        if self.recording:
+            span = self.child("prepare", start_time=start_ns, attributes={"shardmesh.prompt_tokens": prompt_tokens})
+            span.end()
+
+    def first_token(self) -> None:
+        if self.recording:
+            self.span.add_event("first_token")
+
+    def finished(self, summary: Summary, traced_decode_limit: int) -> None:
+        self.admitted(-1)  # ended before it got a slot (cancelled): the queue span ends here
+        if not self.recording:  # the RPC already ended it (a stream the client closed)
+            return
+        t = summary.timings
+        self.span.set_attributes({
+            "shardmesh.finish_reason": summary.finish_reason.value, "shardmesh.prompt_tokens": summary.prompt_tokens,
+            "shardmesh.completion_tokens": summary.completion_tokens, "shardmesh.queue_ms": t.queue_ms,
+            "shardmesh.time_to_first_token_ms": t.time_to_first_token_ms, "shardmesh.total_ms": t.total_ms,
+            "shardmesh.mean_inter_token_ms": t.mean_inter_token_ms,
+        })  # fmt: skip
+        self._steps(traced_decode_limit)
+
+    def failed(self, error: Exception, traced_decode_limit: int) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        self.admitted(-1)
+        if self.recording:
+            self.span.set_status(Status(StatusCode.ERROR, str(error)))
+            self._steps(traced_decode_limit)
+
+    def _steps(self, limit: int) -> None:
+        self.span.set_attributes({
+            "shardmesh.prefill.steps": self.prefill_steps, "shardmesh.decode.steps": self.decode_steps,
+            "shardmesh.decode.traced_steps": min(self.decode_steps, limit),
+            "shardmesh.decode.untraced_steps": self.untraced_steps,
+            "shardmesh.decode.untraced_ms": self.untraced_s * 1e3,
+            "shardmesh.decode.untraced_last_stage_compute_ms": self.untraced_compute_ms,
+            "shardmesh.decode.untraced_last_stage_recv_wait_ms": self.untraced_recv_wait_ms,
+        })  # fmt: skip
+
+
+@dataclass
+class StepTrace:
+    """The spans of one step: `spans[i]` belongs to `traces[i]`; `untraced` only get aggregated."""
+
+    spans: list[Any]
+    untraced: list[RequestTrace]
+    metadata: list[tuple[str, str]] | None
+    started: float
+
+    def end(self, response: worker_pb2.StepResponse | None, error: str = "") -> None:
+        for span in self.spans:
+            if error:
+                from opentelemetry.trace import Status, StatusCode
+
+                span.set_status(Status(StatusCode.ERROR, error))
+            elif response is not None:
+                span.set_attributes({"shardmesh.last_stage.compute_ms": response.compute_ms,
+                                     "shardmesh.last_stage.recv_wait_ms": response.recv_wait_ms})  # fmt: skip
+            span.end()
+        if self.untraced and response is not None:
+            elapsed = time.monotonic() - self.started
+            for t in self.untraced:
+                t.untraced_steps += 1
+                t.untraced_s += elapsed
+                t.untraced_compute_ms += response.compute_ms
+                t.untraced_recv_wait_ms += response.recv_wait_ms
+
+
+class GatewayMetrics:
+    def __init__(self, load: Callable[[], tuple[int, int, int, bool]]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        b = telemetry.REQUEST_BUCKETS
+        self.request_seconds = Histogram("shardmesh_request_duration_seconds", "Arrival to last token, by outcome",
+                                         ["finish_reason"], registry=r, buckets=b)  # fmt: skip
+        self.ttft = Histogram("shardmesh_time_to_first_token_seconds", "Arrival to first token", registry=r, buckets=b)
+        self.itl = Histogram("shardmesh_inter_token_latency_seconds", "Between consecutive tokens of a request",
+                             registry=r, buckets=telemetry.STEP_BUCKETS)  # fmt: skip
+        self.queue_seconds = Histogram("shardmesh_queue_wait_seconds", "Arrival to first step", registry=r, buckets=b)
+        self.requests = Counter("shardmesh_requests", "Requests ended, by outcome", ["outcome"], registry=r)
+        self.generated = Counter("shardmesh_generated_tokens", "Tokens generated", registry=r)
+        self.prompt = Counter("shardmesh_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.batch_size = Histogram("shardmesh_batch_size", "Sequences per step", registry=r,
+                                    buckets=telemetry.BATCH_BUCKETS)  # fmt: skip
+        self.batch_tokens = Histogram("shardmesh_batch_tokens", "Tokens per step", registry=r,
+                                      buckets=telemetry.BATCH_BUCKETS)  # fmt: skip
+        self.step_seconds = Histogram("shardmesh_step_duration_seconds", "One step over every shard, as the gateway "
+                                      "waits for it", registry=r, buckets=telemetry.STEP_BUCKETS)  # fmt: skip
+        self.step_failures = Counter("shardmesh_step_failures", "Steps a shard failed", registry=r)
+        for name, doc, i in (("shardmesh_queue_depth", "Requests waiting for a KV slot", 0),
+                             ("shardmesh_running_requests", "Requests holding a KV slot", 1),
+                             ("shardmesh_free_kv_slots", "KV slots free for new requests", 2),
+                             ("shardmesh_mesh_ready", "1 while a complete mesh serves requests", 3)):  # fmt: skip
+            Gauge(name, doc, registry=r).set_function(lambda i=i: float(load()[i]))
+
+
+class GatewayObserver:
+    """The scheduler's and servicer's one handle on tracing and metrics."""
+
+    def __init__(self, tracer: Any = None, metrics: GatewayMetrics | None = None,
+                 trace_decode_steps: int = DEFAULT_TRACE_DECODE_STEPS) -> None:  # fmt: skip
+        self.tracer = tracer
+        self.metrics = metrics
+        self.trace_decode_steps = trace_decode_steps
+
+    # -- requests (RPC threads) -----------------------------------------------------------------------
+
+    def start_request(self, method: str, metadata: Any, request_id: str) -> RequestTrace | None:
+        if self.tracer is None:
+            return None
+        from opentelemetry.trace import SpanKind
+
+        from gateway.server import SERVICE_NAME
+
+        span = self.tracer.start_span(
+            f"{SERVICE_NAME}/{method}", context=telemetry.extract(metadata), kind=SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method,
+                        "shardmesh.request_id": request_id},
+        )  # fmt: skip
+        return RequestTrace(self.tracer, span)
+
+    @staticmethod
+    def end_request(trace: RequestTrace, error: BaseException | None = None, code: str = "") -> None:
+        if error is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            trace.span.set_status(Status(StatusCode.ERROR, f"{code}: {error}" if code else str(error)))
+            if code:
+                trace.span.set_attribute("rpc.grpc.status_code_name", code)
+        trace.span.end()
+
+    def request_errored(self, code: str) -> None:
+        """A request that ended with an error status (refused, or failed while running). CANCELLED is
+        not counted here: a cancelled request was already counted by its finish reason."""
+        if self.metrics is not None and code != "CANCELLED":
+            self.metrics.requests.labels(code.lower()).inc()
+
+    # -- the scheduler thread -------------------------------------------------------------------------
+
+    def step_started(self, step_id: int, view: MeshView, planned: Sequence[Any]) -> StepTrace | None:
+        """Spans for the traced requests in this step (None when none is traced)."""
+        if self.tracer is None:
+            return None
+        chosen: list[tuple[RequestTrace, Any]] = []
+        untraced: list[RequestTrace] = []
+        for p in planned:
+            t = p.seq.trace
+            if t is None or not t.recording:
+                continue
+            if p.seq.prefilling:
+                t.prefill_steps += 1
+                chosen.append((t, p))
+            else:
+                t.decode_steps += 1
+                if t.decode_steps <= self.trace_decode_steps:
+                    chosen.append((t, p))
+                else:
+                    untraced.append(t)
+        if not chosen and not untraced:
+            return None
+        spans = []
+        if chosen:
+            ids = [p.seq.req.request_id for p in planned[:MAX_BATCH_IDS]]
+            common = {"shardmesh.step_id": step_id, "shardmesh.topology_version": view.version,
+                      "shardmesh.batch.entries": len(planned),
+                      "shardmesh.batch.tokens": sum(p.num_tokens for p in planned),
+                      "shardmesh.batch.request_ids": ids, "shardmesh.shards": len(view.shards)}  # fmt: skip
+            for t, p in chosen:
+                prefill = p.seq.prefilling
+                attributes = {**common, "shardmesh.request_id": p.seq.req.request_id,
+                              "shardmesh.entry.start_pos": p.seq.cached,
+                              "shardmesh.entry.tokens": p.num_tokens}  # fmt: skip
+                if not prefill:
+                    attributes["shardmesh.decode.index"] = t.decode_steps
+                spans.append(t.child("step.prefill" if prefill else "step.decode", attributes=attributes))
+        metadata = telemetry.step_metadata(spans) if spans else None
+        return StepTrace(spans, untraced, metadata, time.monotonic())
+
+    def step_done(self, trace: StepTrace | None, entries: int, tokens: int, seconds: float,
+                  response: worker_pb2.StepResponse | None, error: str = "") -> None:  # fmt: skip
+        if trace is not None:
+            trace.end(response, error)
+        m = self.metrics
+        if m is not None:
+            if error:
+                m.step_failures.inc()
+            else:
+                m.batch_size.observe(entries)
+                m.batch_tokens.observe(tokens)
+                m.step_seconds.observe(seconds)
+
+    def request_finished(self, trace: RequestTrace | None, summary: Summary) -> None:
+        if trace is not None:
+            trace.finished(summary, self.trace_decode_steps)
+        m = self.metrics
+        if m is not None:
+            t = summary.timings
+            m.requests.labels(summary.finish_reason.value).inc()
+            m.request_seconds.labels(summary.finish_reason.value).observe(t.total_ms / 1e3)
+            m.queue_seconds.observe(t.queue_ms / 1e3)
+            m.generated.inc(summary.completion_tokens)
+            m.prompt.inc(summary.prompt_tokens)
+            if summary.completion_tokens:
+                m.ttft.observe(t.time_to_first_token_ms / 1e3)
+            for ms in t.inter_token_ms:
+                m.itl.observe(ms / 1e3)
+
+    def request_failed(self, trace: RequestTrace | None, error: Exception) -> None:
+        """Counted by the servicer, which turns the error into a status (`request_errored`)."""
+        if trace is not None:
+            trace.failed(error, self.trace_decode_steps)

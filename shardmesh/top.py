@@ -1,0 +1,290 @@
+"""`shardmesh top`: the mesh at a glance, redrawn every `--interval` seconds (ANSI clear + redraw).
+
+Where the numbers come from: the coordinator's topology (`GetTopology`: stages, layers, tp ranks,
+states, and each worker's `metrics` label, the address of its Prometheus endpoint) and the
+services' `/metrics` (workers: memory, links, steps; the gateway, when `--gateway-metrics` is
+given: requests, tokens, latency). A frame compares two scrapes `--interval` apart: rates are over
+that window; latency percentiles and totals are since each service started. `--once` prints one
+frame (after one window) without escape codes and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+EXIT_USAGE = 2
+BAR = 20  # memory bar width
+BAR_CHARS = (("weights", "#"), ("kv_cache", "="), ("other", "."))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", required=True, help="host:port of the coordinator (its topology lists the workers)")
+    p.add_argument("--gateway-metrics", metavar="HOST:PORT", help="the gateway's metrics endpoint (--metrics-port)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between frames, and the rate window (2)")
+    p.add_argument("--once", action="store_true", help="print one frame as plain text and exit")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each service (default 2)")
+
+
+# -- scraping ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Metrics:
+    """One scrape: sample name -> [(labels, value)]."""
+
+    samples: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> Metrics:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out = cls()
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out.samples.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+        return out
+
+    def get(self, name: str, **labels: str) -> float | None:
+        """The sum over samples whose labels include `labels`; None when there is none."""
+        values = [v for lab, v in self.samples.get(name, ()) if all(lab.get(k) == w for k, w in labels.items())]
+        return sum(values) if values else None
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.get(name, **labels) or 0.0
+
+    def label(self, name: str, key: str) -> str:
+        return next((lab.get(key, "") for lab, _ in self.samples.get(name, ())), "")
+
+    def buckets(self, name: str) -> list[tuple[float, float]]:
+        """Cumulative (upper bound, count) pairs of histogram `name`, summed over its other labels."""
+        acc: dict[float, float] = {}
+        for lab, v in self.samples.get(f"{name}_bucket", ()):
+            le = float(lab["le"])
+            acc[le] = acc.get(le, 0.0) + v
+        return sorted(acc.items())
+
+
+def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Like PromQL's histogram_quantile: linear within the bucket holding rank q·count."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+        lower, below = le, count
+    return lower
+
+
+def scrape(address: str, timeout: float) -> Metrics | str:
+    """The metrics at http://address/metrics, or why not (a string)."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout) as r:
+            return Metrics.parse(r.read().decode())
+    except (OSError, ValueError) as e:
+        return f"unreachable: {e}"
+
+
+@dataclass
+class Snapshot:
+    at: float  # monotonic
+    wall: float
+    topology: Any = None  # shardmesh.topology.Topology
+    error: str = ""
+    workers: dict[str, Metrics | str] = field(default_factory=dict)
+    gateway: Metrics | str | None = None
+
+
+def collect(coordinator: str, gateway_metrics: str | None, timeout: float) -> Snapshot:
+    import grpc
+
+    from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from shardmesh.topology import Topology
+
+    snap = Snapshot(time.monotonic(), time.time())
+    try:
+        with grpc.insecure_channel(coordinator) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            snap.topology = Topology.from_pb(stub.GetTopology(coordinator_pb2.GetTopologyRequest(), timeout=timeout))
+    except grpc.RpcError as e:
+        snap.error = f"coordinator {coordinator}: {e.code().name}: {e.details()}"
+    if snap.topology is not None:
+        from shardmesh.telemetry import METRICS_LABEL
+
+        for _, shard in snap.topology.shards():
+            if shard.vacant:
+                continue
+            address = shard.label(METRICS_LABEL)
+            snap.workers[shard.worker_id] = scrape(address, timeout) if address else "no metrics (--metrics-port 0)"
+    if gateway_metrics:
+        snap.gateway = scrape(gateway_metrics, timeout)
+    return snap
+
+
+# -- rendering ---------------------------------------------------------------------------------------------
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _delta(cur: Metrics, prev: Metrics | str | None, name: str, **labels: str) -> float:
+    before = prev.value(name, **labels) if isinstance(prev, Metrics) else 0.0
+    return max(0.0, cur.value(name, **labels) - before)
+
+
+def _bar(parts: list[tuple[str, float]], scale: float) -> str:
+    cells, used = [], 0
+    for char, value in parts:
+        n = round(BAR * value / scale) if scale > 0 else 0
+        n = min(n, BAR - used)
+        cells.append(char * n)
+        used += n
+    return "[" + "".join(cells) + " " * (BAR - used) + "]"
+
+
+def _worker_rows(cur: Snapshot, prev: Snapshot | None, dt: float) -> list[list[str]]:
+    topology = cur.topology
+    memory: dict[str, dict[str, float]] = {}
+    for worker_id, m in cur.workers.items():
+        if isinstance(m, Metrics):
+            memory[worker_id] = {k: m.value("shardmesh_shard_memory_bytes", kind=k) for k, _ in BAR_CHARS}
+    scale = max((sum(v.values()) for v in memory.values()), default=0.0)
+    rows = []
+    for stage, shard in topology.shards():
+        row = [shard.worker_id or "(vacant)", str(stage.index), f"{stage.layer_start}-{stage.layer_end - 1}",
+               str(shard.tp_rank), shard.state.value]  # fmt: skip
+        m = cur.workers.get(shard.worker_id)
+        if not isinstance(m, Metrics):
+            rows.append([*row, m or "", "", "", "", "", "", "", ""])
+            continue
+        old = prev.workers.get(shard.worker_id) if prev is not None else None
+        mem = memory[shard.worker_id]
+        bar = _bar([(c, mem[k]) for k, c in BAR_CHARS], scale)
+        rss = m.value("shardmesh_process_resident_memory_bytes")
+        bytes_in = _delta(m, old, "shardmesh_link_bytes_total", direction="received") / dt
+        bytes_out = _delta(m, old, "shardmesh_link_bytes_total", direction="sent") / dt
+        steps = _delta(m, old, "shardmesh_worker_step_seconds_count")
+        step_s = _delta(m, old, "shardmesh_worker_step_seconds_sum")
+        comm_s = sum(_delta(m, old, "shardmesh_worker_step_phase_seconds_total", phase=p)
+                     for p in ("recv_wait", "send", "collective"))  # fmt: skip
+        if steps:
+            step = f"{step_s / steps * 1e3:.1f}"
+            comm = f"{100 * comm_s / step_s:.0f}%" if step_s else "-"
+        else:  # idle in this window: since start, in parentheses
+            total, n = m.value("shardmesh_worker_step_seconds_sum"), m.value("shardmesh_worker_step_seconds_count")
+            comm_total = sum(m.value("shardmesh_worker_step_phase_seconds_total", phase=p)
+                             for p in ("recv_wait", "send", "collective"))  # fmt: skip
+            step = f"({total / n * 1e3:.1f})" if n else "-"
+            comm = f"({100 * comm_total / total:.0f}%)" if total else "-"
+        rows.append([*row, f"{bar} {human_bytes(rss)}", human_bytes(mem["weights"]), human_bytes(mem["kv_cache"]),
+                     f"{human_bytes(bytes_in)}/s", f"{human_bytes(bytes_out)}/s", comm, step,
+                     f"{m.value('shardmesh_worker_step_seconds_count'):.0f}"])  # fmt: skip
+    return rows
+
+
+def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
+    rows = [header, *rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def _gateway_lines(address: str, cur: Metrics | str, prev: Metrics | str | None, dt: float) -> list[str]:
+    if not isinstance(cur, Metrics):
+        return [f"GATEWAY {address}  {cur}"]
+    ready = "ready" if cur.value("shardmesh_mesh_ready") else "NOT READY"
+    requests = cur.value("shardmesh_requests_total")
+    tokens = cur.value("shardmesh_generated_tokens_total")
+    batches = cur.value("shardmesh_batch_size_count")
+    lines = [
+        f"GATEWAY {address}  {ready}  queue {cur.value('shardmesh_queue_depth'):.0f}  "
+        f"running {cur.value('shardmesh_running_requests'):.0f}  "
+        f"free KV slots {cur.value('shardmesh_free_kv_slots'):.0f}",
+        f"  requests {requests:.0f} ({_delta(cur, prev, 'shardmesh_requests_total') / dt:.2f}/s)   "
+        f"tokens {tokens:.0f} ({_delta(cur, prev, 'shardmesh_generated_tokens_total') / dt:.1f}/s)   "
+        f"steps {batches:.0f}, mean batch "
+        + (f"{cur.value('shardmesh_batch_size_sum') / batches:.1f} sequences, "
+           f"{cur.value('shardmesh_batch_tokens_sum') / batches:.1f} tokens" if batches else "-"),
+    ]  # fmt: skip
+    header = ["  latency since start", "p50", "p90", "p99", "mean", "count"]
+    rows = []
+    for title, name in (("time to first token", "shardmesh_time_to_first_token_seconds"),
+                        ("inter-token", "shardmesh_inter_token_latency_seconds"),
+                        ("request", "shardmesh_request_duration_seconds"),
+                        ("queue wait", "shardmesh_queue_wait_seconds"),
+                        ("step (all shards)", "shardmesh_step_duration_seconds")):  # fmt: skip
+        b, n = cur.buckets(name), cur.value(f"{name}_count")
+        mean = cur.value(f"{name}_sum") / n if n else None
+        rows.append([f"    {title}", *(_ms(quantile(q, b)) for q in (0.5, 0.9, 0.99)), _ms(mean), f"{n:.0f}"])
+    return lines + _table(header, rows)
+
+
+def render(cur: Snapshot, prev: Snapshot | None, coordinator: str, gateway_metrics: str | None) -> str:
+    dt = max(1e-6, cur.at - prev.at) if prev is not None else 1.0
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(cur.wall))
+    if cur.topology is None:
+        return f"shardmesh top  {stamp}\n{cur.error}\n"
+    t = cur.topology
+    state = "complete" if t.complete else "NOT complete"
+    lines = [
+        f"shardmesh top  coordinator {coordinator}  topology v{t.version} {state}  pp {t.pp} x tp {t.tp}  "
+        f"{t.model.architecture} {t.model.num_layers} layers  {stamp}",
+        f"rates over the last {dt:.1f} s; memory bar: # weights  = KV cache  . other (RSS - weights - KV), "
+        "scaled to the largest worker",
+        "",
+    ]  # fmt: skip
+    header = ["WORKER", "STAGE", "LAYERS", "TP", "STATE", "MEMORY" + " " * (BAR - 4) + "RSS", "WEIGHTS", "KV",
+              "LINK IN", "LINK OUT", "COMM", "STEP ms", "STEPS"]  # fmt: skip
+    lines += _table(header, _worker_rows(cur, prev, dt))
+    lines.append("STEP ms: mean step time on the shard; COMM: its share spent receiving, sending and in tp "
+                 "collectives; (...) = since start, no steps in this window")  # fmt: skip
+    lines.append("")
+    if gateway_metrics and cur.gateway is not None:
+        lines += _gateway_lines(gateway_metrics, cur.gateway, prev.gateway if prev else None, dt)
+    else:
+        lines.append("GATEWAY  not shown: pass --gateway-metrics HOST:PORT (the gateway's --metrics-port)")
+    return "\n".join(lines) + "\n"
+
+
+def frame(coordinator: str, gateway_metrics: str | None, interval: float, timeout: float) -> str:
+    """One frame over one window: two scrapes `interval` seconds apart."""
+    prev = collect(coordinator, gateway_metrics, timeout)
+    time.sleep(interval)
+    return render(collect(coordinator, gateway_metrics, timeout), prev, coordinator, gateway_metrics)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.interval > 0:
+        print(f"error: --interval: must be > 0 seconds, got {args.interval}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.once:
+        sys.stdout.write(frame(args.coordinator, args.gateway_metrics, args.interval, args.timeout))
+        return 0
+    prev = collect(args.coordinator, args.gateway_metrics, args.timeout)
+    try:
+        while True:
+            time.sleep(args.interval)
+            cur = collect(args.coordinator, args.gateway_metrics, args.timeout)
+            sys.stdout.write("\x1b[H\x1b[2J" + render(cur, prev, args.coordinator, args.gateway_metrics))
+            sys.stdout.flush()
+            prev = cur
+    except KeyboardInterrupt:
+        return 0
