@@ -9,10 +9,8 @@ parser stays cheap; the service itself is imported when the command runs.
 from __future__ import annotations
 
 import argparse
-import signal
 import socket
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +129,7 @@ def build_config(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT, then shut down gracefully (exit 0)."""
     from coordinator.server import CoordinatorServer
-    from shardmesh import log
+    from shardmesh import log, procs
 
     try:
         cfg = build_config(args)
@@ -140,16 +138,13 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     logger = log.configure("coordinator", level=args.log_level)
     telemetry.setup_tracing("coordinator", args.otlp_endpoint)
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     server = CoordinatorServer(cfg, logger)
-    try:
-        server.start()
-        while not stop.wait(1.0):
-            pass
-        logger.info("signal_received")
-    finally:
-        server.stop(grace=2.0)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with procs.stop_on_signals() as stop:
+        try:
+            server.start()
+            while not stop.wait(1.0):
+                pass
+            logger.info("signal_received")
+        finally:
+            server.stop(grace=2.0)
     return 0

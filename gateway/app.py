@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 from typing import Any
 
 ENV_PREFIX = "SHARDMESH_GATEWAY_"
@@ -92,7 +90,7 @@ def build_config(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT, then shut down gracefully (exit 0)."""
     from gateway.server import GatewayServer
-    from shardmesh import log, telemetry
+    from shardmesh import log, procs, telemetry
 
     try:
         cfg = build_config(args)
@@ -103,17 +101,14 @@ def run(args: argparse.Namespace) -> int:
     # gRPC handler threads and the scheduler thread start with an empty context.
     logger = log.configure("gateway", level=args.log_level).bind(service="gateway", pid=os.getpid())
     telemetry.setup_tracing("gateway", args.otlp_endpoint)
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     server = GatewayServer(cfg, logger)
-    try:
-        server.start()
-        while not stop.wait(1.0):
-            pass
-        logger.info("signal_received")
-    finally:
-        server.stop()
-        telemetry.shutdown_tracing()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with procs.stop_on_signals() as stop:
+        try:
+            server.start()
+            while not stop.wait(1.0):
+                pass
+            logger.info("signal_received")
+        finally:
+            server.stop()
+            telemetry.shutdown_tracing()
     return 0

@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import functools
 import os
-import signal
 import sys
 import threading
 import time
@@ -25,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shardmesh import log, telemetry
+from shardmesh import log, procs, telemetry
 from shardmesh.flags import env_flags
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from shardmesh.topology import ShardState, Topology, dtype_to_pb
@@ -396,17 +395,14 @@ def run(args: argparse.Namespace) -> int:
                        args.otlp_endpoint)  # fmt: skip
     resource = {"service.instance.id": args.worker_id} if args.worker_id else {}
     telemetry.setup_tracing("worker", args.otlp_endpoint, **resource)
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     proc = WorkerProcess(cfg, logger)
-    try:
-        threading.Thread(target=_start_or_stop, args=(proc, stop, logger), daemon=True).start()
-        while not stop.wait(0.5):
-            pass
-    finally:
-        proc.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with procs.stop_on_signals() as stop:
+        try:
+            threading.Thread(target=_start_or_stop, args=(proc, stop, logger), daemon=True).start()
+            while not stop.wait(0.5):
+                pass
+        finally:
+            proc.stop()
     return 1 if proc.failed else 0
 
 
