@@ -234,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--max-restarts", type=int, default=3, help="restarts of a worker that dies (default 3)")
     u.add_argument("--demo", metavar="PROMPT", default=None, help="stream one answer to PROMPT, then stop")
     u.add_argument("--max-new-tokens", type=int, default=128, help="length of the --demo answer (default 128)")
+    u.add_argument("--otlp-endpoint", default=None, help="send every service's spans to this OTLP endpoint")
+    u.add_argument("--metrics", action="store_true", help="Prometheus metrics on every service (free ports; see top)")
     u.add_argument("--manifest", metavar="FILE", default=None,
                    help="deploy what this YAML manifest describes (see compose/manifest.example.yaml)")  # fmt: skip
     u.set_defaults(func=cmd_up)

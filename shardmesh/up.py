@@ -83,6 +83,17 @@ class LocalMesh:
             f.close()
 
 
+def _telemetry_flags(args: argparse.Namespace) -> list[str]:
+    """The same telemetry for every service: spans to one OTLP endpoint, metrics on free ports (which
+    workers announce through the coordinator, where `shardmesh top` finds them)."""
+    flags: list[str] = []
+    if getattr(args, "otlp_endpoint", None):
+        flags += ["--otlp-endpoint", args.otlp_endpoint]
+    if getattr(args, "metrics", False):
+        flags += ["--metrics-port", "-1"]
+    return flags
+
+
 def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="shardmesh-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -97,18 +108,19 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
             coord += ["--max-context", str(args.max_context)]
         if args.max_batch_tokens:
             coord += ["--max-batch-tokens", str(args.max_batch_tokens)]
-        mesh.spawn("coordinator", coord)
+        telemetry = _telemetry_flags(args)
+        mesh.spawn("coordinator", coord + telemetry)
         wait_serving(mesh.coordinator, mesh.children, 60, log_dir)
         world = args.pp * args.tp
         env = {**os.environ, "OMP_NUM_THREADS": str(procs.threads_per_process(world))}
         for rank in range(world):
             mesh.spawn(f"worker{rank}", ["worker", "--coordinator", mesh.coordinator, "--worker-id", f"worker-{rank}",
-                                         "--device", args.device], env=env)  # fmt: skip
+                                         "--device", args.device, *telemetry], env=env)  # fmt: skip
         mesh.gateway = args.listen or f"127.0.0.1:{free_port()}"
         gateway = ["gateway", "--listen", mesh.gateway, "--coordinator", mesh.coordinator]
         if getattr(args, "max_queue", None):  # from a manifest (serving.max_queue)
             gateway += ["--max-queue", str(args.max_queue)]
-        mesh.spawn("gateway", gateway)
+        mesh.spawn("gateway", gateway + telemetry)
         wait_serving(mesh.gateway, mesh.children, args.start_timeout, log_dir)
         return mesh
     except BaseException:
@@ -143,8 +155,8 @@ def run(args: argparse.Namespace, model_dir: Path, demo: object | None = None) -
             print(f"starting coordinator, {args.pp * args.tp} stage workers (pp={args.pp}, tp={args.tp}) and gateway "
                   f"for {model_dir} ...", file=sys.stderr, flush=True)  # fmt: skip
             mesh = start_mesh(args, model_dir)
-            print(f"gateway listening on {mesh.gateway} (ready in {time.monotonic() - t0:.1f} s; "
-                  f"logs in {mesh.log_dir})", file=sys.stderr, flush=True)  # fmt: skip
+            print(f"gateway listening on {mesh.gateway}, coordinator on {mesh.coordinator} (ready in "
+                  f"{time.monotonic() - t0:.1f} s; logs in {mesh.log_dir})", file=sys.stderr, flush=True)  # fmt: skip
             if callable(demo):
                 return int(demo(mesh.gateway) or 0)
             print(mesh.gateway, flush=True)  # stdout carries just the address, for scripts

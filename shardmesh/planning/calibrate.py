@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardmesh.planning.memory import Limits
+from shardmesh.planning.memory import Limits, RuntimeCosts
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,13 @@ TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_
         "max_position_embeddings": 64}  # fmt: skip
 
 
-def main() -> int:
-    """Measure the fixed cost of a worker (2 stages of a 0.2 MB model) and print it as memory.py stores it."""
+def measure_runtime(log_dir: Path | None = None) -> tuple[RuntimeCosts, list[str]]:
+    """The fixed cost of a worker process here: two stages of a 0.2 MB model, peak RSS minus its tensors.
+
+    Measure it where you plan: much of it is file-backed pages of torch's shared libraries, and how many
+    of those a process maps depends on the page cache (on one machine: 258 MiB in a venv whose files had
+    been read before, 322 MiB in a freshly installed one). Returns the costs and a line per stage.
+    """
     from shardmesh.planning.memory import load_model, shard_memory
     from shardmesh.planning.synthetic import write_checkpoint
 
@@ -122,15 +127,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_checkpoint(Path(tmp) / "tiny", TINY)
         model = load_model(model_dir)
-        measured = measure_workers(model_dir, 2, 1, limits)
+        measured = measure_workers(model_dir, 2, 1, limits, log_dir=log_dir)
+    lines, process = [], {}
     for m in measured:
         est = shard_memory(model, m.layers, 1, m.tp_rank, "float32", limits)
         tensors = est.total - est.runtime  # this model's tensors: well under 1 MiB
-        print(f"stage {m.stage}: peak {m.peak / 2**20:.1f} MiB, tensors {tensors / 2**20:.2f} MiB -> "
-              f"process {(m.peak - tensors) / 2**20:.1f} MiB")  # fmt: skip
-    base = min(m.peak for m in measured)
-    first = next(m.peak for m in measured if m.stage == 0)
-    print(f"WORKER_RSS_BYTES ~ {base / 2**20:.1f} MiB, FIRST_STAGE_EXTRA_BYTES ~ {(first - base) / 2**20:.1f} MiB")
+        process[m.stage] = m.peak - tensors
+        lines.append(f"stage {m.stage}: peak {m.peak / 2**20:.1f} MiB, tensors {tensors / 2**20:.2f} MiB -> "
+                     f"process {(m.peak - tensors) / 2**20:.1f} MiB")  # fmt: skip
+    base = min(process.values())
+    return RuntimeCosts("cpu", base, max(0, process[0] - base)), lines
+
+
+def main() -> int:
+    """Measure the fixed cost of a worker and print it as memory.py stores it."""
+    costs, lines = measure_runtime()
+    print("\n".join(lines))
+    print(f"WORKER_RSS_BYTES ~ {costs.process / 2**20:.1f} MiB, "
+          f"FIRST_STAGE_EXTRA_BYTES ~ {costs.first_stage / 2**20:.1f} MiB")  # fmt: skip
     return 0
 
 
