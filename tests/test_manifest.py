@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,10 @@ def test_example_manifest_plans_llama_70b(tmp_path: Path) -> None:
     assert len(commands) == 1 + 4 + 1
     assert "--pp 1 --tp 4 --dtype bfloat16 --kv-slots 8 --max-context 8192" in commands[0]
     assert "--store-port 29500" in commands[0] and "--label node=gpu-a --label zone=eu-west-1a" in commands[1]
-    assert commands[-1].endswith("--max-queue 256")
+    assert commands[-1].endswith("--max-queue 256 --otlp-endpoint http://otel-collector:4317 --metrics-port 9464")
+    assert all("--otlp-endpoint http://otel-collector:4317 --metrics-port 9464" in c for c in commands)
+    up = deploy.up_args(d, argparse.Namespace())
+    assert up.otlp_endpoint == "http://otel-collector:4317" and up.metrics
 
 
 BAD = {

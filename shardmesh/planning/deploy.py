@@ -135,7 +135,18 @@ def up_args(d: Deployment, base: argparse.Namespace) -> argparse.Namespace:
     out.max_queue = m.serving.max_queue
     out.coordinator_listen = coordinator if address_port(coordinator) else None
     out.store_port = m.services.coordinator.store_port
+    if m.telemetry.otlp_endpoint:  # otherwise `up`'s own --otlp-endpoint (or none) stands
+        out.otlp_endpoint = m.telemetry.otlp_endpoint
+    if m.telemetry.metrics_port:  # one host: `up` gives each service a free port instead of this one
+        out.metrics = True
     return out
+
+
+def _telemetry(m: Manifest) -> list[str]:
+    """Every service exports to the same collector and serves metrics on the same port (its own host)."""
+    t = m.telemetry
+    flags = ["--otlp-endpoint", t.otlp_endpoint] if t.otlp_endpoint else []
+    return flags + (["--metrics-port", str(t.metrics_port)] if t.metrics_port else [])
 
 
 def service_commands(d: Deployment) -> list[str]:
@@ -145,18 +156,18 @@ def service_commands(d: Deployment) -> list[str]:
     coordinator = ["shardmesh", "coordinator", "--listen", coord, "--model", str(d.model.path), "--pp", str(d.pp),
                    "--tp", str(d.tp), "--dtype", d.dtype, "--kv-slots", str(lim.kv_slots), "--max-context",
                    str(lim.max_context), "--max-batch-tokens", str(lim.max_batch_tokens), "--store-port",
-                   str(m.services.coordinator.store_port)]  # fmt: skip
+                   str(m.services.coordinator.store_port), *_telemetry(m)]  # fmt: skip
     lines = [shlex.join(coordinator)]
     shards = d.plan.shards if d.plan is not None else ()
     for rank in range(d.pp * d.tp):
         worker = ["shardmesh", "worker", "--coordinator", coord, "--worker-id", f"worker-{rank}", "--device",
-                  m.services.worker.device]  # fmt: skip
+                  m.services.worker.device, *_telemetry(m)]  # fmt: skip
         if shards:
             node = next(n for n in m.nodes if n.name == shards[rank].device.node)
             labels = sorted({"node": node.name, **node.labels}.items())
             worker += [a for k, v in labels for a in ("--label", f"{k}={v}")]
         lines.append(shlex.join(worker))
     gateway = ["shardmesh", "gateway", "--listen", m.services.gateway.listen, "--coordinator", coord,
-               "--max-queue", str(m.serving.max_queue)]  # fmt: skip
+               "--max-queue", str(m.serving.max_queue), *_telemetry(m)]  # fmt: skip
     lines.append(shlex.join(gateway))
     return lines

@@ -182,7 +182,8 @@ class Serving(_Section):
 
 
 class Telemetry(_Section):
-    """Where telemetry goes. Carried in the schema; the services do not read it yet."""
+    """Where telemetry goes: every service gets `--otlp-endpoint` and `--metrics-port` from here (`up`,
+    which runs all services on one host, serves metrics on a free port per service instead)."""
 
     otlp_endpoint: str | None = Field(None, pattern=_URL,
                                       description="OTLP collector, e.g. http://collector:4317")  # fmt: skip
