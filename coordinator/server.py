@@ -19,8 +19,7 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import duration_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from coordinator.membership import (
     HeartbeatReport,
@@ -31,7 +30,7 @@ from coordinator.membership import (
     UnknownWorker,
     check_worker_id,
 )
-from shardmesh import telemetry
+from shardmesh import rpc, telemetry
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from shardmesh.topology import ModelSpec, ServingLimits
 
@@ -179,22 +178,11 @@ class CoordinatorServer:
             model=cfg.model, pp=cfg.pp, tp=cfg.tp, limits=cfg.limits, store_host=cfg.store_host,
             store_port=self._store.port, heartbeat_timeout=cfg.heartbeat_timeout, logger=self._log,
         )  # fmt: skip
-        options = [
-            ("grpc.max_send_message_length", cfg.max_message_bytes),
-            ("grpc.max_receive_message_length", cfg.max_message_bytes),
-        ]
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.thread_pool_size), options=options)
+        server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
             CoordinatorServicer(self.registry, cfg.heartbeat_interval), server
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        try:
-            self.port = server.add_insecure_port(cfg.listen)
-        except RuntimeError as e:
-            raise RuntimeError(f"--listen: cannot listen on {cfg.listen}: {e}") from None
-        if self.port == 0:
-            raise RuntimeError(f"--listen: cannot listen on {cfg.listen}")
+        self.port = rpc.bind(server, cfg.listen)
         if cfg.metrics_port:
             self._start_metrics(cfg.listen.rpartition(":")[0].strip("[]"), cfg.metrics_port)
         server.start()

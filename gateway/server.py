@@ -28,8 +28,7 @@ from typing import Any
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from gateway.errors import Cancelled, GatewayError, Internal, InvalidArgument, ResourceExhausted, Unavailable
 from gateway.observe import DEFAULT_TRACE_DECODE_STEPS, GatewayMetrics, GatewayObserver, RequestTrace
@@ -37,7 +36,7 @@ from gateway.requests import GenerateCall, GenerateParams, PromptInput, prepare,
 from gateway.results import EndEvent, Event, FinishReason, RequestHandle, Summary, TokenEvent, is_last
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.topology import MeshSource, TopologyWatcher
-from shardmesh import telemetry
+from shardmesh import rpc, telemetry
 from shardmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name  # "shardmesh.v1.Gateway"
@@ -263,21 +262,10 @@ class GatewayServer:
 
     def start(self) -> None:
         cfg = self.cfg
-        options = [
-            ("grpc.max_send_message_length", cfg.max_message_bytes),
-            ("grpc.max_receive_message_length", cfg.max_message_bytes),
-        ]
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.thread_pool_size), options=options)
+        server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size)
         servicer = GatewayServicer(self.scheduler, self._log, self.observer)
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        try:
-            self.port = server.add_insecure_port(cfg.listen)
-        except RuntimeError as e:
-            raise RuntimeError(f"--listen: cannot listen on {cfg.listen}: {e}") from None
-        if self.port == 0:
-            raise RuntimeError(f"--listen: cannot listen on {cfg.listen}")
+        self.port = rpc.bind(server, cfg.listen)
         if self.observer is not None and self.observer.metrics is not None:
             self._metrics_server = telemetry.serve_metrics(
                 self.observer.metrics.registry, cfg.listen.rpartition(":")[0].strip("[]"), cfg.metrics_port

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import grpc
 
 from gateway.mesh import MeshView, ShardClient
+from shardmesh import rpc
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from shardmesh.topology import ShardState, Topology
 
@@ -98,10 +99,7 @@ class TopologyWatcher:
     ) -> None:  # fmt: skip
         self.coordinator = coordinator
         self._log = logger
-        self._options = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-        ]
+        self._options = rpc.message_options(max_message_bytes)
         self._model_dir = model_dir  # overrides the topology's model path (a gateway on another host)
         self._backoff = backoff
         self._lock = threading.Lock()

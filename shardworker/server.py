@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
-from shardmesh import log, procs, telemetry
+from shardmesh import log, procs, rpc, telemetry
 from shardmesh.flags import env_flags
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from shardmesh.topology import ShardState, Topology, dtype_to_pb
@@ -169,11 +168,9 @@ class WorkerProcess:
         self._health = health.HealthServicer(
             experimental_non_blocking=True, experimental_thread_pool=futures.ThreadPoolExecutor(max_workers=2)
         )
-        opts = [("grpc.max_send_message_length", cfg.max_message_bytes),
-                ("grpc.max_receive_message_length", cfg.max_message_bytes)]  # fmt: skip
-        self._channel = grpc.insecure_channel(cfg.coordinator, options=opts)
+        self._channel = grpc.insecure_channel(cfg.coordinator, options=rpc.message_options(cfg.max_message_bytes))
         self._coord = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=opts)
+        self._server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, threads=8)
         self._watch_call: Any = None
         self._metrics_server: Any = None
         self.metrics: Any = None
@@ -183,11 +180,7 @@ class WorkerProcess:
     # ---- start-up ------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
-        port = self._server.add_insecure_port(self.cfg.listen)
-        if port == 0:
-            raise RuntimeError(f"--listen: cannot listen on {self.cfg.listen}")
+        port = rpc.bind(self._server, self.cfg.listen)
         host = self.cfg.listen.rpartition(":")[0]
         self.address = self.cfg.advertise or f"{host}:{port}"
         self._set_health(False)
