@@ -421,13 +421,17 @@ class Scheduler:
         )
         return Summary(reason, s.prompt_len, len(s.tokens), timings)
 
-    def _finish(self, s: _Sequence, summary: Summary) -> None:
-        """Take `s` out of the running set; its slot is released at the next step boundary."""
+    def _retire(self, s: _Sequence) -> None:
+        """`s` stops running: its slot goes to the next Release, its request id may be used again."""
         if s in self._running:
             self._running.remove(s)
             self._to_release.append(s)
         with self._lock:
             self._keys.discard(s.key)
+
+    def _finish(self, s: _Sequence, summary: Summary) -> None:
+        """Take `s` out of the running set; its slot is released at the next step boundary."""
+        self._retire(s)
         if self._obs is not None:
             self._obs.request_finished(s.trace, summary)
         t = summary.timings
@@ -446,11 +450,7 @@ class Scheduler:
         s.handle.events.put(EndEvent(summary=summary, text_delta=delta))
 
     def _end_failed(self, s: _Sequence, error: GatewayError) -> None:
-        if s in self._running:
-            self._running.remove(s)
-            self._to_release.append(s)
-        with self._lock:
-            self._keys.discard(s.key)
+        self._retire(s)
         if self._obs is not None:
             self._obs.request_failed(s.trace, error)
         s.handle.events.put(EndEvent(error=error))
