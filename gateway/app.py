@@ -97,9 +97,7 @@ def run(args: argparse.Namespace) -> int:
     except GatewayUsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    # The process identity goes on the logger itself, not only in the main thread's contextvars:
-    # gRPC handler threads and the scheduler thread start with an empty context.
-    logger = log.configure("gateway", level=args.log_level).bind(service="gateway", pid=os.getpid())
+    logger = log.configure("gateway", level=args.log_level)  # identity on every line, from every thread
     telemetry.setup_tracing("gateway", args.otlp_endpoint)
     server = GatewayServer(cfg, logger)
     with procs.stop_on_signals() as stop:
