@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import queue
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from subprocess import Popen
@@ -13,6 +19,45 @@ from shardmesh import procs
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from shardmesh.topology import Topology
 from shardmesh.up import free_port, wait_serving
+
+
+class ServiceProcess:
+    """`shardmesh <command>` in a child process, with its JSON log lines collected as they come."""
+
+    def __init__(self, command: str, args: list[str], wait_s: float = 30.0) -> None:
+        env = {**os.environ, "SHARDMESH_LOG_LEVEL": "info"}
+        self.command, self.wait_s = command, wait_s
+        self.proc = subprocess.Popen([sys.executable, "-m", "shardmesh.cli", command, *args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        self.events: queue.Queue[dict] = queue.Queue()
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            with contextlib.suppress(json.JSONDecodeError):
+                self.events.put(json.loads(line))
+
+    def wait_event(self, name: str, timeout: float | None = None) -> dict:
+        """The next log line whose `event` is `name`; fails at once if the process exits first."""
+        timeout = self.wait_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                event = self.events.get(timeout=0.1)
+            except queue.Empty:
+                assert self.proc.poll() is None, f"{self.command} exited:\n{''.join(self.lines)}"
+                continue
+            if event.get("event") == name:
+                return event
+        raise AssertionError(f"no {name!r} log line within {timeout} s:\n{''.join(self.lines)}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
 
 
 class Stack:

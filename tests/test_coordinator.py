@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import queue
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +32,7 @@ from coordinator.server import SERVICE_NAME
 from shardmesh import cli
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from shardmesh.topology import ModelSpec, Rendezvous, ServingLimits, ShardState, Topology, TopologyStore
+from tests.stack import ServiceProcess
 
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
@@ -348,42 +346,11 @@ def test_missing_model_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
 # -- the real process ----------------------------------------------------------------------------------
 
 
-class CoordinatorProcess:
+class CoordinatorProcess(ServiceProcess):
     """`shardmesh coordinator` in a child process, with its JSON log lines collected as they come."""
 
     def __init__(self, args: list[str]) -> None:
-        env = {**os.environ, "SHARDMESH_LOG_LEVEL": "info"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shardmesh.cli", "coordinator", *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
-        self.events: queue.Queue[dict] = queue.Queue()
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            with contextlib.suppress(json.JSONDecodeError):
-                self.events.put(json.loads(line))
-
-    def wait_event(self, name: str, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                event = self.events.get(timeout=0.1)
-            except queue.Empty:
-                assert self.proc.poll() is None, f"coordinator exited:\n{''.join(self.lines)}"
-                continue
-            if event.get("event") == name:
-                return event
-        raise AssertionError(f"no {name!r} log line within {timeout} s:\n{''.join(self.lines)}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
+        super().__init__("coordinator", args)
 
 
 class Watcher:

@@ -8,12 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -35,6 +30,7 @@ from shardmesh.proto.v1 import (
     worker_pb2_grpc,
 )
 from shardmesh.topology import Topology, TopologyStore
+from tests.stack import ServiceProcess
 from tests.test_gateway import WAIT_S, FakeMesh, FakeRpcError, FakeShard, LogLines, ids_of, write_tokenizer
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -223,38 +219,9 @@ def test_watcher_fan_out_worker_loss_and_recovery(cluster: FakeCluster, model_di
 # -- the `shardmesh gateway` process and `shardmesh generate --gateway` ---------------------------------
 
 
-class GatewayProcess:
+class GatewayProcess(ServiceProcess):
     def __init__(self, args: list[str]) -> None:
-        env = {**os.environ, "SHARDMESH_LOG_LEVEL": "info"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "shardmesh.cli", "gateway", *args],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
-        self.lines: list[str] = []
-        self.events: queue.Queue[dict] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            with contextlib.suppress(json.JSONDecodeError):
-                self.events.put(json.loads(line))
-
-    def wait_event(self, name: str, timeout: float = WAIT_S) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                event = self.events.get(timeout=0.1)
-            except queue.Empty:
-                assert self.proc.poll() is None, f"gateway exited:\n{''.join(self.lines)}"
-                continue
-            if event.get("event") == name:
-                return event
-        raise AssertionError(f"no {name!r} log line within {timeout} s:\n{''.join(self.lines)}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
+        super().__init__("gateway", args, wait_s=WAIT_S)
 
 
 def test_gateway_process_cli_and_sigterm(
