@@ -382,3 +382,93 @@ class ShardInfo(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ShardInfo: _TypeAlias = ShardInfo  # noqa: Y015
+
+@_typing.final
+class CalibrateRequest(_message.Message):
+    """Ask a shard to time its stage."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPOLOGY_VERSION_FIELD_NUMBER: _builtins.int
+    DECODE_BATCH_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    ITERATIONS_FIELD_NUMBER: _builtins.int
+    topology_version: _builtins.int
+    """The topology version the coordinator calibrates; the shard must be READY in its epoch."""
+    decode_batch: _builtins.int
+    """Sequences in each decode pass (one new token each), in [1, kv_slots]."""
+    prefill_tokens: _builtins.int
+    """Tokens in each prefill pass (one sequence), in [1, min(max_batch_tokens, max_context)]."""
+    iterations: _builtins.int
+    """Timed passes of each kind, after one untimed warm-up pass; in [1, 100]."""
+    def __init__(
+        self,
+        *,
+        topology_version: _builtins.int = ...,
+        decode_batch: _builtins.int = ...,
+        prefill_tokens: _builtins.int = ...,
+        iterations: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_batch", b"decode_batch", "iterations", b"iterations", "prefill_tokens", b"prefill_tokens", "topology_version", b"topology_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CalibrateRequest: _TypeAlias = CalibrateRequest  # noqa: Y015
+
+@_typing.final
+class CalibrateResponse(_message.Message):
+    """Median times of the shard's passes and its memory afterwards."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DECODE_MS_FIELD_NUMBER: _builtins.int
+    DECODE_LAYERS_MS_FIELD_NUMBER: _builtins.int
+    PREFILL_MS_FIELD_NUMBER: _builtins.int
+    PREFILL_LAYERS_MS_FIELD_NUMBER: _builtins.int
+    MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    WEIGHTS_BYTES_FIELD_NUMBER: _builtins.int
+    KV_CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    NUM_LAYERS_FIELD_NUMBER: _builtins.int
+    decode_ms: _builtins.float
+    """One decode pass (decode_batch tokens), in milliseconds: embedding (first stage), layers,
+    and norm + LM head (last stage); tensor-parallel collectives included.
+    """
+    decode_layers_ms: _builtins.float
+    """Of decode_ms, the decoder layers alone: what moving a layer to another stage moves."""
+    prefill_ms: _builtins.float
+    """One prefill pass (prefill_tokens tokens), in milliseconds."""
+    prefill_layers_ms: _builtins.float
+    """Of prefill_ms, the decoder layers alone."""
+    memory_bytes: _builtins.int
+    """Memory the shard holds now: process RSS on CPU, bytes reserved by the caching allocator on CUDA."""
+    peak_memory_bytes: _builtins.int
+    """The high-water mark of that memory since the process started (CPU) or since the passes began (CUDA)."""
+    weights_bytes: _builtins.int
+    """Bytes of weights on the device."""
+    kv_cache_bytes: _builtins.int
+    """Bytes of KV cache on the device."""
+    num_layers: _builtins.int
+    """Decoder layers the shard holds."""
+    def __init__(
+        self,
+        *,
+        decode_ms: _builtins.float = ...,
+        decode_layers_ms: _builtins.float = ...,
+        prefill_ms: _builtins.float = ...,
+        prefill_layers_ms: _builtins.float = ...,
+        memory_bytes: _builtins.int = ...,
+        peak_memory_bytes: _builtins.int = ...,
+        weights_bytes: _builtins.int = ...,
+        kv_cache_bytes: _builtins.int = ...,
+        num_layers: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_layers_ms", b"decode_layers_ms", "decode_ms", b"decode_ms", "kv_cache_bytes", b"kv_cache_bytes", "memory_bytes", b"memory_bytes", "num_layers", b"num_layers", "peak_memory_bytes", b"peak_memory_bytes", "prefill_layers_ms", b"prefill_layers_ms", "prefill_ms", b"prefill_ms", "weights_bytes", b"weights_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CalibrateResponse: _TypeAlias = CalibrateResponse  # noqa: Y015

@@ -50,6 +50,11 @@ class StageWorkerStub:
                 request_serializer=shardmesh_dot_v1_dot_worker__pb2.GetShardInfoRequest.SerializeToString,
                 response_deserializer=shardmesh_dot_v1_dot_worker__pb2.ShardInfo.FromString,
                 _registered_method=True)
+        self.Calibrate = channel.unary_unary(
+                '/shardmesh.v1.StageWorker/Calibrate',
+                request_serializer=shardmesh_dot_v1_dot_worker__pb2.CalibrateRequest.SerializeToString,
+                response_deserializer=shardmesh_dot_v1_dot_worker__pb2.CalibrateResponse.FromString,
+                _registered_method=True)
 
 
 class StageWorkerServicer:
@@ -81,6 +86,16 @@ class StageWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Calibrate(self, request, context):
+        """Time this shard's own forward passes on synthetic input and report its memory: the balance
+        check the coordinator runs before a placement serves. Every tp rank of a stage must be called
+        at once (the passes run the stage's collectives); no activations go to other stages. Errors:
+        FAILED_PRECONDITION (not READY for topology_version), INVALID_ARGUMENT (a field out of range).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +113,11 @@ def add_StageWorkerServicer_to_server(servicer, server):
                     servicer.GetShardInfo,
                     request_deserializer=shardmesh_dot_v1_dot_worker__pb2.GetShardInfoRequest.FromString,
                     response_serializer=shardmesh_dot_v1_dot_worker__pb2.ShardInfo.SerializeToString,
+            ),
+            'Calibrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Calibrate,
+                    request_deserializer=shardmesh_dot_v1_dot_worker__pb2.CalibrateRequest.FromString,
+                    response_serializer=shardmesh_dot_v1_dot_worker__pb2.CalibrateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +202,33 @@ class StageWorker:
             '/shardmesh.v1.StageWorker/GetShardInfo',
             shardmesh_dot_v1_dot_worker__pb2.GetShardInfoRequest.SerializeToString,
             shardmesh_dot_v1_dot_worker__pb2.ShardInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Calibrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardmesh.v1.StageWorker/Calibrate',
+            shardmesh_dot_v1_dot_worker__pb2.CalibrateRequest.SerializeToString,
+            shardmesh_dot_v1_dot_worker__pb2.CalibrateResponse.FromString,
             options,
             channel_credentials,
             insecure,

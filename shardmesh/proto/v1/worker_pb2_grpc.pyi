@@ -47,6 +47,12 @@ class StageWorkerStub:
     """Free the KV-cache slots and per-request sampler state of finished sequences."""
     GetShardInfo: _grpc.UnaryUnaryMultiCallable[_worker_pb2.GetShardInfoRequest, _worker_pb2.ShardInfo]
     """Describe this shard: its place in the mesh and its memory use."""
+    Calibrate: _grpc.UnaryUnaryMultiCallable[_worker_pb2.CalibrateRequest, _worker_pb2.CalibrateResponse]
+    """Time this shard's own forward passes on synthetic input and report its memory: the balance
+    check the coordinator runs before a placement serves. Every tp rank of a stage must be called
+    at once (the passes run the stage's collectives); no activations go to other stages. Errors:
+    FAILED_PRECONDITION (not READY for topology_version), INVALID_ARGUMENT (a field out of range).
+    """
 
 @_typing.type_check_only
 class StageWorkerAsyncStub(StageWorkerStub):
@@ -64,6 +70,12 @@ class StageWorkerAsyncStub(StageWorkerStub):
     """Free the KV-cache slots and per-request sampler state of finished sequences."""
     GetShardInfo: _aio.UnaryUnaryMultiCallable[_worker_pb2.GetShardInfoRequest, _worker_pb2.ShardInfo]  # type: ignore[assignment]
     """Describe this shard: its place in the mesh and its memory use."""
+    Calibrate: _aio.UnaryUnaryMultiCallable[_worker_pb2.CalibrateRequest, _worker_pb2.CalibrateResponse]  # type: ignore[assignment]
+    """Time this shard's own forward passes on synthetic input and report its memory: the balance
+    check the coordinator runs before a placement serves. Every tp rank of a stage must be called
+    at once (the passes run the stage's collectives); no activations go to other stages. Errors:
+    FAILED_PRECONDITION (not READY for topology_version), INVALID_ARGUMENT (a field out of range).
+    """
 
 class StageWorkerServicer(metaclass=_abc_1.ABCMeta):
     """One shard (layer range × tensor-parallel rank) of the model."""
@@ -96,5 +108,17 @@ class StageWorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.ShardInfo, _abc.Awaitable[_worker_pb2.ShardInfo]]:
         """Describe this shard: its place in the mesh and its memory use."""
+
+    @_abc_1.abstractmethod
+    def Calibrate(
+        self,
+        request: _worker_pb2.CalibrateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.CalibrateResponse, _abc.Awaitable[_worker_pb2.CalibrateResponse]]:
+        """Time this shard's own forward passes on synthetic input and report its memory: the balance
+        check the coordinator runs before a placement serves. Every tp rank of a stage must be called
+        at once (the passes run the stage's collectives); no activations go to other stages. Errors:
+        FAILED_PRECONDITION (not READY for topology_version), INVALID_ARGUMENT (a field out of range).
+        """
 
 def add_StageWorkerServicer_to_server(servicer: StageWorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
