@@ -12,6 +12,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from shardmesh.proto.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -23,6 +24,46 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _CalibrationStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CalibrationStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CalibrationStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CALIBRATION_STATUS_UNSPECIFIED: _CalibrationStatus.ValueType  # 0
+    """Not set; never sent by the coordinator."""
+    CALIBRATION_STATUS_PENDING: _CalibrationStatus.ValueType  # 1
+    """Not run yet for this epoch: slots are vacant or shards are still loading."""
+    CALIBRATION_STATUS_RUNNING: _CalibrationStatus.ValueType  # 2
+    """The coordinator is timing the stages."""
+    CALIBRATION_STATUS_BALANCED: _CalibrationStatus.ValueType  # 3
+    """Every stage is within max_stage_ratio of the fastest."""
+    CALIBRATION_STATUS_IMBALANCED: _CalibrationStatus.ValueType  # 4
+    """A stage is slower than the fastest by more than max_stage_ratio; message has the numbers."""
+    CALIBRATION_STATUS_REBALANCING: _CalibrationStatus.ValueType  # 5
+    """Layers are being re-split by the measured speeds (rebalance: by-speed); a new epoch follows."""
+    CALIBRATION_STATUS_FAILED: _CalibrationStatus.ValueType  # 6
+    """A shard could not be timed (message says which and why); the coordinator tries again."""
+
+class CalibrationStatus(_CalibrationStatus, metaclass=_CalibrationStatusEnumTypeWrapper):
+    """Where the balance check of one placement stands."""
+
+CALIBRATION_STATUS_UNSPECIFIED: CalibrationStatus.ValueType  # 0
+"""Not set; never sent by the coordinator."""
+CALIBRATION_STATUS_PENDING: CalibrationStatus.ValueType  # 1
+"""Not run yet for this epoch: slots are vacant or shards are still loading."""
+CALIBRATION_STATUS_RUNNING: CalibrationStatus.ValueType  # 2
+"""The coordinator is timing the stages."""
+CALIBRATION_STATUS_BALANCED: CalibrationStatus.ValueType  # 3
+"""Every stage is within max_stage_ratio of the fastest."""
+CALIBRATION_STATUS_IMBALANCED: CalibrationStatus.ValueType  # 4
+"""A stage is slower than the fastest by more than max_stage_ratio; message has the numbers."""
+CALIBRATION_STATUS_REBALANCING: CalibrationStatus.ValueType  # 5
+"""Layers are being re-split by the measured speeds (rebalance: by-speed); a new epoch follows."""
+CALIBRATION_STATUS_FAILED: CalibrationStatus.ValueType  # 6
+"""A shard could not be timed (message says which and why); the coordinator tries again."""
+Global___CalibrationStatus: _TypeAlias = CalibrationStatus  # noqa: Y015
 
 @_typing.final
 class RegisterRequest(_message.Message):
@@ -357,12 +398,33 @@ class ShardAssignment(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class RequiresEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TP_RANK_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    REQUIRES_FIELD_NUMBER: _builtins.int
     tp_rank: _builtins.int
     """Tensor-parallel rank within the stage, in [0, tp)."""
     rank: _builtins.int
@@ -379,6 +441,12 @@ class ShardAssignment(_message.Message):
         host:port of its Prometheus endpoint, which `shardmesh top` reads; empty while vacant.
         """
 
+    @_builtins.property
+    def requires(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Labels a worker must have registered with to take this slot, e.g. {"node": "nodeA"} when a
+        manifest's plan puts this rank on that node's device; empty: any worker may take it.
+        """
+
     def __init__(
         self,
         *,
@@ -388,10 +456,11 @@ class ShardAssignment(_message.Message):
         address: _builtins.str = ...,
         state: _common_pb2.ShardState.ValueType = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        requires: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "labels", b"labels", "rank", b"rank", "state", b"state", "tp_rank", b"tp_rank", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "labels", b"labels", "rank", b"rank", "requires", b"requires", "state", b"state", "tp_rank", b"tp_rank", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -519,6 +588,7 @@ class Topology(_message.Message):
     RENDEZVOUS_FIELD_NUMBER: _builtins.int
     COMPLETE_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
+    CALIBRATION_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Increases by one with every change; never reused by one coordinator."""
     pp: _builtins.int
@@ -545,6 +615,12 @@ class Topology(_message.Message):
     def limits(self) -> Global___ServingLimits:
         """Buffer limits shared by all shards."""
 
+    @_builtins.property
+    def calibration(self) -> Global___Calibration:
+        """The balance check of the current rendezvous epoch. Gateways serve only when complete is true
+        and calibration.passed is true for calibration.epoch == rendezvous.epoch.
+        """
+
     def __init__(
         self,
         *,
@@ -556,11 +632,181 @@ class Topology(_message.Message):
         rendezvous: Global___Rendezvous | None = ...,
         complete: _builtins.bool = ...,
         limits: Global___ServingLimits | None = ...,
+        calibration: Global___Calibration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits", "model", b"model", "rendezvous", b"rendezvous"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "limits", b"limits", "model", b"model", "rendezvous", b"rendezvous"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete", "limits", b"limits", "model", b"model", "pp", b"pp", "rendezvous", b"rendezvous", "stages", b"stages", "tp", b"tp", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "complete", b"complete", "limits", b"limits", "model", b"model", "pp", b"pp", "rendezvous", b"rendezvous", "stages", b"stages", "tp", b"tp", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Topology: _TypeAlias = Topology  # noqa: Y015
+
+@_typing.final
+class ShardCalibration(_message.Message):
+    """One shard's measurements."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    DECODE_MS_FIELD_NUMBER: _builtins.int
+    PREFILL_MS_FIELD_NUMBER: _builtins.int
+    MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    WEIGHTS_BYTES_FIELD_NUMBER: _builtins.int
+    KV_CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    """Global rank of the shard."""
+    worker_id: _builtins.str
+    """The worker holding it."""
+    decode_ms: _builtins.float
+    """Median time of one decode pass, in milliseconds (CalibrateResponse.decode_ms)."""
+    prefill_ms: _builtins.float
+    """Median time of one prefill pass, in milliseconds."""
+    memory_bytes: _builtins.int
+    """Memory the shard holds after the passes (process RSS on CPU, reserved bytes on CUDA)."""
+    peak_memory_bytes: _builtins.int
+    """High-water mark of that memory."""
+    device_memory_bytes: _builtins.int
+    """The device memory the worker registered with (Device.memory_bytes)."""
+    weights_bytes: _builtins.int
+    """Bytes of weights on the device."""
+    kv_cache_bytes: _builtins.int
+    """Bytes of KV cache on the device."""
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        worker_id: _builtins.str = ...,
+        decode_ms: _builtins.float = ...,
+        prefill_ms: _builtins.float = ...,
+        memory_bytes: _builtins.int = ...,
+        peak_memory_bytes: _builtins.int = ...,
+        device_memory_bytes: _builtins.int = ...,
+        weights_bytes: _builtins.int = ...,
+        kv_cache_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_ms", b"decode_ms", "device_memory_bytes", b"device_memory_bytes", "kv_cache_bytes", b"kv_cache_bytes", "memory_bytes", b"memory_bytes", "peak_memory_bytes", b"peak_memory_bytes", "prefill_ms", b"prefill_ms", "rank", b"rank", "weights_bytes", b"weights_bytes", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardCalibration: _TypeAlias = ShardCalibration  # noqa: Y015
+
+@_typing.final
+class StageCalibration(_message.Message):
+    """One stage's measurements: a stage is as slow as its slowest tensor-parallel rank."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    LAYER_START_FIELD_NUMBER: _builtins.int
+    LAYER_END_FIELD_NUMBER: _builtins.int
+    DECODE_MS_FIELD_NUMBER: _builtins.int
+    DECODE_LAYERS_MS_FIELD_NUMBER: _builtins.int
+    PREFILL_MS_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Position in the pipeline."""
+    layer_start: _builtins.int
+    """First layer of the stage."""
+    layer_end: _builtins.int
+    """One past its last layer."""
+    decode_ms: _builtins.float
+    """One decode pass, in milliseconds (the slowest rank)."""
+    decode_layers_ms: _builtins.float
+    """Of decode_ms, the decoder layers alone (embedding and LM head excluded)."""
+    prefill_ms: _builtins.float
+    """One prefill pass, in milliseconds (the slowest rank)."""
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardCalibration]:
+        """The stage's shards, in tp_rank order."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        layer_start: _builtins.int = ...,
+        layer_end: _builtins.int = ...,
+        decode_ms: _builtins.float = ...,
+        decode_layers_ms: _builtins.float = ...,
+        prefill_ms: _builtins.float = ...,
+        shards: _abc.Iterable[Global___ShardCalibration] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_layers_ms", b"decode_layers_ms", "decode_ms", b"decode_ms", "index", b"index", "layer_end", b"layer_end", "layer_start", b"layer_start", "prefill_ms", b"prefill_ms", "shards", b"shards"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageCalibration: _TypeAlias = StageCalibration  # noqa: Y015
+
+@_typing.final
+class Calibration(_message.Message):
+    """The balance check of one placement: short real forward passes on every shard, stage by stage."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    PASSED_FIELD_NUMBER: _builtins.int
+    STAGES_FIELD_NUMBER: _builtins.int
+    STAGE_RATIO_FIELD_NUMBER: _builtins.int
+    MAX_STAGE_RATIO_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    DECODE_BATCH_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEED_SPLIT_FIELD_NUMBER: _builtins.int
+    REBALANCES_FIELD_NUMBER: _builtins.int
+    status: Global___CalibrationStatus.ValueType
+    """Where the check stands."""
+    epoch: _builtins.int
+    """The rendezvous epoch it measured (or is about to measure)."""
+    passed: _builtins.bool
+    """True when gateways may serve this epoch: the check ran, and either the stages are balanced or
+    the coordinator was not told to require balance.
+    """
+    stage_ratio: _builtins.float
+    """The slowest stage's decode_ms over the fastest's (1.0 for one stage)."""
+    max_stage_ratio: _builtins.float
+    """The configured limit on stage_ratio."""
+    message: _builtins.str
+    """What a person should know, e.g. which stage is slow, by how much, and the split that would fix it."""
+    decode_batch: _builtins.int
+    """Sequences per decode pass and tokens per prefill pass used."""
+    prefill_tokens: _builtins.int
+    rebalances: _builtins.int
+    """Times the coordinator has re-split layers by speed since it started."""
+    @_builtins.property
+    def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageCalibration]:
+        """Per-stage results, in pipeline order; empty until measured."""
+
+    @_builtins.property
+    def speed_split(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Layer counts per stage that the measured speeds call for (the split by-speed would deploy)."""
+
+    def __init__(
+        self,
+        *,
+        status: Global___CalibrationStatus.ValueType = ...,
+        epoch: _builtins.int = ...,
+        passed: _builtins.bool = ...,
+        stages: _abc.Iterable[Global___StageCalibration] | None = ...,
+        stage_ratio: _builtins.float = ...,
+        max_stage_ratio: _builtins.float = ...,
+        message: _builtins.str = ...,
+        decode_batch: _builtins.int = ...,
+        prefill_tokens: _builtins.int = ...,
+        speed_split: _abc.Iterable[_builtins.int] | None = ...,
+        rebalances: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_batch", b"decode_batch", "epoch", b"epoch", "max_stage_ratio", b"max_stage_ratio", "message", b"message", "passed", b"passed", "prefill_tokens", b"prefill_tokens", "rebalances", b"rebalances", "speed_split", b"speed_split", "stage_ratio", b"stage_ratio", "stages", b"stages", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Calibration: _TypeAlias = Calibration  # noqa: Y015
