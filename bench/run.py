@@ -1,6 +1,6 @@
 """One command, one results table: shardmesh against `transformers` on the same model, prompts and machine.
 
-    .venv/bin/python bench/run.py [--model smollm2-135m-instruct] [--layouts 1x1,2x1,1x2,2x2] [--streams 1,4,16]
+    .venv/bin/python bench/run.py [--model smollm2-135m-instruct] [--layouts 1x1,2x1,1x3,2x3] [--streams 1,4,16,64]
 
 Writes bench/results/<host>-<date>.{md,json} and prints the markdown. Every number is measured in
 this run: the baseline (`transformers` fp32 `generate`, greedy, same prompt and lengths) is measured
@@ -10,6 +10,8 @@ first, then the mesh (`shardmesh up` for each pp×tp layout, requests through th
   gateway reports it (queue wait + prefill + first step), and client-side totals.
 - aggregate: N concurrent streams, total completion tokens / wall time of the slowest.
 - stage boundary: per-token latency of pp=2 minus pp=1 (both tp=1), i.e. what one extra hop costs.
+- pipeline: aggregate tokens/s of pp=2 over pp=1 (both tp=1) at each stream count; with the pipeline
+  kept full (two micro-batches in flight) pp=2 should not lose throughput (issue 5: >= 0.9x at 16).
 - memory: peak RSS of every worker process (psutil), next to the planner-free raw weights size.
 """
 
@@ -130,7 +132,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--layouts", default="1x1,2x1,1x3,2x3", help="pp x tp pairs (tp must divide the heads)")
-    ap.add_argument("--streams", default="1,4,16")
+    ap.add_argument("--streams", default="1,4,16,64")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
@@ -165,6 +167,16 @@ def main() -> None:
     report(info, base, rows, a, Path(a.out))
 
 
+def pipeline_ratios(rows: list[dict]) -> list[str]:
+    """pp=2 aggregate tokens/s over pp=1 (tp=1) at each stream count both layouts ran."""
+    agg = {(r["pp"], r["tp"], r["streams"]): r["aggregate_tok_s"] for r in rows}
+    ratios = {n: agg[(2, 1, n)] / agg[(1, 1, n)] for (pp, tp, n) in agg if (pp, tp) == (1, 1) and (2, 1, n) in agg}
+    if not ratios:
+        return []
+    parts = [f"{n} streams **{r:.2f}×**" if n == 16 else f"{n} streams {r:.2f}×" for n, r in sorted(ratios.items())]
+    return ["", f"Pipeline (pp=2 aggregate ÷ pp=1 aggregate, tp=1; target ≥ 0.9× at 16 streams): {', '.join(parts)}."]
+
+
 def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out: Path) -> None:
     single = {(r["pp"], r["tp"]): r for r in rows if r["streams"] == 1}
     lines = [
@@ -189,6 +201,7 @@ def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out:
     if (1, 1) in single and (2, 1) in single:
         hop = single[(2, 1)]["ms_per_token"] - single[(1, 1)]["ms_per_token"]
         lines += ["", f"Stage boundary (pp=2 minus pp=1, tp=1, one stream): **{hop:+.2f} ms per decode step**."]
+    lines += pipeline_ratios(rows)
     md = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{info['host']}-{info['date'][:10]}"
