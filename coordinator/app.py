@@ -9,6 +9,7 @@ parser stays cheap; the service itself is imported when the command runs.
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from shardmesh import telemetry
 from shardmesh.flags import env_flags
 
 ENV_PREFIX = "SHARDMESH_COORDINATOR_"
+REBALANCES = ("none", "by-speed")
 DTYPES = ("float32", "bfloat16", "float16")
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
@@ -25,7 +27,12 @@ _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     flag = env_flags(p, ENV_PREFIX)
     flag("--listen", "127.0.0.1:50051", help="host:port for the gRPC server; port 0 picks a free one")
-    flag("--model", required=True, help="model directory (config.json is read here; workers load the weights)")
+    flag(
+        "--manifest",
+        help="deployment manifest (YAML): sets every flag below that it covers, which may then not "
+        "be given; see `shardmesh plan --manifest`",
+    )
+    flag("--model", help="model directory (config.json is read here; workers load the weights); or --manifest")
     flag("--pp", 1, type=int, help="pipeline stages (default 1)")
     flag("--tp", 1, type=int, help="tensor-parallel degree per stage (default 1)")
     flag("--dtype", "float32", choices=DTYPES, help="weight and activation dtype the shards use (default float32)")
@@ -37,6 +44,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--max-context", type=int, help="tokens per sequence, prompt + completion (default: the model's)")
     flag("--max-batch-tokens", type=int, help="tokens per step over the batch (default: --max-context)")
     flag("--max-message-mb", 64, type=int, help="gRPC max send/receive message size in MiB (default 64)")
+    flag("--layers", help="layers per pipeline stage, e.g. 18,12 (default: as even as possible)")
+    flag(
+        "--rank-nodes",
+        help="node label each global rank's worker must have, e.g. nodeA,nodeA,nodeB (from a "
+        "manifest's plan; default: any worker takes any rank)",
+    )
+    flag(
+        "--max-stage-ratio",
+        1.25,
+        type=float,
+        help="balance check before serving: report a stage slower than the fastest by more than this (default 1.25)",
+    )
+    flag(
+        "--rebalance",
+        "none",
+        choices=REBALANCES,
+        help="by-speed: re-split layers by the measured stage times when they are out of balance (default none)",
+    )
+    p.add_argument("--require-balance", action="store_true",
+                   default=os.environ.get(ENV_PREFIX + "REQUIRE_BALANCE", "") not in ("", "0", "false"),
+                   help="do not serve while the stages are out of balance (default: serve and report) "
+                        f"[env {ENV_PREFIX}REQUIRE_BALANCE]")  # fmt: skip
+    flag("--calibration-iterations", 5, type=int, help="timed passes of each kind per shard in the balance check")
     flag("--log-level", help="debug, info, warning or error (default: $SHARDMESH_LOG_LEVEL or info)")
     telemetry.add_flags(flag)
 
@@ -63,8 +93,56 @@ def _listen_host(listen: str) -> str:
     return host
 
 
+# Flags a manifest sets (and which may then not be given as well); the rest (log level, heartbeats, ...) stay free.
+MANIFEST_FLAGS = ("model", "pp", "tp", "dtype", "kv_slots", "max_context", "max_batch_tokens", "store_port", "layers",
+                  "rank_nodes", "max_stage_ratio", "rebalance", "require_balance")  # fmt: skip
+
+
+def from_manifest(args: argparse.Namespace, defaults: argparse.Namespace) -> argparse.Namespace:
+    """`args` with what the manifest at `args.manifest` sets, through the same flags `shardmesh plan` prints."""
+    from shardmesh.planning import deploy
+    from shardmesh.planning.manifest import ManifestError, load_manifest
+    from shardmesh.planning.planner import PlanError
+
+    given = [k for k in MANIFEST_FLAGS if getattr(args, k) != getattr(defaults, k)]
+    if given:
+        raise _usage("; ".join(f"--{k.replace('_', '-')}: set by --manifest, give one or the other" for k in given))
+    source = Path(args.manifest)
+    try:
+        d = deploy.resolve(load_manifest(source), source)
+    except (ManifestError, PlanError) as e:
+        raise _usage(str(e).replace("\n", "; ")) from None
+    flags = deploy.coordinator_flags(d)
+    if args.listen != defaults.listen:  # a bind address given here wins (e.g. 0.0.0.0:50051 in a container)
+        i = flags.index("--listen")
+        del flags[i : i + 2]
+    parser = argparse.ArgumentParser(prog="coordinator --manifest", add_help=False)
+    add_arguments(parser)
+    parsed = parser.parse_args(flags)
+    out = argparse.Namespace(**vars(args))
+    for k in (*MANIFEST_FLAGS, "otlp_endpoint", "metrics_port", "listen"):
+        if k != "listen" or "--listen" in flags:
+            setattr(out, k, getattr(parsed, k))
+    return out
+
+
+def parse_layers(text: str, num_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
+    """`--layers 18,12` -> ((0, 18), (18, 30)); usage errors name the flag."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise _usage(f"--layers: expected layer counts per stage like 18,12, got {text!r}") from None
+    if len(counts) != pp or min(counts) < 1 or sum(counts) != num_layers:
+        raise _usage(f"--layers: need {pp} counts >= 1 (one per stage) adding up to the model's {num_layers} layers, "
+                     f"got {text!r}")  # fmt: skip
+    from shardworker.parallel import layer_ranges
+
+    return tuple(layer_ranges(counts))
+
+
 def build_config(args: argparse.Namespace) -> Any:
     """Validate every flag against each other and the model; returns a `CoordinatorConfig`."""
+    from coordinator.calibration import CalibrationConfig
     from coordinator.server import CoordinatorConfig
     from shardmesh.topology import ModelSpec, ServingLimits
     from shardworker.config import ModelConfig
@@ -72,6 +150,8 @@ def build_config(args: argparse.Namespace) -> Any:
     from shardworker.tp import HeadSplit, TensorParallelError
 
     host = _listen_host(args.listen)
+    if not args.model:
+        raise _usage("--model or --manifest is required")
     if args.dtype not in DTYPES:  # a value from the environment skips argparse's `choices`
         raise _usage(f"--dtype: must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     model_dir = Path(args.model).expanduser()
@@ -109,6 +189,22 @@ def build_config(args: argparse.Namespace) -> Any:
         raise _usage(f"--max-batch-tokens: must be >= 1, got {max_batch}")
     if args.max_message_mb < 1:
         raise _usage(f"--max-message-mb: must be >= 1, got {args.max_message_mb}")
+    split = parse_layers(args.layers, cfg.num_layers, args.pp) if args.layers else None
+    requires = None
+    if args.rank_nodes:
+        nodes = args.rank_nodes.split(",")
+        if len(nodes) != args.pp * args.tp or not all(nodes):
+            raise _usage(f"--rank-nodes: need {args.pp * args.tp} node names (one per rank), got {args.rank_nodes!r}")
+        requires = tuple((("node", n),) for n in nodes)
+    if args.rebalance not in REBALANCES:  # from the environment
+        raise _usage(f"--rebalance: must be one of {', '.join(REBALANCES)}, got {args.rebalance!r}")
+    try:
+        calibration = CalibrationConfig(max_stage_ratio=args.max_stage_ratio, rebalance=args.rebalance,
+                                        require_balance=args.require_balance,
+                                        iterations=args.calibration_iterations)  # fmt: skip
+    except ValueError as e:
+        name, _, msg = str(e).partition(": ")
+        raise _usage(f"--{name.replace('_', '-')}: {msg}") from None
     try:
         telemetry.check_metrics_port(args.metrics_port)
         telemetry.export_config(args.otlp_endpoint)
@@ -122,7 +218,7 @@ def build_config(args: argparse.Namespace) -> Any:
         limits=ServingLimits(args.kv_slots, max_context, max_batch), heartbeat_interval=interval,
         heartbeat_timeout=timeout, store_host=store_host, store_port=args.store_port,
         max_message_bytes=args.max_message_mb * 1024 * 1024, metrics_port=args.metrics_port,
-        otlp_endpoint=args.otlp_endpoint,
+        otlp_endpoint=args.otlp_endpoint, split=split, requires=requires, calibration=calibration,
     )  # fmt: skip
 
 
@@ -132,6 +228,10 @@ def run(args: argparse.Namespace) -> int:
     from shardmesh import log, procs
 
     try:
+        if args.manifest:
+            defaults = argparse.ArgumentParser(add_help=False)
+            add_arguments(defaults)
+            args = from_manifest(args, defaults.parse_args([]))
         cfg = build_config(args)
     except CoordinatorUsageError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from coordinator import placement
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2
-from shardmesh.topology import ModelSpec, ServingLimits, ShardState, Topology, TopologyStore
+from shardmesh.topology import Calibration, ModelSpec, ServingLimits, ShardState, Topology, TopologyStore
+from shardworker.parallel import split_layers
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9._/-]{1,63}")
@@ -162,10 +163,18 @@ class Registry:
         store_host: str,
         store_port: int,
         heartbeat_timeout: float,
+        split: placement.Split | None = None,
+        requires: Sequence[placement.Labels] | None = None,
         clock: Callable[[], float] = time.monotonic,
         logger: Any = None,
     ) -> None:
         self._model, self._pp, self._tp, self._limits = model, pp, tp, limits
+        self._split: placement.Split = tuple(split or split_layers(model.num_layers, pp))
+        placement.check_split(self._split, model.num_layers, pp)
+        if requires is not None and len(requires) != pp * tp:
+            raise ValueError(f"need label requirements for {pp * tp} slots, got {len(requires)}")
+        self._requires = tuple(requires) if requires is not None else None
+        self._calibration: Calibration | None = None  # the latest result, for the epoch it names
         self._store_host, self._store_port = store_host, store_port
         self.heartbeat_timeout = heartbeat_timeout
         self._clock = clock
@@ -202,6 +211,12 @@ class Registry:
             )  # fmt: skip
             self._emit("worker_registered", worker_id=worker_id, address=reg.address, device=reg.device.type,
                        returning=old is not None, labels=dict(reg.labels))  # fmt: skip
+            if worker_id in self._slots and self._requires is not None:
+                rank = self._slots.index(worker_id)
+                if not placement.fits(reg.labels, self._requires[rank]):  # came back with other labels
+                    self._slots = placement.vacate(self._slots, worker_id)
+                    self._emit("slot_vacated", worker_id=worker_id, rank=rank, reason="labels_changed",
+                               requires=dict(self._requires[rank]))  # fmt: skip
             self._refill()
             topology = self._publish_if_changed()
             return worker_id, topology
@@ -259,6 +274,35 @@ class Registry:
         with self._lock:
             return dict(self._workers)
 
+    def split(self) -> placement.Split:
+        with self._lock:
+            return self._split
+
+    def record_calibration(self, calibration: Calibration) -> bool:
+        """Publish the balance check's state for its epoch; False (and nothing published) when the
+        placement has moved on to another epoch meanwhile."""
+        with self._lock:
+            if calibration.epoch != self._epoch:
+                return False
+            self._calibration = calibration
+            self._publish_if_changed()
+            return True
+
+    def resplit(self, split: placement.Split, calibration: Calibration) -> Topology:
+        """Move layers between stages (`rebalance: by-speed`) if the placement is still the one
+        `calibration` measured: a new split is a new placement, so workers reload and a new epoch
+        (and a new check) follows."""
+        placement.check_split(split, self._model.num_layers, self._pp)
+        with self._lock:
+            if calibration.epoch != self._epoch:
+                return self.store.current()
+            self._calibration = calibration
+            self._publish_if_changed()  # REBALANCING, for whoever watches, before the epoch moves on
+            self._emit("layers_resplit", old=[list(r) for r in self._split], new=[list(r) for r in split],
+                       epoch=self._epoch)  # fmt: skip
+            self._split = split
+            return self._publish_if_changed()
+
     # -- internals (lock held) --------------------------------------------------------------------
 
     def _new_id(self) -> str:
@@ -276,7 +320,8 @@ class Registry:
     def _refill(self) -> None:
         standbys = sorted((w for w in self._workers.values() if not w.timed_out), key=lambda w: w.seq)
         before = self._slots
-        self._slots = placement.fill_slots(self._slots, [w.worker_id for w in standbys])
+        labels = {w.worker_id: w.labels for w in standbys}
+        self._slots = placement.fill_slots(self._slots, [w.worker_id for w in standbys], labels, self._requires)
         for rank, (old, new) in enumerate(zip(before, self._slots, strict=True)):
             if old is None and new is not None:
                 self._emit("slot_assigned", worker_id=new, rank=rank, stage=rank // self._tp, tp_rank=rank % self._tp)
@@ -285,12 +330,13 @@ class Registry:
         return placement.build_topology(
             version=version, model=self._model, pp=self._pp, tp=self._tp, limits=self._limits,
             store_host=self._store_host, store_port=self._store_port, slots=self._slots,
-            workers={w.worker_id: w.view() for w in self._workers.values()}, epoch=epoch,
+            workers={w.worker_id: w.view() for w in self._workers.values()}, epoch=epoch, split=self._split,
+            requires=self._requires, calibration=self._calibration,
         )  # fmt: skip
 
     def _publish_if_changed(self) -> Topology:
         current = self.store.current()
-        key = placement.placement_key(self._slots, {k: w.view() for k, w in self._workers.items()})
+        key = placement.placement_key(self._split, self._slots, {k: w.view() for k, w in self._workers.items()})
         epoch = placement.next_epoch(self._key, self._epoch, key, current.version + 1)
         candidate = self._build(current.version, epoch)
         if candidate.same_content(current):
@@ -301,7 +347,7 @@ class Registry:
         vacant = sum(1 for _, sh in published.shards() if sh.vacant)
         states = [sh.state.value for _, sh in published.shards()]
         self._emit("topology_published", version=published.version, epoch=epoch, complete=published.complete,
-                   vacant=vacant, states=states)  # fmt: skip
+                   vacant=vacant, states=states, calibration=published.calibration.status.value)  # fmt: skip
         return published
 
     def _emit(self, event: str, **fields: Any) -> None:

@@ -50,3 +50,24 @@ class CoordinatorCollector:
         yield age
         yield slots
         yield GaugeMetricFamily("shardmesh_registered_workers", "Workers registered (placed and standby)", len(workers))
+        yield from _balance(topology)
+
+
+def _balance(topology: Any) -> Iterator[Any]:
+    """The balance check of the current placement: its verdict, and each stage's measured time and layers."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    c = topology.calibration
+    yield GaugeMetricFamily("shardmesh_balance_passed", "1 when the balance check of the current placement passed",
+                            int(topology.serving))  # fmt: skip
+    yield GaugeMetricFamily("shardmesh_balance_stage_ratio", "Slowest stage's decode pass over the fastest's, as "
+                            "last measured", c.stage_ratio)  # fmt: skip
+    decode = GaugeMetricFamily("shardmesh_stage_decode_seconds", "Measured time of one decode pass of the stage "
+                               "(balance check)", labels=["stage"])  # fmt: skip
+    layers = GaugeMetricFamily("shardmesh_stage_layers", "Decoder layers the stage holds", labels=["stage"])
+    for s in topology.stages:
+        layers.add_metric([str(s.index)], s.layer_end - s.layer_start)
+    for s in c.stages:
+        decode.add_metric([str(s.index)], s.decode_ms / 1000)
+    yield decode
+    yield layers

@@ -13,7 +13,7 @@ import functools
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -21,6 +21,7 @@ import grpc
 from google.protobuf import duration_pb2
 from grpc_health.v1 import health, health_pb2
 
+from coordinator.calibration import CalibrationConfig, Calibrator, memory_caps
 from coordinator.membership import (
     HeartbeatReport,
     InvalidArgument,
@@ -30,9 +31,10 @@ from coordinator.membership import (
     UnknownWorker,
     check_worker_id,
 )
+from coordinator.placement import Labels, Split
 from shardmesh import rpc, telemetry
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
-from shardmesh.topology import ModelSpec, ServingLimits
+from shardmesh.topology import ModelSpec, ServingLimits, Topology
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name  # "shardmesh.v1.Coordinator"
 WATCH_POLL_S = 0.5  # how often an idle watch stream checks that its client is still there
@@ -54,6 +56,9 @@ class CoordinatorConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     metrics_port: int = 0  # 0: no metrics endpoint
     otlp_endpoint: str | None = None
+    split: Split | None = None  # layer range per stage; None: even
+    requires: tuple[Labels, ...] | None = None  # labels each rank's worker must have (from a manifest's plan)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
     @property
     def thread_pool_size(self) -> int:
@@ -165,6 +170,7 @@ class CoordinatorServer:
         self._monitor: threading.Thread | None = None
         self._metrics_server: Any = None
         self.registry: Registry | None = None
+        self.calibrator: Calibrator | None = None
         self.port = 0
         self.metrics_port = 0
 
@@ -176,7 +182,8 @@ class CoordinatorServer:
                                     timeout=timedelta(seconds=60), wait_for_workers=False)  # fmt: skip
         self.registry = Registry(
             model=cfg.model, pp=cfg.pp, tp=cfg.tp, limits=cfg.limits, store_host=cfg.store_host,
-            store_port=self._store.port, heartbeat_timeout=cfg.heartbeat_timeout, logger=self._log,
+            store_port=self._store.port, heartbeat_timeout=cfg.heartbeat_timeout, split=cfg.split,
+            requires=cfg.requires, logger=self._log,
         )  # fmt: skip
         server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
@@ -191,12 +198,17 @@ class CoordinatorServer:
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._monitor = threading.Thread(target=self._watch_heartbeats, name="heartbeat-monitor", daemon=True)
         self._monitor.start()
+        self.calibrator = Calibrator(self.registry, cfg.calibration, self._log, cfg.max_message_bytes, self._caps)
+        self.calibrator.start()
         host = cfg.listen.rpartition(":")[0]
         self._log.info(
             "listening", address=f"{host}:{self.port}", port=self.port, store_host=cfg.store_host,
             store_port=self._store.port, pp=cfg.pp, tp=cfg.tp, model=cfg.model.path, dtype=cfg.model.dtype,
             heartbeat_interval_s=cfg.heartbeat_interval, heartbeat_timeout_s=cfg.heartbeat_timeout,
-            metrics_port=self.metrics_port or "off", **telemetry.describe_tracing(cfg.otlp_endpoint),
+            metrics_port=self.metrics_port or "off", layers=[list(r) for r in self.registry.split()],
+            rank_nodes=[dict(r).get("node", "") for r in cfg.requires] if cfg.requires else None,
+            rebalance=cfg.calibration.rebalance, max_stage_ratio=cfg.calibration.max_stage_ratio,
+            require_balance=cfg.calibration.require_balance, **telemetry.describe_tracing(cfg.otlp_endpoint),
         )  # fmt: skip
 
     def _start_metrics(self, host: str, port: int) -> None:
@@ -209,6 +221,12 @@ class CoordinatorServer:
         registry.register(CoordinatorCollector(self.registry))
         self._metrics_server = telemetry.serve_metrics(registry, host, port)
         self.metrics_port = self._metrics_server.server_port
+
+    def _caps(self, t: Topology) -> list[int] | None:
+        assert self.registry is not None
+        workers = self.registry.workers().values()
+        return memory_caps(t, {w.worker_id: w.device.memory_bytes for w in workers},
+                           {w.worker_id: w.device.type for w in workers})  # fmt: skip
 
     def _watch_heartbeats(self) -> None:
         assert self.registry is not None
@@ -226,6 +244,8 @@ class CoordinatorServer:
         self._health.enter_graceful_shutdown()
         if self.registry is not None:
             self.registry.store.close()
+        if self.calibrator is not None:
+            self.calibrator.stop()
         if self._server is not None:
             self._server.stop(grace).wait(grace + 1.0)
         if self._monitor is not None:

@@ -90,6 +90,12 @@ def incompleteness(topology: Topology) -> str:
     return f"topology v{topology.version} is not complete" + (f" ({detail})" if detail else "")
 
 
+def uncalibrated(topology: Topology) -> str:
+    """Why a complete `topology` does not serve yet: its balance check has not passed."""
+    c = topology.calibration
+    return f"topology v{topology.version}: balance check {c.status.value}" + (f": {c.message}" if c.message else "")
+
+
 class TopologyWatcher:
     """Follows `WatchTopology` on a thread and publishes a `MeshState` for every new topology."""
 
@@ -189,6 +195,8 @@ class TopologyWatcher:
     def _view(self, topology: Topology) -> tuple[MeshView | None, str]:
         if not topology.complete or topology.rendezvous is None:
             return None, incompleteness(topology)
+        if not topology.serving:
+            return None, uncalibrated(topology)
         shards: list[ShardClient] = []
         for stage, shard in topology.shards():
             if not shard.address:

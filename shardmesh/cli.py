@@ -236,10 +236,31 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--max-new-tokens", type=int, default=128, help="length of the --demo answer (default 128)")
     u.add_argument("--otlp-endpoint", default=None, help="send every service's spans to this OTLP endpoint")
     u.add_argument("--metrics", action="store_true", help="Prometheus metrics on every service (free ports; see top)")
+    u.add_argument("--layers", default=None, help="layers per pipeline stage, e.g. 18,12 (default: even)")
+    u.add_argument(
+        "--rebalance",
+        default="none",
+        choices=["none", "by-speed"],
+        help="by-speed: re-split layers by the stage times the balance check measures (default none)",
+    )
+    u.add_argument(
+        "--max-stage-ratio",
+        type=float,
+        default=1.25,
+        help="balance check: report a stage slower than the fastest by more than this (default 1.25)",
+    )
+    u.add_argument("--require-balance", action="store_true", help="do not serve while the stages are out of balance")
     u.add_argument("--manifest", metavar="FILE", default=None,
                    help="deploy what this YAML manifest describes (see compose/manifest.example.yaml)")  # fmt: skip
     u.set_defaults(func=cmd_up)
     u.set_defaults(up_defaults={a.dest: a.default for a in u._actions})  # what `--manifest` checks against
+    # --- status: the topology and its balance check, once (shardmesh/status.py) ---
+    from shardmesh import status as status_command
+
+    st = sub.add_parser("status", help="show the mesh: placement, shard states and the balance check before serving")
+    status_command.add_arguments(st)
+    st.set_defaults(func=status_command.run)
+    # --- end status ---
     # --- plan: split a model over devices, or show what a manifest deploys (shardmesh/planning/command.py) ---
     from shardmesh.planning import command as plan_command
 

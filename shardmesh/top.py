@@ -243,10 +243,13 @@ def render(cur: Snapshot, prev: Snapshot | None, coordinator: str, gateway_metri
     if cur.topology is None:
         return f"shardmesh top  {stamp}\n{cur.error}\n"
     t = cur.topology
-    state = "complete" if t.complete else "NOT complete"
+    state = "serving" if t.serving else ("complete, balance check " + t.calibration.status.value if t.complete
+                                         else "NOT complete")  # fmt: skip
+    c = t.calibration
+    balance = f"  balance {c.stage_ratio:.2f}x ({c.status.value})" if c.stages else ""
     lines = [
         f"shardmesh top  coordinator {coordinator}  topology v{t.version} {state}  pp {t.pp} x tp {t.tp}  "
-        f"{t.model.architecture} {t.model.num_layers} layers  {stamp}",
+        f"{t.model.architecture} {t.model.num_layers} layers{balance}  {stamp}",
         f"rates over the last {dt:.1f} s; memory bar: # weights  = KV cache  . other (RSS - weights - KV), "
         "scaled to the largest worker",
         "",

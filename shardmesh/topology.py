@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2
 
@@ -88,6 +88,7 @@ class ShardAssignment:
     address: str = ""
     state: ShardState = ShardState.PENDING
     labels: tuple[tuple[str, str], ...] = ()  # the holder's registration labels, sorted by key
+    requires: tuple[tuple[str, str], ...] = ()  # labels a worker needs to hold this slot (from the plan)
 
     @property
     def vacant(self) -> bool:
@@ -99,13 +100,13 @@ class ShardAssignment:
     def to_pb(self) -> coordinator_pb2.ShardAssignment:
         return coordinator_pb2.ShardAssignment(
             tp_rank=self.tp_rank, rank=self.rank, worker_id=self.worker_id, address=self.address,
-            state=self.state.to_pb(), labels=dict(self.labels),
+            state=self.state.to_pb(), labels=dict(self.labels), requires=dict(self.requires),
         )  # fmt: skip
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.ShardAssignment) -> ShardAssignment:
         return cls(pb.tp_rank, pb.rank, pb.worker_id, pb.address, ShardState.from_pb(pb.state),
-                   tuple(sorted(pb.labels.items())))  # fmt: skip
+                   tuple(sorted(pb.labels.items())), tuple(sorted(pb.requires.items())))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,109 @@ class ServingLimits:
         return cls(pb.kv_slots, pb.max_context, pb.max_batch_tokens)
 
 
+class CalibrationStatus(enum.Enum):
+    """Where a placement's balance check stands; mirrors `shardmesh.v1.CalibrationStatus`."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    BALANCED = "balanced"
+    IMBALANCED = "imbalanced"
+    REBALANCING = "rebalancing"
+    FAILED = "failed"
+
+    def to_pb(self) -> coordinator_pb2.CalibrationStatus.ValueType:
+        return coordinator_pb2.CalibrationStatus.Value(f"CALIBRATION_STATUS_{self.name}")
+
+    @classmethod
+    def from_pb(cls, value: int) -> CalibrationStatus:
+        """UNSPECIFIED (an older coordinator that does not calibrate) and unknown values read as PENDING."""
+        names = coordinator_pb2.CalibrationStatus
+        name = names.Name(value).removeprefix("CALIBRATION_STATUS_") if value in names.values() else ""
+        return cls[name] if name in cls.__members__ else cls.PENDING
+
+
+@dataclass(frozen=True)
+class ShardCalibration:
+    """One shard's timed passes and memory (see `coordinator.proto`)."""
+
+    rank: int
+    worker_id: str
+    decode_ms: float
+    prefill_ms: float
+    memory_bytes: int
+    peak_memory_bytes: int
+    device_memory_bytes: int
+    weights_bytes: int
+    kv_cache_bytes: int
+
+    def to_pb(self) -> coordinator_pb2.ShardCalibration:
+        return coordinator_pb2.ShardCalibration(**asdict(self))
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.ShardCalibration) -> ShardCalibration:
+        return cls(**{f.name: getattr(pb, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class StageCalibration:
+    """One stage: as slow as its slowest tensor-parallel rank."""
+
+    index: int
+    layer_start: int
+    layer_end: int
+    decode_ms: float
+    decode_layers_ms: float
+    prefill_ms: float
+    shards: tuple[ShardCalibration, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def to_pb(self) -> coordinator_pb2.StageCalibration:
+        return coordinator_pb2.StageCalibration(
+            index=self.index, layer_start=self.layer_start, layer_end=self.layer_end, decode_ms=self.decode_ms,
+            decode_layers_ms=self.decode_layers_ms, prefill_ms=self.prefill_ms,
+            shards=[s.to_pb() for s in self.shards],
+        )  # fmt: skip
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.StageCalibration) -> StageCalibration:
+        return cls(pb.index, pb.layer_start, pb.layer_end, pb.decode_ms, pb.decode_layers_ms, pb.prefill_ms,
+                   tuple(ShardCalibration.from_pb(s) for s in pb.shards))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The balance check of one rendezvous epoch: what the gateway waits for before it serves."""
+
+    status: CalibrationStatus = CalibrationStatus.PENDING
+    epoch: int = 0
+    passed: bool = False
+    stages: tuple[StageCalibration, ...] = ()
+    stage_ratio: float = 0.0
+    max_stage_ratio: float = 0.0
+    message: str = ""
+    decode_batch: int = 0
+    prefill_tokens: int = 0
+    speed_split: tuple[int, ...] = ()  # layer counts per stage the measured speeds call for
+    rebalances: int = 0
+
+    def to_pb(self) -> coordinator_pb2.Calibration:
+        return coordinator_pb2.Calibration(
+            status=self.status.to_pb(), epoch=self.epoch, passed=self.passed, stages=[s.to_pb() for s in self.stages],
+            stage_ratio=self.stage_ratio, max_stage_ratio=self.max_stage_ratio, message=self.message,
+            decode_batch=self.decode_batch, prefill_tokens=self.prefill_tokens, speed_split=list(self.speed_split),
+            rebalances=self.rebalances,
+        )  # fmt: skip
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.Calibration) -> Calibration:
+        return cls(CalibrationStatus.from_pb(pb.status), pb.epoch, pb.passed,
+                   tuple(StageCalibration.from_pb(s) for s in pb.stages), pb.stage_ratio, pb.max_stage_ratio,
+                   pb.message, pb.decode_batch, pb.prefill_tokens, tuple(pb.speed_split), pb.rebalances)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Topology:
     """The whole mesh at one version. Built by `placement.build_topology`, never edited in place."""
@@ -182,6 +286,13 @@ class Topology:
     rendezvous: Rendezvous | None  # None while any slot is vacant
     complete: bool  # every slot READY under `rendezvous`
     limits: ServingLimits
+    calibration: Calibration = field(default_factory=Calibration)
+
+    @property
+    def serving(self) -> bool:
+        """Complete, and the balance check of this very placement passed: what a gateway serves on."""
+        c, r = self.calibration, self.rendezvous
+        return self.complete and r is not None and c.passed and c.epoch == r.epoch
 
     def shards(self) -> Iterator[tuple[Stage, ShardAssignment]]:
         """Every slot with its stage, in global-rank order."""
@@ -201,6 +312,7 @@ class Topology:
         pb = coordinator_pb2.Topology(
             version=self.version, model=self.model.to_pb(), pp=self.pp, tp=self.tp,
             stages=[s.to_pb() for s in self.stages], complete=self.complete, limits=self.limits.to_pb(),
+            calibration=self.calibration.to_pb(),
         )  # fmt: skip
         if self.rendezvous is not None:
             pb.rendezvous.CopyFrom(self.rendezvous.to_pb())
@@ -213,6 +325,7 @@ class Topology:
             stages=tuple(Stage.from_pb(s) for s in pb.stages),
             rendezvous=Rendezvous.from_pb(pb.rendezvous) if pb.HasField("rendezvous") else None,
             complete=pb.complete, limits=ServingLimits.from_pb(pb.limits),
+            calibration=Calibration.from_pb(pb.calibration),
         )  # fmt: skip
 
 

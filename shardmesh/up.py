@@ -94,6 +94,19 @@ def _telemetry_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _balance_flags(args: argparse.Namespace) -> list[str]:
+    """The coordinator's layer split, node pinning and balance check, as `up` (or its manifest) sets them."""
+    flags = ["--max-stage-ratio", f"{getattr(args, 'max_stage_ratio', 1.25):g}",
+             "--rebalance", getattr(args, "rebalance", "none")]  # fmt: skip
+    if getattr(args, "require_balance", False):
+        flags.append("--require-balance")
+    if getattr(args, "layers", None):
+        flags += ["--layers", args.layers]
+    if getattr(args, "rank_nodes", None):
+        flags += ["--rank-nodes", args.rank_nodes]
+    return flags
+
+
 def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="shardmesh-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -108,14 +121,17 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
             coord += ["--max-context", str(args.max_context)]
         if args.max_batch_tokens:
             coord += ["--max-batch-tokens", str(args.max_batch_tokens)]
+        coord += _balance_flags(args)
         telemetry = _telemetry_flags(args)
         mesh.spawn("coordinator", coord + telemetry)
         wait_serving(mesh.coordinator, mesh.children, 60, log_dir)
         world = args.pp * args.tp
         env = {**os.environ, "OMP_NUM_THREADS": str(procs.threads_per_process(world))}
+        nodes = args.rank_nodes.split(",") if getattr(args, "rank_nodes", None) else None
         for rank in range(world):
+            labels = ["--label", f"node={nodes[rank]}"] if nodes else []  # the node the plan put this rank on
             mesh.spawn(f"worker{rank}", ["worker", "--coordinator", mesh.coordinator, "--worker-id", f"worker-{rank}",
-                                         "--device", args.device, *telemetry], env=env)  # fmt: skip
+                                         "--device", args.device, *labels, *telemetry], env=env)  # fmt: skip
         mesh.gateway = args.listen or f"127.0.0.1:{free_port()}"
         gateway = ["gateway", "--listen", mesh.gateway, "--coordinator", mesh.coordinator]
         if getattr(args, "max_queue", None):  # from a manifest (serving.max_queue)
@@ -176,6 +192,8 @@ MANIFEST_FLAGS = {
     "model": "model.path", "pp": "parallelism.pipeline", "tp": "parallelism.tensor", "dtype": "model.dtype",
     "device": "services.worker.device", "listen": "services.gateway.listen", "kv_slots": "serving.kv_slots",
     "max_context": "serving.max_context", "max_batch_tokens": "serving.max_batch_tokens",
+    "layers": "the plan (nodes)", "rebalance": "placement.rebalance", "max_stage_ratio": "placement.max_stage_ratio",
+    "require_balance": "placement.require_balance",
 }  # fmt: skip
 
 
@@ -196,6 +214,7 @@ def args_from_manifest(args: argparse.Namespace, defaults: dict[str, object]) ->
     notes = [f"manifest {source}: pp={d.pp} × tp={d.tp}, {d.dtype}, {d.limits.kv_slots} KV slots × "
              f"{d.limits.max_context} tokens", *d.notes]  # fmt: skip
     if d.plan is not None:
-        notes.append(f"planned layer split {list(d.plan.layer_split)}; tightest device keeps "
+        notes.append(f"planned layer split {[b - a for a, b in d.plan.layer_split]} (layers per stage), ranks on nodes "
+                     f"{[d.node_of(r) for r in range(d.pp * d.tp)]}; tightest device keeps "
                      f"{d.plan.min_headroom / 2**30:.2f} GiB free")  # fmt: skip
     return deploy.up_args(d, args), notes

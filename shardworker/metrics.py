@@ -127,17 +127,20 @@ class _ShardCollector:
 
 def record_step_spans(
     tracer: Any, parents: list[Any], start_ns: int, end_ns: int, worker_id: str, step_id: int, topology_version: int,
-    entries: list[StepEntry], result: StepResult | None, error: str = "",
+    entries: list[StepEntry], result: StepResult | None, error: str = "", after_step_id: int = 0,
+    order_wait_s: float = 0.0,
 ) -> None:  # fmt: skip
     """One `worker.step` span under each traced request's gateway step span (same numbers in each:
-    they are one step of one batch)."""
+    they are one step of one batch). The span starts when the RPC arrived; with steps in flight
+    together it first waits `order_wait_s` for its turn (`after_step_id` to finish here)."""
     from opentelemetry.trace import SpanKind, Status, StatusCode
 
     attributes: dict[str, Any] = {
         "shardmesh.worker_id": worker_id, "shardmesh.step_id": step_id,
         "shardmesh.topology_version": topology_version, "shardmesh.batch.entries": len(entries),
         "shardmesh.batch.tokens": sum(e.num_tokens for e in entries),
-        "shardmesh.step.duration_ms": (end_ns - start_ns) / 1e6,
+        "shardmesh.step.duration_ms": (end_ns - start_ns) / 1e6, "shardmesh.step.after_step_id": after_step_id,
+        "shardmesh.step.order_wait_ms": order_wait_s * 1e3,
     }  # fmt: skip
     if result is not None:
         p, c = result.placement, result.comm

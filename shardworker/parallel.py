@@ -14,6 +14,7 @@ neighbours forms its own point-to-point link and no extra broadcast is needed).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
@@ -73,6 +74,11 @@ def split_layers(num_layers: int, stages: int, weights: list[float] | None = Non
     by_remainder = sorted(range(stages), key=lambda i: exact[i] - int(exact[i]), reverse=True)
     for i in by_remainder[: num_layers - sum(counts)]:
         counts[i] += 1
+    return layer_ranges(counts)
+
+
+def layer_ranges(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive half-open layer ranges holding `counts[s]` layers each: [2, 3] -> [(0, 2), (2, 5)]."""
     bounds, start = [], 0
     for c in counts:
         bounds.append((start, start + c))

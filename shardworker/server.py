@@ -68,6 +68,15 @@ def entry_from_pb(pb: worker_pb2.BatchEntry) -> StepEntry:
                      pb.skip_sampling)  # fmt: skip
 
 
+def entries_of(request: worker_pb2.StepRequest) -> tuple[list[StepEntry], StepRefused | None]:
+    """The step's entries, converted before its turn (off the pipeline's critical path), or the
+    refusal of a bad one, which the step raises in its turn so that the steps after it keep their order."""
+    try:
+        return [entry_from_pb(e) for e in request.entries], None
+    except StepRefused as e:
+        return [], e
+
+
 class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     def __init__(self, core: StageWorkerCore, metrics: Any = None) -> None:
         self.core = core
@@ -78,31 +87,38 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         tracer = telemetry.tracer()
         parents = telemetry.step_parents(context.invocation_metadata()) if tracer is not None else ()
         start_ns = time.time_ns() if parents else 0
-        entries = [entry_from_pb(e) for e in request.entries]
+        entries, refused = entries_of(request)
+        waited = 0.0
         try:
-            result = self.core.step(request.topology_version, entries)
+            with self.core.turn(request.topology_version, request.step_id, request.after_step_id,
+                                lambda: not context.is_active()) as waited:  # fmt: skip
+                if refused is not None:
+                    raise refused
+                result = self.core.step(request.topology_version, entries)
         except StepRefused as e:
             if self.metrics is not None:
                 self.metrics.failed(e.kind)
             if parents:
-                self._spans(parents, start_ns, request, entries, None, f"{e.kind}: {e}")
+                self._spans(parents, start_ns, request, entries, None, waited, f"{e.kind}: {e}")
             raise
         if self.metrics is not None:
             self.metrics.observe(result, sum(e.num_tokens for e in entries))
         if parents:
-            self._spans(parents, start_ns, request, entries, result)
+            self._spans(parents, start_ns, request, entries, result, waited)
         tokens = [worker_pb2.SampledToken(request_id=s.request_id, token_id=s.token_id, logprob=s.logprob)
                   for s in result.sampled]  # fmt: skip
         return worker_pb2.StepResponse(step_id=request.step_id, tokens=tokens,
                                        compute_ms=(result.elapsed_s - result.comm.recv_wait_s) * 1e3,
-                                       recv_wait_ms=result.comm.recv_wait_s * 1e3)  # fmt: skip
+                                       recv_wait_ms=result.comm.recv_wait_s * 1e3,
+                                       order_wait_ms=waited * 1e3)  # fmt: skip
 
     def _spans(self, parents: Any, start_ns: int, request: worker_pb2.StepRequest, entries: list[StepEntry],
-               result: StepResult | None, error: str = "") -> None:  # fmt: skip
+               result: StepResult | None, order_wait_s: float, error: str = "") -> None:  # fmt: skip
         from shardworker.metrics import record_step_spans
 
         record_step_spans(telemetry.tracer(), parents, start_ns, time.time_ns(), self.core.worker_id, request.step_id,
-                          request.topology_version, entries, result, error)  # fmt: skip
+                          request.topology_version, entries, result, error, after_step_id=request.after_step_id,
+                          order_wait_s=order_wait_s)  # fmt: skip
 
     @_maps_errors
     def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.ServicerContext) -> worker_pb2.ReleaseResponse:
@@ -125,6 +141,17 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             out.tp_rank, out.tp_size = p.spec.tp_rank, p.spec.tp_size
             out.dtype = dtype_to_pb(p.dtype)
         return out
+
+    @_maps_errors
+    def Calibrate(self, request: worker_pb2.CalibrateRequest, context: grpc.ServicerContext) -> Any:
+        r = self.core.calibrate(request.topology_version, request.decode_batch, request.prefill_tokens,
+                                request.iterations)  # fmt: skip
+        t = r["timing"]
+        return worker_pb2.CalibrateResponse(
+            decode_ms=t.decode.total_ms, decode_layers_ms=t.decode.layers_ms, prefill_ms=t.prefill.total_ms,
+            memory_bytes=t.memory_bytes, peak_memory_bytes=t.peak_memory_bytes,
+            weights_bytes=r["weights_bytes"], kv_cache_bytes=r["kv_cache_bytes"], num_layers=r["num_layers"],
+        )  # fmt: skip
 
 
 def _device_pb(kind: str) -> common_pb2.Device:

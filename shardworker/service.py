@@ -9,9 +9,11 @@ the coordinator publishes a new epoch; the gateway fails that step's requests an
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from dataclasses import astuple, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
@@ -19,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 from shardmesh.topology import Rendezvous, ServingLimits, ShardState, Topology
+from shardworker.calibrate import calibrate_shard
 from shardworker.config import ModelConfig
 from shardworker.engine import StageEngine
 from shardworker.model import BatchLayout, Segment, Transformer
+from shardworker.ordering import OrderError, StepOrder
 from shardworker.parallel import Backend, ShardGroups, ShardSpec, form_groups
 from shardworker.sampling import SamplingParams, sample
 from shardworker.shard import build_shard, parse_dtype
@@ -108,7 +112,11 @@ class CommCounters:
         )  # fmt: skip
 
     def __sub__(self, other: CommCounters) -> CommCounters:
-        return CommCounters(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+        # Field by field with getattr: `dataclasses.astuple` deep-copies, ~0.1 ms per step for nothing.
+        return CommCounters(*(getattr(self, f) - getattr(other, f) for f in _COMM_FIELDS))
+
+
+_COMM_FIELDS = tuple(f.name for f in fields(CommCounters))
 
 
 @dataclass(frozen=True)
@@ -136,10 +144,12 @@ class _Runtime:
     groups_epoch: int
     generators: dict[str, torch.Generator | None] = field(default_factory=dict)
     slots: dict[int, str] = field(default_factory=dict)  # occupied KV slot -> request id
+    order: StepOrder = field(default_factory=StepOrder)  # this epoch's steps take turns in the gateway's order
 
 
 class StageWorkerCore:
-    def __init__(self, worker_id: str, device: torch.device, logger: Any, group_timeout_s: float = 60.0) -> None:
+    def __init__(self, worker_id: str, device: torch.device, logger: Any, group_timeout_s: float = 60.0,
+                 order_timeout_s: float = 10.0) -> None:  # fmt: skip
         self.worker_id = worker_id
         self.device = device
         self.log = logger
@@ -153,6 +163,10 @@ class StageWorkerCore:
         self._runtime: _Runtime | None = None
         self._stores: dict[tuple[str, int], dist.TCPStore] = {}
         self._lock = threading.Lock()  # one step at a time; topology changes wait for the step
+        # Guards the runtime's slot and sampler bookkeeping, so that a Release (of sequences in no
+        # running step) need not wait for another micro-batch's step to finish.
+        self._slots_lock = threading.Lock()
+        self.order_timeout_s = order_timeout_s  # how long a step waits for its predecessor to arrive
         # Epochs whose groups broke (a peer died). Their store keys still name the dead peer, so
         # rejoining would only wait out a connect timeout: only a new epoch can heal the mesh.
         self._broken_epochs: set[int] = set()
@@ -172,6 +186,8 @@ class StageWorkerCore:
         if placement.rendezvous.epoch in self._broken_epochs:
             return  # wait for the coordinator to start a new epoch
         with self._lock:
+            if current is not None:  # steps waiting for a turn in the old epoch will not get one
+                current.order.close(f"this worker left epoch {current.groups_epoch}")
             self._runtime = None
             self.state = ShardState.LOADING
             try:
@@ -210,12 +226,30 @@ class StageWorkerCore:
         bind_group(model, groups.tp)
         dtype = next(model.parameters()).dtype
         cache = model.make_cache(p.limits.kv_slots, dtype, self.device)
-        return _Runtime(p, StageEngine(model, groups, cache, self.device), r.epoch)
+        return _Runtime(p, StageEngine(model, groups, cache, self.device), r.epoch,
+                        order=StepOrder(self.order_timeout_s))  # fmt: skip
 
     # ---- steps ---------------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def turn(self, topology_version: int, step_id: int, after_step_id: int,
+             cancelled: Callable[[], bool] | None = None) -> Iterator[float]:  # fmt: skip
+        """Hold a step until `after_step_id` has had its turn on this shard (see shardworker/ordering.py);
+        yields the seconds it waited. Run the step inside the block: its turn ends when the block does.
+        A step that `step` will refuse anyway (no shard, an older epoch) does not wait."""
+        rt = self._runtime
+        if rt is None or topology_version < rt.groups_epoch:
+            yield 0.0
+            return
+        try:
+            with rt.order.turn(step_id, after_step_id, cancelled) as waited:
+                yield waited
+        except OrderError as e:
+            raise StepRefused("not_ready", str(e)) from None
+
     def step(self, topology_version: int, entries: list[StepEntry]) -> StepResult:
-        """Run one step; returns the sampled tokens (last stage only) and the step's timings and traffic."""
+        """Run one step; returns the sampled tokens (last stage only) and the step's timings and traffic.
+        Steps run one at a time; callers that keep several in flight order them with `turn`."""
         with self._lock:
             rt = self._runtime
             if rt is None or self.state is not ShardState.READY:
@@ -226,10 +260,11 @@ class StageWorkerCore:
                     f"topology_version {topology_version} predates this worker's placement (epoch {rt.groups_epoch})",
                 )
             self._validate(rt, entries)
-            for e in entries:
-                if e.start_pos == 0 or e.request_id not in rt.generators:
-                    rt.generators[e.request_id] = e.sampling.generator()
-                rt.slots[e.slot] = e.request_id
+            with self._slots_lock:
+                for e in entries:
+                    if e.start_pos == 0 or e.request_id not in rt.generators:
+                        rt.generators[e.request_id] = e.sampling.generator()
+                    rt.slots[e.slot] = e.request_id
             batch = BatchLayout.build([Segment(e.slot, e.start_pos, e.num_tokens) for e in entries], self.device)
             ids = torch.tensor([t for e in entries for t in e.token_ids]) if rt.engine.is_first else None
             before = CommCounters.of(rt.engine.groups)
@@ -240,6 +275,7 @@ class StageWorkerCore:
                 self._broken_epochs.add(rt.groups_epoch)
                 self._runtime, self.state = None, ShardState.PENDING
                 self.detail = f"process group broken: {e}"
+                rt.order.close(self.detail)
                 # The step's requests (the gateway's `step_failed` line has their trace ids and the step id).
                 self.log.error("peer_lost", error=str(e), request_ids=[x.request_id for x in entries])
                 raise StepRefused("peer_lost", f"a peer of stage {rt.placement.stage} was lost: {e}") from None
@@ -252,7 +288,8 @@ class StageWorkerCore:
             if logits is not None:
                 keep = [i for i, e in enumerate(entries) if not e.skip_sampling]
                 params = [entries[i].sampling for i in keep]
-                gens = [rt.generators[entries[i].request_id] for i in keep]
+                with self._slots_lock:
+                    gens = [rt.generators[entries[i].request_id] for i in keep]
                 ids_out, lps = sample(logits[keep], params, gens) if keep else ([], [])
                 sampled = [Sampled(entries[i].request_id, t, lp) for i, t, lp in zip(keep, ids_out, lps, strict=True)]
             return StepResult(sampled, elapsed, comm, rt.placement)
@@ -287,7 +324,9 @@ class StageWorkerCore:
                     raise StepRefused("invalid", f"{where}.token_ids: {msg}")
 
     def release(self, sequences: list[tuple[str, int]]) -> int:
-        with self._lock:
+        """Free the slots and sampler streams of ended sequences. Never waits for a running step: the
+        gateway releases only sequences that are in no step in flight."""
+        with self._slots_lock:
             rt = self._runtime
             if rt is None:
                 return 0
@@ -313,6 +352,43 @@ class StageWorkerCore:
                        active_sequences=len(rt.slots), placement=rt.placement,
                        max_context=rt.placement.limits.max_context)  # fmt: skip
         return out
+
+    # ---- calibration -----------------------------------------------------------------------------
+
+    def calibrate(
+        self, topology_version: int, decode_batch: int, prefill_tokens: int, iterations: int
+    ) -> dict[str, Any]:
+        """Time this shard's passes for the coordinator's balance check (`shardworker.calibrate`)."""
+        with self._lock:
+            rt = self._runtime
+            if rt is None or self.state is not ShardState.READY:
+                raise StepRefused("not_ready", f"worker is {self.state.name.lower()}: {self.detail or 'no shard'}")
+            if topology_version < rt.groups_epoch:
+                raise StepRefused("not_ready", f"topology_version {topology_version} predates this worker's "
+                                               f"placement (epoch {rt.groups_epoch})")  # fmt: skip
+            limits = rt.placement.limits
+            if rt.slots:  # the passes write into KV slots: never while a sequence holds one
+                raise StepRefused("not_ready", f"{len(rt.slots)} sequences hold KV slots; calibrate before serving")
+            longest = min(limits.max_batch_tokens, limits.max_context)
+            bounds = (("decode_batch", decode_batch, limits.kv_slots), ("prefill_tokens", prefill_tokens, longest),
+                      ("iterations", iterations, 100))  # fmt: skip
+            for name, value, hi in bounds:
+                if not 1 <= value <= hi:
+                    raise StepRefused("invalid", f"{name}: must be in [1, {hi}], got {value}")  # fmt: skip
+            try:
+                timing = calibrate_shard(rt.engine.model, rt.engine.cache, self.device, decode_batch=decode_batch,
+                                         prefill_tokens=prefill_tokens, iterations=iterations)  # fmt: skip
+            except RuntimeError as e:  # a tensor-parallel peer is gone: the same as in a step
+                self._broken_epochs.add(rt.groups_epoch)
+                self._runtime, self.state = None, ShardState.PENDING
+                self.detail = f"process group broken: {e}"
+                self.log.error("peer_lost", error=str(e), during="calibration")
+                raise StepRefused("peer_lost", f"a peer of stage {rt.placement.stage} was lost: {e}") from None
+            self.log.info("calibrated", decode_ms=round(timing.decode.total_ms, 3),
+                          prefill_ms=round(timing.prefill.total_ms, 3), memory_bytes=timing.memory_bytes)  # fmt: skip
+            model = rt.engine.model
+            return {"timing": timing, "weights_bytes": _nbytes(model), "kv_cache_bytes": rt.engine.cache.nbytes,
+                    "num_layers": len(model.layer_range)}  # fmt: skip
 
 
 def _nbytes(model: Transformer) -> int:

@@ -100,10 +100,10 @@ class Stack:
                 if p.poll() is not None and not name.startswith("killed"):
                     raise RuntimeError(f"{name} exited ({p.returncode}):\n{procs.tail(self.log_dir / f'{name}.log')}")
             t = self.topology()
-            if t.complete and t.version > after_version:
+            if t.serving and t.version > after_version:  # complete, and the balance check passed
                 return t
             time.sleep(0.2)
-        raise TimeoutError(f"topology not complete after {timeout} s; logs in {self.log_dir}")
+        raise TimeoutError(f"topology not serving after {timeout} s; logs in {self.log_dir}")
 
     def kill(self, name: str) -> None:
         p = self.procs.pop(name)

@@ -65,10 +65,24 @@ def test_epoch_survives_state_changes_and_changes_with_placement() -> None:
     assert placement.next_epoch(key, 5, (("a", 1), ("b", 3)), 9) == 9  # b restarted: new groups
 
 
-def test_placement_key_needs_every_slot_and_tracks_incarnations() -> None:
+def test_placement_key_needs_every_slot_and_tracks_incarnations_and_the_split() -> None:
     workers = {"a": view("a", inc=3), "b": view("b", inc=4)}
-    assert placement.placement_key(("a", None), workers) is None
-    assert placement.placement_key(("b", "a"), workers) == (("b", 4), ("a", 3))
+    split = ((0, 2), (2, 4))
+    assert placement.placement_key(split, ("a", None), workers) is None
+    key = placement.placement_key(split, ("b", "a"), workers)
+    assert key == (split, (("b", 4), ("a", 3)))
+    moved = placement.placement_key(((0, 3), (3, 4)), ("b", "a"), workers)
+    assert moved != key and placement.next_epoch(key, 5, moved, 9) == 9  # a new split is a new placement
+
+
+def test_fill_slots_honours_label_requirements() -> None:
+    labels = {"a": (("node", "B"),), "b": (("node", "A"),), "c": (("node", "A"), ("zone", "1")), "d": ()}
+    requires = ((("node", "A"),), (("node", "A"),), (("node", "B"),), ())
+    # a (node B) waits for rank 2; d (no labels) only fits the unconstrained rank 3
+    assert placement.fill_slots((None,) * 4, ["a", "b", "c", "d"], labels, requires) == ("b", "c", "a", "d")
+    assert placement.fill_slots((None,) * 4, ["d", "a"], labels, requires) == (None, None, "a", "d")
+    assert placement.fits((("node", "A"), ("zone", "1")), (("node", "A"),))
+    assert not placement.fits((), (("node", "A"),))
 
 
 @pytest.mark.parametrize(

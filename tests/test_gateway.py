@@ -31,7 +31,17 @@ from gateway.server import SERVICE_NAME, GatewayConfig, GatewayServer
 from gateway.text import CompletionText
 from gateway.topology import MeshState, ModelFiles
 from shardmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
-from shardmesh.topology import ModelSpec, Rendezvous, ServingLimits, ShardAssignment, ShardState, Stage, Topology
+from shardmesh.topology import (
+    Calibration,
+    CalibrationStatus,
+    ModelSpec,
+    Rendezvous,
+    ServingLimits,
+    ShardAssignment,
+    ShardState,
+    Stage,
+    Topology,
+)
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -211,7 +221,8 @@ class FakeMesh:
         return Topology(version, ModelSpec(model_path, "float32", "LlamaForCausalLM", self.pp, 8, VOCAB,
                                            self.max_context), self.pp, self.tp, stages,
                         Rendezvous("127.0.0.1", 1, f"topo/v{epoch}", epoch, self.pp * self.tp), complete,
-                        ServingLimits(self.kv_slots, self.max_context, self.max_batch_tokens))  # fmt: skip
+                        ServingLimits(self.kv_slots, self.max_context, self.max_batch_tokens),
+                        Calibration(CalibrationStatus.BALANCED, epoch, passed=True))  # fmt: skip
 
     def all_steps(self) -> list[list[worker_pb2.StepRequest]]:
         return [list(sh.steps) for sh in self.shards]
@@ -379,7 +390,7 @@ def test_text_deltas_hold_back_partial_utf8_and_possible_stop_strings(model_file
 
 
 def test_requests_are_batched_into_one_step(scheduler: Scheduler, model_files: ModelFiles) -> None:
-    mesh = FakeMesh(pp=2, tp=2)
+    mesh = FakeMesh(pp=1, tp=2)  # one stage: one step in flight (pp=2 pipelines them: tests/test_pipeline.py)
     mesh.gate = threading.Event()
     scheduler.update_mesh(mesh_state(mesh, model_files))
     first = scheduler.submit(request(model_files, "a", "hello", max_new=3))
@@ -457,7 +468,7 @@ def test_max_new_tokens_and_timings(scheduler: Scheduler, model_files: ModelFile
 
 
 def test_long_prompts_are_chunked_to_the_batch_budget(scheduler: Scheduler, model_files: ModelFiles) -> None:
-    mesh = FakeMesh(pp=2, tp=1, max_batch_tokens=4)
+    mesh = FakeMesh(pp=1, tp=1, max_batch_tokens=4)  # one step in flight, so both share every step
     scheduler.update_mesh(mesh_state(mesh, model_files))
     mesh.gate = threading.Event()
     short = scheduler.submit(request(model_files, "short", "ab", max_new=4))
@@ -780,12 +791,12 @@ def test_servicer_queue_full_and_client_cancel(served: Any, model_files: ModelFi
     def stream(request_id: str) -> Any:
         return stub.GenerateStream(gateway_pb2.GenerateRequest(prompt="hi", request_id=request_id, params=params))
 
-    # c0's first step is held, so c1..c5 wait for the step boundary; c1 will take the second slot, the
-    # other four fill the queue.
+    # c0's first step is held; c1 takes the second slot (its step goes in flight next to c0's: pp=2 keeps
+    # two), the other four fill the queue.
     calls = [stream("c0")]
     assert mesh.entered.wait(WAIT_S)
     calls += [stream(f"c{i}") for i in range(1, 6)]
-    wait_until(lambda: len(server.scheduler._waiting) == 5)
+    wait_until(lambda: server.scheduler.load()[:2] == (4, 2))  # (waiting, running): all five submitted
     err = _rpc_error(lambda: stub.Generate(gateway_pb2.GenerateRequest(prompt="hi"), timeout=5))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in err.details()
     mesh.gate.set()

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +18,13 @@ from shardmesh import procs
 from shardmesh.cli import main
 from shardmesh.planning import deploy
 from shardmesh.planning.manifest import SCHEMA_PATH, load_manifest, parse_manifest, schema_text
-from shardmesh.planning.planner import PlanError
 from shardmesh.planning.synthetic import write_checkpoint
 from shardmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
+from shardmesh.proto.v1.coordinator_pb2 import GetTopologyRequest
+from shardmesh.proto.v1.coordinator_pb2_grpc import CoordinatorStub
+from shardmesh.topology import Topology
+from shardmesh.up import free_port
+from tests.stack import ServiceProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "compose" / "manifest.example.yaml"
@@ -146,8 +152,8 @@ TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 48, "intermediate_
 
 UP_MANIFEST = """
 model: {path: tiny}            # relative: next to this file
-nodes:                         # one 1 GiB device on each of two nodes: tp=1 (groups never span nodes), pp=2
-  - {name: left, devices: [{memory: 1GiB}]}
+nodes:                         # a 3 GiB and a 1 GiB device on two nodes: tp=1 (groups never span nodes), pp=2
+  - {name: left, devices: [{memory: 3GiB}]}
   - {name: right, devices: [{memory: 1GiB}]}
 serving: {kv_slots: 3, max_context: 64, max_batch_tokens: 32, max_queue: 4}
 """
@@ -160,8 +166,14 @@ def test_up_manifest_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["plan", "--manifest", str(manifest)]) == 0
     shown = capsys.readouterr().out
     assert "plan: tp=1 × pp=2 on 2 of 2 devices" in shown and "--pp 2 --tp 1 --dtype float32 --kv-slots 3" in shown
-    proc = procs.spawn(["-m", "shardmesh.cli", "up", "--manifest", str(manifest), "--log-dir", str(tmp_path / "logs")],
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    d = deploy.resolve(load_manifest(manifest), manifest)
+    planned = d.plan.layer_split  # type: ignore[union-attr]
+    assert planned[0][1] - planned[0][0] > planned[1][1] - planned[1][0]  # the larger device holds more layers
+    assert f"--layers {d.layers_flag()} --rank-nodes left,right" in shown
+    logs = tmp_path / "logs"
+    proc = procs.spawn(["-m", "shardmesh.cli", "up", "--manifest", str(manifest), "--log-dir", str(logs)],
+                       env={**os.environ, "SHARDMESH_LOG_LEVEL": "info"}, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE)  # fmt: skip
     try:
         address = proc.stdout.readline().decode().strip()
         assert address, proc.stderr.read().decode()[-3000:]
@@ -173,6 +185,15 @@ def test_up_manifest_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[st
             r = stub.Generate(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=[1, 2, 3]), params=params),
                               timeout=60)  # fmt: skip
             assert len(r.token_ids) == 4
+        # The coordinator deployed the planned (uneven) split, each rank on the node the plan chose, and checked it.
+        listening = next(json.loads(line) for line in (logs / "coordinator.log").read_text().splitlines()
+                         if '"event": "listening"' in line)  # fmt: skip
+        with grpc.insecure_channel(listening["address"]) as ch:
+            t = Topology.from_pb(CoordinatorStub(ch).GetTopology(GetTopologyRequest(), timeout=10))
+        assert tuple((s.layer_start, s.layer_end) for s in t.stages) == planned and t.serving
+        assert [(sh.label("node"), dict(sh.requires)) for _, sh in t.shards()] == [
+            ("left", {"node": "left"}), ("right", {"node": "right"})]  # fmt: skip
+        assert [(s.layer_start, s.layer_end) for s in t.calibration.stages] == list(planned)
     finally:
         procs.stop_all([proc], grace=15)
     assert "manifest" in proc.stderr.read().decode()
@@ -180,8 +201,39 @@ def test_up_manifest_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "--pp: the manifest sets this (parallelism.pipeline)" in capsys.readouterr().err
 
 
-def test_uneven_plans_deploy_only_when_the_even_split_fits(tmp_path: Path) -> None:
-    """The coordinator splits layers evenly: an uneven plan is deployed as the even split, or refused."""
+def test_coordinator_manifest(tmp_path: Path) -> None:
+    """`coordinator --manifest` serves what the manifest plans (split and node pinning); flags it sets are refused."""
+    write_checkpoint(tmp_path / "tiny", TINY)
+    manifest = tmp_path / "mesh.yaml"
+    port = free_port()
+    manifest.write_text(UP_MANIFEST + f"services: {{coordinator: {{listen: '127.0.0.1:{port}'}}}}\n"
+                        "placement: {rebalance: by-speed, max_stage_ratio: 1.5}\n")  # fmt: skip
+    d = deploy.resolve(load_manifest(manifest), manifest)
+    coordinator = ServiceProcess("coordinator", ["--manifest", str(manifest)])
+    try:
+        listening = coordinator.wait_event("listening")
+        assert listening["address"] == f"127.0.0.1:{port}" and listening["pp"] == 2
+        with grpc.insecure_channel(listening["address"]) as ch:
+            t = Topology.from_pb(CoordinatorStub(ch).GetTopology(GetTopologyRequest(), timeout=10))
+        assert tuple((s.layer_start, s.layer_end) for s in t.stages) == d.plan.layer_split  # type: ignore[union-attr]
+        assert [dict(sh.requires) for _, sh in t.shards()] == [{"node": "left"}, {"node": "right"}]
+        assert t.limits.kv_slots == 3 and t.limits.max_batch_tokens == 32
+    finally:
+        coordinator.kill()
+    for extra, message in ((["--pp", "2"], "--pp: set by --manifest, give one or the other"),
+                           (["--rebalance", "none", "--model", "x"], "--model: set by --manifest"),
+                           ([], "")):  # fmt: skip
+        bad = manifest if extra else tmp_path / "bad.yaml"
+        if not extra:
+            bad.write_text("model: {path: tiny}\nplacement: {rebalance: sometimes}\n")
+            message = "placement.rebalance: must be 'none' or 'by-speed', got 'sometimes'"
+        r = subprocess.run([sys.executable, "-m", "shardmesh.cli", "coordinator", "--manifest", str(bad), *extra],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_uneven_plans_deploy_as_planned(tmp_path: Path) -> None:
+    """The coordinator deploys the planner's split, uneven or not, and pins each rank to its node."""
 
     def manifest(second: str) -> dict:
         return {"model": {"path": str(CONFIGS / "llama-3-8b"), "dtype": "bfloat16"},
@@ -190,8 +242,14 @@ def test_uneven_plans_deploy_only_when_the_even_split_fits(tmp_path: Path) -> No
                 "serving": {"kv_slots": 4, "max_context": 4096, "max_batch_tokens": 1024},
                 "services": {"worker": {"device": "cuda"}}}  # fmt: skip
 
-    roomy = deploy.resolve(parse_manifest(manifest("24GiB")), tmp_path / "m.yaml")
-    assert roomy.plan is not None and roomy.plan.even_split and roomy.plan.layer_split == ((0, 16), (16, 32))
-    assert roomy.notes and "uneven" in roomy.notes[0]
-    with pytest.raises(PlanError, match=r"needs an uneven layer split .* the coordinator splits layers evenly .* b/0"):
-        deploy.resolve(parse_manifest(manifest("8GiB")), tmp_path / "m.yaml")
+    tight = deploy.resolve(parse_manifest(manifest("8GiB")), tmp_path / "m.yaml")
+    assert tight.plan is not None and not tight.plan.even_split and tight.plan.fits
+    counts = [b - a for a, b in tight.plan.layer_split]
+    assert counts[0] > counts[1] and sum(counts) == 32 and tight.notes and "uneven layer split" in tight.notes[0]
+    flags = deploy.coordinator_flags(tight)
+    assert flags[flags.index("--layers") + 1] == ",".join(map(str, counts))
+    assert flags[flags.index("--rank-nodes") + 1] == "a,b"
+    up = deploy.up_args(tight, argparse.Namespace())
+    assert (up.layers, up.rank_nodes, up.rebalance) == (",".join(map(str, counts)), "a,b", "none")
+    roomy = deploy.resolve(parse_manifest(manifest("48GiB")), tmp_path / "m.yaml")
+    assert roomy.plan is not None and roomy.plan.even_split and "--layers" not in deploy.coordinator_flags(roomy)

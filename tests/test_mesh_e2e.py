@@ -153,15 +153,6 @@ def test_generate_cli_through_gateway_equals_offline(up: Up, model: Path) -> Non
 # --- services started one by one --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    s = Stack(tmp_path)
-    try:
-        yield s
-    finally:
-        s.close()
-
-
 def start_gateway(stack: Stack, *extra: str) -> gateway_pb2_grpc.GatewayStub:
     address = f"127.0.0.1:{free_port()}"
     stack.spawn("gateway", "gateway", "--listen", address, "--coordinator", stack.coordinator, *extra)

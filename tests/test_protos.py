@@ -70,7 +70,7 @@ def test_services_have_the_agreed_rpcs() -> None:
     assert rpcs(coordinator_pb2, "Coordinator") == {
         "Register", "Heartbeat", "Deregister", "WatchTopology", "GetTopology"
     }  # fmt: skip
-    assert rpcs(worker_pb2, "StageWorker") == {"Step", "Release", "GetShardInfo"}
+    assert rpcs(worker_pb2, "StageWorker") == {"Step", "Release", "GetShardInfo", "Calibrate"}
     assert coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name == "shardmesh.v1.Coordinator"
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -20,15 +19,6 @@ GREEDY = worker_pb2.TokenSampling(temperature=0.0, top_p=1.0)
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("w"), "llama-gqa-tied", num_layers=4, seed=5)
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    s = Stack(tmp_path)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def run_step(stubs, version: int, step_id: int, entries: list[worker_pb2.BatchEntry]) -> worker_pb2.StepResponse:

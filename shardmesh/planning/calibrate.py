@@ -77,7 +77,7 @@ def measure_workers(
             stub = coordinator_pb2_grpc.CoordinatorStub(ch)
             while True:
                 topo = Topology.from_pb(stub.GetTopology(coordinator_pb2.GetTopologyRequest(), timeout=5))
-                if topo.complete:
+                if topo.serving:  # complete, and the coordinator's balance check is done with the workers
                     break
                 dead = [(n, p.returncode) for n, p in children if p.poll() is not None]
                 if dead or time.monotonic() > deadline:

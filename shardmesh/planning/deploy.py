@@ -15,8 +15,7 @@ from pathlib import Path
 from shardmesh.planning.devices import Device, make_devices
 from shardmesh.planning.manifest import Manifest, ManifestError, address_port
 from shardmesh.planning.memory import Limits, ModelInfo, RuntimeCosts, load_model
-from shardmesh.planning.planner import Plan, PlanError, PlanOptions, even, plan, valid_tp_degrees
-from shardmesh.planning.units import format_bytes
+from shardmesh.planning.planner import Plan, PlanError, PlanOptions, plan, valid_tp_degrees
 
 
 @dataclass(frozen=True)
@@ -32,6 +31,26 @@ class Deployment:
     @property
     def dtype(self) -> str:
         return self.manifest.model.dtype
+
+    @property
+    def split(self) -> tuple[tuple[int, int], ...] | None:
+        """The planner's layer split (uneven when the devices are); None: the coordinator's even split."""
+        return self.plan.layer_split if self.plan is not None else None
+
+    def node_of(self, rank: int) -> str | None:
+        """The node the plan puts global rank `rank` on; None without a plan."""
+        return self.plan.shards[rank].device.node if self.plan is not None else None
+
+    @property
+    def requires(self) -> tuple[tuple[tuple[str, str], ...], ...] | None:
+        """Per rank, the labels a worker needs to take it: the node the plan put that rank on."""
+        if self.plan is None:
+            return None
+        return tuple((("node", self.node_of(r) or ""),) for r in range(self.pp * self.tp))
+
+    def layers_flag(self) -> str | None:
+        """`--layers` for the coordinator: layer counts per stage, e.g. "18,12"."""
+        return ",".join(str(b - a) for a, b in self.split) if self.split is not None else None
 
 
 def model_dir(m: Manifest, source: Path | None, resolve_name: bool = True) -> Path:
@@ -105,18 +124,9 @@ def resolve(m: Manifest, source: Path | None = None, model: ModelInfo | None = N
         raise
     notes = []
     if not chosen.even_split:
-        flat = even(chosen)
-        if not flat.fits:
-            worst = min(flat.shards, key=lambda sh: sh.headroom)
-            raise PlanError(
-                f"the plan needs an uneven layer split {list(chosen.layer_split)}, but the coordinator splits "
-                f"layers evenly ({list(flat.layer_split)}), and then {worst.device.name} would need "
-                f"{format_bytes(worst.memory.total + chosen.options.reserve)} of its "
-                f"{format_bytes(worst.device.memory)}: use devices of equal memory, or fix parallelism.pipeline"
-            )  # fmt: skip
-        notes.append(f"the planner's split {list(chosen.layer_split)} is uneven; the coordinator splits evenly "
-                     f"{list(flat.layer_split)}, which also fits: deploying that")  # fmt: skip
-        chosen = flat
+        basis = "free memory" if opts.balance == "memory" else "speed"
+        notes.append(f"uneven layer split {[b - a for a, b in chosen.layer_split]} (layers per stage), in "
+                     f"proportion to each stage's {basis}")  # fmt: skip
     return Deployment(m, model, chosen.pp, chosen.tp, opts.limits, chosen, notes)
 
 
@@ -139,6 +149,10 @@ def up_args(d: Deployment, base: argparse.Namespace) -> argparse.Namespace:
         out.otlp_endpoint = m.telemetry.otlp_endpoint
     if m.telemetry.metrics_port:  # one host: `up` gives each service a free port instead of this one
         out.metrics = True
+    pl = m.placement
+    out.rebalance, out.max_stage_ratio, out.require_balance = pl.rebalance, pl.max_stage_ratio, pl.require_balance
+    out.layers = d.layers_flag() if d.plan is not None and not d.plan.even_split else None
+    out.rank_nodes = ",".join(d.node_of(r) or "" for r in range(d.pp * d.tp)) if d.plan is not None else None
     return out
 
 
@@ -149,14 +163,28 @@ def _telemetry(m: Manifest) -> list[str]:
     return flags + (["--metrics-port", str(t.metrics_port)] if t.metrics_port else [])
 
 
+def coordinator_flags(d: Deployment) -> list[str]:
+    """Everything the manifest tells the coordinator, as its flags (`coordinator --manifest` parses these
+    very flags, so the file and the printed command line cannot drift apart)."""
+    m, lim, p = d.manifest, d.limits, d.manifest.placement
+    flags = ["--listen", m.services.coordinator.listen, "--model", str(d.model.path), "--pp", str(d.pp),
+             "--tp", str(d.tp), "--dtype", d.dtype, "--kv-slots", str(lim.kv_slots), "--max-context",
+             str(lim.max_context), "--max-batch-tokens", str(lim.max_batch_tokens), "--store-port",
+             str(m.services.coordinator.store_port), "--max-stage-ratio", f"{p.max_stage_ratio:g}",
+             "--rebalance", p.rebalance]  # fmt: skip
+    if p.require_balance:
+        flags.append("--require-balance")
+    if d.split is not None and not d.plan.even_split:  # type: ignore[union-attr]
+        flags += ["--layers", d.layers_flag() or ""]
+    if d.plan is not None:
+        flags += ["--rank-nodes", ",".join(d.node_of(r) or "" for r in range(d.pp * d.tp))]
+    return flags + _telemetry(m)
+
+
 def service_commands(d: Deployment) -> list[str]:
     """The command line of every service the deployment runs (what compose or `up` would start)."""
     m, coord = d.manifest, d.manifest.services.coordinator.listen
-    lim = d.limits
-    coordinator = ["shardmesh", "coordinator", "--listen", coord, "--model", str(d.model.path), "--pp", str(d.pp),
-                   "--tp", str(d.tp), "--dtype", d.dtype, "--kv-slots", str(lim.kv_slots), "--max-context",
-                   str(lim.max_context), "--max-batch-tokens", str(lim.max_batch_tokens), "--store-port",
-                   str(m.services.coordinator.store_port), *_telemetry(m)]  # fmt: skip
+    coordinator = ["shardmesh", "coordinator", *coordinator_flags(d)]
     lines = [shlex.join(coordinator)]
     shards = d.plan.shards if d.plan is not None else ()
     for rank in range(d.pp * d.tp):

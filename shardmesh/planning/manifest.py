@@ -166,6 +166,18 @@ class Placement(_Section):
         None, description="fixed bytes of one worker process (default: the CPU measurement in "
                           "shardmesh/planning/memory.py; set the CUDA context size for GPUs)",
     )  # fmt: skip
+    max_stage_ratio: float = Field(
+        1.25, ge=1.0, le=100.0, description="balance check before serving: a stage whose decode pass takes more "
+                                            "than this times the fastest stage's is reported",
+    )  # fmt: skip
+    rebalance: Literal["none", "by-speed"] = Field(
+        "none", description="by-speed: when the check finds the stages out of balance, re-split the layers by "
+                            "the measured speeds (the workers reload) and check again",
+    )  # fmt: skip
+    require_balance: bool = Field(
+        False, description="true: the gateway does not serve while the stages are out of balance (default: it "
+                           "serves and the imbalance is reported)",
+    )  # fmt: skip
 
 
 class Serving(_Section):

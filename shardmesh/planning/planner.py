@@ -27,7 +27,7 @@ would fit (another dtype, more devices of the largest size, a shorter context, f
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from shardmesh.planning.devices import DEFAULT_NODE, Device, compact_bytes, describe_devices, nodes_of
@@ -42,7 +42,7 @@ from shardmesh.planning.memory import (
 )
 from shardmesh.planning.units import format_bytes
 from shardworker.config import ModelConfig
-from shardworker.parallel import split_layers
+from shardworker.parallel import layer_ranges, split_layers
 
 BALANCES = ("memory", "speed")
 
@@ -197,11 +197,7 @@ def capped_split(total: int, weights: list[float], caps: list[int]) -> list[tupl
     while sum(counts) > total:  # only from float slack; take from the stage with the smallest remainder
         i = next(i for i in reversed(by_remainder) if counts[i] > 1)
         counts[i] -= 1
-    bounds, start = [], 0
-    for c in counts:
-        bounds.append((start, start + c))
-        start += c
-    return bounds
+    return layer_ranges(counts)
 
 
 def stage_capacity(model: ModelInfo, group: tuple[Device, ...], first: bool, last: bool, max_layers: int,
@@ -447,3 +443,41 @@ def suggest(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions)
 
 __all__ = ["DEFAULT_NODE", "Infeasible", "Plan", "PlanError", "PlanOptions", "ShardPlan", "Suggestion", "plan",
            "suggest", "try_plan", "valid_tp_degrees"]  # fmt: skip
+
+
+# --- re-splitting by measured speed (`rebalance: by-speed`) -------------------------------------------------
+
+
+def split_by_speed(
+    num_layers: int, fixed_ms: Sequence[float], per_layer_ms: Sequence[float], caps: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
+    """The layer split that minimises the slowest stage's predicted time, stage s taking
+    ``fixed_ms[s] + n_s * per_layer_ms[s]`` for n_s layers (its embedding / LM head cost is fixed: it stays
+    with the stage), with 1 <= n_s <= caps[s] (the layers its memory holds).
+
+    Greedy: every stage starts with one layer, and each further layer goes where the stage's time after
+    taking it is smallest. With costs that grow by a constant per layer this is optimal for the maximum
+    (an exchange argument: any split with a smaller maximum would have had to take a cheaper step).
+    """
+    stages = len(fixed_ms)
+    caps = list(caps) if caps is not None else [num_layers] * stages
+    if len(per_layer_ms) != stages or len(caps) != stages or stages < 1:
+        raise ValueError(f"need one fixed cost, per-layer cost and cap per stage, got {stages}, "
+                         f"{len(per_layer_ms)}, {len(caps)}")  # fmt: skip
+    if not stages <= num_layers <= sum(caps) or min(caps) < 1:
+        raise ValueError(f"cannot place {num_layers} layers on {stages} stages with capacities {caps}")
+    if min(per_layer_ms) < 0 or min(fixed_ms) < 0:
+        raise ValueError("stage costs must be >= 0")
+    counts = [1] * stages
+    for _ in range(num_layers - stages):
+        open_ = [s for s in range(stages) if counts[s] < caps[s]]
+        s = min(open_, key=lambda s: (fixed_ms[s] + (counts[s] + 1) * per_layer_ms[s], s))
+        counts[s] += 1
+    return layer_ranges(counts)
+
+
+def predicted_ms(
+    split: Sequence[tuple[int, int]], fixed_ms: Sequence[float], per_layer_ms: Sequence[float]
+) -> list[float]:
+    """Each stage's time under `split` by the same linear model."""
+    return [f + (b - a) * p for (a, b), f, p in zip(split, fixed_ms, per_layer_ms, strict=True)]

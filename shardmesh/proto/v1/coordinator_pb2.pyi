@@ -776,8 +776,9 @@ class Calibration(_message.Message):
     message: _builtins.str
     """What a person should know, e.g. which stage is slow, by how much, and the split that would fix it."""
     decode_batch: _builtins.int
-    """Sequences per decode pass and tokens per prefill pass used."""
+    """Sequences in each decode pass (one new token each)."""
     prefill_tokens: _builtins.int
+    """Tokens in each prefill pass (one sequence)."""
     rebalances: _builtins.int
     """Times the coordinator has re-split layers by speed since it started."""
     @_builtins.property

@@ -63,10 +63,11 @@ class StageWorkerServicer:
 
     def Step(self, request, context):
         """Run one step. The gateway sends the same StepRequest to every shard; the first stage embeds
-        token_ids, each later stage receives its input from the previous one. Errors:
-        FAILED_PRECONDITION (the worker's process groups are not those of topology_version, or it is
-        not READY), INVALID_ARGUMENT (a bad entry field, named), RESOURCE_EXHAUSTED (slot or context
-        out of range).
+        token_ids, each later stage receives its input from the previous one. Steps in flight together
+        run in the order after_step_id chains them, whatever order they arrive in. Errors:
+        FAILED_PRECONDITION (the worker's process groups are not those of topology_version, it is not
+        READY, or the step named by after_step_id did not arrive in time), INVALID_ARGUMENT (a bad
+        entry field, named), RESOURCE_EXHAUSTED (slot or context out of range).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,102 @@
+"""`shardmesh status`: the mesh as the coordinator sees it, once — placement, shard states and the balance
+check (each stage's measured time and memory) — as a table or, with `--json`, for tools.
+
+Exit codes, for scripts: 0 the mesh serves (complete and its balance check passed), 1 it does not
+(the output says why), 2 the coordinator could not be asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import Any
+
+import grpc
+
+from shardmesh.planning.units import format_bytes
+from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
+from shardmesh.topology import CalibrationStatus, Topology
+
+EXIT_SERVING, EXIT_NOT_SERVING, EXIT_UNREACHABLE = 0, 1, 2
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", required=True, help="host:port of the coordinator")
+    p.add_argument("--json", action="store_true", help="print the topology and its balance check as JSON")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the coordinator (default 5)")
+
+
+def fetch(address: str, timeout: float) -> Topology:
+    with grpc.insecure_channel(address) as channel:
+        pb = coordinator_pb2_grpc.CoordinatorStub(channel).GetTopology(coordinator_pb2.GetTopologyRequest(),
+                                                                       timeout=timeout)  # fmt: skip
+    return Topology.from_pb(pb)
+
+
+def _mib(n: int) -> str:
+    return format_bytes(n) if n else "-"
+
+
+def render(t: Topology) -> str:
+    """The human-readable report: one header, the shards, the balance check."""
+    c = t.calibration
+    epoch = f"epoch {t.rendezvous.epoch}" if t.rendezvous is not None else "no rendezvous (slots vacant)"
+    state = "serving" if t.serving else ("complete, not serving yet" if t.complete else "not complete")
+    lim = t.limits
+    lines = [
+        f"topology v{t.version} ({epoch}): pp={t.pp} tp={t.tp}, {state}",
+        f"model {t.model.path} ({t.model.dtype}, {t.model.num_layers} layers); {lim.kv_slots} KV slots × "
+        f"{lim.max_context} tokens, {lim.max_batch_tokens} tokens per step",
+        "",
+        f"{'stage':>5}  {'layers':<12} {'rank':>4}  {'worker':<16} {'state':<10} address",
+    ]
+    for st, sh in t.shards():
+        layers = f"{st.layer_start}-{st.layer_end - 1} ({st.layer_end - st.layer_start})"
+        lines.append(f"{st.index:>5}  {layers:<12} {sh.rank:>4}  {sh.worker_id or '(vacant)':<16} "
+                     f"{sh.state.value:<10} {sh.address or '-'}")  # fmt: skip
+    verdict = "passed" if c.passed and t.rendezvous is not None and c.epoch == t.rendezvous.epoch else "not passed"
+    lines += ["", f"balance check (epoch {c.epoch}): {c.status.value}, {verdict}"]
+    if c.message:
+        lines.append(f"  {c.message}")
+    if c.stages:
+        lines.append(f"  passes: decode {c.decode_batch} sequences × 1 token, prefill {c.prefill_tokens} tokens; "
+                     f"stage ratio {c.stage_ratio:.2f}× (limit {c.max_stage_ratio:g}×); "
+                     f"speed split {list(c.speed_split)}; re-splits so far {c.rebalances}")  # fmt: skip
+        lines.append("")
+        memory = f"{'rank':>4} {'memory':>11} {'peak':>11} {'weights':>11} {'KV cache':>11} {'device':>11}"
+        lines.append(f"{'stage':>5}  {'layers':<12} {'decode ms':>9} {'of which layers':>15} {'prefill ms':>10}  "
+                     f"{memory}")  # fmt: skip
+        for s in c.stages:
+            layers = f"{s.layer_start}-{s.layer_end - 1} ({s.num_layers})"
+            for i, sh in enumerate(s.shards):
+                head = (f"{s.index:>5}  {layers:<12} {s.decode_ms:>9.2f} {s.decode_layers_ms:>15.2f} "
+                        f"{s.prefill_ms:>10.2f}") if i == 0 else " " * 55  # fmt: skip
+                lines.append(f"{head}  {sh.rank:>4} {_mib(sh.memory_bytes):>11} {_mib(sh.peak_memory_bytes):>11} "
+                             f"{_mib(sh.weights_bytes):>11} {_mib(sh.kv_cache_bytes):>11} "
+                             f"{_mib(sh.device_memory_bytes):>11}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def as_json(t: Topology) -> dict[str, Any]:
+    out = asdict(t)
+    out["serving"] = t.serving
+    out["calibration"]["status"] = t.calibration.status.value
+    for stage in out["stages"]:
+        for shard in stage["shards"]:
+            shard["state"] = shard["state"].value
+            shard["labels"], shard["requires"] = dict(shard["labels"]), dict(shard["requires"])
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        t = fetch(args.coordinator, args.timeout)
+    except grpc.RpcError as e:
+        print(f"error: coordinator {args.coordinator}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    print(json.dumps(as_json(t), indent=2) if args.json else render(t))
+    if t.calibration.status is CalibrationStatus.FAILED and not args.json:
+        print("the balance check failed; see the coordinator's log (event calibration_failed)", file=sys.stderr)
+    return EXIT_SERVING if t.serving else EXIT_NOT_SERVING
