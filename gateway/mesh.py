@@ -1,18 +1,18 @@
-"""One complete topology as the gateway drives it: a stub per shard, and the lock-step fan-out.
+"""One complete topology as the gateway drives it: a stub per shard, and the fan-out of each step.
 
-Every shard gets the same `StepRequest` at once (the first stage embeds, later stages receive
-activations over torch.distributed, so all of them must run the step together), and the step is
-over only when every shard answered. The first failure cancels the other calls and is reported as
-`ShardFailure` naming the worker, so the scheduler can fail that step's requests and wait for the
-coordinator to publish a repaired mesh.
+Every shard gets the same `StepRequest` (the first stage embeds, later stages receive activations
+over torch.distributed, so all of them must run the step), and the step is over only when every
+shard answered. Steps are started without waiting (`StepCall`), so that several can be in flight:
+the workers run them in the order `after_step_id` chains them. The first failure cancels the other
+calls and is reported as `ShardFailure` naming the worker, so the scheduler can fail the requests
+and wait for the coordinator to publish a repaired mesh.
 """
 
 from __future__ import annotations
 
-import contextlib
-import queue
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,15 +76,15 @@ class MeshView:
         """Last stage, tp rank 0: the shard whose response carries the sampled tokens."""
         return self.shards[(self.pp - 1) * self.tp]
 
-    def step(
-        self, request: worker_pb2.StepRequest, timeout: float, metadata: Sequence[tuple[str, str]] | None = None
-    ) -> worker_pb2.StepResponse:
-        """Run `request` on every shard; the sampler's response, or ShardFailure for the first failure.
-        `metadata`: trace context for the workers' spans (only when the step is traced)."""
+    def start_step(self, request: worker_pb2.StepRequest, timeout: float,
+                   metadata: Sequence[tuple[str, str]] | None = None,
+                   on_done: Callable[[], None] = lambda: None) -> StepCall:  # fmt: skip
+        """Send `request` to every shard and return at once; `on_done()` runs (on a gRPC thread) when
+        every shard has answered or the step has failed. `metadata`: trace context for the workers'
+        spans (only when the step is traced)."""
         kw: dict[str, Any] = {"timeout": timeout} if metadata is None else {"timeout": timeout, "metadata": metadata}
         calls = [(shard, shard.stub.Step.future(request, **kw)) for shard in self.shards]
-        responses = _gather(calls, timeout)
-        return responses[(self.pp - 1) * self.tp]
+        return StepCall(calls, (self.pp - 1) * self.tp, timeout, on_done)
 
     def release(self, sequences: Sequence[worker_pb2.ReleasedSequence], timeout: float) -> list[ShardFailure]:
         """Tell every shard to free these slots; returns the failures (a dead worker holds nothing)."""
@@ -100,45 +100,89 @@ class MeshView:
 
 
 SETTLE_S = 1.0  # after a shard failed, how long the others get to finish the step before being cancelled
+BACKSTOP_S = 5.0  # past the RPC deadline, when a step with a shard still silent counts as failed anyway
 
 
-def _gather(calls: list[tuple[ShardClient, Any]], timeout: float) -> list[Any]:
-    """Wait for every future; on the first failure settle, cancel the rest and raise ShardFailure.
+class StepCall:
+    """One step's RPCs to every shard, collected as they complete: nobody blocks on them, so the
+    scheduler can keep other steps in flight meanwhile.
 
-    Completion order, not list order: a dead worker fails in milliseconds while a live one may be
-    blocked waiting for activations that will never come, so waiting in list order could hang.
-    Settling (a short wait for the other shards before cancelling) is for the Release that follows:
-    a surviving shard still running the failed step could otherwise get the Release first and then
-    re-occupy the slot with the step's tail. A shard stuck longer than that is cancelled anyway.
+    On the first failure the other shards get SETTLE_S to finish before their calls are cancelled:
+    a surviving shard still running the failed step could otherwise get the Release that follows
+    first and then re-occupy the slot with the step's tail. The step is done when every call has
+    ended (answered, failed or cancelled); its result is the sampler's response or the first
+    failure, as a ShardFailure naming the worker.
     """
-    done: queue.SimpleQueue[int] = queue.SimpleQueue()
-    for i, (_, future) in enumerate(calls):
-        future.add_done_callback(lambda _f, i=i: done.put(i))
-    results: list[Any] = [None] * len(calls)
-    for _ in calls:
+
+    def __init__(self, calls: list[tuple[ShardClient, Any]], sampler: int, timeout: float,
+                 on_done: Callable[[], None]) -> None:  # fmt: skip
+        self._calls, self._sampler, self._on_done = calls, sampler, on_done
+        self._lock = threading.Lock()
+        self._pending = len(calls)
+        self._responses: list[Any] = [None] * len(calls)
+        self._failure: ShardFailure | None = None
+        self._settle: threading.Timer | None = None
+        self.deadline = time.monotonic() + timeout + BACKSTOP_S
+        self._timeout = timeout
+        for i, (_, future) in enumerate(calls):
+            future.add_done_callback(lambda f, i=i: self._answered(i, f))
+
+    def done(self) -> bool:
+        with self._lock:
+            return self._pending == 0
+
+    def result(self) -> Any:
+        """The sampler's StepResponse; raises the first ShardFailure. Only once `done()`."""
+        with self._lock:
+            assert self._pending == 0, "StepCall.result() before every shard answered"
+            if self._failure is not None:
+                raise self._failure
+            return self._responses[self._sampler]
+
+    def cancel_after(self, settle: float) -> None:
+        """Give the shards `settle` seconds, then cancel what is still running (another step failed)."""
+        with self._lock:
+            self._settle_locked(settle)
+
+    def expire_if_overdue(self, now: float) -> None:
+        """Backstop for a shard that never answers, not even with the RPC deadline: the step is over
+        (failed) now, whatever its calls do later."""
+        if now < self.deadline:
+            return
+        with self._lock:
+            if self._pending == 0:
+                return
+            if self._failure is None:
+                silent = next((shard for (shard, f) in self._calls if not f.done()), self._calls[0][0])
+                self._failure = ShardFailure(silent, TimeoutError(f"no answer within {self._timeout:.0f} s"))
+            self._pending = 0
+        self._cancel_all()
+
+    def _answered(self, i: int, future: Any) -> None:
         try:
-            i = done.get(timeout=timeout + 5.0)  # the RPC deadline fires first; this is a backstop
-        except queue.Empty:
-            _cancel_all(calls)
-            pending = next(shard for (shard, f) in calls if not f.done())
-            raise ShardFailure(pending, TimeoutError(f"no answer within {timeout:.0f} s")) from None
-        shard, future = calls[i]
-        try:
-            results[i] = future.result()
-        except Exception as e:
-            _settle_then_cancel(calls, min(SETTLE_S, timeout))
-            raise ShardFailure(shard, e) from None
-    return results
+            response, error = future.result(), None
+        except Exception as e:  # grpc.RpcError, or the cancellation of a settled call
+            response, error = None, e
+        with self._lock:
+            if self._pending == 0:  # given up on by the backstop
+                return
+            self._responses[i] = response
+            self._pending -= 1
+            if error is not None and self._failure is None:
+                self._failure = ShardFailure(self._calls[i][0], error)
+                self._settle_locked(min(SETTLE_S, self._timeout))
+            finished = self._pending == 0
+        if finished:
+            if self._settle is not None:
+                self._settle.cancel()
+            self._on_done()
 
+    def _settle_locked(self, settle: float) -> None:
+        if self._pending > 0 and self._settle is None:
+            self._settle = threading.Timer(settle, self._cancel_all)
+            self._settle.daemon = True
+            self._settle.start()
 
-def _settle_then_cancel(calls: list[tuple[ShardClient, Any]], settle: float) -> None:
-    deadline = time.monotonic() + settle
-    for _, future in calls:
-        with contextlib.suppress(Exception):  # their outcome no longer matters, only that they ended
-            future.result(timeout=max(0.0, deadline - time.monotonic()))
-    _cancel_all(calls)
-
-
-def _cancel_all(calls: list[tuple[ShardClient, Any]]) -> None:
-    for _, future in calls:
-        future.cancel()
+    def _cancel_all(self) -> None:
+        for _, future in self._calls:
+            future.cancel()

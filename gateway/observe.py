@@ -11,6 +11,12 @@
     │   └── worker.step ...
     └── (later decode steps: counted on the request span, `shardmesh.decode.*`)
 
+With pipelining, up to pp steps (micro-batches) are in flight at once, each with its own step spans:
+`shardmesh.step.in_flight` (steps in flight once it was sent) and `shardmesh.step.after_step_id`
+(the step the workers run just before it) place it in the schedule, and its `worker.step` spans
+show the overlap (stage 0 running step n + 1 while stage 1 runs step n) and how long each waited
+for its turn (`shardmesh.step.order_wait_ms`).
+
 A batched step serves several requests, so it has one `step.*` span in each traced request's trace
 (all with the same `shardmesh.step_id` and the batch's `shardmesh.batch.request_ids`), and every
 worker records its `worker.step` span once under each of them (the Step RPC carries every parent,
@@ -134,7 +140,8 @@ class StepTrace:
                 span.set_status(Status(StatusCode.ERROR, error))
             elif response is not None:
                 span.set_attributes({"shardmesh.last_stage.compute_ms": response.compute_ms,
-                                     "shardmesh.last_stage.recv_wait_ms": response.recv_wait_ms})  # fmt: skip
+                                     "shardmesh.last_stage.recv_wait_ms": response.recv_wait_ms,
+                                     "shardmesh.last_stage.order_wait_ms": response.order_wait_ms})  # fmt: skip
             span.end()
         if self.untraced and response is not None:
             elapsed = time.monotonic() - self.started
@@ -217,8 +224,10 @@ class GatewayObserver:
 
     # -- the scheduler thread -------------------------------------------------------------------------
 
-    def step_started(self, step_id: int, view: MeshView, planned: Sequence[Any]) -> StepTrace | None:
-        """Spans for the traced requests in this step (None when none is traced)."""
+    def step_started(self, step_id: int, view: MeshView, planned: Sequence[Any], in_flight: int = 1,
+                     after_step_id: int = 0) -> StepTrace | None:  # fmt: skip
+        """Spans for the traced requests in this step (None when none is traced). `in_flight`: steps in
+        flight once this one is sent (the pipeline's fill), `after_step_id`: the step it runs after."""
         if self.tracer is None:
             return None
         chosen: list[tuple[RequestTrace, Any]] = []
@@ -244,7 +253,8 @@ class GatewayObserver:
             common = {"shardmesh.step_id": step_id, "shardmesh.topology_version": view.version,
                       "shardmesh.batch.entries": len(planned),
                       "shardmesh.batch.tokens": sum(p.num_tokens for p in planned),
-                      "shardmesh.batch.request_ids": ids, "shardmesh.shards": len(view.shards)}  # fmt: skip
+                      "shardmesh.batch.request_ids": ids, "shardmesh.shards": len(view.shards),
+                      "shardmesh.step.in_flight": in_flight, "shardmesh.step.after_step_id": after_step_id}  # fmt: skip
             for t, p in chosen:
                 prefill = p.seq.prefilling
                 attributes = {**common, "shardmesh.request_id": p.seq.req.request_id,

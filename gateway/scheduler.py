@@ -1,22 +1,36 @@
-"""Continuous batching over the mesh, in one thread: a waiting queue, a running set, KV slots.
+"""Continuous batching over the mesh in one thread, pipelined: a waiting queue, a running set, KV
+slots, and up to one step in flight per pipeline stage.
 
-Each iteration, at a step boundary:
-  1. end what must end: requests whose client went away (CANCELLED), requests whose workers'
-     KV cache is gone (a new placement), and everything once the shutdown grace is over;
-  2. release the slots of every request that ended since the last step, on every shard, and wait
-     for the answers (a Release racing the next Step into the same slot could free the new
+With P pipeline stages, one step at a time leaves P - 1 stages idle while the other computes. So the
+scheduler keeps up to P steps (micro-batches) in flight: the running sequences are split into
+disjoint micro-batches (a sequence is in at most one step in flight, since its next input is the
+token its last step sampled), and when a step completes, its sequences take their tokens and go
+straight into the next micro-batch. Every StepRequest names the step dispatched before it
+(`after_step_id`), and the workers run them in that order, so stage 0 runs one micro-batch while
+stage 1 runs the previous one. With P = 1 there is one step at a time, as without pipelining.
+
+Each iteration of the loop:
+  1. collect the steps that completed and apply their tokens: text deltas, stop strings,
+     end-of-sequence, length (a failed step: see below);
+  2. end what must end: requests whose client went away (CANCELLED), requests whose workers' KV
+     cache is gone (a new placement), and everything once the shutdown grace is over; a request in
+     a step in flight is cancelled when that step completes;
+  3. release the slots of the requests that ended and are in no step in flight, on every shard,
+     and wait for the answers (a Release racing a later Step into the same slot could free the new
      request's cache);
-  3. admit waiting requests while a slot is free: the gateway owns the slots, and a request keeps
+  4. admit waiting requests while a slot is free: the gateway owns the slots, and a request keeps
      the same slot on every shard until it is released;
-  4. build one step: a decode entry (1 token) per running request past its prompt, then prompt
-     entries in admission order (the whole prompt, or a chunk of what is left of the
-     max_batch_tokens budget; a chunk that is not the last one skips sampling);
-  5. send it to every shard, wait for all, and apply the sampled tokens: text deltas, stop
-     strings, end-of-sequence, length.
+  5. while fewer than P steps are in flight, build one from the sequences in none, longest-waiting
+     first: decode entries (1 token), then prompt entries (the whole prompt, or a chunk of what is
+     left of the max_batch_tokens budget; a chunk that is not the last one skips sampling), at most
+     ceil(running / P) sequences so that the running set splits into P micro-batches (new requests
+     join whichever has room); send it to every shard without waiting for the answers;
+  6. sleep until a step completes, a request arrives or is cancelled, or the mesh changes.
 
-Steps run strictly one after another. When a shard fails, every running request fails with
-UNAVAILABLE naming the worker, is released, and nothing is served until the coordinator publishes
-a newer complete topology. Waiting requests stay queued through that and are served afterwards.
+When a shard fails, every running request fails with UNAVAILABLE naming the worker (its slot is
+released once no step in flight uses it), and nothing is served until the coordinator publishes a
+newer complete topology; a new chain of steps starts only once every old step is over. Waiting
+requests stay queued through that and are served afterwards.
 """
 
 from __future__ import annotations
@@ -26,12 +40,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.errors import GatewayError, Internal, InvalidArgument, ResourceExhausted, Unavailable
-from gateway.mesh import MeshView, ShardFailure
-from gateway.observe import GatewayObserver, RequestTrace
+from gateway.mesh import SETTLE_S, MeshView, ShardFailure, StepCall
+from gateway.observe import GatewayObserver, RequestTrace, StepTrace
 from gateway.requests import ModelContext, PreparedRequest
 from gateway.results import EndEvent, FinishReason, RequestHandle, Summary, Timings, TokenEvent
 from gateway.text import CompletionText
@@ -47,6 +61,16 @@ class SchedulerConfig:
     default_max_new_tokens: int = 256  # for requests with max_new_tokens == 0 (capped to the context)
     step_timeout: float = 120.0  # seconds a shard may take for one step before it counts as lost
     release_timeout: float = 5.0  # seconds to wait for Release answers
+    pipeline_depth: int = 0  # steps in flight at once; 0: one per pipeline stage (the mesh's pp)
+
+
+@dataclass
+class PipelineStats:
+    """How full the scheduler kept the pipeline, since it started."""
+
+    steps: int = 0  # steps dispatched
+    overlapped: int = 0  # of those, dispatched while another step was in flight
+    max_in_flight: int = 0  # the most steps in flight at once
 
 
 @dataclass(eq=False)
@@ -66,6 +90,10 @@ class _Sequence:
     token_times: list[float] = field(default_factory=list)
     trace: RequestTrace | None = None  # its spans, when tracing is on
     trace_id: str = ""  # for log lines written outside the request's own thread
+    step: _Step | None = None  # the step in flight it is part of
+    retired: bool = False  # ended while its step was in flight: released when that step completes
+    ready_at: int = 0  # when it last became free for a step (a counter): the longest-waiting go first
+    sampling: worker_pb2.TokenSampling | None = None  # built once, sent with each of its entries
 
     @property
     def prompt_len(self) -> int:
@@ -83,9 +111,22 @@ class _Planned:
     sample: bool
 
 
+@dataclass(eq=False)
+class _Step:
+    """A micro-batch in flight: what it carries, and the calls collecting every shard's answer."""
+
+    step_id: int
+    view: MeshView
+    seq: int  # MeshState.seq it was planned on: a failure makes that mesh unusable
+    planned: list[_Planned]
+    started: float
+    traced: StepTrace | None
+    call: StepCall
+
+
 class Scheduler:
     """Owns request admission and the step loop. Thread-safe entry points: `submit`,
-    `serving_context`, `update_mesh`, `snapshot`, `shutdown` and `RequestHandle.cancel`."""
+    `serving_context`, `update_mesh`, `snapshot`, `pipeline_stats`, `shutdown` and `RequestHandle.cancel`."""
 
     def __init__(self, cfg: SchedulerConfig, logger: Any, clock: Callable[[], float] = time.monotonic,
                  observer: GatewayObserver | None = None) -> None:  # fmt: skip
@@ -106,14 +147,17 @@ class Scheduler:
         self._deadline = 0.0
         self._ready = False
         self._ready_listeners: list[Callable[[bool], None]] = []
+        self._stats = PipelineStats()
         # Changed by the scheduler thread only, under _lock (submit reads how many slots are free):
         self._free: list[int] = []
         self._slots_for: tuple[Any, int] | None = None  # (placement, kv_slots) the free list was built for
         # Owned by the scheduler thread:
         self._running: list[_Sequence] = []
         self._to_release: list[_Sequence] = []
+        self._in_flight: list[_Step] = []  # in dispatch order
+        self._chain: tuple[Any, int] | None = None  # (placement, step id) the next step runs after
         self._step_id = 0
-        self._rotate = 0  # decode fairness when the running set exceeds the step budget
+        self._ready_clock = itertools.count(1)
         self._thread: threading.Thread | None = None
 
     # -- entry points for the RPC side ------------------------------------------------------------
@@ -156,6 +200,11 @@ class Scheduler:
         """(waiting, running, free KV slots, ready), for metrics."""
         with self._lock:
             return len(self._waiting), len(self._running), self._free_slots_locked(), self._ready_locked()
+
+    def pipeline_stats(self) -> PipelineStats:
+        """A copy of the pipeline counters."""
+        with self._lock:
+            return replace(self._stats)
 
     def submit(self, req: PreparedRequest, trace: RequestTrace | None = None, trace_id: str = "") -> RequestHandle:
         """Queue a request; its events arrive on the returned handle. `trace`: its spans (tracing on);
@@ -257,8 +306,10 @@ class Scheduler:
                 time.sleep(0.1)
 
     def _iterate(self) -> bool:
-        """One step boundary and, when there is work and a mesh, one step. False: shut down."""
-        self._wakeup.clear()
+        """One pass: collect finished steps, end and release what must end, admit, keep the pipeline
+        full, then sleep until something happens. False: shut down."""
+        self._wakeup.clear()  # before looking at anything, so that no wake-up in between is lost
+        self._collect()
         with self._lock:
             state, closing = self._mesh, self._closing
             view = state.view if self._usable_locked() else None
@@ -269,31 +320,48 @@ class Scheduler:
             has_waiting = bool(self._waiting)
         for s in dropped:  # never admitted: no slot to release
             self._end_cancelled(s, by="client" if s.handle.cancelled else "shutdown")
-        for s in [s for s in self._running if s.handle.cancelled or expired]:
+        for s in [s for s in self._running if s.step is None and (s.handle.cancelled or expired)]:
             self._end_cancelled(s, by="client" if s.handle.cancelled else "shutdown")
+        if view is not None:
+            self._drop_moved(view)
+        self._release_ended()
+        if closing and not self._running and not has_waiting and not self._in_flight:
+            return False
+        if view is not None and (self._running or has_waiting):
+            self._admit(view)
+            self._fill_pipeline(view, state.seq)
+        self._wakeup.wait(self._sleep_for(closing, expired))
+        return True
+
+    def _sleep_for(self, closing: bool, expired: bool) -> float:
+        """Until the shutdown deadline or a step's backstop deadline, at most IDLE_WAIT_S."""
+        timeout = IDLE_WAIT_S
+        if closing and not expired:
+            timeout = min(timeout, max(0.0, self._deadline - self._clock()))
+        now = time.monotonic()
+        deadlines = [s.call.deadline for s in self._in_flight if s.call.deadline > now]  # not yet overdue
+        if deadlines:
+            timeout = min(timeout, min(deadlines) - now)
+        return timeout
+
+    def _drop_moved(self, view: MeshView) -> None:
+        """Fail the running requests when the mesh moved to other workers: their KV cache is gone."""
         held_by = self._running[0].view if self._running else None
-        if view is not None and held_by is not None and held_by.placement != view.placement:
+        if held_by is not None and held_by.placement != view.placement:
             error = Unavailable(f"topology changed to v{view.version} with other workers: "
                                 "the KV cache of running requests is gone")  # fmt: skip
             for s in list(self._running):
                 self._end_failed(s, error)
-        self._release_ended()
-        if closing and not self._running and not has_waiting:
-            return False
-        if view is None or not (self._running or has_waiting):
-            timeout = IDLE_WAIT_S if not closing else max(0.0, min(IDLE_WAIT_S, self._deadline - self._clock()))
-            self._wakeup.wait(timeout)
-            return True
-        self._admit(view)
-        planned = self._plan(view)
-        if planned:
-            self._step(view, planned, state.seq)
-        return True
+        for step in self._in_flight:  # the old placement's steps serve nobody now; the new chain waits for them
+            if step.view.placement != view.placement:
+                step.call.cancel_after(SETTLE_S)
 
     # -- admission and planning -------------------------------------------------------------------
 
     def _admit(self, view: MeshView) -> None:
         if self._slots_for != (view.placement, view.kv_slots) and not self._running:
+            if self._in_flight:
+                return  # the old placement's last steps are still out: its slots are not ours to hand out yet
             with self._lock:
                 self._free = list(range(view.kv_slots))
                 self._slots_for = (view.placement, view.kv_slots)
@@ -309,24 +377,41 @@ class Scheduler:
                 limit = f"prompt + max_new_tokens ({s.req.max_total_tokens}) exceeds the context of {view.max_context}"
                 self._end_failed(s, InvalidArgument("params.max_new_tokens", limit))
                 continue
-            s.slot, s.view = slot, view
+            s.slot, s.view, s.ready_at = slot, view, next(self._ready_clock)
+            sp = s.req.sampling
+            s.sampling = worker_pb2.TokenSampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                                                  seed=sp.seed)  # fmt: skip
             if s.trace is not None:
                 s.trace.admitted(slot)
             self._running.append(s)
 
-    def _plan(self, view: MeshView) -> list[_Planned]:
+    def _fill_pipeline(self, view: MeshView, seq: int) -> None:
+        """Dispatch micro-batches while fewer steps than the pipeline depth are in flight."""
+        depth = self.cfg.pipeline_depth or view.pp
+        while len(self._in_flight) < depth:
+            chain_goes_on = self._chain is not None and self._chain[0] == view.placement
+            if self._in_flight and not chain_goes_on:
+                return  # a new chain (after a failure or a move) starts once every old step is over
+            planned = self._plan(view, depth)
+            if not planned:
+                return
+            self._dispatch(view, planned, seq)
+
+    def _plan(self, view: MeshView, depth: int) -> list[_Planned]:
+        """One micro-batch from the sequences in no step, longest-waiting first: decodes, then prompt
+        chunks, within the token budget and at most ceil(running / depth) sequences."""
+        free = sorted((s for s in self._running if s.step is None), key=lambda s: s.ready_at)
+        cap = -(-len(self._running) // depth)
         budget = view.max_batch_tokens
         planned: list[_Planned] = []
-        decoding = [s for s in self._running if not s.prefilling]
-        if len(decoding) > budget:  # more sequences than tokens per step: take turns
-            k = self._rotate % len(decoding)
-            decoding = decoding[k:] + decoding[:k]
-            self._rotate += budget
-        for s in decoding[:budget]:
-            planned.append(_Planned(s, 1, True))
+        for s in free:
+            if len(planned) >= min(cap, budget):
+                break
+            if not s.prefilling:
+                planned.append(_Planned(s, 1, True))
         budget -= len(planned)
-        for s in self._running:
-            if budget <= 0:
+        for s in free:
+            if len(planned) >= cap or budget <= 0:
                 break
             if s.prefilling:
                 n = min(s.prompt_len - s.cached, budget)
@@ -337,55 +422,92 @@ class Scheduler:
     def _entry(self, p: _Planned) -> worker_pb2.BatchEntry:
         s = p.seq
         ids = s.req.prompt_ids[s.cached : s.cached + p.num_tokens] if s.prefilling else (s.tokens[-1],)
-        sampling = worker_pb2.TokenSampling(temperature=s.req.sampling.temperature, top_p=s.req.sampling.top_p,
-                                            top_k=s.req.sampling.top_k, seed=s.req.sampling.seed)  # fmt: skip
         return worker_pb2.BatchEntry(request_id=s.key, slot=s.slot, start_pos=s.cached, num_tokens=p.num_tokens,
-                                     token_ids=ids, sampling=sampling, skip_sampling=not p.sample)  # fmt: skip
+                                     token_ids=ids, sampling=s.sampling, skip_sampling=not p.sample)  # fmt: skip
 
-    # -- one step ---------------------------------------------------------------------------------
+    # -- steps in flight --------------------------------------------------------------------------
 
-    def _step(self, view: MeshView, planned: list[_Planned], seq: int) -> None:
+    def _dispatch(self, view: MeshView, planned: list[_Planned], seq: int) -> None:
+        """Send one micro-batch to every shard, chained after the previous step on this placement."""
         self._step_id += 1
+        after = self._chain[1] if self._chain is not None and self._chain[0] == view.placement else 0
+        self._chain = (view.placement, self._step_id)
         started = self._clock()
         for p in planned:
             if p.seq.first_step_at is None:
                 p.seq.first_step_at = started
-        request = worker_pb2.StepRequest(step_id=self._step_id, topology_version=view.version,
+        request = worker_pb2.StepRequest(step_id=self._step_id, topology_version=view.version, after_step_id=after,
                                          entries=[self._entry(p) for p in planned])  # fmt: skip
+        obs, in_flight = self._obs, len(self._in_flight) + 1
+        traced = obs.step_started(self._step_id, view, planned, in_flight, after) if obs is not None else None
+        call = view.start_step(request, self.cfg.step_timeout, traced.metadata if traced is not None else None,
+                               self._wakeup.set)  # fmt: skip
+        step = _Step(self._step_id, view, seq, planned, started, traced, call)
+        for p in planned:
+            p.seq.step = step
+        self._in_flight.append(step)
+        with self._lock:
+            self._stats.steps += 1
+            self._stats.overlapped += int(in_flight > 1)
+            self._stats.max_in_flight = max(self._stats.max_in_flight, in_flight)
+
+    def _collect(self) -> None:
+        """Complete every step whose shards have all answered (or that failed)."""
+        now = time.monotonic()
+        for step in list(self._in_flight):
+            step.call.expire_if_overdue(now)
+            if step.call.done():
+                self._in_flight.remove(step)
+                self._complete(step)
+
+    def _complete(self, step: _Step) -> None:
+        planned = step.planned
+        for p in planned:  # free for the next step; a sequence that ended meanwhile can be released now
+            p.seq.step, p.seq.ready_at = None, next(self._ready_clock)
+            if p.seq.retired:
+                self._to_release.append(p.seq)
         obs = self._obs
-        traced = obs.step_started(self._step_id, view, planned) if obs is not None else None
+        sampled = [p for p in planned if p.sample]
         try:
-            response = view.step(request, self.cfg.step_timeout, traced.metadata if traced is not None else None)
-            sampled = [p for p in planned if p.sample]
+            response = step.call.result()
             if len(response.tokens) != len(sampled):
-                raise ShardFailure(view.sampler, ValueError(
+                raise ShardFailure(step.view.sampler, ValueError(
                     f"answered {len(response.tokens)} tokens for {len(sampled)} sampled entries"))  # fmt: skip
         except ShardFailure as e:
             if obs is not None:
-                obs.step_done(traced, len(planned), 0, self._clock() - started, None, str(e))
-            self._on_step_failure(e, seq)
+                obs.step_done(step.traced, len(planned), 0, self._clock() - step.started, None, str(e))
+            self._on_step_failure(e, step)
             return
         now = self._clock()
+        tokens = sum(p.num_tokens for p in planned)
         if obs is not None:
-            obs.step_done(traced, len(planned), sum(p.num_tokens for p in planned), now - started, response)
-        self._log.debug("step", step_id=self._step_id, entries=len(planned), tokens=sum(p.num_tokens for p in planned),
-                        ms=round((now - started) * 1000, 3))  # fmt: skip
+            obs.step_done(step.traced, len(planned), tokens, now - step.started, response)
+        self._log.debug("step", step_id=step.step_id, entries=len(planned), tokens=tokens,
+                        ms=round((now - step.started) * 1000, 3))  # fmt: skip
         for p in planned:
             p.seq.cached += p.num_tokens
         for p, token in zip(sampled, response.tokens, strict=True):
-            self._on_token(p.seq, token.token_id, token.logprob, now)
+            if not p.seq.retired:
+                self._on_token(p.seq, token.token_id, token.logprob, now)
 
-    def _on_step_failure(self, e: ShardFailure, seq: int) -> None:
+    def _on_step_failure(self, e: ShardFailure, step: _Step) -> None:
+        placement = step.view.placement
         with self._lock:
-            self._failed_seq = max(self._failed_seq, seq)
-            self._failure = str(e)
-        self._log.error("step_failed", step_id=self._step_id, error=str(e), worker=e.shard.address,
-                        stage=e.shard.stage, tp_rank=e.shard.tp_rank,
-                        request_ids=[s.req.request_id for s in self._running],
-                        trace_ids=[s.trace_id for s in self._running])  # fmt: skip
+            # A newer version of the same placement is the same processes: it is broken too.
+            current = self._mesh.view
+            seq = self._mesh.seq if current is not None and current.placement == placement else step.seq
+            if seq > self._failed_seq:  # the first failure on this mesh says why it is unusable
+                self._failed_seq, self._failure = seq, str(e)
+        self._chain = None
+        for other in self._in_flight:  # on the same broken mesh: give them a moment, then cancel
+            other.call.cancel_after(SETTLE_S)
+        doomed = [s for s in self._running if s.view is not None and s.view.placement == placement]
+        self._log.error("step_failed", step_id=step.step_id, error=str(e), worker=e.shard.address,
+                        stage=e.shard.stage, tp_rank=e.shard.tp_rank, request_ids=[s.req.request_id for s in doomed],
+                        trace_ids=[s.trace_id for s in doomed])  # fmt: skip
         self._publish_ready()
         error = Unavailable(str(e))
-        for s in list(self._running):  # every running request's cache lives on the broken mesh
+        for s in doomed:  # their KV cache lives on the broken mesh
             self._end_failed(s, error)
 
     def _on_token(self, s: _Sequence, token_id: int, logprob: float, now: float) -> None:
@@ -422,12 +544,17 @@ class Scheduler:
         return Summary(reason, s.prompt_len, len(s.tokens), timings)
 
     def _retire(self, s: _Sequence) -> None:
-        """`s` stops running: its slot goes to the next Release, its request id may be used again."""
+        """`s` stops running. Its slot goes to the next Release once no step in flight uses it (a
+        Release must never race a Step into the same slot); its key is free again after that."""
         if s in self._running:
             self._running.remove(s)
-            self._to_release.append(s)
-        with self._lock:
-            self._keys.discard(s.key)
+            if s.step is None:
+                self._to_release.append(s)
+            else:
+                s.retired = True
+        elif s.view is None:  # never admitted: nothing to release
+            with self._lock:
+                self._keys.discard(s.key)
 
     def _finish(self, s: _Sequence, summary: Summary) -> None:
         """Take `s` out of the running set; its slot is released at the next step boundary."""
@@ -456,7 +583,7 @@ class Scheduler:
         s.handle.events.put(EndEvent(error=error))
 
     def _release_ended(self) -> None:
-        """Release every ended request's slot on the mesh that holds it, then free the slots."""
+        """Release every ended request's slot on the mesh that holds it, then free the slots and keys."""
         ended, self._to_release = self._to_release, []
         by_view: dict[int, tuple[MeshView, list[_Sequence]]] = {}
         for s in ended:
@@ -470,7 +597,8 @@ class Scheduler:
         with self._lock:
             current = self._slots_for
             for s in ended:
-                if s.view is not None and current == (s.view.placement, s.view.kv_slots):
+                self._keys.discard(s.key)
+                if s.view is not None and current == (s.view.placement, s.view.kv_slots) and s.slot not in self._free:
                     self._free.append(s.slot)
             self._free.sort()
 
@@ -479,5 +607,6 @@ class Scheduler:
             waiting, self._waiting = list(self._waiting), deque()
         for s in [*waiting, *self._running]:
             self._end_failed(s, error)
+        self._chain = None
         with self._lock:
             self._free, self._slots_for = [], None  # rebuilt from kv_slots at the next admission
