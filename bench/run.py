@@ -3,8 +3,10 @@
     .venv/bin/python bench/run.py [--model smollm2-135m-instruct] [--layouts 1x1,2x1,1x3,2x3] [--streams 1,4,16,64]
 
 Writes bench/results/<host>-<date>.{md,json} and prints the markdown. Every number is measured in
-this run: the baseline (`transformers` fp32 `generate`, greedy, same prompt and lengths) is measured
-first, then the mesh (`shardmesh up` for each pp×tp layout, requests through the gateway, greedy).
+this run: the baselines first (`transformers` fp32 `generate`, greedy, same prompt and lengths; and
+llama.cpp on an F32 GGUF of the same weights when llama-cpp-python is installed: `pip install '.[bench]'`,
+see bench/llamacpp.py), then the mesh (`shardmesh up` for each pp×tp layout, requests through the gateway).
+Layouts use tp=3, not 2: SmolLM2's 9 attention heads cannot be split in 2.
 
 - single stream: decode tokens/s = completion tokens / (total - time to first token), TTFT as the
   gateway reports it (queue wait + prefill + first step), and client-side totals.
@@ -74,6 +76,19 @@ def baseline_transformers(model_dir: Path, prompt_ids: list[int], new_tokens: in
         "decode_tok_s": (n - 1) / (total - ttft),
         "ms_per_token": (total - ttft) / (n - 1) * 1e3,
     }
+
+
+def baseline_llamacpp(model: str, prompt_ids: list[int], new_tokens: int, threads: int) -> dict:
+    """llama.cpp on an F32 GGUF of the very weights the mesh serves (bench/llamacpp.py), when
+    llama-cpp-python is installed (`pip install '.[bench]'`); otherwise why not, for the table."""
+    import llamacpp
+
+    reason = llamacpp.available()
+    if reason is not None:
+        return {"skipped": reason}
+    out = llamacpp.measure(llamacpp.f32_gguf(model=model), prompt_ids, new_tokens, threads=threads)
+    out.pop("token_ids", None)
+    return out
 
 
 class Mesh:
@@ -146,6 +161,9 @@ def main() -> None:
     print(f"machine: {info}", file=sys.stderr)
     base = baseline_transformers(model_dir, prompt_ids, a.new_tokens)
     print(f"transformers: {base}", file=sys.stderr)
+    llama = baseline_llamacpp(a.model, prompt_ids, a.new_tokens, info["cores"])
+    print(f"llama.cpp: {llama}", file=sys.stderr)
+    base["llama_cpp"] = llama
     streams = [int(s) for s in a.streams.split(",")]
     rows = []
     for layout in a.layouts.split(","):
@@ -177,6 +195,18 @@ def pipeline_ratios(rows: list[dict]) -> list[str]:
     return ["", f"Pipeline (pp=2 aggregate ÷ pp=1 aggregate, tp=1; target ≥ 0.9× at 16 streams): {', '.join(parts)}."]
 
 
+def _llama_line(llama: dict, single_pp1: dict | None) -> str:
+    if "skipped" in llama or not llama:
+        return f"llama.cpp: not measured ({llama.get('skipped', 'not run')})."
+    line = (f"llama.cpp (llama-cpp-python {llama['llama_cpp']}, F32 GGUF of the same weights, {llama['threads']} "
+            f"threads, same run): **{llama['decode_tok_s']:.1f} tok/s** ({llama['ms_per_token_median']:.1f} ms/token "
+            f"median), TTFT {llama['ttft_ms']:.0f} ms")  # fmt: skip
+    if single_pp1 is not None:
+        speed = llama["ms_per_token_median"] / single_pp1["ms_per_token"]
+        line += f"; shardmesh pp=1, one stream, decodes at {speed:.2f}× its speed"
+    return line + "."
+
+
 def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out: Path) -> None:
     single = {(r["pp"], r["tp"]): r for r in rows if r["streams"] == 1}
     lines = [
@@ -185,6 +215,8 @@ def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out:
         f"Model `{a.model}` float32, greedy, chat prompt of {PROMPT!r}, {a.new_tokens} new tokens.",
         f"Baseline `transformers.generate` (same run): **{base['decode_tok_s']:.1f} tok/s** decode "
         f"({base['ms_per_token']:.1f} ms/token), TTFT {base['ttft_ms']:.0f} ms.",
+        _llama_line(base.get("llama_cpp") or {}, single_pp1=next(
+            (r for r in rows if (r["pp"], r["tp"], r["streams"]) == (1, 1, 1)), None)),
         "",
         "| pp | tp | streams | decode ms/token (median) | TTFT ms | aggregate tok/s | × transformers "
         "| worker peak RSS MiB |",
