@@ -128,7 +128,7 @@ def judge(
                    f"(limit {cfg.max_stage_ratio:g}×); layer counts by measured speed: {split} "
                    f"(now {[s.num_layers for s in stages]})")  # fmt: skip
         if cfg.rebalance == "none":
-            message += "; set rebalance: by-speed (coordinator --rebalance by-speed) to deploy that"
+            message += "; deploy that with --rebalance by-speed (manifest: placement.rebalance: by-speed)"
     status = CalibrationStatus.BALANCED if balanced else CalibrationStatus.IMBALANCED
     return Calibration(status, epoch, balanced or not cfg.require_balance, stages, round(ratio, 4),
                        cfg.max_stage_ratio, message, decode_batch, prefill_tokens, tuple(split),

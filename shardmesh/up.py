@@ -144,6 +144,18 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
         raise
 
 
+def _balance_summary(coordinator: str) -> str:
+    """One line on the balance check the mesh passed before serving (details: `shardmesh status`)."""
+    from shardmesh.status import fetch
+
+    try:
+        c = fetch(coordinator, 5.0).calibration
+    except grpc.RpcError as e:
+        return f"balance check: could not ask the coordinator ({e.code().name})"
+    return (f"balance check {c.status.value}: {c.message} (details: shardmesh status --coordinator "
+            f"{coordinator})")  # fmt: skip
+
+
 def _supervise(mesh: LocalMesh, max_restarts: int) -> int:
     """Restart a worker that dies (same id, so it takes its slot back); any other death ends the mesh."""
     restarts: dict[str, int] = {}
@@ -173,6 +185,7 @@ def run(args: argparse.Namespace, model_dir: Path, demo: object | None = None) -
             mesh = start_mesh(args, model_dir)
             print(f"gateway listening on {mesh.gateway}, coordinator on {mesh.coordinator} (ready in "
                   f"{time.monotonic() - t0:.1f} s; logs in {mesh.log_dir})", file=sys.stderr, flush=True)  # fmt: skip
+            print(_balance_summary(mesh.coordinator), file=sys.stderr, flush=True)
             if callable(demo):
                 return int(demo(mesh.gateway) or 0)
             print(mesh.gateway, flush=True)  # stdout carries just the address, for scripts
