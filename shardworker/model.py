@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardworker.config import ModelConfig, RopeScaling
+from shardworker.cpu_linear import Linear
 
 
 @dataclass(frozen=True)
@@ -141,10 +142,10 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.num_kv_heads
         self.cache_index = cache_index
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_proj = Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_out, cfg.hidden_size, bias=cfg.o_proj_bias)
 
     def forward(self, x: Tensor, batch: BatchLayout, cache: KVCache, cos: Tensor, sin: Tensor) -> Tensor:
         T = x.shape[0]
@@ -190,9 +191,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -239,7 +240,7 @@ class Transformer(nn.Module):
         self.is_first = layers.start == 0
         self.is_last = layers.stop == cfg.num_layers
         self.model = Body(cfg, layers, self.is_first, self.is_last)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last else None
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last else None
         self.max_len = max_len or cfg.max_context
         # Rope tables are derived data, rebuilt on the real device after loading (see `init_buffers`).
         self.rope_cos: Tensor | None = None

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from shardworker.config import ModelConfig
+from shardworker.cpu_linear import can_pack, pack_weights
 from shardworker.model import Transformer
 from shardworker.parallel import Collective, ShardSpec, UnboundGroup
 from shardworker.tp import VocabParallelEmbedding, apply_tp, checkpoint_index
@@ -102,7 +103,9 @@ def build_shard(
     del tensors  # the model holds them now; no second reference may outlive `_input_major`'s copies
     for p in model.parameters():
         p.requires_grad_(False)
-    if torch.device(device).type == "cpu":
+    if can_pack(dtype, torch.device(device)):
+        pack_weights(model, skip=(nn.Embedding, VocabParallelEmbedding))  # oneDNN's layout: cpu_linear.py
+    elif torch.device(device).type == "cpu":
         _input_major(model)  # one matrix at a time: each original is freed as its copy replaces it
     model.init_buffers(device)
     return model.eval()

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardworker.config import ModelConfig
+from shardworker.cpu_linear import linear
 from shardworker.model import Attention, Transformer
 from shardworker.parallel import Collective
 
@@ -87,7 +88,7 @@ class ColumnParallelLinear(nn.Module):
             self.checkpoint_index["bias"] = _rows(out_start, out_count, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -108,7 +109,7 @@ class RowParallelLinear(nn.Module):
             self.checkpoint_index["bias"] = (slice(None),)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.group.all_reduce(F.linear(x, self.weight))
+        y = self.group.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
@@ -151,7 +152,7 @@ class VocabParallelHead(nn.Module):
         self.checkpoint_index: dict[str, Index] = {"weight": _rows(self.start, self.end - self.start, 2)}
 
     def forward(self, x: Tensor) -> Tensor:
-        local = F.linear(x, self.weight)
+        local = linear(x, self.weight)
         pad = self.chunk - local.shape[-1]
         if pad:
             local = F.pad(local, (0, pad))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shardworker.config import ModelConfig
+from shardworker.cpu_linear import dense
 from shardworker.parallel import ShardSpec, UnboundGroup, shard_specs, split_layers
 from shardworker.shard import build_shard
 from shardworker.tp import HeadSplit, TensorParallelError, _vocab_range
@@ -74,8 +75,12 @@ def test_vocab_ranges_partition_the_vocabulary() -> None:
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_slices_reassemble_the_unsharded_weights(tmp_path: Path, tp: int) -> None:
     d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=2, num_attention_heads=4, num_key_value_heads=4)
-    full = dict(build_shard(d, ShardSpec(0, 2, 2), progress=False).named_parameters())
-    parts = [dict(build_shard(d, ShardSpec(0, 2, 2, r, tp), UnboundGroup(r, tp), progress=False).named_parameters())
+
+    def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:  # packed CPU weights, as plain tensors
+        return {name: dense(p) for name, p in model.named_parameters()}
+
+    full = weights(build_shard(d, ShardSpec(0, 2, 2), progress=False))
+    parts = [weights(build_shard(d, ShardSpec(0, 2, 2, r, tp), UnboundGroup(r, tp), progress=False))
              for r in range(tp)]  # fmt: skip
     for name, weight in full.items():
         pieces = [p[name] for p in parts]
