@@ -251,14 +251,7 @@ class StageWorkerCore:
         """Run one step; returns the sampled tokens (last stage only) and the step's timings and traffic.
         Steps run one at a time; callers that keep several in flight order them with `turn`."""
         with self._lock:
-            rt = self._runtime
-            if rt is None or self.state is not ShardState.READY:
-                raise StepRefused("not_ready", f"worker is {self.state.name.lower()}: {self.detail or 'no shard'}")
-            if topology_version < rt.groups_epoch:
-                raise StepRefused(
-                    "not_ready",
-                    f"topology_version {topology_version} predates this worker's placement (epoch {rt.groups_epoch})",
-                )
+            rt = self._ready(topology_version)
             self._validate(rt, entries)
             with self._slots_lock:
                 for e in entries:
@@ -272,13 +265,8 @@ class StageWorkerCore:
             try:
                 logits = rt.engine.step(batch, ids)
             except RuntimeError as e:  # a collective or link failed: a peer is gone
-                self._broken_epochs.add(rt.groups_epoch)
-                self._runtime, self.state = None, ShardState.PENDING
-                self.detail = f"process group broken: {e}"
-                rt.order.close(self.detail)
                 # The step's requests (the gateway's `step_failed` line has their trace ids and the step id).
-                self.log.error("peer_lost", error=str(e), request_ids=[x.request_id for x in entries])
-                raise StepRefused("peer_lost", f"a peer of stage {rt.placement.stage} was lost: {e}") from None
+                raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
             elapsed = time.perf_counter() - t0
             comm = CommCounters.of(rt.engine.groups) - before
             self.stats.steps += 1
@@ -293,6 +281,30 @@ class StageWorkerCore:
                 ids_out, lps = sample(logits[keep], params, gens) if keep else ([], [])
                 sampled = [Sampled(entries[i].request_id, t, lp) for i, t, lp in zip(keep, ids_out, lps, strict=True)]
             return StepResult(sampled, elapsed, comm, rt.placement)
+
+    def _ready(self, topology_version: int) -> _Runtime:
+        """The runtime a step or calibration of `topology_version` runs on; refused unless READY in an
+        epoch the version does not predate. Lock held."""
+        rt = self._runtime
+        if rt is None or self.state is not ShardState.READY:
+            raise StepRefused("not_ready", f"worker is {self.state.name.lower()}: {self.detail or 'no shard'}")
+        if topology_version < rt.groups_epoch:
+            raise StepRefused(
+                "not_ready",
+                f"topology_version {topology_version} predates this worker's placement (epoch {rt.groups_epoch})",
+            )
+        return rt
+
+    def _peer_lost(self, rt: _Runtime, error: RuntimeError, **log_fields: Any) -> StepRefused:
+        """A collective or link of `rt`'s groups failed: the epoch is broken for good (only a new one heals
+        it), the steps waiting for their turn in it are failed, and the caller raises what this returns.
+        Lock held."""
+        self._broken_epochs.add(rt.groups_epoch)
+        self._runtime, self.state = None, ShardState.PENDING
+        self.detail = f"process group broken: {error}"
+        rt.order.close(self.detail)
+        self.log.error("peer_lost", error=str(error), **log_fields)
+        return StepRefused("peer_lost", f"a peer of stage {rt.placement.stage} was lost: {error}")
 
     def _validate(self, rt: _Runtime, entries: list[StepEntry]) -> None:
         limits, cfg = rt.placement.limits, rt.engine.model.cfg
@@ -360,12 +372,7 @@ class StageWorkerCore:
     ) -> dict[str, Any]:
         """Time this shard's passes for the coordinator's balance check (`shardworker.calibrate`)."""
         with self._lock:
-            rt = self._runtime
-            if rt is None or self.state is not ShardState.READY:
-                raise StepRefused("not_ready", f"worker is {self.state.name.lower()}: {self.detail or 'no shard'}")
-            if topology_version < rt.groups_epoch:
-                raise StepRefused("not_ready", f"topology_version {topology_version} predates this worker's "
-                                               f"placement (epoch {rt.groups_epoch})")  # fmt: skip
+            rt = self._ready(topology_version)
             limits = rt.placement.limits
             if rt.slots:  # the passes write into KV slots: never while a sequence holds one
                 raise StepRefused("not_ready", f"{len(rt.slots)} sequences hold KV slots; calibrate before serving")
@@ -379,11 +386,7 @@ class StageWorkerCore:
                 timing = calibrate_shard(rt.engine.model, rt.engine.cache, self.device, decode_batch=decode_batch,
                                          prefill_tokens=prefill_tokens, iterations=iterations)  # fmt: skip
             except RuntimeError as e:  # a tensor-parallel peer is gone: the same as in a step
-                self._broken_epochs.add(rt.groups_epoch)
-                self._runtime, self.state = None, ShardState.PENDING
-                self.detail = f"process group broken: {e}"
-                self.log.error("peer_lost", error=str(e), during="calibration")
-                raise StepRefused("peer_lost", f"a peer of stage {rt.placement.stage} was lost: {e}") from None
+                raise self._peer_lost(rt, e, during="calibration") from None
             self.log.info("calibrated", decode_ms=round(timing.decode.total_ms, 3),
                           prefill_ms=round(timing.prefill.total_ms, 3), memory_bytes=timing.memory_bytes)  # fmt: skip
             model = rt.engine.model
