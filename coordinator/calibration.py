@@ -99,11 +99,17 @@ def measure(
     return tuple(stages)
 
 
-def speed_split(stages: Sequence[StageCalibration], num_layers: int, caps: Sequence[int] | None = None) -> list[int]:
-    """Layer counts per stage that equalise the measured decode times (see `split_by_speed`)."""
+def stage_costs(stages: Sequence[StageCalibration]) -> tuple[list[float], list[float]]:
+    """The linear cost model the measurements give: per stage, the fixed ms (embedding, final norm and LM
+    head: they stay with the stage) and the ms per decoder layer."""
     fixed = [max(0.0, s.decode_ms - s.decode_layers_ms) for s in stages]
     per_layer = [s.decode_layers_ms / s.num_layers for s in stages]
-    return [b - a for a, b in split_by_speed(num_layers, fixed, per_layer, caps)]
+    return fixed, per_layer
+
+
+def speed_split(stages: Sequence[StageCalibration], num_layers: int, caps: Sequence[int] | None = None) -> list[int]:
+    """Layer counts per stage that equalise the measured decode times (see `split_by_speed`)."""
+    return [b - a for a, b in split_by_speed(num_layers, *stage_costs(stages), caps)]
 
 
 def judge(
@@ -140,10 +146,8 @@ def worth_moving(c: Calibration) -> bool:
     current = [s.num_layers for s in c.stages]
     if list(c.speed_split) == current:
         return False
-    fixed = [max(0.0, s.decode_ms - s.decode_layers_ms) for s in c.stages]
-    per_layer = [s.decode_layers_ms / s.num_layers for s in c.stages]
     now = max(s.decode_ms for s in c.stages)
-    after = max(predicted_ms(layer_ranges(c.speed_split), fixed, per_layer))
+    after = max(predicted_ms(layer_ranges(c.speed_split), *stage_costs(c.stages)))
     return after < (1 - MIN_GAIN) * now
 
 

@@ -32,25 +32,22 @@ class Deployment:
     def dtype(self) -> str:
         return self.manifest.model.dtype
 
-    @property
-    def split(self) -> tuple[tuple[int, int], ...] | None:
-        """The planner's layer split (uneven when the devices are); None: the coordinator's even split."""
-        return self.plan.layer_split if self.plan is not None else None
-
     def node_of(self, rank: int) -> str | None:
         """The node the plan puts global rank `rank` on; None without a plan."""
         return self.plan.shards[rank].device.node if self.plan is not None else None
 
-    @property
-    def requires(self) -> tuple[tuple[tuple[str, str], ...], ...] | None:
-        """Per rank, the labels a worker needs to take it: the node the plan put that rank on."""
+    def layers_flag(self) -> str | None:
+        """`--layers` for the coordinator when the plan splits layers unevenly: counts per stage, e.g. "18,12";
+        None for the coordinator's own even split."""
+        if self.plan is None or self.plan.even_split:
+            return None
+        return ",".join(str(b - a) for a, b in self.plan.layer_split)
+
+    def rank_nodes_flag(self) -> str | None:
+        """`--rank-nodes`: the node the plan put each global rank on, e.g. "a,a,b"; None without a plan."""
         if self.plan is None:
             return None
-        return tuple((("node", self.node_of(r) or ""),) for r in range(self.pp * self.tp))
-
-    def layers_flag(self) -> str | None:
-        """`--layers` for the coordinator: layer counts per stage, e.g. "18,12"."""
-        return ",".join(str(b - a) for a, b in self.split) if self.split is not None else None
+        return ",".join(self.node_of(r) or "" for r in range(self.pp * self.tp))
 
 
 def model_dir(m: Manifest, source: Path | None, resolve_name: bool = True) -> Path:
@@ -151,8 +148,7 @@ def up_args(d: Deployment, base: argparse.Namespace) -> argparse.Namespace:
         out.metrics = True
     pl = m.placement
     out.rebalance, out.max_stage_ratio, out.require_balance = pl.rebalance, pl.max_stage_ratio, pl.require_balance
-    out.layers = d.layers_flag() if d.plan is not None and not d.plan.even_split else None
-    out.rank_nodes = ",".join(d.node_of(r) or "" for r in range(d.pp * d.tp)) if d.plan is not None else None
+    out.layers, out.rank_nodes = d.layers_flag(), d.rank_nodes_flag()
     return out
 
 
@@ -174,10 +170,9 @@ def coordinator_flags(d: Deployment) -> list[str]:
              "--rebalance", p.rebalance]  # fmt: skip
     if p.require_balance:
         flags.append("--require-balance")
-    if d.split is not None and not d.plan.even_split:  # type: ignore[union-attr]
-        flags += ["--layers", d.layers_flag() or ""]
-    if d.plan is not None:
-        flags += ["--rank-nodes", ",".join(d.node_of(r) or "" for r in range(d.pp * d.tp))]
+    layers, nodes = d.layers_flag(), d.rank_nodes_flag()
+    flags += ["--layers", layers] if layers else []
+    flags += ["--rank-nodes", nodes] if nodes else []
     return flags + _telemetry(m)
 
 
