@@ -365,6 +365,8 @@ class WorkerProcess:
             with contextlib.suppress(grpc.RpcError):
                 self._coord.Deregister(coordinator_pb2.DeregisterRequest(worker_id=self.worker_id), timeout=1.0)
         self._server.stop(grace).wait(grace + 1.0)
+        if self.core is not None:
+            self.core.close()
         self._channel.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()

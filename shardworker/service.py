@@ -13,9 +13,10 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,8 @@ from shardworker.parallel import Backend, ShardGroups, ShardSpec, form_groups
 from shardworker.sampling import SamplingParams, sample
 from shardworker.shard import build_shard, parse_dtype
 from shardworker.tp import bind_group
+
+R = TypeVar("R")
 
 
 class StepRefused(Exception):
@@ -170,6 +173,23 @@ class StageWorkerCore:
         # Epochs whose groups broke (a peer died). Their store keys still name the dead peer, so
         # rejoining would only wait out a connect timeout: only a new epoch can heal the mesh.
         self._broken_epochs: set[int] = set()
+        # Every tensor operation of this worker (loading, steps, sampling, calibration) runs on this one
+        # thread. Why: PyTorch's CPU kernels run on OpenMP, which gives each calling thread its own team of
+        # intra-op threads. Once gRPC's handler threads have made a second team, there are more OpenMP
+        # threads than cores, libgomp spins only ~100 times at a barrier before sleeping, and each of a
+        # decode step's ~400 parallel regions pays a futex wake-up: the same SmolLM2 step measured 38 ms on
+        # gRPC's threads against 25 ms on one thread. On CUDA it keeps the device's context on one thread too.
+        threads = torch.get_num_threads()  # the process's setting (--threads, $OMP_NUM_THREADS); per OS thread
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=torch.set_num_threads,
+                                           initargs=(threads,))  # fmt: skip
+
+    def _on_compute(self, fn: Callable[..., R], *args: Any) -> R:
+        """`fn(*args)` on the compute thread; its exceptions are raised here, in the caller."""
+        return self._compute.submit(fn, *args).result()
+
+    def close(self) -> None:
+        """Stop the compute thread once it has finished what it is running (call after the server stopped)."""
+        self._compute.shutdown(wait=False, cancel_futures=True)
 
     # ---- topology ------------------------------------------------------------------------------------
 
@@ -191,8 +211,7 @@ class StageWorkerCore:
             self._runtime = None
             self.state = ShardState.LOADING
             try:
-                model = self._load(placement)
-                runtime = self._join(placement, model)
+                runtime = self._on_compute(lambda: self._join(placement, self._load(placement)))
             except Exception as e:
                 self.state, self.detail = ShardState.UNHEALTHY, f"{type(e).__name__}: {e}"
                 self.log.error("placement_failed", epoch=placement.rendezvous.epoch, error=self.detail)
@@ -250,6 +269,9 @@ class StageWorkerCore:
     def step(self, topology_version: int, entries: list[StepEntry]) -> StepResult:
         """Run one step; returns the sampled tokens (last stage only) and the step's timings and traffic.
         Steps run one at a time; callers that keep several in flight order them with `turn`."""
+        return self._on_compute(self._step, topology_version, entries)
+
+    def _step(self, topology_version: int, entries: list[StepEntry]) -> StepResult:
         with self._lock:
             rt = self._ready(topology_version)
             self._validate(rt, entries)
@@ -371,6 +393,11 @@ class StageWorkerCore:
         self, topology_version: int, decode_batch: int, prefill_tokens: int, iterations: int
     ) -> dict[str, Any]:
         """Time this shard's passes for the coordinator's balance check (`shardworker.calibrate`)."""
+        return self._on_compute(self._calibrate, topology_version, decode_batch, prefill_tokens, iterations)
+
+    def _calibrate(
+        self, topology_version: int, decode_batch: int, prefill_tokens: int, iterations: int
+    ) -> dict[str, Any]:
         with self._lock:
             rt = self._ready(topology_version)
             limits = rt.placement.limits
