@@ -4,7 +4,8 @@ A `Transformer` holds one pipeline stage: a half-open range of decoder layers, p
 is the first stage and the final norm and LM head if it is the last. Module paths mirror the Hugging
 Face checkpoint (`model.layers.7.self_attn.q_proj.weight`), so a parameter's name *is* its tensor name
 in the safetensors files. Tensor parallelism is not here: `tp.apply_tp` swaps the linear layers for
-sharded ones and tells each attention module how many heads it now owns.
+sharded ones and tells each attention module how many heads it now owns, and after loading
+`fuse.fuse_projections` stacks q/k/v and gate/up into one product each.
 
 Tokens are packed: one step carries several sequences back to back as a (T, hidden) tensor, and
 `BatchLayout` says which rows belong to which sequence, at which positions, in which KV-cache slot.
@@ -146,12 +147,19 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
         self.v_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
         self.o_proj = Linear(q_out, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # Set by fuse.fuse_projections, which stacks q/k/v into one product after loading.
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes: tuple[int, ...] = ()
 
     def forward(self, x: Tensor, batch: BatchLayout, cache: KVCache, cos: Tensor, sin: Tensor) -> Tensor:
         T = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(T, self.n_heads, self.head_dim), cos, sin)  # (T, h, hd)
-        k = apply_rope(self.k_proj(x).view(T, self.n_kv_heads, self.head_dim), cos, sin)  # (T, kvh, hd)
-        v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)  # (T, h, hd)
+        k = apply_rope(k.view(T, self.n_kv_heads, self.head_dim), cos, sin)  # (T, kvh, hd)
+        v = v.view(T, self.n_kv_heads, self.head_dim)
         keys, values = cache.keys(self.cache_index), cache.values(self.cache_index)
         out = torch.empty_like(q)
         row = 0
@@ -194,9 +202,14 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj: nn.Module | None = None  # gate and up stacked, set by fuse.fuse_projections
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -9,6 +9,7 @@ from torch import nn
 
 from shardworker.config import ModelConfig
 from shardworker.cpu_linear import can_pack, pack_weights
+from shardworker.fuse import fuse_projections
 from shardworker.model import Transformer
 from shardworker.parallel import Collective, ShardSpec, UnboundGroup
 from shardworker.tp import VocabParallelEmbedding, apply_tp, checkpoint_index
@@ -88,8 +89,12 @@ def build_shard(
     max_len: int | None = None,
     progress: bool = True,
     cfg: ModelConfig | None = None,
+    fuse: bool = True,
 ) -> Transformer:
-    """Load layers `spec.layers` (and tensor slice `spec.tp_rank`) of the checkpoint in `model_dir`."""
+    """Load layers `spec.layers` (and tensor slice `spec.tp_rank`) of the checkpoint in `model_dir`.
+
+    `fuse=False` keeps q/k/v and gate/up as separate products under their checkpoint names (for tests
+    that compare loaded tensors by name); serving fuses them (`shardworker/fuse.py`)."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
     if spec.num_layers != cfg.num_layers:
         raise ValueError(f"shard spec says {spec.num_layers} layers but config.json has {cfg.num_layers}")
@@ -103,6 +108,8 @@ def build_shard(
     del tensors  # the model holds them now; no second reference may outlive `_input_major`'s copies
     for p in model.parameters():
         p.requires_grad_(False)
+    if fuse:
+        fuse_projections(model)  # before packing: the stacked matrices are what gets packed
     if can_pack(dtype, torch.device(device)):
         pack_weights(model, skip=(nn.Embedding, VocabParallelEmbedding))  # oneDNN's layout: cpu_linear.py
     elif torch.device(device).type == "cpu":
