@@ -9,9 +9,13 @@ see bench/llamacpp.py), then the mesh (`shardmesh up` for each pp×tp layout, re
 Layouts use tp=3, not 2: SmolLM2's 9 attention heads cannot be split in 2.
 
 - single stream: decode tokens/s = completion tokens / (total - time to first token), TTFT as the
-  gateway reports it (queue wait + prefill + first step), and client-side totals.
+  gateway reports it (queue wait + prefill + first step), and client-side totals; the median of 3
+  requests in a row.
 - aggregate: N concurrent streams, total completion tokens / wall time of the slowest.
-- stage boundary: per-token latency of pp=2 minus pp=1 (both tp=1), i.e. what one extra hop costs.
+- stage boundary: per-token latency of pp=2 minus pp=1 (both tp=1, one stream) with the same torch threads
+  per worker (one extra pp=1 run with `--worker-threads` = what a pp=2 stage gets), i.e. what one extra
+  hop costs; and as deployed (pp=1 gets all cores, each pp=2 stage its share), which adds the cores a
+  single stream cannot use when the stages take turns.
 - pipeline: aggregate tokens/s of pp=2 over pp=1 (both tp=1) at each stream count; with the pipeline
   kept full (two micro-batches in flight) pp=2 should not lose throughput (issue 5: >= 0.9x at 16).
 - memory: peak RSS of every worker process (psutil), next to the planner-free raw weights size.
@@ -37,6 +41,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from shardmesh.procs import threads_per_process  # noqa: E402  (the repository root is on the path only now)
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
@@ -92,10 +98,10 @@ def baseline_llamacpp(model: str, prompt_ids: list[int], new_tokens: int, thread
 
 
 class Mesh:
-    def __init__(self, model_dir: Path, pp: int, tp: int, slots: int, log_dir: Path) -> None:
+    def __init__(self, model_dir: Path, pp: int, tp: int, slots: int, log_dir: Path, threads: int) -> None:
         args = [sys.executable, "-m", "shardmesh.cli", "up", "--model", str(model_dir), "--pp", str(pp),
                 "--tp", str(tp), "--kv-slots", str(slots), "--max-context", "1024",
-                "--log-dir", str(log_dir)]  # fmt: skip
+                "--worker-threads", str(threads), "--log-dir", str(log_dir)]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.address = self.proc.stdout.readline().decode().strip()
         if not self.address:
@@ -129,13 +135,17 @@ def run_streams(address: str, prompt_ids: list[int], new_tokens: int, n: int) ->
 
     stub.Generate(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt_ids[:8]),
                                               params=gateway_pb2.SamplingParams(max_new_tokens=2)))  # fmt: skip
-    threads = [threading.Thread(target=one) for _ in range(n)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    # One stream is measured 3 times in a row (the median of the 3): single runs of it moved by 2-5 ms
+    # between otherwise identical runs, as much as the stage boundary being measured.
+    wall = 0.0
+    for _ in range(3 if n == 1 else 1):
+        threads = [threading.Thread(target=one) for _ in range(n)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall += time.perf_counter() - t0
     tokens = sum(len(r.token_ids) for r in results)
     decode = [r.timings.mean_inter_token_ms for r in results if len(r.token_ids) > 1]
     return {"streams": n, "tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall,
@@ -165,21 +175,23 @@ def main() -> None:
     print(f"llama.cpp: {llama}", file=sys.stderr)
     base["llama_cpp"] = llama
     streams = [int(s) for s in a.streams.split(",")]
+    layouts = [tuple(int(x) for x in layout.split("x")) for layout in a.layouts.split(",")]
+    runs = [(pp, tp, threads_per_process(pp * tp), streams) for pp, tp in layouts]
+    if (1, 1) in layouts and (2, 1) in layouts and 1 in streams and threads_per_process(2) != threads_per_process(1):
+        runs.append((1, 1, threads_per_process(2), [1]))  # the stage boundary's like-for-like baseline
     rows = []
-    for layout in a.layouts.split(","):
-        pp, tp = (int(x) for x in layout.split("x"))
+    for pp, tp, threads, counts in runs:
         with tempfile.TemporaryDirectory() as logs:
-            mesh = Mesh(model_dir, pp, tp, max(streams), Path(logs))
+            mesh = Mesh(model_dir, pp, tp, max(streams), Path(logs), threads)
             try:
-                for n in streams:
+                mine = []
+                for n in counts:
                     r = run_streams(mesh.address, prompt_ids, a.new_tokens, n)
-                    r.update(pp=pp, tp=tp)
-                    rows.append(r)
-                    print(f"pp={pp} tp={tp}: {r}", file=sys.stderr)
-                rss = mesh.worker_peak_rss()
-                for r in rows:
-                    if (r["pp"], r["tp"]) == (pp, tp):
-                        r["worker_peak_rss_mib"] = [round(x / 2**20) for x in rss]
+                    r.update(pp=pp, tp=tp, threads=threads)
+                    mine.append(r)
+                    print(f"pp={pp} tp={tp} threads={threads}: {r}", file=sys.stderr)
+                rss = [round(x / 2**20) for x in mesh.worker_peak_rss()]
+                rows += [{**r, "worker_peak_rss_mib": rss} for r in mine]
             finally:
                 mesh.close()
     report(info, base, rows, a, Path(a.out))
@@ -187,7 +199,8 @@ def main() -> None:
 
 def pipeline_ratios(rows: list[dict]) -> list[str]:
     """pp=2 aggregate tokens/s over pp=1 (tp=1) at each stream count both layouts ran."""
-    agg = {(r["pp"], r["tp"], r["streams"]): r["aggregate_tok_s"] for r in rows}
+    agg = {(r["pp"], r["tp"], r["streams"]): r["aggregate_tok_s"] for r in rows
+           if r["threads"] == threads_per_process(r["pp"] * r["tp"])}  # as deployed  # fmt: skip
     ratios = {n: agg[(2, 1, n)] / agg[(1, 1, n)] for (pp, tp, n) in agg if (pp, tp) == (1, 1) and (2, 1, n) in agg}
     if not ratios:
         return []
@@ -207,8 +220,27 @@ def _llama_line(llama: dict, single_pp1: dict | None) -> str:
     return line + "."
 
 
+def stage_boundary(rows: list[dict]) -> list[str]:
+    """One stream's per-token latency, pp=2 minus pp=1 (tp=1): at equal threads per worker, and as deployed."""
+    single = {(r["pp"], r["tp"], r["threads"]): r["ms_per_token"] for r in rows if r["streams"] == 1}
+    pp2 = next(((t, ms) for (pp, tp, t), ms in single.items() if (pp, tp) == (2, 1)), None)
+    if pp2 is None:
+        return []
+    threads, ms2 = pp2
+    deployed = next((ms for (pp, tp, t), ms in single.items() if (pp, tp) == (1, 1) and t == threads_per_process(1)),
+                    None)  # fmt: skip
+    lines = [""]
+    if (1, 1, threads) in single:
+        hop = ms2 - single[(1, 1, threads)]
+        lines.append(f"Stage boundary (pp=2 minus pp=1 at the same {threads} thread(s) per worker, tp=1, one stream): "
+                     f"**{hop:+.2f} ms per decode step**.")  # fmt: skip
+    if deployed is not None:
+        lines.append(f"As deployed (pp=1 worker on {threads_per_process(1)} threads, each pp=2 stage on {threads}): "
+                     f"pp=2 minus pp=1 = {ms2 - deployed:+.2f} ms per decode step.")  # fmt: skip
+    return lines if len(lines) > 1 else []
+
+
 def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out: Path) -> None:
-    single = {(r["pp"], r["tp"]): r for r in rows if r["streams"] == 1}
     lines = [
         f"## shardmesh vs transformers — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {info['date']}",
         "",
@@ -216,11 +248,12 @@ def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out:
         f"Baseline `transformers.generate` (same run): **{base['decode_tok_s']:.1f} tok/s** decode "
         f"({base['ms_per_token']:.1f} ms/token), TTFT {base['ttft_ms']:.0f} ms.",
         _llama_line(base.get("llama_cpp") or {}, single_pp1=next(
-            (r for r in rows if (r["pp"], r["tp"], r["streams"]) == (1, 1, 1)), None)),
+            (r for r in rows if (r["pp"], r["tp"], r["streams"], r["threads"]) == (1, 1, 1, threads_per_process(1))),
+            None)),
         "",
-        "| pp | tp | streams | decode ms/token (median) | TTFT ms | aggregate tok/s | × transformers "
+        "| pp | tp | threads/worker | streams | decode ms/token (median) | TTFT ms | aggregate tok/s | × transformers "
         "| worker peak RSS MiB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]  # fmt: skip
     for r in rows:
         ratio = (
@@ -228,11 +261,10 @@ def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out:
             if r["streams"] == 1
             else r["aggregate_tok_s"] / base["decode_tok_s"]
         )
-        lines.append(f"| {r['pp']} | {r['tp']} | {r['streams']} | {r['ms_per_token']:.1f} | {r['ttft_ms']:.0f} | "
-                     f"{r['aggregate_tok_s']:.1f} | {ratio:.2f} | {r.get('worker_peak_rss_mib', '')} |")  # fmt: skip
-    if (1, 1) in single and (2, 1) in single:
-        hop = single[(2, 1)]["ms_per_token"] - single[(1, 1)]["ms_per_token"]
-        lines += ["", f"Stage boundary (pp=2 minus pp=1, tp=1, one stream): **{hop:+.2f} ms per decode step**."]
+        lines.append(f"| {r['pp']} | {r['tp']} | {r['threads']} | {r['streams']} | {r['ms_per_token']:.1f} | "
+                     f"{r['ttft_ms']:.0f} | {r['aggregate_tok_s']:.1f} | {ratio:.2f} | "
+                     f"{r.get('worker_peak_rss_mib', '')} |")  # fmt: skip
+    lines += stage_boundary(rows)
     lines += pipeline_ratios(rows)
     md = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)

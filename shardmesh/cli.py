@@ -131,6 +131,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     # --- end up --manifest ---
     if args.pp < 1 or args.tp < 1:
         raise UsageError("--pp and --tp must be >= 1")
+    if args.worker_threads is not None and args.worker_threads < 1:
+        raise UsageError(f"--worker-threads: must be >= 1, got {args.worker_threads}")
     model_dir = resolve_model(args.model)
     demo = None
     if args.demo is not None:
@@ -232,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--log-dir", default=None, help="where each service's JSON log goes (default: a new temp dir)")
     u.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for SERVING (default 600)")
     u.add_argument("--max-restarts", type=int, default=3, help="restarts of a worker that dies (default 3)")
+    u.add_argument("--worker-threads", type=int, default=None,
+                   help="torch threads per worker (default: the cores divided among the workers)")  # fmt: skip
     u.add_argument("--demo", metavar="PROMPT", default=None, help="stream one answer to PROMPT, then stop")
     u.add_argument("--max-new-tokens", type=int, default=128, help="length of the --demo answer (default 128)")
     u.add_argument("--otlp-endpoint", default=None, help="send every service's spans to this OTLP endpoint")

@@ -126,7 +126,8 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
         mesh.spawn("coordinator", coord + telemetry)
         wait_serving(mesh.coordinator, mesh.children, 60, log_dir)
         world = args.pp * args.tp
-        env = {**os.environ, "OMP_NUM_THREADS": str(procs.threads_per_process(world))}
+        threads = getattr(args, "worker_threads", None) or procs.threads_per_process(world)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         nodes = args.rank_nodes.split(",") if getattr(args, "rank_nodes", None) else None
         for rank in range(world):
             labels = ["--label", f"node={nodes[rank]}"] if nodes else []  # the node the plan put this rank on
