@@ -253,3 +253,8 @@ def test_uneven_plans_deploy_as_planned(tmp_path: Path) -> None:
     assert (up.layers, up.rank_nodes, up.rebalance) == (",".join(map(str, counts)), "a,b", "none")
     roomy = deploy.resolve(parse_manifest(manifest("48GiB")), tmp_path / "m.yaml")
     assert roomy.plan is not None and roomy.plan.even_split and "--layers" not in deploy.coordinator_flags(roomy)
+
+
+def test_up_refuses_a_bad_worker_thread_count(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--model", "smollm2-135m-instruct", "--worker-threads", "0"]) == 2
+    assert "--worker-threads: must be >= 1, got 0" in capsys.readouterr().err
