@@ -98,9 +98,11 @@ def baseline_llamacpp(model: str, prompt_ids: list[int], new_tokens: int, thread
 
 
 class Mesh:
-    def __init__(self, model_dir: Path, pp: int, tp: int, slots: int, log_dir: Path, threads: int) -> None:
+    def __init__(self, model_dir: Path, pp: int, tp: int, slots: int, log_dir: Path, threads: int,
+                 rebalance: str) -> None:  # fmt: skip
+        self.log_dir = log_dir
         args = [sys.executable, "-m", "shardmesh.cli", "up", "--model", str(model_dir), "--pp", str(pp),
-                "--tp", str(tp), "--kv-slots", str(slots), "--max-context", "1024",
+                "--tp", str(tp), "--kv-slots", str(slots), "--max-context", "1024", "--rebalance", rebalance,
                 "--worker-threads", str(threads), "--log-dir", str(log_dir)]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.address = self.proc.stdout.readline().decode().strip()
@@ -114,6 +116,12 @@ class Mesh:
                 status = Path(f"/proc/{p.pid}/status").read_text()
                 out.append(next(int(x.split()[1]) * 1024 for x in status.splitlines() if x.startswith("VmHWM")))
         return out
+
+    def layers(self) -> list[int]:
+        """Layers per stage of the placement that served (the last one the balance check measured)."""
+        checks = [json.loads(line) for line in (self.log_dir / "coordinator.log").read_text().splitlines()
+                  if '"event": "calibrated"' in line]  # fmt: skip
+        return checks[-1]["layers"] if checks else []
 
     def close(self) -> None:
         self.proc.terminate()
@@ -159,6 +167,8 @@ def main() -> None:
     ap.add_argument("--layouts", default="1x1,2x1,1x3,2x3", help="pp x tp pairs (tp must divide the heads)")
     ap.add_argument("--streams", default="1,4,16,64")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rebalance", default="by-speed", choices=["none", "by-speed"],
+                    help="pp >= 2: split layers by measured stage speeds (default), or evenly")  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
 
@@ -182,7 +192,7 @@ def main() -> None:
     rows = []
     for pp, tp, threads, counts in runs:
         with tempfile.TemporaryDirectory() as logs:
-            mesh = Mesh(model_dir, pp, tp, max(streams), Path(logs), threads)
+            mesh = Mesh(model_dir, pp, tp, max(streams), Path(logs), threads, a.rebalance)
             try:
                 mine = []
                 for n in counts:
@@ -191,7 +201,7 @@ def main() -> None:
                     mine.append(r)
                     print(f"pp={pp} tp={tp} threads={threads}: {r}", file=sys.stderr)
                 rss = [round(x / 2**20) for x in mesh.worker_peak_rss()]
-                rows += [{**r, "worker_peak_rss_mib": rss} for r in mine]
+                rows += [{**r, "worker_peak_rss_mib": rss, "layers": mesh.layers()} for r in mine]
             finally:
                 mesh.close()
     report(info, base, rows, a, Path(a.out))
@@ -244,16 +254,17 @@ def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out:
     lines = [
         f"## shardmesh vs transformers — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {info['date']}",
         "",
-        f"Model `{a.model}` float32, greedy, chat prompt of {PROMPT!r}, {a.new_tokens} new tokens.",
+        f"Model `{a.model}` float32, greedy, chat prompt of {PROMPT!r}, {a.new_tokens} new tokens; "
+        f"pipeline layouts started with `--rebalance {a.rebalance}`.",
         f"Baseline `transformers.generate` (same run): **{base['decode_tok_s']:.1f} tok/s** decode "
         f"({base['ms_per_token']:.1f} ms/token), TTFT {base['ttft_ms']:.0f} ms.",
         _llama_line(base.get("llama_cpp") or {}, single_pp1=next(
             (r for r in rows if (r["pp"], r["tp"], r["streams"], r["threads"]) == (1, 1, 1, threads_per_process(1))),
             None)),
         "",
-        "| pp | tp | threads/worker | streams | decode ms/token (median) | TTFT ms | aggregate tok/s | × transformers "
-        "| worker peak RSS MiB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| pp | tp | layers per stage | threads/worker | streams | decode ms/token (median) | TTFT ms "
+        "| aggregate tok/s | × transformers | worker peak RSS MiB |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]  # fmt: skip
     for r in rows:
         ratio = (
@@ -261,8 +272,8 @@ def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out:
             if r["streams"] == 1
             else r["aggregate_tok_s"] / base["decode_tok_s"]
         )
-        lines.append(f"| {r['pp']} | {r['tp']} | {r['threads']} | {r['streams']} | {r['ms_per_token']:.1f} | "
-                     f"{r['ttft_ms']:.0f} | {r['aggregate_tok_s']:.1f} | {ratio:.2f} | "
+        lines.append(f"| {r['pp']} | {r['tp']} | {r.get('layers', '')} | {r['threads']} | {r['streams']} | "
+                     f"{r['ms_per_token']:.1f} | {r['ttft_ms']:.0f} | {r['aggregate_tok_s']:.1f} | {ratio:.2f} | "
                      f"{r.get('worker_peak_rss_mib', '')} |")  # fmt: skip
     lines += stage_boundary(rows)
     lines += pipeline_ratios(rows)
