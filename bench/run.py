@@ -167,8 +167,8 @@ def main() -> None:
     ap.add_argument("--layouts", default="1x1,2x1,1x3,2x3", help="pp x tp pairs (tp must divide the heads)")
     ap.add_argument("--streams", default="1,4,16,64")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--rebalance", default="by-speed", choices=["none", "by-speed"],
-                    help="pp >= 2: split layers by measured stage speeds (default), or evenly")  # fmt: skip
+    ap.add_argument("--rebalance", default="none", choices=["none", "by-speed"],
+                    help="pp >= 2: split layers evenly (default) or by measured stage speeds")  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
 
