@@ -208,7 +208,9 @@ class StageWorkerCore:
         with self._lock:
             if current is not None:  # steps waiting for a turn in the old epoch will not get one
                 current.order.close(f"this worker left epoch {current.groups_epoch}")
-            self._runtime = None
+            # Drop every reference to the old runtime before loading: it holds the KV cache (and the old
+            # model, if the shard changes), which would otherwise stay alive beside the new ones.
+            self._runtime = current = None
             self.state = ShardState.LOADING
             try:
                 runtime = self._on_compute(lambda: self._join(placement, self._load(placement)))
