@@ -177,14 +177,18 @@ class StageWorkerCore:
         # thread. Why: PyTorch's CPU kernels run on OpenMP, which gives each calling thread its own team of
         # intra-op threads. Once gRPC's handler threads have made a second team, there are more OpenMP
         # threads than cores, libgomp spins only ~100 times at a barrier before sleeping, and each of a
-        # decode step's ~400 parallel regions pays a futex wake-up: the same SmolLM2 step measured 38 ms on
-        # gRPC's threads against 25 ms on one thread. On CUDA it keeps the device's context on one thread too.
+        # decode step's parallel products (121 for SmolLM2) pays a futex wake-up: the same SmolLM2 step
+        # measured 38 ms on gRPC's threads against 25 ms on one thread. On CUDA it also keeps the device's
+        # context on one thread.
         threads = torch.get_num_threads()  # the process's setting (--threads, $OMP_NUM_THREADS); per OS thread
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=torch.set_num_threads,
                                            initargs=(threads,))  # fmt: skip
 
     def _on_compute(self, fn: Callable[..., R], *args: Any) -> R:
-        """`fn(*args)` on the compute thread; its exceptions are raised here, in the caller."""
+        """`fn(*args)` on the compute thread; its exceptions are raised here, in the caller.
+
+        Callers take `_lock` first and the compute thread never takes it: `apply` holds the lock while it
+        waits here for a load, so a step blocking on the lock in the compute thread would deadlock it."""
         return self._compute.submit(fn, *args).result()
 
     def close(self) -> None:
@@ -271,40 +275,40 @@ class StageWorkerCore:
     def step(self, topology_version: int, entries: list[StepEntry]) -> StepResult:
         """Run one step; returns the sampled tokens (last stage only) and the step's timings and traffic.
         Steps run one at a time; callers that keep several in flight order them with `turn`."""
-        return self._on_compute(self._step, topology_version, entries)
+        with self._lock:  # taken here, never on the compute thread (see `_on_compute`)
+            return self._on_compute(self._step, topology_version, entries)
 
     def _step(self, topology_version: int, entries: list[StepEntry]) -> StepResult:
-        with self._lock:
-            rt = self._ready(topology_version)
-            self._validate(rt, entries)
+        rt = self._ready(topology_version)
+        self._validate(rt, entries)
+        with self._slots_lock:
+            for e in entries:
+                if e.start_pos == 0 or e.request_id not in rt.generators:
+                    rt.generators[e.request_id] = e.sampling.generator()
+                rt.slots[e.slot] = e.request_id
+        batch = BatchLayout.build([Segment(e.slot, e.start_pos, e.num_tokens) for e in entries], self.device)
+        ids = torch.tensor([t for e in entries for t in e.token_ids]) if rt.engine.is_first else None
+        before = CommCounters.of(rt.engine.groups)
+        t0 = time.perf_counter()
+        try:
+            logits = rt.engine.step(batch, ids)
+        except RuntimeError as e:  # a collective or link failed: a peer is gone
+            # The step's requests (the gateway's `step_failed` line has their trace ids and the step id).
+            raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
+        elapsed = time.perf_counter() - t0
+        comm = CommCounters.of(rt.engine.groups) - before
+        self.stats.steps += 1
+        self.stats.compute_s += elapsed - comm.recv_wait_s
+        self.stats.recv_wait_s += comm.recv_wait_s
+        sampled: list[Sampled] = []
+        if logits is not None:
+            keep = [i for i, e in enumerate(entries) if not e.skip_sampling]
+            params = [entries[i].sampling for i in keep]
             with self._slots_lock:
-                for e in entries:
-                    if e.start_pos == 0 or e.request_id not in rt.generators:
-                        rt.generators[e.request_id] = e.sampling.generator()
-                    rt.slots[e.slot] = e.request_id
-            batch = BatchLayout.build([Segment(e.slot, e.start_pos, e.num_tokens) for e in entries], self.device)
-            ids = torch.tensor([t for e in entries for t in e.token_ids]) if rt.engine.is_first else None
-            before = CommCounters.of(rt.engine.groups)
-            t0 = time.perf_counter()
-            try:
-                logits = rt.engine.step(batch, ids)
-            except RuntimeError as e:  # a collective or link failed: a peer is gone
-                # The step's requests (the gateway's `step_failed` line has their trace ids and the step id).
-                raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
-            elapsed = time.perf_counter() - t0
-            comm = CommCounters.of(rt.engine.groups) - before
-            self.stats.steps += 1
-            self.stats.compute_s += elapsed - comm.recv_wait_s
-            self.stats.recv_wait_s += comm.recv_wait_s
-            sampled: list[Sampled] = []
-            if logits is not None:
-                keep = [i for i, e in enumerate(entries) if not e.skip_sampling]
-                params = [entries[i].sampling for i in keep]
-                with self._slots_lock:
-                    gens = [rt.generators[entries[i].request_id] for i in keep]
-                ids_out, lps = sample(logits[keep], params, gens) if keep else ([], [])
-                sampled = [Sampled(entries[i].request_id, t, lp) for i, t, lp in zip(keep, ids_out, lps, strict=True)]
-            return StepResult(sampled, elapsed, comm, rt.placement)
+                gens = [rt.generators[entries[i].request_id] for i in keep]
+            ids_out, lps = sample(logits[keep], params, gens) if keep else ([], [])
+            sampled = [Sampled(entries[i].request_id, t, lp) for i, t, lp in zip(keep, ids_out, lps, strict=True)]
+        return StepResult(sampled, elapsed, comm, rt.placement)
 
     def _ready(self, topology_version: int) -> _Runtime:
         """The runtime a step or calibration of `topology_version` runs on; refused unless READY in an
@@ -395,32 +399,32 @@ class StageWorkerCore:
         self, topology_version: int, decode_batch: int, prefill_tokens: int, iterations: int
     ) -> dict[str, Any]:
         """Time this shard's passes for the coordinator's balance check (`shardworker.calibrate`)."""
-        return self._on_compute(self._calibrate, topology_version, decode_batch, prefill_tokens, iterations)
+        with self._lock:
+            return self._on_compute(self._calibrate, topology_version, decode_batch, prefill_tokens, iterations)
 
     def _calibrate(
         self, topology_version: int, decode_batch: int, prefill_tokens: int, iterations: int
     ) -> dict[str, Any]:
-        with self._lock:
-            rt = self._ready(topology_version)
-            limits = rt.placement.limits
-            if rt.slots:  # the passes write into KV slots: never while a sequence holds one
-                raise StepRefused("not_ready", f"{len(rt.slots)} sequences hold KV slots; calibrate before serving")
-            longest = min(limits.max_batch_tokens, limits.max_context)
-            bounds = (("decode_batch", decode_batch, limits.kv_slots), ("prefill_tokens", prefill_tokens, longest),
-                      ("iterations", iterations, 100))  # fmt: skip
-            for name, value, hi in bounds:
-                if not 1 <= value <= hi:
-                    raise StepRefused("invalid", f"{name}: must be in [1, {hi}], got {value}")  # fmt: skip
-            try:
-                timing = calibrate_shard(rt.engine.model, rt.engine.cache, self.device, decode_batch=decode_batch,
-                                         prefill_tokens=prefill_tokens, iterations=iterations)  # fmt: skip
-            except RuntimeError as e:  # a tensor-parallel peer is gone: the same as in a step
-                raise self._peer_lost(rt, e, during="calibration") from None
-            self.log.info("calibrated", decode_ms=round(timing.decode.total_ms, 3),
-                          prefill_ms=round(timing.prefill.total_ms, 3), memory_bytes=timing.memory_bytes)  # fmt: skip
-            model = rt.engine.model
-            return {"timing": timing, "weights_bytes": _nbytes(model), "kv_cache_bytes": rt.engine.cache.nbytes,
-                    "num_layers": len(model.layer_range)}  # fmt: skip
+        rt = self._ready(topology_version)
+        limits = rt.placement.limits
+        if rt.slots:  # the passes write into KV slots: never while a sequence holds one
+            raise StepRefused("not_ready", f"{len(rt.slots)} sequences hold KV slots; calibrate before serving")
+        longest = min(limits.max_batch_tokens, limits.max_context)
+        bounds = (("decode_batch", decode_batch, limits.kv_slots), ("prefill_tokens", prefill_tokens, longest),
+                  ("iterations", iterations, 100))  # fmt: skip
+        for name, value, hi in bounds:
+            if not 1 <= value <= hi:
+                raise StepRefused("invalid", f"{name}: must be in [1, {hi}], got {value}")  # fmt: skip
+        try:
+            timing = calibrate_shard(rt.engine.model, rt.engine.cache, self.device, decode_batch=decode_batch,
+                                     prefill_tokens=prefill_tokens, iterations=iterations)  # fmt: skip
+        except RuntimeError as e:  # a tensor-parallel peer is gone: the same as in a step
+            raise self._peer_lost(rt, e, during="calibration") from None
+        self.log.info("calibrated", decode_ms=round(timing.decode.total_ms, 3),
+                      prefill_ms=round(timing.prefill.total_ms, 3), memory_bytes=timing.memory_bytes)  # fmt: skip
+        model = rt.engine.model
+        return {"timing": timing, "weights_bytes": _nbytes(model), "kv_cache_bytes": rt.engine.cache.nbytes,
+                "num_layers": len(model.layer_range)}  # fmt: skip
 
 
 def _nbytes(model: Transformer) -> int:

@@ -4,6 +4,7 @@ parallelism and biases; and every tensor operation of a worker runs on its one c
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from shardworker.cpu_linear import dense
 from shardworker.model import BatchLayout, Segment
 from shardworker.parallel import ShardSpec, UnboundGroup
-from shardworker.service import StageWorkerCore
+from shardworker.service import StageWorkerCore, StepRefused
 from shardworker.shard import build_shard
 from tests.checkpoints import make_checkpoint
 
@@ -63,5 +64,29 @@ def test_worker_core_runs_tensor_work_on_one_thread() -> None:
         assert core._on_compute(torch.get_num_threads) == torch.get_num_threads()
         with pytest.raises(ZeroDivisionError):  # errors reach the caller
             core._on_compute(lambda: 1 / 0)
+    finally:
+        core.close()
+
+
+def test_a_step_waiting_for_the_lock_leaves_the_compute_thread_free() -> None:
+    """`apply` holds the core's lock while a load runs on the compute thread: a step arriving meanwhile
+    must wait for the lock on its own thread, not on the compute thread (that would deadlock the load)."""
+    core = StageWorkerCore("w", torch.device("cpu"), structlog.wrap_logger(structlog.ReturnLogger()))
+    refused: list[StepRefused] = []
+
+    def step() -> None:
+        try:
+            core.step(1, [])
+        except StepRefused as e:  # no shard yet: refused once it gets the lock
+            refused.append(e)
+
+    try:
+        with core._lock:
+            caller = threading.Thread(target=step)
+            caller.start()
+            time.sleep(0.2)  # the step is waiting for the lock now
+            assert core._compute.submit(lambda: 42).result(timeout=5) == 42  # what a load would need
+        caller.join(5)
+        assert not caller.is_alive() and refused and refused[0].kind == "not_ready"
     finally:
         core.close()
