@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from gateway.links import WorkerLinks
 from gateway.mesh import MeshView, ShardClient
 from shardmesh import rpc
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
@@ -111,7 +112,7 @@ class TopologyWatcher:
         self._lock = threading.Lock()
         self._state = MeshState(reason=f"waiting for the first topology from the coordinator at {coordinator}")
         self._subscribers: list[Callable[[MeshState], None]] = []
-        self._channels: dict[str, grpc.Channel] = {}  # worker address -> channel, reused across versions
+        self._links = WorkerLinks(logger, max_message_bytes, backoff)  # a channel per worker, with a health watch
         self._stopping = threading.Event()
         self._call: Any = None
         self._thread: threading.Thread | None = None
@@ -137,8 +138,7 @@ class TopologyWatcher:
             call.cancel()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
-        for channel in self._channels.values():
-            channel.close()
+        self._links.close()
 
     # -- the watch loop ---------------------------------------------------------------------------
 
@@ -202,7 +202,7 @@ class TopologyWatcher:
             if not shard.address:
                 return None, incompleteness(topology)
             shards.append(ShardClient(stage.index, shard.tp_rank, shard.address, shard.worker_id,
-                                      worker_pb2_grpc.StageWorkerStub(self._channel(shard.address))))  # fmt: skip
+                                      worker_pb2_grpc.StageWorkerStub(self._links.channel(shard.address))))  # fmt: skip
         if len(shards) != topology.pp * topology.tp or topology.pp < 1:
             return None, f"topology v{topology.version} has {len(shards)} shards for pp={topology.pp} tp={topology.tp}"
         limits = topology.limits
@@ -214,10 +214,3 @@ class TopologyWatcher:
             max_batch_tokens=limits.max_batch_tokens or limits.max_context, vocab_size=topology.model.vocab_size,
             shards=tuple(shards),
         ), ""  # fmt: skip
-
-    def _channel(self, address: str) -> grpc.Channel:
-        """Channels are kept for the watcher's life: a worker that comes back at the same address
-        reuses its channel, and a view the scheduler still steps on is never closed under it."""
-        if address not in self._channels:
-            self._channels[address] = grpc.insecure_channel(address, options=self._options)
-        return self._channels[address]
