@@ -60,13 +60,14 @@ def sample(
     logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> tuple[list[int], list[float]]:
     """logits (B, V) float32 → one token id and its model log-probability per row."""
+    if len(params) != len(generators) or len(params) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows of logits, {len(params)} params, {len(generators)} generators")
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    ids: list[int] = []
-    for row, p, g in zip(logits, params, generators, strict=True):
-        if p.greedy:
-            ids.append(int(torch.argmax(row)))
-        else:
-            probs = _shape(row.float().cpu(), p).softmax(-1)
-            ids.append(int(torch.multinomial(probs, 1, generator=g)))
-    chosen = logprobs[torch.arange(len(ids)), torch.tensor(ids, device=logits.device)]
+    # Greedy rows in one argmax: one op, not one per row (a per-row loop cost ~1 ms of a 16-row step).
+    ids = logits.argmax(-1).tolist()
+    for i, (p, g) in enumerate(zip(params, generators, strict=True)):
+        if not p.greedy:
+            probs = _shape(logits[i].float().cpu(), p).softmax(-1)
+            ids[i] = int(torch.multinomial(probs, 1, generator=g))
+    chosen = logprobs.gather(1, torch.tensor(ids, device=logits.device)[:, None])[:, 0]
     return ids, chosen.tolist()

@@ -306,7 +306,8 @@ class StageWorkerCore:
             params = [entries[i].sampling for i in keep]
             with self._slots_lock:
                 gens = [rt.generators[entries[i].request_id] for i in keep]
-            ids_out, lps = sample(logits[keep], params, gens) if keep else ([], [])
+            rows = logits if len(keep) == len(entries) else logits[keep]  # no copy when every row samples
+            ids_out, lps = sample(rows, params, gens) if keep else ([], [])
             sampled = [Sampled(entries[i].request_id, t, lp) for i, t, lp in zip(keep, ids_out, lps, strict=True)]
         return StepResult(sampled, elapsed, comm, rt.placement)
 
