@@ -43,7 +43,8 @@ class DecodeRows:
     The call reads the KV cache of the slot range [first_slot, first_slot + span) as a view (no copy), up
     to `length` positions; `mask` hides from each slot's query the positions past its own. A slot of the
     range that is in no segment gets a zero query that sees position 0 only, and its output is dropped.
-    (Measured, SmolLM2, 16 sequences: the step's attention 17.6 -> ~5 ms, 30 calls instead of 480.)
+    (Measured, SmolLM2, 16 sequences decoding: 30 attention calls per step instead of 480, and the whole
+    step in process 46 -> 35 ms.)
     """
 
     rows: slice | Tensor  # row of each one-token segment in the packed batch (a slice when they are adjacent)
