@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.stream import ReopeningStream
 from shardmesh import rpc
 from shardmesh.proto.v1 import worker_pb2
 
@@ -32,37 +33,18 @@ class _HealthWatch:
     def __init__(self, address: str, channel: grpc.Channel, logger: Any, backoff: tuple[float, float]) -> None:
         self.address = address
         self.status = "UNKNOWN"  # the worker's last reported status, or UNREACHABLE
-        self._stub = health_pb2_grpc.HealthStub(channel)
         self._log = logger
-        self._backoff = backoff
-        self._stopping = threading.Event()
-        self._call: Any = None
-        self._thread = threading.Thread(target=self._run, name=f"health-watch {address}", daemon=True)
-        self._thread.start()
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service=WORKER_SERVICE)
+        self._stream = ReopeningStream(
+            f"health-watch {address}", lambda: stub.Watch(request),
+            lambda r: self._report(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status), ""),
+            lambda problem, _retry_s: self._report("UNREACHABLE", problem), backoff, ended=None,
+        )  # fmt: skip
+        self._stream.start()
 
     def stop(self) -> None:
-        self._stopping.set()
-        call = self._call
-        if call is not None:
-            call.cancel()
-        self._thread.join(timeout=2.0)
-
-    def _run(self) -> None:
-        delay = self._backoff[0]
-        request = health_pb2.HealthCheckRequest(service=WORKER_SERVICE)
-        while not self._stopping.is_set():
-            self._call = self._stub.Watch(request)
-            if self._stopping.is_set():  # stop() ran before the call existed: end it here
-                self._call.cancel()
-            try:
-                for response in self._call:
-                    delay = self._backoff[0]
-                    self._report(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status), "")
-            except grpc.RpcError as e:
-                if not self._stopping.is_set():
-                    self._report("UNREACHABLE", f"{e.code().name}: {e.details()}")
-            self._stopping.wait(delay)
-            delay = min(delay * 2, self._backoff[1])
+        self._stream.stop()
 
     def _report(self, status: str, error: str) -> None:
         if status == self.status:

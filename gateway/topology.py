@@ -20,6 +20,7 @@ import grpc
 
 from gateway.links import WorkerLinks
 from gateway.mesh import MeshView, ShardClient
+from gateway.stream import ReopeningStream
 from shardmesh import rpc
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from shardmesh.topology import ShardState, Topology
@@ -113,9 +114,9 @@ class TopologyWatcher:
         self._state = MeshState(reason=f"waiting for the first topology from the coordinator at {coordinator}")
         self._subscribers: list[Callable[[MeshState], None]] = []
         self._links = WorkerLinks(logger, max_message_bytes, backoff)  # a channel per worker, with a health watch
-        self._stopping = threading.Event()
-        self._call: Any = None
-        self._thread: threading.Thread | None = None
+        self._last_problem = ""
+        self._channel: grpc.Channel | None = None
+        self._stream: ReopeningStream | None = None
 
     def subscribe(self, callback: Callable[[MeshState], None]) -> None:
         with self._lock:
@@ -128,48 +129,36 @@ class TopologyWatcher:
             return self._state
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="topology-watch", daemon=True)
-        self._thread.start()
+        channel = self._channel = grpc.insecure_channel(self.coordinator, options=self._options)
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        # after_version 0: the first message is always the current topology, which also covers a
+        # restarted coordinator whose versions began again from 1.
+        request = coordinator_pb2.WatchTopologyRequest(after_version=0)
+        self._stream = ReopeningStream("topology-watch", lambda: stub.WatchTopology(request), self._received,
+                                       self._lost, self._backoff,
+                                       ended="watch stream ended (coordinator shutting down?)")  # fmt: skip
+        self._stream.start()
 
     def stop(self) -> None:
-        self._stopping.set()
-        call = self._call
-        if call is not None:
-            call.cancel()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
+        if self._stream is not None:
+            self._stream.stop()
+        if self._channel is not None:
+            self._channel.close()
         self._links.close()
 
     # -- the watch loop ---------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        delay = self._backoff[0]
-        last_problem = ""
-        with grpc.insecure_channel(self.coordinator, options=self._options) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            while not self._stopping.is_set():
-                # after_version 0: the first message is always the current topology, which also
-                # covers a restarted coordinator whose versions began again from 1.
-                self._call = stub.WatchTopology(coordinator_pb2.WatchTopologyRequest(after_version=0))
-                if self._stopping.is_set():  # stop() ran between the loop test and the call: end it here
-                    self._call.cancel()
-                try:
-                    for pb in self._call:
-                        delay, last_problem = self._backoff[0], ""
-                        self._apply(Topology.from_pb(pb))
-                    problem = "watch stream ended (coordinator shutting down?)"
-                except grpc.RpcError as e:
-                    problem = f"{e.code().name}: {e.details()}"
-                except ValueError as e:  # a topology we cannot parse: keep the last good one
-                    problem = f"bad topology from the coordinator: {e}"
-                if self._stopping.is_set():
-                    break
-                if problem != last_problem:
-                    self._log.warning("coordinator_watch_lost", coordinator=self.coordinator, error=problem,
-                                      retry_s=delay)  # fmt: skip
-                    last_problem = problem
-                self._stopping.wait(delay)
-                delay = min(delay * 2, self._backoff[1])
+    def _received(self, pb: coordinator_pb2.Topology) -> None:
+        self._last_problem = ""
+        try:
+            self._apply(Topology.from_pb(pb))
+        except ValueError as e:  # a topology we cannot parse: keep the last good one
+            raise ValueError(f"bad topology from the coordinator: {e}") from None
+
+    def _lost(self, problem: str, retry_s: float) -> None:
+        if problem != self._last_problem:
+            self._log.warning("coordinator_watch_lost", coordinator=self.coordinator, error=problem, retry_s=retry_s)
+            self._last_problem = problem
 
     def _apply(self, topology: Topology) -> None:
         with self._lock:
