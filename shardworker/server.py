@@ -27,6 +27,7 @@ from shardmesh import log, procs, rpc, telemetry
 from shardmesh.flags import env_flags
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from shardmesh.topology import ShardState, Topology, dtype_to_pb
+from shardworker import heap
 from shardworker.sampling import SamplingParams
 from shardworker.service import StageWorkerCore, StepEntry, StepRefused, StepResult
 
@@ -412,6 +413,8 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     logger = log.configure("shardworker", level=args.log_level)
+    if not heap.keep_freed_memory():
+        logger.info("malloc_defaults", detail="mallopt unavailable: freed step memory goes back to the OS")
     cfg = WorkerConfig(args.coordinator, args.listen, args.advertise, args.worker_id, args.device, labels,
                        args.group_timeout, args.max_message_mb * 1024 * 1024, args.metrics_port,
                        args.otlp_endpoint)  # fmt: skip
