@@ -12,12 +12,14 @@ Layouts use tp=3, not 2: SmolLM2's 9 attention heads cannot be split in 2.
   gateway reports it (queue wait + prefill + first step), and client-side totals; the median of 3
   requests in a row.
 - aggregate: N concurrent streams, total completion tokens / wall time of the slowest.
+- pp=2 (tp=1) runs twice, once per `up --pipeline`: `turns` (the default on CPU: one step in flight,
+  each stage on all the cores when its turn comes) and `full` (two micro-batches in flight, every stage
+  busy at once, one core each). Both stages share this machine's cores either way.
 - stage boundary: per-token latency of pp=2 minus pp=1 (both tp=1, one stream) with the same torch threads
-  per worker (one extra pp=1 run with `--worker-threads` = what a pp=2 stage gets), i.e. what one extra
-  hop costs; and as deployed (pp=1 gets all cores, each pp=2 stage its share), which adds the cores a
-  single stream cannot use when the stages take turns.
-- pipeline: aggregate tokens/s of pp=2 over pp=1 (both tp=1) at each stream count; with the pipeline
-  kept full (two micro-batches in flight) pp=2 should not lose throughput (issue 5: >= 0.9x at 16).
+  per worker (for `full`, one extra pp=1 run with `--worker-threads` = what a pp=2 stage gets there), i.e.
+  what one extra hop costs; and as deployed (pp=1 on all the cores).
+- pipeline: aggregate tokens/s of pp=2 over pp=1 (both tp=1) at each stream count, for each pipeline
+  mode (issue 5's target: >= 0.9x at 16 streams); and 16 streams over one stream (target: >= 6x).
 - memory: peak RSS of every worker process (psutil), next to the planner-free raw weights size.
 """
 
@@ -42,7 +44,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shardmesh.procs import threads_per_process  # noqa: E402  (the repository root is on the path only now)
+from shardmesh.procs import cores  # noqa: E402  (the repository root is on the path only now)
+from shardmesh.up import share_cores  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
@@ -98,12 +101,12 @@ def baseline_llamacpp(model: str, prompt_ids: list[int], new_tokens: int, thread
 
 
 class Mesh:
-    def __init__(self, model_dir: Path, pp: int, tp: int, slots: int, log_dir: Path, threads: int,
+    def __init__(self, model_dir: Path, pp: int, tp: int, pipeline: str, slots: int, log_dir: Path, threads: int,
                  rebalance: str) -> None:  # fmt: skip
         self.log_dir = log_dir
         args = [sys.executable, "-m", "shardmesh.cli", "up", "--model", str(model_dir), "--pp", str(pp),
-                "--tp", str(tp), "--kv-slots", str(slots), "--max-context", "1024", "--rebalance", rebalance,
-                "--worker-threads", str(threads), "--log-dir", str(log_dir)]  # fmt: skip
+                "--tp", str(tp), "--pipeline", pipeline, "--kv-slots", str(slots), "--max-context", "1024",
+                "--rebalance", rebalance, "--worker-threads", str(threads), "--log-dir", str(log_dir)]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.address = self.proc.stdout.readline().decode().strip()
         if not self.address:
@@ -186,20 +189,26 @@ def main() -> None:
     base["llama_cpp"] = llama
     streams = [int(s) for s in a.streams.split(",")]
     layouts = [tuple(int(x) for x in layout.split("x")) for layout in a.layouts.split(",")]
-    runs = [(pp, tp, threads_per_process(pp * tp), streams) for pp, tp in layouts]
-    if (1, 1) in layouts and (2, 1) in layouts and 1 in streams and threads_per_process(2) != threads_per_process(1):
-        runs.append((1, 1, threads_per_process(2), [1]))  # the stage boundary's like-for-like baseline
+    runs = []
+    for pp, tp in layouts:
+        for pipeline in ("turns", "full") if (pp, tp) == (2, 1) else ("auto",):
+            share = share_cores(pp, tp, "cpu", pipeline, None, cores())
+            runs.append((pp, tp, share.pipeline, share.worker_threads, streams))
+    stage_threads = {t for pp, tp, _, t, _ in runs if (pp, tp) == (2, 1)} - {t for pp, tp, _, t, _ in runs
+                                                                            if (pp, tp) == (1, 1)}  # fmt: skip
+    if (1, 1) in layouts and 1 in streams:
+        runs += [(1, 1, "full", t, [1]) for t in sorted(stage_threads)]  # the stage boundary's like-for-like baseline
     rows = []
-    for pp, tp, threads, counts in runs:
+    for pp, tp, pipeline, threads, counts in runs:
         with tempfile.TemporaryDirectory() as logs:
-            mesh = Mesh(model_dir, pp, tp, max(streams), Path(logs), threads, a.rebalance)
+            mesh = Mesh(model_dir, pp, tp, pipeline, max(streams), Path(logs), threads, a.rebalance)
             try:
                 mine = []
                 for n in counts:
                     r = run_streams(mesh.address, prompt_ids, a.new_tokens, n)
-                    r.update(pp=pp, tp=tp, threads=threads)
+                    r.update(pp=pp, tp=tp, pipeline=pipeline, threads=threads, deployed=counts is streams)
                     mine.append(r)
-                    print(f"pp={pp} tp={tp} threads={threads}: {r}", file=sys.stderr)
+                    print(f"pp={pp} tp={tp} pipeline={pipeline} threads={threads}: {r}", file=sys.stderr)
                 rss = [round(x / 2**20) for x in mesh.worker_peak_rss()]
                 rows += [{**r, "worker_peak_rss_mib": rss, "layers": mesh.layers()} for r in mine]
             finally:
@@ -207,15 +216,44 @@ def main() -> None:
     report(info, base, rows, a, Path(a.out))
 
 
+def _deployed(rows: list[dict], pp: int, tp: int = 1) -> dict[str, dict[int, dict]]:
+    """{pipeline: {streams: row}} of the runs with `up`'s own thread counts (not the extra baseline runs)."""
+    out: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        if (r["pp"], r["tp"]) == (pp, tp) and r.get("deployed", True):
+            out.setdefault(r["pipeline"], {})[r["streams"]] = r
+    return out
+
+
 def pipeline_ratios(rows: list[dict]) -> list[str]:
-    """pp=2 aggregate tokens/s over pp=1 (tp=1) at each stream count both layouts ran."""
-    agg = {(r["pp"], r["tp"], r["streams"]): r["aggregate_tok_s"] for r in rows
-           if r["threads"] == threads_per_process(r["pp"] * r["tp"])}  # as deployed  # fmt: skip
-    ratios = {n: agg[(2, 1, n)] / agg[(1, 1, n)] for (pp, tp, n) in agg if (pp, tp) == (1, 1) and (2, 1, n) in agg}
-    if not ratios:
-        return []
-    parts = [f"{n} streams **{r:.2f}×**" if n == 16 else f"{n} streams {r:.2f}×" for n, r in sorted(ratios.items())]
-    return ["", f"Pipeline (pp=2 aggregate ÷ pp=1 aggregate, tp=1; target ≥ 0.9× at 16 streams): {', '.join(parts)}."]
+    """pp=2 aggregate tokens/s over pp=1 (tp=1) at each stream count, per pipeline mode; and 16 streams
+    over one stream (both of issue 5's throughput targets, from this run's rows)."""
+    pp1 = next(iter(_deployed(rows, 1).values()), {})
+    lines = []
+    for pipeline, pp2 in sorted(_deployed(rows, 2).items(), reverse=True):  # turns, then full
+        ratios = {n: pp2[n]["aggregate_tok_s"] / pp1[n]["aggregate_tok_s"] for n in sorted(pp2) if n in pp1}
+        if ratios:
+            parts = [f"{n} streams **{r:.2f}×**" if n == 16 else f"{n} streams {r:.2f}×" for n, r in ratios.items()]
+            lines.append(f"Pipeline, `--pipeline {pipeline}` (pp=2 aggregate ÷ pp=1 aggregate, tp=1; target ≥ 0.9× at "
+                         f"16 streams): {', '.join(parts)}.")  # fmt: skip
+    scaling = [(f"pp=1 {_times(pp1)}", pp1)] + [(f"pp=2 `{p}` {_times(r)}", r) for p, r in
+                                                sorted(_deployed(rows, 2).items(), reverse=True)]  # fmt: skip
+    shown = [label for label, r in scaling if 1 in r and 16 in r]
+    if shown:
+        lines.append(f"16 streams ÷ one stream, aggregate tok/s (target ≥ 6×): {', '.join(shown)}.")
+    return _paragraphs(lines)
+
+
+def _paragraphs(lines: list[str]) -> list[str]:
+    """Each line as its own markdown paragraph, after the table."""
+    return [x for line in lines for x in ("", line)]
+
+
+def _times(by_streams: dict[int, dict]) -> str:
+    if 1 not in by_streams or 16 not in by_streams:
+        return ""
+    ratio = by_streams[16]["aggregate_tok_s"] / by_streams[1]["aggregate_tok_s"]
+    return f"**{ratio:.2f}×**"
 
 
 def _llama_line(llama: dict, single_pp1: dict | None) -> str:
@@ -232,22 +270,21 @@ def _llama_line(llama: dict, single_pp1: dict | None) -> str:
 
 def stage_boundary(rows: list[dict]) -> list[str]:
     """One stream's per-token latency, pp=2 minus pp=1 (tp=1): at equal threads per worker, and as deployed."""
-    single = {(r["pp"], r["tp"], r["threads"]): r["ms_per_token"] for r in rows if r["streams"] == 1}
-    pp2 = next(((t, ms) for (pp, tp, t), ms in single.items() if (pp, tp) == (2, 1)), None)
-    if pp2 is None:
-        return []
-    threads, ms2 = pp2
-    deployed = next((ms for (pp, tp, t), ms in single.items() if (pp, tp) == (1, 1) and t == threads_per_process(1)),
-                    None)  # fmt: skip
-    lines = [""]
-    if (1, 1, threads) in single:
-        hop = ms2 - single[(1, 1, threads)]
-        lines.append(f"Stage boundary (pp=2 minus pp=1 at the same {threads} thread(s) per worker, tp=1, one stream): "
-                     f"**{hop:+.2f} ms per decode step**.")  # fmt: skip
-    if deployed is not None:
-        lines.append(f"As deployed (pp=1 worker on {threads_per_process(1)} threads, each pp=2 stage on {threads}): "
-                     f"pp=2 minus pp=1 = {ms2 - deployed:+.2f} ms per decode step.")  # fmt: skip
-    return lines if len(lines) > 1 else []
+    single = [r for r in rows if r["streams"] == 1 and r["tp"] == 1]
+    pp1 = {r["threads"]: r["ms_per_token"] for r in single if r["pp"] == 1}
+    deployed = next((r["ms_per_token"] for r in single if r["pp"] == 1 and r.get("deployed", True)), None)
+    lines = []
+    for r in sorted((r for r in single if r["pp"] == 2), key=lambda r: r["pipeline"], reverse=True):
+        parts = []
+        if r["threads"] in pp1:
+            parts.append(f"**{r['ms_per_token'] - pp1[r['threads']]:+.2f} ms per decode step** against pp=1 on the "
+                         f"same {r['threads']} thread(s)")  # fmt: skip
+        if deployed is not None and deployed != pp1.get(r["threads"]):
+            parts.append(f"{r['ms_per_token'] - deployed:+.2f} ms against pp=1 as deployed")
+        if parts:
+            lines.append(f"Stage boundary, `--pipeline {r['pipeline']}` (pp=2 minus pp=1, tp=1, one stream; each stage "
+                         f"on {r['threads']} thread(s)): {'; '.join(parts)}.")  # fmt: skip
+    return _paragraphs(lines)
 
 
 def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out: Path) -> None:
@@ -258,13 +295,11 @@ def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out:
         f"pipeline layouts started with `--rebalance {a.rebalance}`.",
         f"Baseline `transformers.generate` (same run): **{base['decode_tok_s']:.1f} tok/s** decode "
         f"({base['ms_per_token']:.1f} ms/token), TTFT {base['ttft_ms']:.0f} ms.",
-        _llama_line(base.get("llama_cpp") or {}, single_pp1=next(
-            (r for r in rows if (r["pp"], r["tp"], r["streams"], r["threads"]) == (1, 1, 1, threads_per_process(1))),
-            None)),
+        _llama_line(base.get("llama_cpp") or {}, single_pp1=_deployed(rows, 1).get("full", {}).get(1)),
         "",
-        "| pp | tp | layers per stage | threads/worker | streams | decode ms/token (median) | TTFT ms "
+        "| pp | tp | pipeline | layers per stage | threads/worker | streams | decode ms/token (median) | TTFT ms "
         "| aggregate tok/s | × transformers | worker peak RSS MiB |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]  # fmt: skip
     for r in rows:
         ratio = (
@@ -272,7 +307,8 @@ def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out:
             if r["streams"] == 1
             else r["aggregate_tok_s"] / base["decode_tok_s"]
         )
-        lines.append(f"| {r['pp']} | {r['tp']} | {r.get('layers', '')} | {r['threads']} | {r['streams']} | "
+        lines.append(f"| {r['pp']} | {r['tp']} | {r['pipeline'] if r['pp'] > 1 else ''} | {r.get('layers', '')} | "
+                     f"{r['threads']} | {r['streams']} | "
                      f"{r['ms_per_token']:.1f} | {r['ttft_ms']:.0f} | {r['aggregate_tok_s']:.1f} | {ratio:.2f} | "
                      f"{r.get('worker_peak_rss_mib', '')} |")  # fmt: skip
     lines += stage_boundary(rows)

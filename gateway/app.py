@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--default-max-new-tokens", 256, type=int,
          help="length for requests that leave max_new_tokens at 0, capped to the context (default 256)")  # fmt: skip
     flag("--step-timeout", 120.0, type=float, help="seconds a worker may take for one step before it is lost")
+    flag("--pipeline-depth", 0, type=int,
+         help="steps in flight at once (default 0: one per pipeline stage, every stage busy at once; 1: the stages "
+              "take turns, for stages that share the same cores)")  # fmt: skip
     flag("--shutdown-grace", 5.0, type=float, help="seconds running requests get to finish on SIGTERM (default 5)")
     flag("--model-dir", help="where to read the tokenizer (default: the model path in the coordinator's topology)")
     flag("--log-level", help="debug, info, warning or error (default: $SHARDMESH_LOG_LEVEL or info)")
@@ -68,6 +71,7 @@ def build_config(args: argparse.Namespace) -> Any:
         ("--max-message-bytes", args.max_message_bytes >= 1024, ">= 1024"),
         ("--default-max-new-tokens", args.default_max_new_tokens >= 1, ">= 1"),
         ("--step-timeout", args.step_timeout > 0, "> 0 seconds"),
+        ("--pipeline-depth", args.pipeline_depth >= 0, ">= 0"),
         ("--shutdown-grace", args.shutdown_grace >= 0, ">= 0 seconds"),
         ("--trace-decode-steps", args.trace_decode_steps >= 0, ">= 0"),
     ]
@@ -82,7 +86,8 @@ def build_config(args: argparse.Namespace) -> Any:
     return GatewayConfig(
         listen=args.listen, coordinator=args.coordinator, max_queue=args.max_queue,
         max_message_bytes=args.max_message_bytes, default_max_new_tokens=args.default_max_new_tokens,
-        step_timeout=args.step_timeout, shutdown_grace=args.shutdown_grace, model_dir=args.model_dir,
+        step_timeout=args.step_timeout, pipeline_depth=args.pipeline_depth, shutdown_grace=args.shutdown_grace,
+        model_dir=args.model_dir,
         metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint, trace_decode_steps=args.trace_decode_steps,
     )  # fmt: skip
 

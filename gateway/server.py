@@ -68,6 +68,7 @@ class GatewayConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     default_max_new_tokens: int = 256
     step_timeout: float = 120.0
+    pipeline_depth: int = 0  # steps in flight at once; 0: one per pipeline stage
     shutdown_grace: float = 5.0
     model_dir: str | None = None  # where this gateway reads the tokenizer; default: the topology's model path
     metrics_port: int = 0  # 0: no metrics endpoint
@@ -242,7 +243,7 @@ class GatewayServer:
         self.observer = observer
         self.scheduler = Scheduler(
             SchedulerConfig(max_queue=cfg.max_queue, default_max_new_tokens=cfg.default_max_new_tokens,
-                            step_timeout=cfg.step_timeout),
+                            step_timeout=cfg.step_timeout, pipeline_depth=cfg.pipeline_depth),
             logger, observer=observer,
         )  # fmt: skip
         if observer is not None and cfg.metrics_port:
@@ -281,7 +282,7 @@ class GatewayServer:
         host = cfg.listen.rpartition(":")[0]
         self._log.info("listening", address=f"{host}:{self.port}", port=self.port, coordinator=cfg.coordinator,
                        max_queue=cfg.max_queue, max_message_bytes=cfg.max_message_bytes,
-                       metrics_port=self.metrics_port or "off",
+                       pipeline_depth=cfg.pipeline_depth or "one per stage", metrics_port=self.metrics_port or "off",
                        **telemetry.describe_tracing(cfg.otlp_endpoint))  # fmt: skip
 
     def _set_health(self, ready: bool) -> None:

@@ -235,7 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for SERVING (default 600)")
     u.add_argument("--max-restarts", type=int, default=3, help="restarts of a worker that dies (default 3)")
     u.add_argument("--worker-threads", type=int, default=None,
-                   help="torch threads per worker (default: the cores divided among the workers)")  # fmt: skip
+                   help="torch threads per worker (default: the cores divided among the workers that compute at "
+                        "once; see --pipeline)")  # fmt: skip
+    u.add_argument("--pipeline", default="auto", choices=["auto", "full", "turns"],
+                   help="full: one step in flight per stage, every stage busy at once, the cores split among all "
+                        "workers; turns: one step in flight, each stage on all the cores when its turn comes; "
+                        "auto (default): turns on cpu with --pp > 1 (the stages share this host's cores), "
+                        "else full")  # fmt: skip
     u.add_argument("--demo", metavar="PROMPT", default=None, help="stream one answer to PROMPT, then stop")
     u.add_argument("--max-new-tokens", type=int, default=128, help="length of the --demo answer (default 128)")
     u.add_argument("--otlp-endpoint", default=None, help="send every service's spans to this OTLP endpoint")

@@ -108,7 +108,11 @@ def tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def threads_per_process(processes: int) -> int:
     """Split the machine's cores between processes that share it, so they do not oversubscribe."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, processes))
+    return max(1, cores() // max(1, processes))

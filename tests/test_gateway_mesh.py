@@ -278,5 +278,8 @@ def test_gateway_flags_are_checked(capsys: pytest.CaptureFixture[str], monkeypat
     monkeypatch.setenv("SHARDMESH_GATEWAY_MAX_QUEUE", "0")
     assert cli.main(["gateway", "--coordinator", "127.0.0.1:1"]) == 2
     assert capsys.readouterr().err == "error: --max-queue: must be >= 1, got 0\n"
+    monkeypatch.delenv("SHARDMESH_GATEWAY_MAX_QUEUE")
+    assert cli.main(["gateway", "--coordinator", "127.0.0.1:1", "--pipeline-depth", "-1"]) == 2
+    assert capsys.readouterr().err == "error: --pipeline-depth: must be >= 0, got -1\n"
     assert cli.main(["generate", "--max-new-tokens", "3", "hi"]) == 2
     assert "--model is required" in capsys.readouterr().err

@@ -194,9 +194,14 @@ def test_up_manifest_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[st
         assert [(sh.label("node"), dict(sh.requires)) for _, sh in t.shards()] == [
             ("left", {"node": "left"}), ("right", {"node": "right"})]  # fmt: skip
         assert [(s.layer_start, s.layer_end) for s in t.calibration.stages] == list(planned)
+        # Both stages run on this host's cores: they take turns, one step in flight (`up --pipeline auto`).
+        gateway = next(json.loads(line) for line in (logs / "gateway.log").read_text().splitlines()
+                       if '"event": "listening"' in line)  # fmt: skip
+        assert gateway["pipeline_depth"] == 1
     finally:
         procs.stop_all([proc], grace=15)
-    assert "manifest" in proc.stderr.read().decode()
+    err = proc.stderr.read().decode()
+    assert "manifest" in err and "they take turns (one step in flight)" in err
     assert main(["up", "--manifest", str(manifest), "--pp", "3"]) == 2
     assert "--pp: the manifest sets this (parallelism.pipeline)" in capsys.readouterr().err
 

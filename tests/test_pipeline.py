@@ -295,27 +295,40 @@ def scheduler() -> Iterator[Scheduler]:
     s.shutdown(grace=0.0)
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_one_micro_batch_in_flight_per_stage(scheduler: Scheduler, model_files: ModelFiles, pp: int) -> None:
+@pytest.mark.parametrize(("pp", "depth"), [(1, 0), (2, 0), (2, 1)], ids=["pp1", "pp2-full", "pp2-turns"])
+def test_one_micro_batch_in_flight_per_stage(model_files: ModelFiles, pp: int, depth: int) -> None:
+    """depth 0 (the default): one step in flight per stage; 1 (`up --pipeline turns`): the stages take turns."""
+    scheduler = Scheduler(SchedulerConfig(max_queue=8, step_timeout=5.0, pipeline_depth=depth),
+                          structlog.wrap_logger(structlog.ReturnLogger()))  # fmt: skip
+    scheduler.start()
+    try:
+        _micro_batches(scheduler, model_files, pp, depth or pp)
+    finally:
+        scheduler.shutdown(grace=0.0)
+
+
+def _micro_batches(scheduler: Scheduler, model_files: ModelFiles, pp: int, in_flight: int) -> None:
     mesh = ordered_mesh(pp=pp, tp=1, kv_slots=4)
     mesh.gate = threading.Event()
     scheduler.update_mesh(mesh_state(mesh, model_files))
     handles = [scheduler.submit(request(model_files, "a", "hello", max_new=4))]
     assert mesh.entered.wait(WAIT_S)  # a's prompt is in flight, held on every shard
     handles += [scheduler.submit(request(model_files, rid, "yo", max_new=4)) for rid in ("b", "c")]
-    # b and c hold slots; with pp=2 their prompts are already in flight next to a's, with pp=1 they wait.
-    wait_until(lambda: scheduler.load()[1] == 3 and scheduler.pipeline_stats().steps == pp)
+    # b and c hold slots; with two in flight their prompts are already in flight next to a's, with one they wait.
+    wait_until(lambda: scheduler.load()[1] == 3 and scheduler.pipeline_stats().steps == in_flight)
+    time.sleep(0.1)  # room for a step too many to be dispatched, were the depth not kept
+    assert scheduler.pipeline_stats().steps == in_flight
     mesh.gate.set()
     assert [len(tokens(collect(h))) for h in handles] == [4, 4, 4]
     stats = scheduler.pipeline_stats()
-    assert stats.max_in_flight == pp and (stats.overlapped > 0) == (pp > 1)
+    assert stats.max_in_flight == in_flight and (stats.overlapped > 0) == (in_flight > 1)
     for shard in mesh.shards:
         steps = shard.steps  # in the order the shard ran them
         assert [s.step_id for s in steps] == list(range(1, len(steps) + 1))
         assert [s.after_step_id for s in steps] == list(range(len(steps)))  # each after the one sent before
         wait_until(lambda shard=shard: sorted(shard.released_ids()) == ["a", "b", "c"])
         assert shard.races == [] and shard.slots == {}
-    if pp == 2:  # two micro-batches while a's prompt was held: a alone, then b and c (ceil(3 / 2) = 2)
+    if in_flight == 2:  # two micro-batches while a's prompt was held: a alone, then b and c (ceil(3 / 2) = 2)
         batches = [sorted(e.request_id for e in s.entries) for s in mesh.shards[0].steps]
         assert batches[:2] == [["a"], ["b", "c"]]
 
