@@ -30,7 +30,7 @@ PIPELINES = ("auto", "full", "turns")
 # libgomp's spin count for workers that take turns on the same cores: an idle stage's OpenMP threads
 # then sleep after ~10k spins instead of the default 300k, which kept the other stage's cores busy
 # (pp=2 on 2 cores, one stream: 36.3 ms/token with the default, 22.2 with 10k; 2k and 50k were no better).
-# Only then: a worker alone on its cores ran 2-5% slower at 16 streams with it.
+# Set for `turns` only: a worker alone on its cores (pp=1) ran 2-5% slower at 16 streams with it.
 TURNS_SPINCOUNT = "10000"
 
 
