@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from shardmesh.topology import Rendezvous, ServingLimits, ShardState, Topology
+from shardworker import heap
 from shardworker.calibrate import calibrate_shard
 from shardworker.config import ModelConfig
 from shardworker.engine import StageEngine
@@ -217,7 +218,8 @@ class StageWorkerCore:
             self._runtime = current = None
             self.state = ShardState.LOADING
             try:
-                runtime = self._on_compute(lambda: self._join(placement, self._load(placement)))
+                with heap.loading():  # the load's temporaries go back to the OS (shardworker/heap.py)
+                    runtime = self._on_compute(lambda: self._join(placement, self._load(placement)))
             except Exception as e:
                 self.state, self.detail = ShardState.UNHEALTHY, f"{type(e).__name__}: {e}"
                 self.log.error("placement_failed", epoch=placement.rendezvous.epoch, error=self.detail)

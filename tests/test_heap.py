@@ -24,9 +24,15 @@ libc.mallinfo2.restype = MallInfo2
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 kept = None
-if sys.argv[1] == "keep":
-    from shardworker.heap import keep_freed_memory
+if sys.argv[1] in ("keep", "loading"):
+    from shardworker.heap import keep_freed_memory, loading
     kept = keep_freed_memory()
+if sys.argv[1] == "loading":  # a block freed inside a load is returned at once; after it, blocks are kept again
+    with loading():
+        inside = libc.malloc(16 << 20)
+        mapped_inside = libc.mallinfo2().hblkhd >= 16 << 20
+        libc.free(inside)
+    kept = kept and mapped_inside
 block = libc.malloc(16 << 20)
 allocated = libc.mallinfo2()
 libc.free(block)
@@ -51,8 +57,9 @@ def test_by_default_a_step_sized_block_is_mapped_alone_and_returned_on_free() ->
     assert r["heap_free_after"] < 16 << 20
 
 
-def test_kept_a_step_sized_block_comes_from_the_heap_and_stays_there_when_freed() -> None:
-    r = _probe("keep")
+@pytest.mark.parametrize("mode", ["keep", "loading"])
+def test_kept_a_step_sized_block_comes_from_the_heap_and_stays_there_when_freed(mode: str) -> None:
+    r = _probe(mode)
     assert r["kept"] is True
     assert not r["mapped_alone"]
     assert r["heap_during"] >= 16 << 20
