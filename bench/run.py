@@ -193,20 +193,20 @@ def main() -> None:
     for pp, tp in layouts:
         for pipeline in ("turns", "full") if (pp, tp) == (2, 1) else ("auto",):
             share = share_cores(pp, tp, "cpu", pipeline, None, cores())
-            runs.append((pp, tp, share.pipeline, share.worker_threads, streams))
-    stage_threads = {t for pp, tp, _, t, _ in runs if (pp, tp) == (2, 1)} - {t for pp, tp, _, t, _ in runs
-                                                                            if (pp, tp) == (1, 1)}  # fmt: skip
-    if (1, 1) in layouts and 1 in streams:
-        runs += [(1, 1, "full", t, [1]) for t in sorted(stage_threads)]  # the stage boundary's like-for-like baseline
+            runs.append((pp, tp, share.pipeline, share.worker_threads, streams, True))
+    stage_threads = {t for pp, tp, _, t, _, _ in runs if (pp, tp) == (2, 1)} - {t for pp, tp, _, t, _, _ in runs
+                                                                               if (pp, tp) == (1, 1)}  # fmt: skip
+    if (1, 1) in layouts and 1 in streams:  # the stage boundary's like-for-like baseline, not a deployed layout
+        runs += [(1, 1, "full", t, [1], False) for t in sorted(stage_threads)]
     rows = []
-    for pp, tp, pipeline, threads, counts in runs:
+    for pp, tp, pipeline, threads, counts, deployed in runs:
         with tempfile.TemporaryDirectory() as logs:
             mesh = Mesh(model_dir, pp, tp, pipeline, max(streams), Path(logs), threads, a.rebalance)
             try:
                 mine = []
                 for n in counts:
                     r = run_streams(mesh.address, prompt_ids, a.new_tokens, n)
-                    r.update(pp=pp, tp=tp, pipeline=pipeline, threads=threads, deployed=counts is streams)
+                    r.update(pp=pp, tp=tp, pipeline=pipeline, threads=threads, deployed=deployed)
                     mine.append(r)
                     print(f"pp={pp} tp={tp} pipeline={pipeline} threads={threads}: {r}", file=sys.stderr)
                 rss = [round(x / 2**20) for x in mesh.worker_peak_rss()]
@@ -229,16 +229,17 @@ def pipeline_ratios(rows: list[dict]) -> list[str]:
     """pp=2 aggregate tokens/s over pp=1 (tp=1) at each stream count, per pipeline mode; and 16 streams
     over one stream (both of issue 5's throughput targets, from this run's rows)."""
     pp1 = next(iter(_deployed(rows, 1).values()), {})
+    pp2_modes = sorted(_deployed(rows, 2).items(), reverse=True)  # turns, then full
     lines = []
-    for pipeline, pp2 in sorted(_deployed(rows, 2).items(), reverse=True):  # turns, then full
+    for pipeline, pp2 in pp2_modes:
         ratios = {n: pp2[n]["aggregate_tok_s"] / pp1[n]["aggregate_tok_s"] for n in sorted(pp2) if n in pp1}
         if ratios:
             parts = [f"{n} streams **{r:.2f}×**" if n == 16 else f"{n} streams {r:.2f}×" for n, r in ratios.items()]
             lines.append(f"Pipeline, `--pipeline {pipeline}` (pp=2 aggregate ÷ pp=1 aggregate, tp=1; target ≥ 0.9× at "
                          f"16 streams): {', '.join(parts)}.")  # fmt: skip
-    scaling = [(f"pp=1 {_times(pp1)}", pp1)] + [(f"pp=2 `{p}` {_times(r)}", r) for p, r in
-                                                sorted(_deployed(rows, 2).items(), reverse=True)]  # fmt: skip
-    shown = [label for label, r in scaling if 1 in r and 16 in r]
+    modes = [("pp=1", pp1)] + [(f"pp=2 `{p}`", r) for p, r in pp2_modes]
+    shown = [f"{label} **{r[16]['aggregate_tok_s'] / r[1]['aggregate_tok_s']:.2f}×**" for label, r in modes
+             if 1 in r and 16 in r]  # fmt: skip
     if shown:
         lines.append(f"16 streams ÷ one stream, aggregate tok/s (target ≥ 6×): {', '.join(shown)}.")
     return _paragraphs(lines)
@@ -247,13 +248,6 @@ def pipeline_ratios(rows: list[dict]) -> list[str]:
 def _paragraphs(lines: list[str]) -> list[str]:
     """Each line as its own markdown paragraph, after the table."""
     return [x for line in lines for x in ("", line)]
-
-
-def _times(by_streams: dict[int, dict]) -> str:
-    if 1 not in by_streams or 16 not in by_streams:
-        return ""
-    ratio = by_streams[16]["aggregate_tok_s"] / by_streams[1]["aggregate_tok_s"]
-    return f"**{ratio:.2f}×**"
 
 
 def _llama_line(llama: dict, single_pp1: dict | None) -> str:
@@ -272,15 +266,15 @@ def stage_boundary(rows: list[dict]) -> list[str]:
     """One stream's per-token latency, pp=2 minus pp=1 (tp=1): at equal threads per worker, and as deployed."""
     single = [r for r in rows if r["streams"] == 1 and r["tp"] == 1]
     pp1 = {r["threads"]: r["ms_per_token"] for r in single if r["pp"] == 1}
-    deployed = next((r["ms_per_token"] for r in single if r["pp"] == 1 and r.get("deployed", True)), None)
+    deployed = next((r for r in single if r["pp"] == 1 and r.get("deployed", True)), None)
     lines = []
     for r in sorted((r for r in single if r["pp"] == 2), key=lambda r: r["pipeline"], reverse=True):
         parts = []
         if r["threads"] in pp1:
             parts.append(f"**{r['ms_per_token'] - pp1[r['threads']]:+.2f} ms per decode step** against pp=1 on the "
                          f"same {r['threads']} thread(s)")  # fmt: skip
-        if deployed is not None and deployed != pp1.get(r["threads"]):
-            parts.append(f"{r['ms_per_token'] - deployed:+.2f} ms against pp=1 as deployed")
+        if deployed is not None and deployed["threads"] != r["threads"]:
+            parts.append(f"{r['ms_per_token'] - deployed['ms_per_token']:+.2f} ms against pp=1 as deployed")
         if parts:
             lines.append(f"Stage boundary, `--pipeline {r['pipeline']}` (pp=2 minus pp=1, tp=1, one stream; each stage "
                          f"on {r['threads']} thread(s)): {'; '.join(parts)}.")  # fmt: skip

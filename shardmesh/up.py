@@ -15,6 +15,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import Popen
@@ -52,7 +53,7 @@ class CoreShare:
 
 
 def share_cores(pp: int, tp: int, device: str, pipeline: str, worker_threads: int | None, cores: int,
-                env: dict[str, str] | None = None) -> CoreShare:  # fmt: skip
+                env: Mapping[str, str] | None = None) -> CoreShare:  # fmt: skip
     """The thread counts and pipeline depth for P x T workers on one host's `cores`.
 
     Every worker of a local mesh runs on the same cores. Tensor-parallel ranks of a stage always compute
@@ -65,7 +66,7 @@ def share_cores(pp: int, tp: int, device: str, pipeline: str, worker_threads: in
     """
     if pipeline not in PIPELINES:
         raise ValueError(f"--pipeline: must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
-    env = dict(os.environ if env is None else env)
+    env = os.environ if env is None else env
     if pipeline == "auto":
         pipeline = "turns" if device == "cpu" and pp > 1 else "full"
     if pipeline == "turns":
