@@ -134,7 +134,7 @@ def write_f32_gguf(source: Path, out_path: Path) -> None:
 
 def default_f32_path(model: str = "smollm2-135m-instruct") -> Path:
     """Next to the converted model (which `shardmesh model pull` writes), so one cache holds both."""
-    from shardmesh.pull import model_dir
+    from shardmesh.models.pull import model_dir
 
     return model_dir(model) / F32_GGUF_NAME
 
@@ -156,7 +156,7 @@ def f32_gguf(out_path: Path | None = None, *, source: Path | None = None, model:
     The file is written under a temporary name and renamed into place, so an existing file is always a
     complete one and is reused as is.
     """
-    from shardmesh.pull import get_source, locate_gguf
+    from shardmesh.models.pull import get_source, locate_gguf
 
     out_path = Path(out_path) if out_path is not None else default_f32_path(model)
     if out_path.is_file():
@@ -187,7 +187,7 @@ def check_weights(gguf_path: Path, model_dir: Path) -> dict[str, int]:
     from gguf import GGMLQuantizationType, GGUFReader
     from safetensors import safe_open
 
-    from shardmesh.pull import hf_tensor_name, read_gguf_metadata, unpermute_rope_rows
+    from shardmesh.models.pull import hf_tensor_name, read_gguf_metadata, unpermute_rope_rows
 
     reader = GGUFReader(str(gguf_path))
     meta = read_gguf_metadata(reader)
@@ -283,8 +283,8 @@ def measure(gguf_path: Path, prompt_ids: Sequence[int], new_tokens: int, threads
 
 
 def main() -> None:
-    from shardmesh.pull import known_models, pull
-    from shardmesh.tokenizer import Tokenizer
+    from shardmesh.models.pull import known_models, pull
+    from shardmesh.models.tokenizer import Tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct", choices=known_models())

@@ -44,8 +44,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shardmesh.procs import cores  # noqa: E402  (the repository root is on the path only now)
-from shardmesh.up import share_cores  # noqa: E402
+from shardmesh.rpc.procs import cores  # noqa: E402  (the repository root is on the path only now)
+from shardmesh_cli.up import share_cores  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
@@ -104,7 +104,7 @@ class Mesh:
     def __init__(self, model_dir: Path, pp: int, tp: int, pipeline: str, slots: int, log_dir: Path, threads: int,
                  rebalance: str) -> None:  # fmt: skip
         self.log_dir = log_dir
-        args = [sys.executable, "-m", "shardmesh.cli", "up", "--model", str(model_dir), "--pp", str(pp),
+        args = [sys.executable, "-m", "shardmesh_cli", "up", "--model", str(model_dir), "--pp", str(pp),
                 "--tp", str(tp), "--pipeline", pipeline, "--kv-slots", str(slots), "--max-context", "1024",
                 "--rebalance", rebalance, "--worker-threads", str(threads), "--log-dir", str(log_dir)]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -175,8 +175,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
 
-    from shardmesh.cli import resolve_model
-    from shardmesh.tokenizer import Tokenizer
+    from shardmesh.models.tokenizer import Tokenizer
+    from shardmesh_cli.main import resolve_model
 
     model_dir = resolve_model(a.model)
     prompt_ids = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])

@@ -38,7 +38,7 @@ def one_stream(model_dir: Path, pp: int, extra: list[str], env: dict[str, str], 
     from shardmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
 
     with tempfile.TemporaryDirectory() as logs:
-        args = [sys.executable, "-m", "shardmesh.cli", "up", "--model", str(model_dir), "--pp", str(pp),
+        args = [sys.executable, "-m", "shardmesh_cli", "up", "--model", str(model_dir), "--pp", str(pp),
                 "--log-dir", logs, *extra]  # fmt: skip
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         try:
@@ -65,8 +65,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     a = ap.parse_args()
 
-    from shardmesh.cli import resolve_model
-    from shardmesh.tokenizer import Tokenizer
+    from shardmesh.models.tokenizer import Tokenizer
+    from shardmesh_cli.main import resolve_model
     from tests.otlp import Collector, GrpcReceiver
 
     model_dir = resolve_model(a.model)

@@ -1,8 +1,13 @@
-"""`python -m coordinator ...` is `shardmesh coordinator ...`: same flags, same exit codes."""
+"""`python -m coordinator ...` runs the coordinator alone: the flags and exit codes of `shardmesh coordinator`."""
 
+import argparse
 import sys
 
-from shardmesh.cli import main
+from coordinator import app
+from shardmesh.rpc import procs
 
 if __name__ == "__main__":
-    sys.exit(main(["coordinator", *sys.argv[1:]]))
+    procs.die_with_parent_if_asked()
+    parser = argparse.ArgumentParser(prog="python -m coordinator", description="run the coordinator")
+    app.add_arguments(parser)
+    sys.exit(app.run(parser.parse_args()))

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardmesh import telemetry
-from shardmesh.flags import env_flags
+from shardmesh.rpc import telemetry
+from shardmesh.rpc.flags import env_flags
 
 ENV_PREFIX = "SHARDMESH_COORDINATOR_"
 REBALANCES = ("none", "by-speed")
@@ -77,7 +77,7 @@ EXIT_USAGE = 2
 class CoordinatorUsageError(Exception):
     """A bad flag or model, found before anything listens; printed as one line, exit code 2.
 
-    Our own class rather than `shardmesh.cli.UsageError`: under `python -m shardmesh.cli` that module
+    Our own class rather than `shardmesh_cli.main.UsageError`: under `python -m shardmesh_cli.main` that module
     runs as `__main__`, and a second import of it would define a second, uncaught UsageError.
     """
 
@@ -135,7 +135,7 @@ def parse_layers(text: str, num_layers: int, pp: int) -> tuple[tuple[int, int], 
     if len(counts) != pp or min(counts) < 1 or sum(counts) != num_layers:
         raise _usage(f"--layers: need {pp} counts >= 1 (one per stage) adding up to the model's {num_layers} layers, "
                      f"got {text!r}")  # fmt: skip
-    from shardworker.parallel import layer_ranges
+    from shardmesh.core.layout import layer_ranges
 
     return tuple(layer_ranges(counts))
 
@@ -143,11 +143,11 @@ def parse_layers(text: str, num_layers: int, pp: int) -> tuple[tuple[int, int], 
 def build_config(args: argparse.Namespace) -> Any:
     """Validate every flag against each other and the model; returns a `CoordinatorConfig`."""
     from coordinator.calibration import CalibrationConfig
-    from coordinator.server import CoordinatorConfig
-    from shardmesh.topology import ModelSpec, ServingLimits
-    from shardworker.config import ModelConfig
-    from shardworker.parallel import shard_specs
-    from shardworker.tp import HeadSplit, TensorParallelError
+    from coordinator.process import CoordinatorConfig
+    from shardmesh.core.config import ModelConfig
+    from shardmesh.core.heads import HeadSplit, TensorParallelError
+    from shardmesh.core.layout import shard_specs
+    from shardmesh.core.topology import ModelSpec, ServingLimits
 
     host = _listen_host(args.listen)
     if not args.model:
@@ -224,8 +224,8 @@ def build_config(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT, then shut down gracefully (exit 0)."""
-    from coordinator.server import CoordinatorServer
-    from shardmesh import log, procs
+    from coordinator.process import CoordinatorServer
+    from shardmesh.rpc import log, procs
 
     try:
         if args.manifest:

@@ -25,12 +25,12 @@ from typing import Any
 
 import grpc
 
-from coordinator.membership import Registry
-from shardmesh import rpc
+from coordinator.registry import Registry
+from shardmesh.core.layout import layer_ranges
+from shardmesh.core.topology import Calibration, CalibrationStatus, ShardCalibration, StageCalibration, Topology
 from shardmesh.planning.planner import predicted_ms, split_by_speed
 from shardmesh.proto.v1 import worker_pb2, worker_pb2_grpc
-from shardmesh.topology import Calibration, CalibrationStatus, ShardCalibration, StageCalibration, Topology
-from shardworker.parallel import layer_ranges
+from shardmesh.rpc import server as rpc
 
 REBALANCES = ("none", "by-speed")
 # A re-split must promise at least this much off the slowest stage; measurement noise must not move layers.

@@ -6,8 +6,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from coordinator.membership import Registry
-from shardmesh.topology import ShardState
+from coordinator.registry import Registry
+from shardmesh.core.topology import ShardState
 
 
 class CoordinatorCollector:

@@ -5,7 +5,7 @@ Nothing here has a clock, a lock or a network: the registry feeds in its records
 comes out, so every rule can be tested on plain values.
 
 Policy v1: the mesh is pp × tp slots in global-rank order (rank = stage * tp + tp_rank, the layout
-`shardworker.parallel` uses). Registered workers fill vacant slots lowest rank first, in
+`shardmesh.engine.groups` uses). Registered workers fill vacant slots lowest rank first, in
 registration order; workers beyond pp * tp wait as standbys and fill slots that are vacated. A
 slot may require labels (a manifest's plan puts rank r on node N: it requires {"node": N}); only a
 worker registered with those labels takes it. A worker that stops heartbeating keeps its slot
@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from shardmesh.topology import (
+from shardmesh.core.layout import split_layers
+from shardmesh.core.topology import (
     Calibration,
     CalibrationStatus,
     ModelSpec,
@@ -32,7 +33,6 @@ from shardmesh.topology import (
     Stage,
     Topology,
 )
-from shardworker.parallel import split_layers
 
 Slots = tuple[str | None, ...]  # global rank -> id of the worker holding it, None when vacant
 Split = tuple[tuple[int, int], ...]  # half-open layer range per stage

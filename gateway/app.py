@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--shutdown-grace", 5.0, type=float, help="seconds running requests get to finish on SIGTERM (default 5)")
     flag("--model-dir", help="where to read the tokenizer (default: the model path in the coordinator's topology)")
     flag("--log-level", help="debug, info, warning or error (default: $SHARDMESH_LOG_LEVEL or info)")
-    from shardmesh import telemetry  # standard library only at import time
+    from shardmesh.rpc import telemetry  # standard library only at import time
 
     telemetry.add_flags(flag)
     flag("--trace-decode-steps", 8, type=int,
@@ -61,8 +61,8 @@ def _check_address(flag: str, value: str, *, dial: bool = False) -> None:
 
 def build_config(args: argparse.Namespace) -> Any:
     """Validate the flags; returns a `GatewayConfig`."""
-    from gateway.server import GatewayConfig
-    from shardmesh import telemetry
+    from gateway.process import GatewayConfig
+    from shardmesh.rpc import telemetry
 
     _check_address("--listen", args.listen)
     _check_address("--coordinator", args.coordinator, dial=True)
@@ -94,8 +94,8 @@ def build_config(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT, then shut down gracefully (exit 0)."""
-    from gateway.server import GatewayServer
-    from shardmesh import log, procs, telemetry
+    from gateway.process import GatewayServer
+    from shardmesh.rpc import log, procs, telemetry
 
     try:
         cfg = build_config(args)

@@ -21,8 +21,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.stream import ReopeningStream
-from shardmesh import rpc
 from shardmesh.proto.v1 import worker_pb2
+from shardmesh.rpc import server as rpc
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["StageWorker"].full_name
 

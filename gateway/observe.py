@@ -20,7 +20,7 @@ for its turn (`shardmesh.step.order_wait_ms`).
 A batched step serves several requests, so it has one `step.*` span in each traced request's trace
 (all with the same `shardmesh.step_id` and the batch's `shardmesh.batch.request_ids`), and every
 worker records its `worker.step` span once under each of them (the Step RPC carries every parent,
-see shardmesh/telemetry.py). Volume per request is bounded: prompt chunks + `trace_decode_steps`
+see shardmesh/rpc/telemetry.py). Volume per request is bounded: prompt chunks + `trace_decode_steps`
 steps, each with pp × tp worker spans; past that, decode steps are only aggregated on the request
 span (count, gateway round-trip time, the last stage's compute and receive-wait time).
 
@@ -35,10 +35,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shardmesh import telemetry
+from shardmesh.rpc import telemetry
 
 if TYPE_CHECKING:
-    from gateway.mesh import MeshView
+    from gateway.fanout import MeshView
     from gateway.results import Summary
     from shardmesh.proto.v1 import worker_pb2
 
@@ -197,7 +197,7 @@ class GatewayObserver:
             return None
         from opentelemetry.trace import SpanKind
 
-        from gateway.server import SERVICE_NAME
+        from gateway.servicer import SERVICE_NAME
 
         span = self.tracer.start_span(
             f"{SERVICE_NAME}/{method}", context=telemetry.extract(metadata), kind=SpanKind.SERVER,

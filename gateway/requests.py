@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import InvalidArgument
+from shardmesh.core.errors import InvalidArgument
 from shardmesh.proto.v1 import gateway_pb2
 
 MAX_REQUEST_ID_CHARS = 128
@@ -145,7 +145,7 @@ class ModelContext:
 
     vocab_size: int
     max_context: int  # tokens per sequence (prompt + completion) the workers' KV slots hold
-    tokenizer: Any | None  # shardmesh.tokenizer.Tokenizer; None when the model has no tokenizer.json
+    tokenizer: Any | None  # shardmesh.models.tokenizer.Tokenizer; None when the model has no tokenizer.json
     eos_token_ids: frozenset[int]
     default_max_new_tokens: int
 

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.errors import GatewayError
+from shardmesh.core.errors import MeshError
 
 
 class FinishReason(enum.Enum):
@@ -63,7 +63,7 @@ class EndEvent:
     cancellation; any text still held back is in `text_delta`)."""
 
     summary: Summary | None = None
-    error: GatewayError | None = None
+    error: MeshError | None = None
     text_delta: str = ""
 
 

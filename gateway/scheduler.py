@@ -43,13 +43,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gateway.errors import GatewayError, Internal, InvalidArgument, ResourceExhausted, Unavailable
-from gateway.mesh import SETTLE_S, MeshView, ShardFailure, StepCall
+from gateway.fanout import SETTLE_S, MeshView, ShardFailure, StepCall
 from gateway.observe import GatewayObserver, RequestTrace, StepTrace
 from gateway.requests import ModelContext, PreparedRequest
 from gateway.results import EndEvent, FinishReason, RequestHandle, Summary, Timings, TokenEvent
 from gateway.text import CompletionText
-from gateway.topology import MeshState
+from gateway.watcher import MeshState
+from shardmesh.core.errors import Internal, InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from shardmesh.proto.v1 import worker_pb2
 
 IDLE_WAIT_S = 0.5  # longest sleep without a wake-up; bounds how late a shutdown deadline is noticed
@@ -576,7 +576,7 @@ class Scheduler:
         self._finish(s, summary)
         s.handle.events.put(EndEvent(summary=summary, text_delta=delta))
 
-    def _end_failed(self, s: _Sequence, error: GatewayError) -> None:
+    def _end_failed(self, s: _Sequence, error: MeshError) -> None:
         self._retire(s)
         if self._obs is not None:
             self._obs.request_failed(s.trace, error)
@@ -602,7 +602,7 @@ class Scheduler:
                     self._free.append(s.slot)
             self._free.sort()
 
-    def _fail_everything(self, error: GatewayError) -> None:
+    def _fail_everything(self, error: MeshError) -> None:
         with self._lock:
             waiting, self._waiting = list(self._waiting), deque()
         for s in [*waiting, *self._running]:

@@ -1,7 +1,7 @@
 """A server-streaming call followed on its own thread and re-opened with backoff: the gateway's watches.
 
 The gateway follows two kinds of stream for as long as it runs: the coordinator's topologies
-(`gateway/topology.py`) and each worker's health (`gateway/links.py`). Both must survive the other end
+(`gateway/watcher.py`) and each worker's health (`gateway/links.py`). Both must survive the other end
 going away and coming back, and both must end promptly on shutdown, including when shutdown comes while
 a call is being opened.
 """

@@ -11,8 +11,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from shardmesh import telemetry
-from shardworker.service import StepEntry, StepResult
+from shardmesh.rpc import telemetry
+from shardworker.runtime import StepEntry, StepResult
 
 MEMORY_KINDS = ("weights", "kv_cache", "other", "free")
 

@@ -15,10 +15,10 @@ from subprocess import Popen
 
 import grpc
 
-from shardmesh import procs
+from shardmesh.core.topology import Topology
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
-from shardmesh.topology import Topology
-from shardmesh.up import free_port, wait_serving
+from shardmesh.rpc import procs
+from shardmesh_cli.up import free_port, wait_serving
 
 
 class ServiceProcess:
@@ -27,7 +27,7 @@ class ServiceProcess:
     def __init__(self, command: str, args: list[str], wait_s: float = 30.0) -> None:
         env = {**os.environ, "SHARDMESH_LOG_LEVEL": "info"}
         self.command, self.wait_s = command, wait_s
-        self.proc = subprocess.Popen([sys.executable, "-m", "shardmesh.cli", command, *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "shardmesh_cli", command, *args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
         self.events: queue.Queue[dict] = queue.Queue()
         self.lines: list[str] = []
@@ -73,7 +73,7 @@ class Stack:
         f = (self.log_dir / f"{name}.log").open("ab")
         self._files.append(f)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "SHARDMESH_LOG_LEVEL": "info", **(env or {})}
-        p = procs.spawn(["-m", "shardmesh.cli", *args], env=env, stdout=f, stderr=f)
+        p = procs.spawn(["-m", "shardmesh_cli", *args], env=env, stdout=f, stderr=f)
         self.procs[name] = p
         return p
 

@@ -18,10 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.calibration import CalibrationConfig, judge, pass_sizes, speed_split, worth_moving
-from coordinator.membership import Device, Registration, Registry
-from shardmesh.planning.planner import predicted_ms, split_by_speed
-from shardmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2
-from shardmesh.topology import (
+from coordinator.registry import Device, Registration, Registry
+from shardmesh.core.topology import (
     Calibration,
     CalibrationStatus,
     ModelSpec,
@@ -30,7 +28,9 @@ from shardmesh.topology import (
     StageCalibration,
     Topology,
 )
-from shardmesh.up import free_port, wait_serving
+from shardmesh.planning.planner import predicted_ms, split_by_speed
+from shardmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2
+from shardmesh_cli.up import free_port, wait_serving
 from tests.checkpoints import make_checkpoint, reference_greedy
 from tests.stack import Stack, worker_stubs
 
@@ -120,8 +120,8 @@ def _ready_registry(**kw: object) -> tuple[Registry, list[str]]:
 
 
 def _ready(reg: Registry, ids: list[str]) -> Topology:
-    from coordinator.membership import HeartbeatReport, Load
-    from shardmesh.topology import ShardState
+    from coordinator.registry import HeartbeatReport, Load
+    from shardmesh.core.topology import ShardState
 
     for w in ids:
         reg.heartbeat(HeartbeatReport(w, ShardState.READY, reg.store.current().rendezvous.epoch, Load()))  # type: ignore[union-attr]
@@ -193,7 +193,7 @@ def _gateway(stack: Stack) -> str:
 
 
 def _status(coordinator: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shardmesh.cli", "status", "--coordinator", coordinator, *extra],
+    return subprocess.run([sys.executable, "-m", "shardmesh_cli", "status", "--coordinator", coordinator, *extra],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
 
 
@@ -287,6 +287,6 @@ def test_coordinator_refuses_bad_balance_flags(big_head: Path) -> None:
              (["--max-stage-ratio", "0.5"], "--max-stage-ratio: must be >= 1.0, got 0.5"),
              (["--rank-nodes", "a"], "--rank-nodes: need 2 node names (one per rank), got 'a'"))  # fmt: skip
     for flags, message in cases:
-        r = subprocess.run([sys.executable, "-m", "shardmesh.cli", "coordinator", "--model", str(big_head), "--pp",
+        r = subprocess.run([sys.executable, "-m", "shardmesh_cli", "coordinator", "--model", str(big_head), "--pp",
                             "2", *flags], capture_output=True, text=True, timeout=60)  # fmt: skip
         assert r.returncode == 2 and r.stderr.strip() == f"error: {message}", r.stderr

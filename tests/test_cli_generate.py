@@ -17,7 +17,7 @@ PROMPT = [1, 17, 5, 42, 33, 8]
 
 def shardmesh(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "shardmesh.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "shardmesh_cli", *args], capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -40,7 +40,7 @@ COMPOSE_DIR = ROOT / "compose"
 STACKS = {"cpu": COMPOSE_DIR / "cpu.compose.yaml", "cuda": COMPOSE_DIR / "cuda.compose.yaml"}
 SUBCOMMANDS = ("coordinator", "worker", "gateway")
 # SHARDMESH_* variables that belong to no one subcommand, with the file that reads each.
-GLOBAL_ENV = {"SHARDMESH_LOG_LEVEL": "shardmesh/log.py", "SHARDMESH_CACHE": "shardmesh/pull.py"}
+GLOBAL_ENV = {"SHARDMESH_LOG_LEVEL": "shardmesh/rpc/log.py", "SHARDMESH_CACHE": "shardmesh/models/pull.py"}
 MODEL_MOUNT = "/models/model"
 HEALTHCHECK_BIN = "shardmesh-healthcheck"
 ENV_IN_HELP = re.compile(r"\[env ([A-Z0-9_]+)\]")
@@ -123,7 +123,7 @@ def test_compose_parser_refuses_a_broken_file(compose_bin: Path, tmp_path: Path)
 
 
 def subparsers() -> dict[str, argparse.ArgumentParser]:
-    from shardmesh.cli import build_parser
+    from shardmesh_cli.main import build_parser
 
     action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return dict(action.choices)
@@ -229,7 +229,7 @@ def argv_of(service: dict[str, Any], tmp_path: Path) -> list[str]:
 
 def parse_service(name: str, service: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """`shardmesh ARGV` as the container runs it, with the service's environment, through the real parser."""
-    from shardmesh.cli import build_parser
+    from shardmesh_cli.main import build_parser
 
     env = {k: str(v) for k, v in (service.get("environment") or {}).items() if k.startswith("SHARDMESH_")}
     argv = argv_of(service, tmp_path)
@@ -430,7 +430,7 @@ def test_dockerignore_keeps_local_state_out() -> None:
     for path in (".venv/bin/python", "shardmesh/__pycache__/cli.cpython-311.pyc", ".pytest_cache/v",
                  "shardmesh.egg-info/PKG-INFO", "bench/out/run.json", ".git/HEAD"):  # fmt: skip
         assert ignored(path, patterns), path
-    for path in ("pyproject.toml", "shardmesh/cli.py", "compose/healthcheck.py", "gateway/app.py"):
+    for path in ("pyproject.toml", "shardmesh_cli/main.py", "compose/healthcheck.py", "gateway/app.py"):
         assert not ignored(path, patterns), path
 
 

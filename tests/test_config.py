@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shardworker.config import ConfigError, ModelConfig
+from shardmesh.core.config import ConfigError, ModelConfig
 
 BASE = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

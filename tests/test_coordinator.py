@@ -18,20 +18,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator import placement
-from coordinator.membership import (
-    Device,
-    HeartbeatReport,
-    InvalidArgument,
-    Load,
-    Registration,
-    Registry,
-    UnknownWorker,
-)
 from coordinator.placement import WorkerView
-from coordinator.server import SERVICE_NAME
-from shardmesh import cli
+from coordinator.registry import Device, HeartbeatReport, InvalidArgument, Load, Registration, Registry, UnknownWorker
+from coordinator.servicer import SERVICE_NAME
+from shardmesh.core.topology import ModelSpec, Rendezvous, ServingLimits, ShardState, Topology, TopologyStore
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from shardmesh.topology import ModelSpec, Rendezvous, ServingLimits, ShardState, Topology, TopologyStore
+from shardmesh_cli import main as cli
 from tests.stack import ServiceProcess
 
 TINY_CONFIG = {

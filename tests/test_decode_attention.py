@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from shardworker.model import BatchLayout, KVCache, Segment, Transformer
-from shardworker.parallel import ShardSpec
-from shardworker.shard import build_shard
+from shardmesh.core.layout import ShardSpec
+from shardmesh.engine.loader import build_shard
+from shardmesh.engine.model import BatchLayout, KVCache, Segment, Transformer
 from tests.checkpoints import make_checkpoint
 
 PROMPTS = [[1, 5, 9, 4], [1, 7], [1, 3, 3, 8, 2, 6], [1, 11, 12], [1, 4, 4, 4, 4]]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardworker.model import BatchLayout, Segment
+from shardmesh.engine.model import BatchLayout, Segment
 from tests.checkpoints import FAMILIES, make_checkpoint, reference_greedy
 from tests.thread_mesh import run_mesh
 
@@ -67,7 +67,7 @@ def test_logits_match_transformers(checkpoints, family: str, pp: int, tp: int) -
 
 
 def test_uneven_split_is_exercised() -> None:
-    from shardworker.parallel import split_layers
+    from shardmesh.core.layout import split_layers
 
     assert split_layers(5, 3) == [(0, 2), (2, 4), (4, 5)]
 

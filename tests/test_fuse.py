@@ -1,4 +1,4 @@
-"""Stacked products (shardworker/fuse.py) compute what the separate ones did, with and without tensor
+"""Stacked products (shardmesh/engine/fuse.py) compute what the separate ones did, with and without tensor
 parallelism and biases; and every tensor operation of a worker runs on its one compute thread."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import pytest
 import structlog
 import torch
 
-from shardworker.cpu_linear import dense
-from shardworker.model import BatchLayout, Segment
-from shardworker.parallel import ShardSpec, UnboundGroup
-from shardworker.service import StageWorkerCore, StepRefused
-from shardworker.shard import build_shard
+from shardmesh.core.layout import ShardSpec
+from shardmesh.engine.groups import UnboundGroup
+from shardmesh.engine.linear import dense
+from shardmesh.engine.loader import build_shard
+from shardmesh.engine.model import BatchLayout, Segment
+from shardworker.runtime import StageWorkerCore, StepRefused
 from tests.checkpoints import make_checkpoint
 
 

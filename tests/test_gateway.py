@@ -22,16 +22,16 @@ import pytest
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.errors import InvalidArgument, ResourceExhausted, Unavailable
-from gateway.mesh import MeshView, ShardClient
+from gateway.fanout import MeshView, ShardClient
+from gateway.process import GatewayConfig, GatewayServer
 from gateway.requests import GenerateCall, ModelContext, PreparedRequest, Sampling, prepare
 from gateway.results import EndEvent, Event, FinishReason, RequestHandle, TokenEvent, is_last
 from gateway.scheduler import Scheduler, SchedulerConfig
-from gateway.server import SERVICE_NAME, GatewayConfig, GatewayServer
+from gateway.servicer import SERVICE_NAME
 from gateway.text import CompletionText
-from gateway.topology import MeshState, ModelFiles
-from shardmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
-from shardmesh.topology import (
+from gateway.watcher import MeshState, ModelFiles
+from shardmesh.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from shardmesh.core.topology import (
     Calibration,
     CalibrationStatus,
     ModelSpec,
@@ -42,6 +42,7 @@ from shardmesh.topology import (
     Stage,
     Topology,
 )
+from shardmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -19,9 +19,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.server import SERVICE_NAME, GatewayConfig, GatewayServer
-from gateway.topology import ModelFiles
-from shardmesh import cli
+from gateway.process import GatewayConfig, GatewayServer
+from gateway.servicer import SERVICE_NAME
+from gateway.watcher import ModelFiles
+from shardmesh.core.topology import Topology, TopologyStore
 from shardmesh.proto.v1 import (
     common_pb2,
     coordinator_pb2_grpc,
@@ -29,7 +30,7 @@ from shardmesh.proto.v1 import (
     gateway_pb2_grpc,
     worker_pb2_grpc,
 )
-from shardmesh.topology import Topology, TopologyStore
+from shardmesh_cli import main as cli
 from tests.stack import ServiceProcess
 from tests.test_gateway import WAIT_S, FakeMesh, FakeRpcError, FakeShard, LogLines, ids_of, write_tokenizer
 

@@ -22,7 +22,7 @@ from gguf.quants import dequantize, quantize
 
 from bench import llamacpp
 from bench.llamacpp import copy_metadata, f32_gguf, write_f32_gguf
-from shardmesh.pull import DEFAULT_MODEL, REGISTRY, locate_gguf
+from shardmesh.models.pull import DEFAULT_MODEL, REGISTRY, locate_gguf
 
 # name -> (numpy shape, stored type). Rows of Q4_1/Q8_0 are multiples of their 32-value block.
 TENSORS = {

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from shardworker.model import BatchLayout, KVCache, Segment
-from shardworker.parallel import ShardSpec
-from shardworker.shard import build_shard, check_shards
-from shardworker.weights import CheckpointError
+from shardmesh.core.layout import ShardSpec
+from shardmesh.engine.checkpoint import CheckpointError
+from shardmesh.engine.loader import build_shard, check_shards
+from shardmesh.engine.model import BatchLayout, KVCache, Segment
 from tests.checkpoints import make_checkpoint
 
 LAYERS = 4
@@ -113,7 +113,7 @@ def test_index_pointing_at_missing_file(ckpt: Path, tmp_path: Path) -> None:
 def test_bad_checkpoint_through_cli_is_one_line(ckpt: Path, tmp_path: Path) -> None:
     d = _copy_with(ckpt, tmp_path / "c", lambda t: t.pop("model.norm.weight"))
     r = subprocess.run(
-        [sys.executable, "-m", "shardmesh.cli", "generate", "--model", str(d), "--pp", "2", "--token-ids", "1,2",
+        [sys.executable, "-m", "shardmesh_cli", "generate", "--model", str(d), "--pp", "2", "--token-ids", "1,2",
          "--max-new-tokens", "2", "--json"], capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode != 0 and r.stdout == ""
@@ -126,8 +126,8 @@ BIG_LAYERS, HIDDEN, FFN, VOCAB = 4, 1024, 4096, 4096
 
 _MEASURE = """
 import json, sys
-from shardworker.parallel import ShardSpec
-from shardworker.shard import build_shard
+from shardmesh.core.layout import ShardSpec
+from shardmesh.engine.loader import build_shard
 
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))

@@ -14,16 +14,16 @@ import grpc
 import pytest
 import yaml
 
-from shardmesh import procs
-from shardmesh.cli import main
+from shardmesh.core.topology import Topology
+from shardmesh.engine.synthetic import write_checkpoint
 from shardmesh.planning import deploy
 from shardmesh.planning.manifest import SCHEMA_PATH, load_manifest, parse_manifest, schema_text
-from shardmesh.planning.synthetic import write_checkpoint
 from shardmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
 from shardmesh.proto.v1.coordinator_pb2 import GetTopologyRequest
 from shardmesh.proto.v1.coordinator_pb2_grpc import CoordinatorStub
-from shardmesh.topology import Topology
-from shardmesh.up import free_port
+from shardmesh.rpc import procs
+from shardmesh_cli.main import main
+from shardmesh_cli.up import free_port
 from tests.stack import ServiceProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +115,7 @@ def test_bad_manifest_is_one_line_per_error(case: str, tmp_path: Path, capsys: p
 def test_bad_manifest_through_a_real_process(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("model: {path: /m}\nparallelism: {tensor: -2}\n")
-    r = subprocess.run([sys.executable, "-m", "shardmesh.cli", "plan", "--manifest", str(path)],
+    r = subprocess.run([sys.executable, "-m", "shardmesh_cli", "plan", "--manifest", str(path)],
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
     assert r.stderr == f"error: {path}: parallelism.tensor: must be 'auto' or an integer >= 1, got -2\n"
@@ -171,7 +171,7 @@ def test_up_manifest_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert planned[0][1] - planned[0][0] > planned[1][1] - planned[1][0]  # the larger device holds more layers
     assert f"--layers {d.layers_flag()} --rank-nodes left,right" in shown
     logs = tmp_path / "logs"
-    proc = procs.spawn(["-m", "shardmesh.cli", "up", "--manifest", str(manifest), "--log-dir", str(logs)],
+    proc = procs.spawn(["-m", "shardmesh_cli", "up", "--manifest", str(manifest), "--log-dir", str(logs)],
                        env={**os.environ, "SHARDMESH_LOG_LEVEL": "info"}, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE)  # fmt: skip
     try:
@@ -232,7 +232,7 @@ def test_coordinator_manifest(tmp_path: Path) -> None:
         if not extra:
             bad.write_text("model: {path: tiny}\nplacement: {rebalance: sometimes}\n")
             message = "placement.rebalance: must be 'none' or 'by-speed', got 'sometimes'"
-        r = subprocess.run([sys.executable, "-m", "shardmesh.cli", "coordinator", "--manifest", str(bad), *extra],
+        r = subprocess.run([sys.executable, "-m", "shardmesh_cli", "coordinator", "--manifest", str(bad), *extra],
                            capture_output=True, text=True, timeout=60)  # fmt: skip
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 

@@ -19,9 +19,9 @@ import grpc
 import psutil
 import pytest
 
-from shardmesh import procs
 from shardmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2
-from shardmesh.up import free_port, wait_serving
+from shardmesh.rpc import procs
+from shardmesh_cli.up import free_port, wait_serving
 from tests.checkpoints import make_checkpoint, reference_greedy
 from tests.stack import Stack, worker_stubs
 
@@ -43,7 +43,7 @@ class Up:
     """`shardmesh up` as a child process; the gateway address is the first line it prints."""
 
     def __init__(self, model: Path, pp: int, tp: int, log_dir: Path, *extra: str) -> None:
-        args = ["-m", "shardmesh.cli", "up", "--model", str(model), "--pp", str(pp), "--tp", str(tp),
+        args = ["-m", "shardmesh_cli", "up", "--model", str(model), "--pp", str(pp), "--tp", str(tp),
                 "--log-dir", str(log_dir), *extra]  # fmt: skip
         self.proc = procs.spawn(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         line = self.proc.stdout.readline().decode().strip()
@@ -140,9 +140,9 @@ def test_bad_input_is_invalid_argument_naming_the_field(up: Up, request_pb, fiel
 
 def test_generate_cli_through_gateway_equals_offline(up: Up, model: Path) -> None:
     args = ["--token-ids", "1,17,5,42,33,8", "--max-new-tokens", "8", "--json"]
-    via = subprocess.run([sys.executable, "-m", "shardmesh.cli", "generate", "--gateway", up.address, *args],
+    via = subprocess.run([sys.executable, "-m", "shardmesh_cli", "generate", "--gateway", up.address, *args],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
-    offline = subprocess.run([sys.executable, "-m", "shardmesh.cli", "generate", "--model", str(model), *args],
+    offline = subprocess.run([sys.executable, "-m", "shardmesh_cli", "generate", "--model", str(model), *args],
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert via.returncode == 0 and offline.returncode == 0, via.stderr + offline.stderr
     a, b = json.loads(via.stdout), json.loads(offline.stdout)

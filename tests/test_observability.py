@@ -23,10 +23,10 @@ import grpc
 import psutil
 import pytest
 
-from shardmesh import telemetry
 from shardmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
-from shardmesh.top import Metrics, quantile
-from shardmesh.up import free_port, wait_serving
+from shardmesh.rpc import telemetry
+from shardmesh_cli.top import Metrics, quantile
+from shardmesh_cli.up import free_port, wait_serving
 from tests.checkpoints import make_checkpoint
 from tests.otlp import Collector, GrpcReceiver, HttpReceiver, Span, waterfall
 from tests.stack import Stack
@@ -259,7 +259,7 @@ def test_metrics_move_with_traffic_and_memory_matches_rss(mesh: Mesh) -> None:
 
 
 def test_top_once_renders_the_mesh(mesh: Mesh) -> None:
-    out = subprocess.run([sys.executable, "-m", "shardmesh.cli", "top", "--once", "--interval", "0.3", "--coordinator",
+    out = subprocess.run([sys.executable, "-m", "shardmesh_cli", "top", "--once", "--interval", "0.3", "--coordinator",
                           mesh.stack.coordinator, "--gateway-metrics", mesh.gateway_metrics],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -297,7 +297,7 @@ def test_export_config_follows_the_otel_variables() -> None:
 
 
 def test_tracing_off_means_no_observer_and_no_spans(tmp_path: Path) -> None:
-    from gateway.server import GatewayConfig, GatewayServer
+    from gateway.process import GatewayConfig, GatewayServer
     from tests.test_gateway import FakeSource
 
     assert telemetry.tracer() is None
@@ -360,7 +360,7 @@ def test_observability_overlay_is_valid_compose() -> None:
     )
     assert out.returncode == 0 and not out.stderr.strip(), out.stderr
     # The SHARDMESH_* variables it sets are flags of the services it sets them on.
-    from shardmesh.cli import build_parser
+    from shardmesh_cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices
     overlay = yaml.safe_load((root / "observability.compose.yaml").read_text())

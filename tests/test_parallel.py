@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardworker.config import ModelConfig
-from shardworker.cpu_linear import dense
-from shardworker.parallel import ShardSpec, UnboundGroup, shard_specs, split_layers
-from shardworker.shard import build_shard
-from shardworker.tp import HeadSplit, TensorParallelError, _vocab_range
+from shardmesh.core.config import ModelConfig
+from shardmesh.core.heads import HeadSplit, TensorParallelError
+from shardmesh.core.layout import ShardSpec, shard_specs, split_layers
+from shardmesh.engine.groups import UnboundGroup
+from shardmesh.engine.linear import dense
+from shardmesh.engine.loader import build_shard
+from shardmesh.engine.tp import _vocab_range
 from tests.checkpoints import make_checkpoint
 
 

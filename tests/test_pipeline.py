@@ -30,19 +30,19 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from gateway.errors import Unavailable
-from gateway.mesh import ShardClient, ShardFailure, StepCall
+from gateway.fanout import ShardClient, ShardFailure, StepCall
 from gateway.results import EndEvent, FinishReason
 from gateway.scheduler import Scheduler, SchedulerConfig
-from gateway.topology import ModelFiles
+from gateway.watcher import ModelFiles
+from shardmesh.core.config import ModelConfig
+from shardmesh.core.errors import Unavailable
+from shardmesh.core.layout import split_layers
+from shardmesh.core.topology import ModelSpec, Rendezvous, ServingLimits, ShardAssignment, ShardState, Stage, Topology
 from shardmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2
-from shardmesh.topology import ModelSpec, Rendezvous, ServingLimits, ShardAssignment, ShardState, Stage, Topology
-from shardmesh.up import free_port, wait_serving
-from shardworker.config import ModelConfig
+from shardmesh_cli.up import free_port, wait_serving
 from shardworker.ordering import StepOrder
-from shardworker.parallel import split_layers
-from shardworker.server import StageWorkerServicer
-from shardworker.service import StageWorkerCore
+from shardworker.runtime import StageWorkerCore
+from shardworker.servicer import StageWorkerServicer
 from tests.checkpoints import make_checkpoint, reference_greedy
 from tests.otlp import Collector, GrpcReceiver, Span
 from tests.stack import Stack

@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardmesh.cli import main
+from shardmesh.core.heads import HeadSplit, TensorParallelError
+from shardmesh.core.layout import ShardSpec, split_layers
+from shardmesh.engine.loader import build_shard
+from shardmesh.engine.synthetic import write_checkpoint
 from shardmesh.planning.devices import Device, describe_devices, make_devices, parse_devices
 from shardmesh.planning.memory import Limits, ModelInfo, RuntimeCosts, load_model, shard_memory
 from shardmesh.planning.planner import (
@@ -25,11 +28,8 @@ from shardmesh.planning.planner import (
     try_plan,
     valid_tp_degrees,
 )
-from shardmesh.planning.synthetic import write_checkpoint
 from shardmesh.planning.units import format_bytes, parse_bytes
-from shardworker.parallel import ShardSpec, split_layers
-from shardworker.shard import build_shard
-from shardworker.tp import HeadSplit, TensorParallelError
+from shardmesh_cli.main import main
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 GiB = 2**30

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from shardmesh.planning.calibrate import measure_runtime, measure_workers
+from bench.worker_memory import measure_runtime, measure_workers
+from shardmesh.engine.synthetic import write_checkpoint
 from shardmesh.planning.memory import Limits, load_model, shard_memory
-from shardmesh.planning.synthetic import write_checkpoint
 
 # 12 layers of 64 MiB plus a 32 MiB embedding and a 32 MiB head in float32: 832 MiB, so each of two
 # stages holds ~416 MiB of weights (more than the ~260 MiB a worker process costs) and 48 MiB of KV cache.
@@ -24,7 +24,7 @@ def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_estimates_match_measured_workers_within_10_percent(big_model: Path, tmp_path: Path) -> None:
-    # The process's fixed cost is measured here first, as `shardmesh.planning.calibrate` does for a
+    # The process's fixed cost is measured here first, as `bench.worker_memory` does for a
     # deployment: part of it is page-cache dependent (torch's shared libraries), so a constant measured
     # on another installation can be ~60 MiB off. Everything else comes from the model alone.
     (tmp_path / "calibrate").mkdir()

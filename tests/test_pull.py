@@ -1,4 +1,4 @@
-"""Tests for ``shardmesh.pull``: the GGUF -> HF directory conversion must be exact.
+"""Tests for ``shardmesh.models.pull``: the GGUF -> HF directory conversion must be exact.
 
 The reference is transformers' own GGUF loader (dev dependency only). Loading the GGUF through it
 takes ~20 s and ~1.2 GB, so it happens once per module.
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from shardmesh import pull as pull_mod
-from shardmesh.pull import DEFAULT_MODEL, REGISTRY, default_cache_dir, pull, unpermute_rope_rows
-from shardmesh.tokenizer import Tokenizer
+from shardmesh.models import pull as pull_mod
+from shardmesh.models.pull import DEFAULT_MODEL, REGISTRY, default_cache_dir, pull, unpermute_rope_rows
+from shardmesh.models.tokenizer import Tokenizer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

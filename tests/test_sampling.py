@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardworker.sampling import SamplingParams, sample
+from shardmesh.engine.sampling import SamplingParams, sample
 
 GREEDY = SamplingParams()
 

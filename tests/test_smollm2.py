@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from shardmesh import pull
-from shardmesh.tokenizer import Tokenizer
+from shardmesh.models import pull
+from shardmesh.models.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def test_pp2_greedy_equals_transformers(smollm2) -> None:
     del ref
 
     r = subprocess.run(
-        [sys.executable, "-m", "shardmesh.cli", "generate", "--model", str(smollm2), "--pp", "2", PROMPT,
+        [sys.executable, "-m", "shardmesh_cli", "generate", "--model", str(smollm2), "--pp", "2", PROMPT,
          "--max-new-tokens", str(n), "--json"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

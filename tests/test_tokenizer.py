@@ -1,7 +1,7 @@
-"""Tests for ``shardmesh.tokenizer``: it must tokenize and render chats exactly like transformers.
+"""Tests for ``shardmesh.models.tokenizer``: it must tokenize and render chats exactly like transformers.
 
 The reference is transformers' tokenizer built from the same GGUF (``gguf_file=``); ours runs on
-the ``tokenizer.json`` that ``shardmesh.pull`` wrote.
+the ``tokenizer.json`` that ``shardmesh.models.pull`` wrote.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from shardmesh import pull as pull_mod
-from shardmesh.pull import DEFAULT_MODEL, REGISTRY, pull
-from shardmesh.tokenizer import IncrementalDetokenizer, Tokenizer
+from shardmesh.models import pull as pull_mod
+from shardmesh.models.pull import DEFAULT_MODEL, REGISTRY, pull
+from shardmesh.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "Hello world",

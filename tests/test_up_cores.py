@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardmesh.up import TURNS_SPINCOUNT, CoreShare, share_cores
+from shardmesh_cli.up import TURNS_SPINCOUNT, CoreShare, share_cores
 
 
 def test_cpu_stages_take_turns_each_on_the_cores_of_its_rank() -> None:

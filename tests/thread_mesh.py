@@ -17,10 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardworker.config import ModelConfig
-from shardworker.engine import StageEngine
-from shardworker.parallel import Backend, form_groups, shard_specs
-from shardworker.shard import build_shard
+from shardmesh.core.config import ModelConfig
+from shardmesh.core.layout import shard_specs
+from shardmesh.engine.groups import Backend, form_groups
+from shardmesh.engine.loader import build_shard
+from shardmesh.engine.stage import StageEngine
 
 _prefixes = itertools.count()
 

@@ -58,7 +58,7 @@ def model_dir(m: Manifest, source: Path | None, resolve_name: bool = True) -> Pa
     if raw.is_dir():
         return raw
     if resolve_name:
-        from shardmesh import pull
+        from shardmesh.models import pull
 
         if m.model.path in pull.known_models():
             return pull.pull(m.model.path)

@@ -7,7 +7,7 @@ of the file (for editors and CI) is `schema()`, committed as ``compose/manifest.
 
 Tensor split dimensions: attention is split by **heads** (query heads, and kv heads or their
 replicas: q/k/v column-parallel, o_proj row-parallel) and the MLP by the **intermediate** dimension
-(gate/up column-parallel, down_proj row-parallel); these are the only ones `shardworker.tp` implements.
+(gate/up column-parallel, down_proj row-parallel); these are the only ones `shardmesh.engine.tp` implements.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ _INTERMEDIATE = "the intermediate dimension; gate/up column-parallel, down_proj 
 
 
 class TensorSplit(_Section):
-    """Which dimension tensor parallelism splits. Only what `shardworker.tp` implements is accepted."""
+    """Which dimension tensor parallelism splits. Only what `shardmesh.engine.tp` implements is accepted."""
 
     attention: Annotated[
         Literal["heads"],

@@ -4,7 +4,7 @@ Notation, per shard (stage `s` × tensor rank `r` of `tp`); `b` is the bytes of 
 (4 for float32, 2 for bfloat16 / float16), `n` the number of layers the stage holds:
 
   weights     = Σ numel(p) × b over the parameters of the shard's meta model, built by the same route
-                as `build_shard` (`shardworker.shard._meta_shard`: meta `Transformer` → `apply_tp`), so
+                as `build_shard` (`shardmesh.engine.loader.meta_shard`: meta `Transformer` → `apply_tp`), so
                 tensor-parallel slices, replicated kv heads, an uneven vocabulary split and untied /
                 tied heads count exactly as loaded. All decoder layers have the same shapes, so the
                 count is n × (one layer) + embedding (first stage) + norm and LM head (last stage).
@@ -24,8 +24,8 @@ Notation, per shard (stage `s` × tensor rank `r` of `tp`); `b` is the bytes of 
   load        = the transient of loading, on top of the weights:
                 cpu:  max(2 × S × c, M × b). Reading holds one tensor at a time twice: its mapped file
                       pages and the slice safetensors returns (S = the shard's largest tensor slice in
-                      elements, c = bytes of the checkpoint's dtype; `shardworker.weights._read_one`).
-                      Then `build_shard` re-stores every matrix input-major (`shardworker.shard.
+                      elements, c = bytes of the checkpoint's dtype; `shardmesh.engine.checkpoint._read_one`).
+                      Then `build_shard` re-stores every matrix input-major (`shardmesh.engine.loader.
                       _input_major`), one at a time, each original freed as its copy replaces it:
                       M = elements of the shard's largest 2-D parameter but the embedding.
                 cuda: S × c (slices are read on the host; at most one is staged on the device).
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardworker.config import ModelConfig
+from shardmesh.core.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _HF_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
@@ -55,7 +55,7 @@ _HF_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", 
 # 2-layer Llama (hidden 64; 0.35-0.41 MiB of tensors) under a real coordinator, pp=2, tp=1 (and 2),
 # OMP_NUM_THREADS=1, CPU, torch 2.13: python, torch, gRPC, the shardworker modules, the gRPC server and
 # its threads, the Gloo groups, after one step. Measured as VmHWM in /proc/PID/status of each worker
-# minus its tensors, by `python -m shardmesh.planning.calibrate`. It depends on the page cache: ~60 MiB
+# minus its tensors, by `python -m bench.worker_memory`. It depends on the page cache: ~60 MiB
 # of it are file-backed pages of torch's shared libraries, and a freshly installed venv maps more of
 # them per fault (321.8 MiB on this 2-core machine, as CI sees it) than one whose files were read
 # before (257.7 MiB, same machine and packages). The planner keeps the fresh-install figure, the
@@ -173,14 +173,15 @@ def weight_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
     Two one-layer meta models suffice: the first layer (with the embedding) and the last (with the
     final norm and LM head); a one-layer model is both.
     """
-    from shardworker.parallel import ShardSpec, UnboundGroup
-    from shardworker.shard import _meta_shard
+    from shardmesh.core.layout import ShardSpec
+    from shardmesh.engine.groups import UnboundGroup
+    from shardmesh.engine.loader import meta_shard
 
     sizes: dict[str, list[tuple[int, int]]] = {"embedding": [], "layer": [], "head": []}  # (numel, ndim)
     last = cfg.num_layers - 1
     for start in sorted({0, last}):
         spec = ShardSpec(start, start + 1, cfg.num_layers, rank, tp)
-        model, _ = _meta_shard(cfg, spec, UnboundGroup(rank, tp), None)
+        model, _ = meta_shard(cfg, spec, UnboundGroup(rank, tp), None)
         for name, p in model.named_parameters():
             if name.startswith("model.embed_tokens."):
                 sizes["embedding"].append((p.numel(), 0))  # lookups keep their row-major layout
@@ -229,7 +230,7 @@ def stage_memory(
 ) -> ShardMemory:
     """`shard_memory` by position: `n` layers (any n >= 1, even more than the model has, for capacity
     searches), plus the embedding when `first` and the final norm and LM head when `last`."""
-    from shardworker.tp import HeadSplit
+    from shardmesh.core.heads import HeadSplit
 
     cfg, b = model.cfg, DTYPE_BYTES[dtype]
     parts = weight_parts(cfg, tp, rank)
@@ -264,7 +265,7 @@ def load_model(path: str | Path, default_dtype: str = "bfloat16") -> ModelInfo:
     coordinator does before serving) and the stored dtype is read from the headers; without, the
     stored dtype is config.json's `torch_dtype`, else `default_dtype`.
     """
-    from shardworker.weights import INDEX_FILE, SINGLE_FILE, Checkpoint
+    from shardmesh.engine.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 
     d = Path(path).expanduser()
     if d.is_file() and d.name.endswith(".json"):
@@ -274,8 +275,8 @@ def load_model(path: str | Path, default_dtype: str = "bfloat16") -> ModelInfo:
     name = str(raw.get("_name_or_path") or d.name)
     if not ((d / SINGLE_FILE).is_file() or (d / INDEX_FILE).is_file()):
         return ModelInfo(cfg, name, d, _config_dtype(raw, default_dtype), has_weights=False)
-    from shardworker.parallel import shard_specs
-    from shardworker.shard import check_shards
+    from shardmesh.core.layout import shard_specs
+    from shardmesh.engine.loader import check_shards
 
     ckpt: Checkpoint = check_shards(d, shard_specs(cfg.num_layers, 1, 1), cfg)
     stored = max(ckpt.tensors.values(), key=lambda t: t.nbytes).dtype if ckpt.tensors else "F32"

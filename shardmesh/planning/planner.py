@@ -15,7 +15,7 @@ MLP width, divides or is a multiple of the kv heads; capped by `PlanOptions.tp` 
 4. **Split.** Layers are shared in proportion to each stage's free memory (balance "memory": the
    tightest rank's memory less the reserve and the stage's fixed costs, `free_memory`) or to its speed
    (the slowest rank's; balance "speed"), by
-   `shardworker.parallel.split_layers`; if that leaves a stage over its capacity, by
+   `shardmesh.engine.groups.split_layers`; if that leaves a stage over its capacity, by
    `capped_split` (proportional shares clipped at each capacity, the rest shared among the others).
 
 Among the layouts that fit, the plan uses the most devices, then the fewest pipeline stages (each stage
@@ -30,6 +30,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from shardmesh.core.config import ModelConfig
+from shardmesh.core.layout import layer_ranges, split_layers
 from shardmesh.planning.devices import DEFAULT_NODE, Device, compact_bytes, describe_devices, nodes_of
 from shardmesh.planning.memory import (
     DTYPE_BYTES,
@@ -41,8 +43,6 @@ from shardmesh.planning.memory import (
     stage_memory,
 )
 from shardmesh.planning.units import format_bytes
-from shardworker.config import ModelConfig
-from shardworker.parallel import layer_ranges, split_layers
 
 BALANCES = ("memory", "speed")
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from coordinator import placement
+from shardmesh.core.layout import split_layers
+from shardmesh.core.topology import Calibration, ModelSpec, ServingLimits, ShardState, Topology, TopologyStore
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2
-from shardmesh.topology import Calibration, ModelSpec, ServingLimits, ShardState, Topology, TopologyStore
-from shardworker.parallel import split_layers
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9._/-]{1,63}")

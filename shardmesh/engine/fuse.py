@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardworker.cpu_linear import Linear
-from shardworker.model import Transformer
+from shardmesh.engine.linear import Linear
+from shardmesh.engine.model import Transformer
 
 
 def fuse_projections(model: Transformer) -> int:

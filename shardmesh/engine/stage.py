@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from shardworker.model import BatchLayout, KVCache, Transformer
-from shardworker.parallel import ShardGroups
+from shardmesh.engine.groups import ShardGroups
+from shardmesh.engine.model import BatchLayout, KVCache, Transformer
 
 
 class StageEngine:

@@ -19,30 +19,26 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2
 
-from gateway.errors import Cancelled, GatewayError, Internal, InvalidArgument, ResourceExhausted, Unavailable
-from gateway.observe import DEFAULT_TRACE_DECODE_STEPS, GatewayMetrics, GatewayObserver, RequestTrace
+from gateway.observe import GatewayObserver, RequestTrace
 from gateway.requests import GenerateCall, GenerateParams, PromptInput, prepare, request_id_of
 from gateway.results import EndEvent, Event, FinishReason, RequestHandle, Summary, TokenEvent, is_last
-from gateway.scheduler import Scheduler, SchedulerConfig
-from gateway.topology import MeshSource, TopologyWatcher
-from shardmesh import rpc, telemetry
+from gateway.scheduler import Scheduler
+from shardmesh.core.errors import Cancelled, Internal, InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from shardmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from shardmesh.rpc import telemetry
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name  # "shardmesh.v1.Gateway"
 EVENT_POLL_S = 1.0  # how often a waiting RPC checks that the scheduler is still alive
 
-_STATUS: dict[type[GatewayError], grpc.StatusCode] = {
+_STATUS: dict[type[MeshError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -56,30 +52,8 @@ _FINISH = {
 }
 
 
-def status_for(error: GatewayError) -> grpc.StatusCode:
+def status_for(error: MeshError) -> grpc.StatusCode:
     return next((code for cls, code in _STATUS.items() if isinstance(error, cls)), grpc.StatusCode.INTERNAL)
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    listen: str  # host:port for gRPC; port 0 picks a free one
-    coordinator: str  # host:port of the coordinator
-    max_queue: int = 256
-    max_message_bytes: int = 64 * 1024 * 1024
-    default_max_new_tokens: int = 256
-    step_timeout: float = 120.0
-    pipeline_depth: int = 0  # steps in flight at once; 0: one per pipeline stage
-    shutdown_grace: float = 5.0
-    model_dir: str | None = None  # where this gateway reads the tokenizer; default: the topology's model path
-    metrics_port: int = 0  # 0: no metrics endpoint
-    otlp_endpoint: str | None = None  # tracing is set up by the process (`app.run`); this is for the log line
-    trace_decode_steps: int = DEFAULT_TRACE_DECODE_STEPS  # decode steps traced per request; later ones aggregated
-
-    @property
-    def thread_pool_size(self) -> int:
-        """Every request holds a server thread while it waits or runs; threads are created on
-        demand, so the bound only has to exceed queue + KV slots."""
-        return self.max_queue + 1024
 
 
 def _summary_pb(summary: Summary) -> gateway_pb2.StreamSummary:
@@ -136,7 +110,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if refusal is not None:
                     raise refusal
                 yield _Call(request_id, trace_id, trace)
-            except GatewayError as e:
+            except MeshError as e:
                 code = status_for(e)
                 error, code_name = e, code.name
                 self._log.warning("request_failed", code=code.name, error=str(e))
@@ -228,86 +202,3 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             has_chat_template=bool(model and model.tokenizer is not None and model.tokenizer.chat_template),
             max_context=topology.limits.max_context,
         )  # fmt: skip
-
-
-class GatewayServer:
-    """The running gateway: `start()`, then `stop()` (from the main thread on a signal)."""
-
-    def __init__(self, cfg: GatewayConfig, logger: Any, mesh_source: MeshSource | None = None) -> None:
-        self.cfg = cfg
-        self._log = logger
-        tracer = telemetry.tracer()  # None unless the process set up tracing
-        observer = None
-        if tracer is not None or cfg.metrics_port:
-            observer = GatewayObserver(tracer, None, cfg.trace_decode_steps)
-        self.observer = observer
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_queue=cfg.max_queue, default_max_new_tokens=cfg.default_max_new_tokens,
-                            step_timeout=cfg.step_timeout, pipeline_depth=cfg.pipeline_depth),
-            logger, observer=observer,
-        )  # fmt: skip
-        if observer is not None and cfg.metrics_port:
-            observer.metrics = GatewayMetrics(self.scheduler.load)
-        self._metrics_server: Any = None
-        self.metrics_port = 0
-        self.mesh_source: MeshSource = mesh_source or TopologyWatcher(
-            cfg.coordinator, logger=logger, max_message_bytes=cfg.max_message_bytes, model_dir=cfg.model_dir
-        )
-        self._health = health.HealthServicer(
-            experimental_non_blocking=True, experimental_thread_pool=futures.ThreadPoolExecutor(max_workers=2)
-        )
-        self._health_lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._server: grpc.Server | None = None
-        self.port = 0
-
-    def start(self) -> None:
-        cfg = self.cfg
-        server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size)
-        servicer = GatewayServicer(self.scheduler, self._log, self.observer)
-        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-        self.port = rpc.bind(server, cfg.listen)
-        if self.observer is not None and self.observer.metrics is not None:
-            self._metrics_server = telemetry.serve_metrics(
-                self.observer.metrics.registry, cfg.listen.rpartition(":")[0].strip("[]"), cfg.metrics_port
-            )
-            self.metrics_port = self._metrics_server.server_port
-        self._set_health(False)
-        self.scheduler.add_ready_listener(self._set_health)
-        self.scheduler.start()
-        self.mesh_source.subscribe(self.scheduler.update_mesh)
-        self.mesh_source.start()
-        server.start()
-        self._server = server
-        host = cfg.listen.rpartition(":")[0]
-        self._log.info("listening", address=f"{host}:{self.port}", port=self.port, coordinator=cfg.coordinator,
-                       max_queue=cfg.max_queue, max_message_bytes=cfg.max_message_bytes,
-                       pipeline_depth=cfg.pipeline_depth or "one per stage", metrics_port=self.metrics_port or "off",
-                       **telemetry.describe_tracing(cfg.otlp_endpoint))  # fmt: skip
-
-    def _set_health(self, ready: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        with self._health_lock:
-            if self._stopping.is_set():
-                return
-            for service in ("", SERVICE_NAME):
-                self._health.set(service, status)
-
-    def stop(self, grace: float | None = None) -> None:
-        """NOT_SERVING and refuse new RPCs at once; running requests get `grace` seconds to finish,
-        then are cancelled (and released on every shard); exits within a few seconds after that."""
-        grace = self.cfg.shutdown_grace if grace is None else grace
-        with self._health_lock:
-            if self._stopping.is_set():
-                return
-            self._stopping.set()
-            self._health.enter_graceful_shutdown()
-        self._log.info("shutdown_started", grace_s=grace)
-        stopped = self._server.stop(grace + 2.0) if self._server is not None else None
-        self.scheduler.shutdown(grace)
-        self.mesh_source.stop()
-        if stopped is not None:
-            stopped.wait(grace + 3.0)
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-        self._log.info("shutdown_complete")

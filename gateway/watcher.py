@@ -18,12 +18,12 @@ from typing import Any, Protocol
 
 import grpc
 
+from gateway.fanout import MeshView, ShardClient
 from gateway.links import WorkerLinks
-from gateway.mesh import MeshView, ShardClient
 from gateway.stream import ReopeningStream
-from shardmesh import rpc
+from shardmesh.core.topology import ShardState, Topology
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
-from shardmesh.topology import ShardState, Topology
+from shardmesh.rpc import server as rpc
 
 
 @dataclass(frozen=True)
@@ -31,14 +31,14 @@ class ModelFiles:
     """The gateway's own reading of the model directory: tokenizer and end-of-sequence ids."""
 
     path: str
-    tokenizer: Any | None  # shardmesh.tokenizer.Tokenizer
+    tokenizer: Any | None  # shardmesh.models.tokenizer.Tokenizer
     eos_token_ids: frozenset[int]
     problem: str = ""  # why the tokenizer or eos ids are missing, for logs
 
     @classmethod
     def load(cls, path: str) -> ModelFiles:
         """Never raises: a gateway without a tokenizer still serves token ids (and says so in logs)."""
-        from shardmesh.tokenizer import Tokenizer
+        from shardmesh.models.tokenizer import Tokenizer
 
         try:
             tokenizer = Tokenizer.from_dir(path)
@@ -51,7 +51,7 @@ class ModelFiles:
 
 
 def _config_eos_ids(path: str) -> frozenset[int]:
-    from shardworker.config import ModelConfig
+    from shardmesh.core.config import ModelConfig
 
     try:
         return frozenset(ModelConfig.from_dir(path).eos_token_ids)

@@ -14,57 +14,16 @@ partial results are all-reduced; the LM head computes its share of logits and th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shardworker.config import ModelConfig
-from shardworker.cpu_linear import linear
-from shardworker.model import Attention, Transformer
-from shardworker.parallel import Collective
+from shardmesh.core.heads import HeadSplit, TensorParallelError
+from shardmesh.engine.groups import Collective
+from shardmesh.engine.linear import linear
+from shardmesh.engine.model import Attention, Transformer
 
 Index = tuple[slice, ...]
-
-
-class TensorParallelError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class HeadSplit:
-    """Which query and key/value heads rank `rank` of `size` owns."""
-
-    q_start: int
-    q_count: int
-    kv_start: int
-    kv_count: int
-
-    @classmethod
-    def of(cls, cfg: ModelConfig, rank: int, size: int) -> HeadSplit:
-        h, kv = cfg.num_heads, cfg.num_kv_heads
-        if h % size:
-            raise TensorParallelError(
-                f"tensor parallel degree {size} must divide num_attention_heads={h}; "
-                f"valid degrees: {[d for d in range(1, h + 1) if h % d == 0 and _kv_ok(kv, d)]}"
-            )
-        if not _kv_ok(kv, size):
-            raise TensorParallelError(
-                f"tensor parallel degree {size} does not fit num_key_value_heads={kv}: it must divide it "
-                f"or be a multiple of it"
-            )
-        q_count = h // size
-        if size <= kv:
-            kv_count = kv // size
-            return cls(rank * q_count, q_count, rank * kv_count, kv_count)
-        # More ranks than kv heads: each kv head is replicated on the size // kv ranks whose query
-        # heads read it (query head i reads kv head i // (h // kv)).
-        return cls(rank * q_count, q_count, (rank * q_count) // (h // kv), 1)
-
-
-def _kv_ok(kv: int, size: int) -> bool:
-    return kv % size == 0 if size <= kv else size % kv == 0
 
 
 def _rows(start: int, count: int, ndim: int) -> Index:

@@ -37,7 +37,7 @@ class ShardState(enum.Enum):
         return cls[name.removeprefix("SHARD_STATE_")]
 
 
-DTYPES = ("float32", "bfloat16", "float16")  # the names `shardworker.shard.parse_dtype` takes
+DTYPES = ("float32", "bfloat16", "float16")  # the names `shardmesh.engine.loader.parse_dtype` takes
 
 
 def dtype_to_pb(name: str) -> common_pb2.DType.ValueType:

@@ -7,13 +7,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardworker.config import ModelConfig
-from shardworker.cpu_linear import can_pack, pack_weights
-from shardworker.fuse import fuse_projections
-from shardworker.model import Transformer
-from shardworker.parallel import Collective, ShardSpec, UnboundGroup
-from shardworker.tp import VocabParallelEmbedding, apply_tp, checkpoint_index
-from shardworker.weights import Checkpoint, TensorRead, read_tensors
+from shardmesh.core.config import ModelConfig
+from shardmesh.core.layout import ShardSpec
+from shardmesh.engine.checkpoint import Checkpoint, TensorRead, read_tensors
+from shardmesh.engine.fuse import fuse_projections
+from shardmesh.engine.groups import Collective, UnboundGroup
+from shardmesh.engine.linear import can_pack, pack_weights
+from shardmesh.engine.model import Transformer
+from shardmesh.engine.tp import VocabParallelEmbedding, apply_tp, checkpoint_index
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,7 +40,7 @@ def plan_reads(model: nn.Module, full_shapes: dict[str, tuple[int, ...]], cfg: M
     ]
 
 
-def _meta_shard(
+def meta_shard(
     cfg: ModelConfig, spec: ShardSpec, tp: Collective, max_len: int | None
 ) -> tuple[Transformer, list[TensorRead]]:
     """The shard's model on the meta device (no memory) and the checkpoint reads that will fill it."""
@@ -58,7 +59,7 @@ def check_shards(model_dir: str | Path, specs: list[ShardSpec], cfg: ModelConfig
     cfg = cfg or ModelConfig.from_dir(model_dir)
     ckpt = Checkpoint(model_dir)
     for spec in specs:
-        _, reads = _meta_shard(cfg, spec, UnboundGroup(spec.tp_rank, spec.tp_size), None)
+        _, reads = meta_shard(cfg, spec, UnboundGroup(spec.tp_rank, spec.tp_size), None)
         ckpt.check(reads)
     return ckpt
 
@@ -94,7 +95,7 @@ def build_shard(
     """Load layers `spec.layers` (and tensor slice `spec.tp_rank`) of the checkpoint in `model_dir`.
 
     `fuse=False` keeps q/k/v and gate/up as separate products under their checkpoint names (for tests
-    that compare loaded tensors by name); serving fuses them (`shardworker/fuse.py`)."""
+    that compare loaded tensors by name); serving fuses them (`shardmesh/engine/fuse.py`)."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
     if spec.num_layers != cfg.num_layers:
         raise ValueError(f"shard spec says {spec.num_layers} layers but config.json has {cfg.num_layers}")
@@ -102,7 +103,7 @@ def build_shard(
     if tp.size != spec.tp_size or tp.rank != spec.tp_rank:
         raise ValueError(f"group is rank {tp.rank} of {tp.size} but the spec says {spec.tp_rank} of {spec.tp_size}")
     ckpt = Checkpoint(model_dir)
-    model, reads = _meta_shard(cfg, spec, tp, max_len)
+    model, reads = meta_shard(cfg, spec, tp, max_len)
     tensors = read_tensors(ckpt, reads, dtype, device, progress)
     model.load_state_dict(tensors, strict=True, assign=True)
     del tensors  # the model holds them now; no second reference may outlive `_input_major`'s copies

@@ -23,7 +23,7 @@ from subprocess import Popen
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardmesh import procs
+from shardmesh.rpc import procs
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -117,7 +117,7 @@ class LocalMesh:
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Popen:
         f = (self.log_dir / f"{name}.log").open("ab")
         self._files.append(f)
-        p = procs.spawn(["-m", "shardmesh.cli", *args], env=env, stderr=f, stdout=f)
+        p = procs.spawn(["-m", "shardmesh_cli", *args], env=env, stderr=f, stdout=f)
         self.commands[name] = (args, env)
         self.children = [(n, c) for n, c in self.children if n != name] + [(name, p)]
         return p
@@ -200,7 +200,7 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
 
 def _balance_summary(coordinator: str) -> str:
     """One line on the balance check the mesh passed before serving (details: `shardmesh status`)."""
-    from shardmesh.status import fetch
+    from shardmesh_cli.status import fetch
 
     try:
         c = fetch(coordinator, 5.0).calibration

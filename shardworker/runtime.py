@@ -21,17 +21,18 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardmesh.topology import Rendezvous, ServingLimits, ShardState, Topology
+from shardmesh.core.config import ModelConfig
+from shardmesh.core.layout import ShardSpec
+from shardmesh.core.topology import Rendezvous, ServingLimits, ShardState, Topology
+from shardmesh.engine.groups import Backend, ShardGroups, form_groups
+from shardmesh.engine.loader import build_shard, parse_dtype
+from shardmesh.engine.model import BatchLayout, Segment, Transformer
+from shardmesh.engine.sampling import SamplingParams, sample
+from shardmesh.engine.stage import StageEngine
+from shardmesh.engine.timing import calibrate_shard
+from shardmesh.engine.tp import bind_group
 from shardworker import heap
-from shardworker.calibrate import calibrate_shard
-from shardworker.config import ModelConfig
-from shardworker.engine import StageEngine
-from shardworker.model import BatchLayout, Segment, Transformer
 from shardworker.ordering import OrderError, StepOrder
-from shardworker.parallel import Backend, ShardGroups, ShardSpec, form_groups
-from shardworker.sampling import SamplingParams, sample
-from shardworker.shard import build_shard, parse_dtype
-from shardworker.tp import bind_group
 
 R = TypeVar("R")
 
@@ -401,7 +402,7 @@ class StageWorkerCore:
     def calibrate(
         self, topology_version: int, decode_batch: int, prefill_tokens: int, iterations: int
     ) -> dict[str, Any]:
-        """Time this shard's passes for the coordinator's balance check (`shardworker.calibrate`)."""
+        """Time this shard's passes for the coordinator's balance check (`shardmesh.engine.timing`)."""
         with self._lock:
             return self._on_compute(self._calibrate, topology_version, decode_batch, prefill_tokens, iterations)
 

@@ -99,7 +99,7 @@ def scrape(address: str, timeout: float) -> Metrics | str:
 class Snapshot:
     at: float  # monotonic
     wall: float
-    topology: Any = None  # shardmesh.topology.Topology
+    topology: Any = None  # shardmesh.core.topology.Topology
     error: str = ""
     workers: dict[str, Metrics | str] = field(default_factory=dict)
     gateway: Metrics | str | None = None
@@ -108,8 +108,8 @@ class Snapshot:
 def collect(coordinator: str, gateway_metrics: str | None, timeout: float) -> Snapshot:
     import grpc
 
+    from shardmesh.core.topology import Topology
     from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
-    from shardmesh.topology import Topology
 
     snap = Snapshot(time.monotonic(), time.time())
     try:
@@ -119,7 +119,7 @@ def collect(coordinator: str, gateway_metrics: str | None, timeout: float) -> Sn
     except grpc.RpcError as e:
         snap.error = f"coordinator {coordinator}: {e.code().name}: {e.details()}"
     if snap.topology is not None:
-        from shardmesh.telemetry import METRICS_LABEL
+        from shardmesh.rpc.telemetry import METRICS_LABEL
 
         for _, shard in snap.topology.shards():
             if shard.vacant:

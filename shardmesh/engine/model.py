@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shardworker.config import ModelConfig, RopeScaling
-from shardworker.cpu_linear import Linear
+from shardmesh.core.config import ModelConfig, RopeScaling
+from shardmesh.engine.linear import Linear
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,18 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from shardworker.config import ModelConfig
+from shardmesh.core.config import ModelConfig
 
 _SAFETENSORS_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2)}
 
 
 def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor a full model reads, with its shape (a tied head reads the embedding)."""
-    from shardworker.parallel import ShardSpec, UnboundGroup
-    from shardworker.shard import _meta_shard
+    from shardmesh.core.layout import ShardSpec
+    from shardmesh.engine.groups import UnboundGroup
+    from shardmesh.engine.loader import meta_shard
 
-    _, reads = _meta_shard(cfg, ShardSpec(0, cfg.num_layers, cfg.num_layers), UnboundGroup(0, 1), None)
+    _, reads = meta_shard(cfg, ShardSpec(0, cfg.num_layers, cfg.num_layers), UnboundGroup(0, 1), None)
     return {r.source: r.full_shape for r in reads}
 
 

@@ -23,7 +23,7 @@ import psutil
 import torch
 from torch import Tensor
 
-from shardworker.model import BatchLayout, KVCache, Segment, Transformer
+from shardmesh.engine.model import BatchLayout, KVCache, Segment, Transformer
 
 
 @dataclass(frozen=True)

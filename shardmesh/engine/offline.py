@@ -22,13 +22,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardmesh import log, procs
-from shardworker.config import ModelConfig
-from shardworker.engine import StageEngine
-from shardworker.model import BatchLayout, Segment
-from shardworker.parallel import Backend, GroupCollective, form_groups, shard_specs
-from shardworker.sampling import SamplingParams, sample
-from shardworker.shard import build_shard, check_shards, parse_dtype
+from shardmesh.core.config import ModelConfig
+from shardmesh.core.layout import shard_specs
+from shardmesh.engine.groups import Backend, GroupCollective, form_groups
+from shardmesh.engine.loader import build_shard, check_shards, parse_dtype
+from shardmesh.engine.model import BatchLayout, Segment
+from shardmesh.engine.sampling import SamplingParams, sample
+from shardmesh.engine.stage import StageEngine
+from shardmesh.rpc import log, procs
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def generate_local(
                 for rank in range(world):
                     logs.append(Path(tmp) / f"rank{rank}.log")
                     args = [
-                        "-m", "shardworker.offline", "--model", str(model_dir), "--pp", str(pp), "--tp", str(tp),
+                        "-m", "shardmesh.engine.offline", "--model", str(model_dir), "--pp", str(pp), "--tp", str(tp),
                         "--rank", str(rank), "--store-port", str(store.port), "--request", str(req_file),
                         "--result", str(result_file), "--dtype", dtype, "--device", device,
                     ]  # fmt: skip

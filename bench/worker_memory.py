@@ -1,7 +1,7 @@
 """Measure what real stage workers hold: start a coordinator and pp × tp `shardmesh worker` processes,
 run one full step, read each worker's peak and current resident set from /proc/PID/status.
 
-`python -m shardmesh.planning.calibrate` measures the fixed cost of a worker process (a 2-layer model
+`python -m bench.worker_memory` measures the fixed cost of a worker process (a 2-layer model
 of 0.2 MB) and prints the constants `memory.py` stores; the memory-model test uses `measure_workers`
 on a checkpoint big enough that weights dominate.
 """
@@ -48,10 +48,10 @@ def measure_workers(
     """Start the services, wait for a complete topology, run one step on every shard, measure, stop."""
     import grpc
 
-    from shardmesh import procs
+    from shardmesh.core.topology import Topology
     from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
-    from shardmesh.topology import Topology
-    from shardmesh.up import free_port, wait_serving
+    from shardmesh.rpc import procs
+    from shardmesh_cli.up import free_port, wait_serving
 
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="shardmesh-calibrate-"))
     address = f"127.0.0.1:{free_port()}"
@@ -61,7 +61,7 @@ def measure_workers(
     def spawn(name: str, *args: str) -> None:
         f = (log_dir / f"{name}.log").open("ab")
         files.append(f)
-        children.append((name, procs.spawn(["-m", "shardmesh.cli", *args], env=env, stdout=f, stderr=f)))
+        children.append((name, procs.spawn(["-m", "shardmesh_cli", *args], env=env, stdout=f, stderr=f)))
 
     try:
         spawn("coordinator", "coordinator", "--listen", address, "--model", str(model_dir), "--pp", str(pp),
@@ -120,8 +120,8 @@ def measure_runtime(log_dir: Path | None = None) -> tuple[RuntimeCosts, list[str
     of those a process maps depends on the page cache (on one machine: 258 MiB in a venv whose files had
     been read before, 322 MiB in a freshly installed one). Returns the costs and a line per stage.
     """
+    from shardmesh.engine.synthetic import write_checkpoint
     from shardmesh.planning.memory import load_model, shard_memory
-    from shardmesh.planning.synthetic import write_checkpoint
 
     limits = Limits(2, 64, 8)
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,9 +15,9 @@ from typing import Any
 
 import grpc
 
+from shardmesh.core.topology import CalibrationStatus, Topology
 from shardmesh.planning.units import format_bytes
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
-from shardmesh.topology import CalibrationStatus, Topology
 
 EXIT_SERVING, EXIT_NOT_SERVING, EXIT_UNREACHABLE = 0, 1, 2
 

@@ -1,0 +1,306 @@
+"""The `shardmesh` command: one entry point for every service and tool, configured by flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, no traceback."""
+
+
+def resolve_model(arg: str) -> Path:
+    """A model directory, or the name of a model `shardmesh model pull` knows (pulled on first use)."""
+    path = Path(arg).expanduser()
+    if path.is_dir():
+        return path
+    from shardmesh.models import pull
+
+    if arg in pull.known_models():
+        return pull.pull(arg)
+    raise UsageError(
+        f"--model: {arg!r} is neither a directory nor a known model name ({', '.join(pull.known_models())})"
+    )
+
+
+def _parse_token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UsageError(f"--token-ids: expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UsageError("--token-ids: at least one token id is needed")
+    return ids
+
+
+def _prompt_ids(args: argparse.Namespace, model_dir: Path, vocab_size: int) -> tuple[list[int], Any]:
+    from shardmesh.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    if args.token_ids is not None:
+        if args.prompt:
+            raise UsageError("give either a PROMPT or --token-ids, not both")
+        ids = _parse_token_ids(args.token_ids)
+    else:
+        if not args.prompt:
+            raise UsageError("a PROMPT or --token-ids is required")
+        if tokenizer is None:
+            raise UsageError(f"{model_dir} has no tokenizer.json: pass --token-ids instead of a PROMPT")
+        if tokenizer.chat_template and not args.raw:
+            ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+        else:
+            ids = tokenizer.encode(args.prompt, add_special_tokens=True)
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise UsageError(f"--token-ids: {bad} outside the vocabulary [0, {vocab_size})")
+    return ids, tokenizer
+
+
+def _generate_via_gateway(args: argparse.Namespace) -> int:
+    """`generate --gateway ADDR`: the same request and output, served by a running gateway."""
+    from gateway import client
+
+    token_ids = None
+    if args.token_ids is not None:
+        if args.prompt:
+            raise UsageError("give either a PROMPT or --token-ids, not both")
+        token_ids = _parse_token_ids(args.token_ids)
+    elif not args.prompt:
+        raise UsageError("a PROMPT or --token-ids is required")
+    return client.generate(args, token_ids)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.max_new_tokens <= 0:
+        raise UsageError(f"--max-new-tokens: must be > 0, got {args.max_new_tokens}")
+    if args.gateway:  # before the torch imports below: the client needs none of them
+        return _generate_via_gateway(args)
+
+    from shardmesh.core.config import ModelConfig
+    from shardmesh.engine.offline import OfflineRequest, generate_local
+    from shardmesh.engine.sampling import SamplingParams
+
+    if args.model is None:
+        raise UsageError("--model is required (or --gateway ADDR to use a running gateway)")
+    if args.stop:
+        raise UsageError("--stop: stop strings need --gateway")
+    model_dir = resolve_model(args.model)
+    cfg = ModelConfig.from_dir(model_dir)
+    ids, tokenizer = _prompt_ids(args, model_dir, cfg.vocab_size)
+    try:
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    except ValueError as e:
+        raise UsageError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None
+    stop_ids = tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else cfg.eos_token_ids
+    request = OfflineRequest(ids, args.max_new_tokens, sampling, stop_ids)
+    result = generate_local(model_dir, request, args.pp, args.tp, args.dtype, args.device)
+    text = tokenizer.decode(result.token_ids) if tokenizer is not None else ""
+    if args.json:
+        out = {"token_ids": result.token_ids, "logprobs": result.logprobs, "text": text,
+               "finish_reason": result.finish_reason}  # fmt: skip
+        print(json.dumps(out))
+    else:
+        print(text if tokenizer is not None else " ".join(map(str, result.token_ids)))
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from shardmesh_cli import up
+
+    # --- up --manifest: the manifest sets model, parallelism, limits and addresses (shardmesh/planning) ---
+    if args.manifest:
+        from shardmesh.planning.manifest import ManifestError
+        from shardmesh.planning.planner import PlanError
+
+        try:
+            args, notes = up.args_from_manifest(args, args.up_defaults)
+        except ManifestError as e:
+            raise UsageError("\nerror: ".join(f"{e.source}: {line}" for line in e.errors)) from None
+        except PlanError as e:
+            raise UsageError(f"{args.manifest}: {e}") from None
+        for note in notes:
+            print(note, file=sys.stderr, flush=True)
+    elif args.model is None:
+        raise UsageError("--model is required (or --manifest FILE)")
+    # --- end up --manifest ---
+    if args.pp < 1 or args.tp < 1:
+        raise UsageError("--pp and --tp must be >= 1")
+    if args.worker_threads is not None and args.worker_threads < 1:
+        raise UsageError(f"--worker-threads: must be >= 1, got {args.worker_threads}")
+    model_dir = resolve_model(args.model)
+    demo = None
+    if args.demo is not None:
+
+        def demo(gateway: str) -> int:
+            from gateway import client
+
+            request = argparse.Namespace(gateway=gateway, prompt=args.demo, token_ids=None, raw=False, json=False,
+                                         max_new_tokens=args.max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                                         seed=None, stop=None, timeout=None)  # fmt: skip
+            print(f"> {args.demo}", flush=True)
+            return client.generate(request, None)
+
+    return up.run(args, model_dir, demo)
+
+
+def cmd_model_pull(args: argparse.Namespace) -> int:
+    from shardmesh.models import pull
+
+    path = pull.pull(args.name, Path(args.cache_dir) if args.cache_dir else None)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardmesh", description="A sharded LLM inference mesh over gRPC.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate from a model sharded over local processes, or via a gateway")
+    g.add_argument("prompt", nargs="?", help="user message (wrapped in the chat template when the model has one)")
+    g.add_argument("--model", help="model directory or known model name (required without --gateway)")
+    g.add_argument("--token-ids", help="comma-separated prompt token ids, instead of a PROMPT")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template to PROMPT")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per stage (default 1)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="cpu or cuda")
+    g.add_argument(
+        "--json", action="store_true", help="print one JSON object: token_ids, logprobs, text, finish_reason"
+    )
+    # --gateway mode: the request goes to a running `shardmesh gateway` (see gateway/client.py).
+    g.add_argument("--gateway", metavar="ADDR", help="host:port of a running gateway to send the request to")
+    g.add_argument("--stop", action="append", help="stop string, repeatable (with --gateway)")
+    g.add_argument("--timeout", type=float, default=None, help="seconds to wait for the gateway (with --gateway)")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("model", help="manage local models")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    mp = msub.add_parser("pull", help="fetch and convert a known model into the local cache")
+    mp.add_argument("name")
+    mp.add_argument("--cache-dir", default=None)
+    mp.set_defaults(func=cmd_model_pull)
+
+    # --- coordinator: membership and placement service (flags and validation live in coordinator/app.py) ---
+    from coordinator import app as coordinator_app
+
+    c = sub.add_parser("coordinator", help="run the coordinator: worker registry, placement, topology versions")
+    coordinator_app.add_arguments(c)
+    c.set_defaults(func=coordinator_app.run)
+    # --- end coordinator ---
+
+    # --- gateway: the client API over the mesh (flags and validation live in gateway/app.py) ---
+    from gateway import app as gateway_app
+
+    gw = sub.add_parser("gateway", help="run the gateway: client API, batching over the stage workers")
+    gateway_app.add_arguments(gw)
+    gw.set_defaults(func=gateway_app.run)
+    # --- end gateway ---
+
+    from shardworker import app as worker_app
+
+    w = sub.add_parser("worker", help="run a stage worker: holds the shard the coordinator assigns it")
+    worker_app.add_arguments(w)
+    w.set_defaults(func=worker_app.run)
+
+    # --- top: a live terminal view of the mesh (shardmesh_cli/top.py) ---
+    from shardmesh_cli import top
+
+    t = sub.add_parser("top", help="watch the mesh: workers' memory, links and steps; the gateway's latency")
+    top.add_arguments(t)
+    t.set_defaults(func=top.run)
+    # --- end top ---
+
+    u = sub.add_parser("up", help="run the whole mesh locally: coordinator, P×T workers, gateway")
+    u.add_argument("--model", default=None, help="model directory or known model name (required without --manifest)")
+    u.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    u.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per stage (default 1)")
+    u.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    u.add_argument("--device", default="cpu", help="cpu or cuda")
+    u.add_argument("--listen", default=None, help="gateway host:port (default 127.0.0.1 and a free port)")
+    u.add_argument("--kv-slots", type=int, default=8, help="sequences in flight per shard (default 8)")
+    u.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
+    u.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step (default: --max-context)")
+    u.add_argument("--log-dir", default=None, help="where each service's JSON log goes (default: a new temp dir)")
+    u.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for SERVING (default 600)")
+    u.add_argument("--max-restarts", type=int, default=3, help="restarts of a worker that dies (default 3)")
+    u.add_argument("--worker-threads", type=int, default=None,
+                   help="torch threads per worker (default: the cores divided among the workers that compute at "
+                        "once; see --pipeline)")  # fmt: skip
+    u.add_argument("--pipeline", default="auto", choices=["auto", "full", "turns"],
+                   help="full: one step in flight per stage, every stage busy at once, the cores split among all "
+                        "workers; turns: one step in flight, each stage on all the cores when its turn comes; "
+                        "auto (default): turns on cpu with --pp > 1 (the stages share this host's cores), "
+                        "else full")  # fmt: skip
+    u.add_argument("--demo", metavar="PROMPT", default=None, help="stream one answer to PROMPT, then stop")
+    u.add_argument("--max-new-tokens", type=int, default=128, help="length of the --demo answer (default 128)")
+    u.add_argument("--otlp-endpoint", default=None, help="send every service's spans to this OTLP endpoint")
+    u.add_argument("--metrics", action="store_true", help="Prometheus metrics on every service (free ports; see top)")
+    u.add_argument("--layers", default=None, help="layers per pipeline stage, e.g. 18,12 (default: even)")
+    u.add_argument(
+        "--rebalance",
+        default="none",
+        choices=["none", "by-speed"],
+        help="by-speed: re-split layers by the stage times the balance check measures (default none)",
+    )
+    u.add_argument(
+        "--max-stage-ratio",
+        type=float,
+        default=1.25,
+        help="balance check: report a stage slower than the fastest by more than this (default 1.25)",
+    )
+    u.add_argument("--require-balance", action="store_true", help="do not serve while the stages are out of balance")
+    u.add_argument("--manifest", metavar="FILE", default=None,
+                   help="deploy what this YAML manifest describes (see compose/manifest.example.yaml)")  # fmt: skip
+    u.set_defaults(func=cmd_up)
+    u.set_defaults(up_defaults={a.dest: a.default for a in u._actions})  # what `--manifest` checks against
+    # --- status: the topology and its balance check, once (shardmesh_cli/status.py) ---
+    from shardmesh_cli import status as status_command
+
+    st = sub.add_parser("status", help="show the mesh: placement, shard states and the balance check before serving")
+    status_command.add_arguments(st)
+    st.set_defaults(func=status_command.run)
+    # --- end status ---
+    # --- plan: split a model over devices, or show what a manifest deploys (shardmesh_cli/plan.py) ---
+    from shardmesh_cli import plan as plan_command
+
+    pl = sub.add_parser("plan", help="plan the split of a model over devices from its size and their memory")
+    plan_command.add_arguments(pl)
+    pl.set_defaults(func=plan_command.run)
+    # --- end plan ---
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shardmesh.rpc import procs
+
+    procs.die_with_parent_if_asked()
+    args = build_parser().parse_args(argv)
+    if args.command in ("generate",) and (args.pp < 1 or args.tp < 1):
+        print("error: --pp and --tp must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
+        # Config, checkpoint and placement errors already name their file and field.
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""The stage-worker process: a StageWorker gRPC server around `StageWorkerCore`, plus its ties to the
+coordinator (register, heartbeat, watch topology) and its life cycle (health, SIGTERM).
+
+Threads: gRPC handlers (Step, Release, GetShardInfo); a heartbeat loop; a topology watch that hands
+the newest version to a placement thread, which does the slow part (load weights, join groups)
+so the watch keeps reading and heartbeats keep flowing while a shard loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from shardmesh.core.topology import ShardState, Topology
+from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
+from shardmesh.rpc import log, telemetry
+from shardmesh.rpc import server as rpc
+from shardworker.runtime import StageWorkerCore
+from shardworker.servicer import SERVICE_NAME, StageWorkerServicer, device_pb
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    coordinator: str
+    listen: str
+    advertise: str | None
+    worker_id: str | None
+    device: str
+    labels: dict[str, str]
+    group_timeout_s: float
+    max_message_bytes: int
+    metrics_port: int = 0  # 0: no metrics endpoint
+    otlp_endpoint: str | None = None
+
+
+class WorkerProcess:
+    def __init__(self, cfg: WorkerConfig, logger: Any) -> None:
+        import torch
+
+        self.cfg, self.log = cfg, logger
+        self.stopping = threading.Event()
+        self.worker_id = cfg.worker_id or ""
+        self.core: StageWorkerCore | None = None
+        self.device = torch.device(cfg.device)
+        self.address = ""
+        self.heartbeat_s = 1.0
+        self._latest: Topology | None = None
+        self._latest_cv = threading.Condition()
+        self._health = health.HealthServicer(
+            experimental_non_blocking=True, experimental_thread_pool=futures.ThreadPoolExecutor(max_workers=2)
+        )
+        self._channel = grpc.insecure_channel(cfg.coordinator, options=rpc.message_options(cfg.max_message_bytes))
+        self._coord = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, threads=8)
+        self._watch_call: Any = None
+        self._metrics_server: Any = None
+        self.metrics: Any = None
+        self.metrics_address = ""
+        self.failed = False
+
+    # ---- start-up ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        port = rpc.bind(self._server, self.cfg.listen)
+        host = self.cfg.listen.rpartition(":")[0]
+        self.address = self.cfg.advertise or f"{host}:{port}"
+        self._set_health(False)
+        if self.cfg.metrics_port:
+            self._start_metrics(host)
+        self._register()  # before serving Step, so the core exists
+        assert self.core is not None
+        worker_pb2_grpc.add_StageWorkerServicer_to_server(StageWorkerServicer(self.core, self.metrics), self._server)
+        self._server.start()
+        self.log.info("listening", address=self.address, coordinator=self.cfg.coordinator,
+                      metrics=self.metrics_address or "off",
+                      **telemetry.describe_tracing(self.cfg.otlp_endpoint))  # fmt: skip
+        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch"),
+                             (self._placement_loop, "placement")):  # fmt: skip
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    def _start_metrics(self, listen_host: str) -> None:
+        """Serve /metrics and register its address as the `metrics` label, so tools find it in the topology."""
+        from shardworker.metrics import WorkerMetrics
+
+        def info() -> dict[str, Any]:
+            core = self.core
+            if core is not None:
+                return core.info()
+            return {"weights_bytes": 0, "kv_cache_bytes": 0, "total_slots": 0, "free_slots": 0, "placement": None,
+                    "state": ShardState.PENDING}  # fmt: skip
+
+        self.metrics = WorkerMetrics(info, lambda: self.worker_id, self.device.type)
+        bind = listen_host.strip("[]")
+        self._metrics_server = telemetry.serve_metrics(self.metrics.registry, bind, self.cfg.metrics_port)
+        advertised = self.address.rpartition(":")[0]
+        if advertised.strip("[]") in ("", "0.0.0.0", "::"):
+            import socket
+
+            advertised = socket.gethostname()
+        self.metrics_address = f"{advertised}:{self._metrics_server.server_port}"
+
+    def _register(self) -> None:
+        """Register, retrying while the coordinator starts; keeps our id so a restart takes its slot back."""
+        labels = dict(self.cfg.labels)
+        if self.metrics_address:
+            labels[telemetry.METRICS_LABEL] = self.metrics_address
+        req = coordinator_pb2.RegisterRequest(address=self.address, device=device_pb(self.device.type),
+                                              labels=labels)  # fmt: skip
+        if self.worker_id:
+            req.worker_id = self.worker_id
+        delay = 0.1
+        while not self.stopping.is_set():
+            try:
+                resp = self._coord.Register(req, timeout=5)
+                break
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise RuntimeError(f"coordinator refused registration: {e.code().name}: {e.details()}") from None
+                self.stopping.wait(delay)
+                delay = min(2.0, delay * 2)
+        else:
+            return
+        self.worker_id = resp.worker_id
+        self.heartbeat_s = resp.heartbeat_interval.ToTimedelta().total_seconds() or 1.0
+        log.bind_identity(worker_id=self.worker_id)
+        if self.core is None:
+            self.core = StageWorkerCore(self.worker_id, self.device, self.log, self.cfg.group_timeout_s)
+        self.log.info("registered", heartbeat_s=self.heartbeat_s)
+        self._offer(Topology.from_pb(resp.topology))
+
+    # ---- loops ---------------------------------------------------------------------------------------
+
+    def _offer(self, topology: Topology) -> None:
+        with self._latest_cv:
+            if self._latest is None or topology.version > self._latest.version:
+                self._latest = topology
+                self._latest_cv.notify_all()
+
+    def _placement_loop(self) -> None:
+        applied = 0
+
+        def newer() -> bool:
+            return self.stopping.is_set() or (self._latest is not None and self._latest.version > applied)
+
+        while not self.stopping.is_set():
+            with self._latest_cv:
+                self._latest_cv.wait_for(newer, timeout=1.0)
+                topology = self._latest
+            if topology is None or topology.version <= applied or self.stopping.is_set():
+                continue
+            applied = topology.version
+            assert self.core is not None
+            self.core.apply(topology)
+            self._heartbeat_once()  # report the new state at once rather than at the next tick
+
+    def _watch_loop(self) -> None:
+        delay = 0.1
+        while not self.stopping.is_set():
+            after = self._latest.version if self._latest else 0
+            try:
+                self._watch_call = self._coord.WatchTopology(coordinator_pb2.WatchTopologyRequest(after_version=after))
+                for pb in self._watch_call:
+                    self._offer(Topology.from_pb(pb))
+                    delay = 0.1
+            except grpc.RpcError as e:
+                if self.stopping.is_set():
+                    return
+                self.log.warning("watch_lost", code=e.code().name)
+            self.stopping.wait(delay)
+            delay = min(2.0, delay * 2)
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stopping.wait(self.heartbeat_s):
+            self._heartbeat_once()
+
+    def _heartbeat_once(self) -> None:
+        core = self.core
+        if core is None or self.stopping.is_set():
+            return
+        i = core.info()
+        steps = core.stats.steps
+        load = coordinator_pb2.LoadStats(
+            active_sequences=i["active_sequences"], free_slots=i["free_slots"], total_slots=i["total_slots"],
+            weights_bytes=i["weights_bytes"], kv_cache_bytes=i["kv_cache_bytes"], steps_total=steps,
+            mean_step_ms=(core.stats.compute_s / steps * 1e3) if steps else 0.0,
+        )  # fmt: skip
+        req = coordinator_pb2.HeartbeatRequest(worker_id=self.worker_id, state=i["state"].to_pb(),
+                                               applied_topology_version=i["applied_version"], load=load,
+                                               detail=i["detail"])  # fmt: skip
+        self._set_health(i["state"] is ShardState.READY)
+        try:
+            resp = self._coord.Heartbeat(req, timeout=max(1.0, self.heartbeat_s))
+        except grpc.RpcError as e:
+            self.log.warning("heartbeat_failed", code=e.code().name)
+            return
+        if not resp.known:
+            self.log.warning("coordinator_forgot_us")
+            self._register()
+
+    def _set_health(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            self._health.set(service, status)
+
+    # ---- shutdown ------------------------------------------------------------------------------------
+
+    def stop(self, grace: float = 2.0) -> None:
+        """NOT_SERVING, leave the mesh (so the coordinator need not wait for a timeout), drain, exit."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        self._health.enter_graceful_shutdown()
+        with self._latest_cv:
+            self._latest_cv.notify_all()
+        if self._watch_call is not None:
+            self._watch_call.cancel()
+        if self.worker_id:
+            # The coordinator may be gone already; its heartbeat timeout covers us then.
+            with contextlib.suppress(grpc.RpcError):
+                self._coord.Deregister(coordinator_pb2.DeregisterRequest(worker_id=self.worker_id), timeout=1.0)
+        self._server.stop(grace).wait(grace + 1.0)
+        if self.core is not None:
+            self.core.close()
+        self._channel.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        telemetry.shutdown_tracing()
+        self.log.info("shutdown_complete")

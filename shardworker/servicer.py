@@ -1,0 +1,155 @@
+"""The stage-worker process: a StageWorker gRPC server around `StageWorkerCore`, plus its ties to the
+coordinator (register, heartbeat, watch topology) and its life cycle (health, SIGTERM).
+
+Threads: gRPC handlers (Step, Release, GetShardInfo); a heartbeat loop; a topology watch that hands
+the newest version to a placement thread, which does the slow part (load weights, join groups)
+so the watch keeps reading and heartbeats keep flowing while a shard loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from shardmesh.core.topology import dtype_to_pb
+from shardmesh.engine.sampling import SamplingParams
+from shardmesh.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from shardmesh.rpc import telemetry
+from shardworker.runtime import StageWorkerCore, StepEntry, StepRefused, StepResult
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["StageWorker"].full_name
+_STATUS = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "not_ready": grpc.StatusCode.FAILED_PRECONDITION,
+    "peer_lost": grpc.StatusCode.UNAVAILABLE,
+}
+R = TypeVar("R")
+
+
+def _maps_errors(method: Callable[..., R]) -> Callable[..., R]:
+    """Refusals become their status code with the message naming the field; nothing else leaks."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
+        try:
+            return method(self, request, context)
+        except StepRefused as e:
+            context.abort(_STATUS[e.kind], str(e))
+        except ValueError as e:  # e.g. SamplingParams bounds
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+def entry_from_pb(pb: worker_pb2.BatchEntry) -> StepEntry:
+    s = pb.sampling
+    try:
+        sampling = SamplingParams(s.temperature, s.top_p if s.top_p else 1.0, s.top_k,
+                                  s.seed if s.HasField("seed") else None)  # fmt: skip
+    except ValueError as e:
+        raise StepRefused("invalid", f"entries.sampling: {e}") from None
+    return StepEntry(pb.request_id, pb.slot, pb.start_pos, pb.num_tokens, tuple(pb.token_ids), sampling,
+                     pb.skip_sampling)  # fmt: skip
+
+
+def entries_of(request: worker_pb2.StepRequest) -> tuple[list[StepEntry], StepRefused | None]:
+    """The step's entries, converted before its turn (off the pipeline's critical path), or the
+    refusal of a bad one, which the step raises in its turn so that the steps after it keep their order."""
+    try:
+        return [entry_from_pb(e) for e in request.entries], None
+    except StepRefused as e:
+        return [], e
+
+
+class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
+    def __init__(self, core: StageWorkerCore, metrics: Any = None) -> None:
+        self.core = core
+        self.metrics = metrics  # shardworker.metrics.WorkerMetrics, or None when --metrics-port is 0
+
+    @_maps_errors
+    def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext) -> worker_pb2.StepResponse:
+        tracer = telemetry.tracer()
+        parents = telemetry.step_parents(context.invocation_metadata()) if tracer is not None else ()
+        start_ns = time.time_ns() if parents else 0
+        entries, refused = entries_of(request)
+        waited = 0.0
+        try:
+            with self.core.turn(request.topology_version, request.step_id, request.after_step_id,
+                                lambda: not context.is_active()) as waited:  # fmt: skip
+                if refused is not None:
+                    raise refused
+                result = self.core.step(request.topology_version, entries)
+        except StepRefused as e:
+            if self.metrics is not None:
+                self.metrics.failed(e.kind)
+            if parents:
+                self._spans(parents, start_ns, request, entries, None, waited, f"{e.kind}: {e}")
+            raise
+        if self.metrics is not None:
+            self.metrics.observe(result, sum(e.num_tokens for e in entries))
+        if parents:
+            self._spans(parents, start_ns, request, entries, result, waited)
+        tokens = [worker_pb2.SampledToken(request_id=s.request_id, token_id=s.token_id, logprob=s.logprob)
+                  for s in result.sampled]  # fmt: skip
+        return worker_pb2.StepResponse(step_id=request.step_id, tokens=tokens,
+                                       compute_ms=(result.elapsed_s - result.comm.recv_wait_s) * 1e3,
+                                       recv_wait_ms=result.comm.recv_wait_s * 1e3,
+                                       order_wait_ms=waited * 1e3)  # fmt: skip
+
+    def _spans(self, parents: Any, start_ns: int, request: worker_pb2.StepRequest, entries: list[StepEntry],
+               result: StepResult | None, order_wait_s: float, error: str = "") -> None:  # fmt: skip
+        from shardworker.metrics import record_step_spans
+
+        record_step_spans(telemetry.tracer(), parents, start_ns, time.time_ns(), self.core.worker_id, request.step_id,
+                          request.topology_version, entries, result, error, after_step_id=request.after_step_id,
+                          order_wait_s=order_wait_s)  # fmt: skip
+
+    @_maps_errors
+    def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.ServicerContext) -> worker_pb2.ReleaseResponse:
+        free = self.core.release([(s.request_id, s.slot) for s in request.sequences])
+        return worker_pb2.ReleaseResponse(free_slots=free)
+
+    @_maps_errors
+    def GetShardInfo(self, request: worker_pb2.GetShardInfoRequest, context: grpc.ServicerContext) -> Any:
+        i = self.core.info()
+        out = worker_pb2.ShardInfo(
+            worker_id=self.core.worker_id, topology_version=i["applied_version"], state=i["state"].to_pb(),
+            device=device_pb(self.core.device.type), weights_bytes=i["weights_bytes"],
+            kv_cache_bytes=i["kv_cache_bytes"], total_slots=i["total_slots"], free_slots=i["free_slots"],
+            max_context=i["max_context"],
+        )  # fmt: skip
+        p = i["placement"]
+        if p is not None:
+            out.stage, out.num_stages = p.stage, p.num_stages
+            out.layer_start, out.layer_end = p.spec.layer_start, p.spec.layer_end
+            out.tp_rank, out.tp_size = p.spec.tp_rank, p.spec.tp_size
+            out.dtype = dtype_to_pb(p.dtype)
+        return out
+
+    @_maps_errors
+    def Calibrate(self, request: worker_pb2.CalibrateRequest, context: grpc.ServicerContext) -> Any:
+        r = self.core.calibrate(request.topology_version, request.decode_batch, request.prefill_tokens,
+                                request.iterations)  # fmt: skip
+        t = r["timing"]
+        return worker_pb2.CalibrateResponse(
+            decode_ms=t.decode.total_ms, decode_layers_ms=t.decode.layers_ms, prefill_ms=t.prefill.total_ms,
+            memory_bytes=t.memory_bytes, peak_memory_bytes=t.peak_memory_bytes,
+            weights_bytes=r["weights_bytes"], kv_cache_bytes=r["kv_cache_bytes"], num_layers=r["num_layers"],
+        )  # fmt: skip
+
+
+def device_pb(kind: str) -> common_pb2.Device:
+    if kind == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        return common_pb2.Device(type=common_pb2.DEVICE_TYPE_CUDA, name=props.name, memory_bytes=props.total_memory)
+    import psutil
+
+    return common_pb2.Device(type=common_pb2.DEVICE_TYPE_CPU, name="cpu", memory_bytes=psutil.virtual_memory().total)
