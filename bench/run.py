@@ -26,11 +26,8 @@ Layouts use tp=3, not 2: SmolLM2's 9 attention heads cannot be split in 2.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,22 +41,10 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shardmesh.rpc.procs import cores  # noqa: E402  (the repository root is on the path only now)
+from bench import llamacpp  # noqa: E402  (the repository root is on the path only now)
+from bench.conditions import PROMPT, machine  # noqa: E402
+from shardmesh.rpc.procs import cores  # noqa: E402
 from shardmesh_cli.up import share_cores  # noqa: E402
-
-PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
-
-
-def machine() -> dict:
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
-    return {
-        "host": socket.gethostname(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
-        "torch": torch.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }  # fmt: skip
 
 
 def baseline_transformers(model_dir: Path, prompt_ids: list[int], new_tokens: int) -> dict:
@@ -90,8 +75,6 @@ def baseline_transformers(model_dir: Path, prompt_ids: list[int], new_tokens: in
 def baseline_llamacpp(model: str, prompt_ids: list[int], new_tokens: int, threads: int) -> dict:
     """llama.cpp on an F32 GGUF of the very weights the mesh serves (bench/llamacpp.py), when
     llama-cpp-python is installed (`pip install '.[bench]'`); otherwise why not, for the table."""
-    import llamacpp
-
     reason = llamacpp.available()
     if reason is not None:
         return {"skipped": reason}
@@ -101,13 +84,19 @@ def baseline_llamacpp(model: str, prompt_ids: list[int], new_tokens: int, thread
 
 
 class Mesh:
+    """`shardmesh up` of this checkout, or of another one (`tree`: a checkout of an earlier commit, for
+    bench/against.py), started as its own process tree and stopped by `close`."""
+
     def __init__(self, model_dir: Path, pp: int, tp: int, pipeline: str, slots: int, log_dir: Path, threads: int,
-                 rebalance: str) -> None:  # fmt: skip
+                 rebalance: str, tree: Path = ROOT) -> None:  # fmt: skip
         self.log_dir = log_dir
-        args = [sys.executable, "-m", "shardmesh_cli", "up", "--model", str(model_dir), "--pp", str(pp),
+        # Earlier checkouts ran the command as `shardmesh.cli`; it lives in `shardmesh_cli` since the layering.
+        command = "shardmesh_cli" if (tree / "shardmesh_cli").is_dir() else "shardmesh.cli"
+        args = [sys.executable, "-m", command, "up", "--model", str(model_dir), "--pp", str(pp),
                 "--tp", str(tp), "--pipeline", pipeline, "--kv-slots", str(slots), "--max-context", "1024",
                 "--rebalance", rebalance, "--worker-threads", str(threads), "--log-dir", str(log_dir)]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        env = {**os.environ, "PYTHONPATH": str(tree)}  # that checkout's packages first, whatever is installed
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=tree)
         self.address = self.proc.stdout.readline().decode().strip()
         if not self.address:
             raise RuntimeError(f"shardmesh up failed; logs in {log_dir}")
@@ -175,10 +164,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
 
+    from shardmesh.models.registry import resolve
     from shardmesh.models.tokenizer import Tokenizer
-    from shardmesh_cli.main import resolve_model
 
-    model_dir = resolve_model(a.model)
+    model_dir = resolve(a.model)
     prompt_ids = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])
     info = machine()
     print(f"machine: {info}", file=sys.stderr)

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.run import PROMPT, machine  # noqa: E402
+from bench.conditions import PROMPT, machine  # noqa: E402
 
 CONFIGS = {
     "off": [],
@@ -65,11 +65,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     a = ap.parse_args()
 
+    from shardmesh.models.registry import resolve
     from shardmesh.models.tokenizer import Tokenizer
-    from shardmesh_cli.main import resolve_model
     from tests.otlp import Collector, GrpcReceiver
 
-    model_dir = resolve_model(a.model)
+    model_dir = resolve(a.model)
     prompt_ids = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])
     collector = Collector()
     receiver = GrpcReceiver(collector)

@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardmesh.planning.memory import Limits, RuntimeCosts
+from shardmesh.core.topology import ServingLimits
+from shardmesh.planning.memory import RuntimeCosts
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ def proc_status(pid: int) -> dict[str, int]:
 
 
 def measure_workers(
-    model_dir: Path, pp: int, tp: int, limits: Limits, dtype: str = "float32", log_dir: Path | None = None,
+    model_dir: Path, pp: int, tp: int, limits: ServingLimits, dtype: str = "float32", log_dir: Path | None = None,
     timeout: float = 120.0,
 ) -> list[Measured]:  # fmt: skip
     """Start the services, wait for a complete topology, run one step on every shard, measure, stop."""
@@ -123,7 +124,7 @@ def measure_runtime(log_dir: Path | None = None) -> tuple[RuntimeCosts, list[str
     from shardmesh.engine.synthetic import write_checkpoint
     from shardmesh.planning.memory import load_model, shard_memory
 
-    limits = Limits(2, 64, 8)
+    limits = ServingLimits(2, 64, 8)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_checkpoint(Path(tmp) / "tiny", TINY)
         model = load_model(model_dir)

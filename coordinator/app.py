@@ -2,8 +2,8 @@
 
 Everything that can be wrong with the configuration (an unreadable config.json, a pp or tp the model
 cannot be split by) is found here, before anything listens, and reported as one line with exit
-code 2. This module imports only the standard library at import time, so building the `shardmesh`
-parser stays cheap; the service itself is imported when the command runs.
+code 2. At import time this module reads only the pure library (core, flags, telemetry's flag names), so
+building the `shardmesh` parser stays cheap; the service itself is imported when the command runs.
 """
 
 from __future__ import annotations
@@ -11,16 +11,15 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
+from shardmesh.core.dtypes import DType
+from shardmesh.core.layout import REBALANCES
 from shardmesh.rpc import telemetry
-from shardmesh.rpc.flags import env_flags
+from shardmesh.rpc.flags import UsageError, env_flags
 
 ENV_PREFIX = "SHARDMESH_COORDINATOR_"
-REBALANCES = ("none", "by-speed")
-DTYPES = ("float32", "bfloat16", "float16")
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
@@ -32,10 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="deployment manifest (YAML): sets every flag below that it covers, which may then not "
         "be given; see `shardmesh plan --manifest`",
     )
-    flag("--model", help="model directory (config.json is read here; workers load the weights); or --manifest")
+    flag("--model", help="model directory (config.json is read here; workers load the weights) or known model "
+         "name (pulled into the cache on first use, as `up` does); or --manifest")  # fmt: skip
     flag("--pp", 1, type=int, help="pipeline stages (default 1)")
     flag("--tp", 1, type=int, help="tensor-parallel degree per stage (default 1)")
-    flag("--dtype", "float32", choices=DTYPES, help="weight and activation dtype the shards use (default float32)")
+    flag("--dtype", "float32", choices=DType.names(),
+         help="weight and activation dtype the shards use (default float32)")  # fmt: skip
     flag("--heartbeat-interval", 1.0, type=float, help="seconds between worker heartbeats (default 1.0)")
     flag("--heartbeat-timeout", type=float, help="seconds of silence before a worker is UNHEALTHY (default 3×interval)")
     flag("--store-host", help="host workers reach the rendezvous store at (default: the --listen host)")
@@ -71,25 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     telemetry.add_flags(flag)
 
 
-EXIT_USAGE = 2
-
-
-class CoordinatorUsageError(Exception):
-    """A bad flag or model, found before anything listens; printed as one line, exit code 2.
-
-    Our own class rather than `shardmesh_cli.main.UsageError`: under `python -m shardmesh_cli.main` that module
-    runs as `__main__`, and a second import of it would define a second, uncaught UsageError.
-    """
-
-
-def _usage(message: str) -> CoordinatorUsageError:
-    return CoordinatorUsageError(message)
-
-
 def _listen_host(listen: str) -> str:
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or int(port) > 65535:
-        raise _usage(f"--listen: expected host:port (port 0-65535), got {listen!r}")
+        raise UsageError(f"--listen: expected host:port (port 0-65535), got {listen!r}")
     return host
 
 
@@ -106,12 +92,12 @@ def from_manifest(args: argparse.Namespace, defaults: argparse.Namespace) -> arg
 
     given = [k for k in MANIFEST_FLAGS if getattr(args, k) != getattr(defaults, k)]
     if given:
-        raise _usage("; ".join(f"--{k.replace('_', '-')}: set by --manifest, give one or the other" for k in given))
+        raise UsageError("; ".join(f"--{k.replace('_', '-')}: set by --manifest, give one or the other" for k in given))
     source = Path(args.manifest)
     try:
         d = deploy.resolve(load_manifest(source), source)
     except (ManifestError, PlanError) as e:
-        raise _usage(str(e).replace("\n", "; ")) from None
+        raise UsageError(str(e).replace("\n", "; ")) from None
     flags = deploy.coordinator_flags(d)
     if args.listen != defaults.listen:  # a bind address given here wins (e.g. 0.0.0.0:50051 in a container)
         i = flags.index("--listen")
@@ -126,90 +112,83 @@ def from_manifest(args: argparse.Namespace, defaults: argparse.Namespace) -> arg
     return out
 
 
-def parse_layers(text: str, num_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
-    """`--layers 18,12` -> ((0, 18), (18, 30)); usage errors name the flag."""
-    try:
-        counts = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise _usage(f"--layers: expected layer counts per stage like 18,12, got {text!r}") from None
-    if len(counts) != pp or min(counts) < 1 or sum(counts) != num_layers:
-        raise _usage(f"--layers: need {pp} counts >= 1 (one per stage) adding up to the model's {num_layers} layers, "
-                     f"got {text!r}")  # fmt: skip
-    from shardmesh.core.layout import layer_ranges
-
-    return tuple(layer_ranges(counts))
-
-
 def build_config(args: argparse.Namespace) -> Any:
     """Validate every flag against each other and the model; returns a `CoordinatorConfig`."""
     from coordinator.calibration import CalibrationConfig
     from coordinator.process import CoordinatorConfig
     from shardmesh.core.config import ModelConfig
     from shardmesh.core.heads import HeadSplit, TensorParallelError
-    from shardmesh.core.layout import shard_specs
+    from shardmesh.core.layout import parse_split, shard_specs
     from shardmesh.core.topology import ModelSpec, ServingLimits
+    from shardmesh.models.registry import UnknownModelError, resolve
 
     host = _listen_host(args.listen)
     if not args.model:
-        raise _usage("--model or --manifest is required")
-    if args.dtype not in DTYPES:  # a value from the environment skips argparse's `choices`
-        raise _usage(f"--dtype: must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
-    model_dir = Path(args.model).expanduser()
-    if not model_dir.is_dir():
-        raise _usage(f"--model: {args.model!r} is not a directory")
+        raise UsageError("--model or --manifest is required")
+    if args.dtype not in DType.names():  # a value from the environment skips argparse's `choices`
+        raise UsageError(f"--dtype: must be one of {', '.join(DType.names())}, got {args.dtype!r}")
+    try:
+        model_dir = resolve(args.model)
+    except UnknownModelError as e:
+        raise UsageError(f"--model: {e}") from None
     try:
         cfg = ModelConfig.from_dir(model_dir)
     except (ValueError, FileNotFoundError) as e:
-        raise _usage(f"--model: {e}") from None
+        raise UsageError(f"--model: {e}") from None
     if args.pp < 1 or args.tp < 1:
-        raise _usage(f"--pp and --tp must be >= 1, got pp={args.pp} tp={args.tp}")
+        raise UsageError(f"--pp and --tp must be >= 1, got pp={args.pp} tp={args.tp}")
     try:
         shard_specs(cfg.num_layers, args.pp, args.tp)
     except ValueError as e:
-        raise _usage(f"--pp: {e}") from None
+        raise UsageError(f"--pp: {e}") from None
     try:
         HeadSplit.of(cfg, 0, args.tp)
     except TensorParallelError as e:
-        raise _usage(f"--tp: {e}") from None
+        raise UsageError(f"--tp: {e}") from None
     interval = args.heartbeat_interval
     if not interval > 0:
-        raise _usage(f"--heartbeat-interval: must be > 0 seconds, got {interval}")
+        raise UsageError(f"--heartbeat-interval: must be > 0 seconds, got {interval}")
     timeout = args.heartbeat_timeout if args.heartbeat_timeout is not None else 3 * interval
     if not timeout > interval:
-        raise _usage(f"--heartbeat-timeout: must exceed --heartbeat-interval ({interval} s), got {timeout}")
+        raise UsageError(f"--heartbeat-timeout: must exceed --heartbeat-interval ({interval} s), got {timeout}")
     if not 0 <= args.store_port <= 65535:
-        raise _usage(f"--store-port: must be in 0..65535, got {args.store_port}")
+        raise UsageError(f"--store-port: must be in 0..65535, got {args.store_port}")
     if args.kv_slots < 1:
-        raise _usage(f"--kv-slots: must be >= 1, got {args.kv_slots}")
+        raise UsageError(f"--kv-slots: must be >= 1, got {args.kv_slots}")
     max_context = args.max_context if args.max_context is not None else cfg.max_context
     if not 1 <= max_context <= cfg.max_context:
-        raise _usage(f"--max-context: must be in 1..{cfg.max_context} (the model's context), got {max_context}")
+        raise UsageError(f"--max-context: must be in 1..{cfg.max_context} (the model's context), got {max_context}")
     max_batch = args.max_batch_tokens if args.max_batch_tokens is not None else max_context
     if max_batch < 1:
-        raise _usage(f"--max-batch-tokens: must be >= 1, got {max_batch}")
+        raise UsageError(f"--max-batch-tokens: must be >= 1, got {max_batch}")
     if args.max_message_mb < 1:
-        raise _usage(f"--max-message-mb: must be >= 1, got {args.max_message_mb}")
-    split = parse_layers(args.layers, cfg.num_layers, args.pp) if args.layers else None
+        raise UsageError(f"--max-message-mb: must be >= 1, got {args.max_message_mb}")
+    try:
+        split = tuple(parse_split(args.layers, cfg.num_layers, args.pp)) if args.layers else None
+    except ValueError as e:
+        raise UsageError(f"--layers: {e}") from None
     requires = None
     if args.rank_nodes:
         nodes = args.rank_nodes.split(",")
         if len(nodes) != args.pp * args.tp or not all(nodes):
-            raise _usage(f"--rank-nodes: need {args.pp * args.tp} node names (one per rank), got {args.rank_nodes!r}")
+            raise UsageError(
+                f"--rank-nodes: need {args.pp * args.tp} node names (one per rank), got {args.rank_nodes!r}"
+            )
         requires = tuple((("node", n),) for n in nodes)
     if args.rebalance not in REBALANCES:  # from the environment
-        raise _usage(f"--rebalance: must be one of {', '.join(REBALANCES)}, got {args.rebalance!r}")
+        raise UsageError(f"--rebalance: must be one of {', '.join(REBALANCES)}, got {args.rebalance!r}")
     try:
         calibration = CalibrationConfig(max_stage_ratio=args.max_stage_ratio, rebalance=args.rebalance,
                                         require_balance=args.require_balance,
                                         iterations=args.calibration_iterations)  # fmt: skip
     except ValueError as e:
         name, _, msg = str(e).partition(": ")
-        raise _usage(f"--{name.replace('_', '-')}: {msg}") from None
+        raise UsageError(f"--{name.replace('_', '-')}: {msg}") from None
     try:
         telemetry.check_metrics_port(args.metrics_port)
         telemetry.export_config(args.otlp_endpoint)
     except telemetry.TelemetryConfigError as e:
-        raise _usage(str(e)) from None
+        raise UsageError(str(e)) from None
     store_host = args.store_host or (socket.gethostname() if host in _WILDCARD_HOSTS else host.strip("[]"))
     model = ModelSpec(str(model_dir.resolve()), args.dtype, cfg.architecture, cfg.num_layers, cfg.hidden_size,
                       cfg.vocab_size, cfg.max_context)  # fmt: skip
@@ -225,26 +204,14 @@ def build_config(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT, then shut down gracefully (exit 0)."""
     from coordinator.process import CoordinatorServer
-    from shardmesh.rpc import log, procs
+    from shardmesh.rpc import lifecycle, log
 
-    try:
-        if args.manifest:
-            defaults = argparse.ArgumentParser(add_help=False)
-            add_arguments(defaults)
-            args = from_manifest(args, defaults.parse_args([]))
-        cfg = build_config(args)
-    except CoordinatorUsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    if args.manifest:
+        defaults = argparse.ArgumentParser(add_help=False)
+        add_arguments(defaults)
+        args = from_manifest(args, defaults.parse_args([]))
+    cfg = build_config(args)  # a UsageError reaches the command's main: one line, exit 2
     logger = log.configure("coordinator", level=args.log_level)
     telemetry.setup_tracing("coordinator", args.otlp_endpoint)
-    server = CoordinatorServer(cfg, logger)
-    with procs.stop_on_signals() as stop:
-        try:
-            server.start()
-            while not stop.wait(1.0):
-                pass
-            logger.info("signal_received")
-        finally:
-            server.stop(grace=2.0)
+    lifecycle.serve_until_signal(CoordinatorServer(cfg, logger), logger)
     return 0

@@ -26,13 +26,11 @@ from typing import Any
 import grpc
 
 from coordinator.registry import Registry
-from shardmesh.core.layout import layer_ranges
+from shardmesh.core.layout import REBALANCES, layer_counts, layer_ranges, predicted_ms, split_by_speed
 from shardmesh.core.topology import Calibration, CalibrationStatus, ShardCalibration, StageCalibration, Topology
-from shardmesh.planning.planner import predicted_ms, split_by_speed
 from shardmesh.proto.v1 import worker_pb2, worker_pb2_grpc
 from shardmesh.rpc import server as rpc
 
-REBALANCES = ("none", "by-speed")
 # A re-split must promise at least this much off the slowest stage; measurement noise must not move layers.
 MIN_GAIN = 0.10
 
@@ -109,7 +107,7 @@ def stage_costs(stages: Sequence[StageCalibration]) -> tuple[list[float], list[f
 
 def speed_split(stages: Sequence[StageCalibration], num_layers: int, caps: Sequence[int] | None = None) -> list[int]:
     """Layer counts per stage that equalise the measured decode times (see `split_by_speed`)."""
-    return [b - a for a, b in split_by_speed(num_layers, *stage_costs(stages), caps)]
+    return layer_counts(split_by_speed(num_layers, *stage_costs(stages), caps))
 
 
 def judge(
@@ -261,19 +259,18 @@ def memory_caps(t: Topology, device_memory: Mapping[str, int], device_type: Mapp
     """The most layers each stage's devices hold by the planner's memory model (the tightest rank of the
     stage decides); None when a device did not say how much memory it has."""
     from shardmesh.planning.devices import Device
-    from shardmesh.planning.memory import Limits, RuntimeCosts, load_model
+    from shardmesh.planning.memory import RuntimeCosts, load_model
     from shardmesh.planning.planner import PlanOptions, stage_capacity
 
     if any(not device_memory.get(sh.worker_id) for _, sh in t.shards()):
         return None
     model = load_model(t.model.path)
-    lim = t.limits
     caps = []
     for stage in t.stages:
         group = tuple(Device(sh.worker_id, i, device_memory[sh.worker_id]) for i, sh in enumerate(stage.shards))
         kind = device_type.get(stage.shards[0].worker_id, "cpu")
-        options = PlanOptions(dtype=t.model.dtype, limits=Limits(lim.kv_slots, lim.max_context, lim.max_batch_tokens),
-                              runtime=RuntimeCosts.for_device(kind), tp=t.tp, pp=t.pp)  # fmt: skip
+        options = PlanOptions(dtype=t.model.dtype, limits=t.limits, runtime=RuntimeCosts.for_device(kind), tp=t.tp,
+                              pp=t.pp)  # fmt: skip
         first, last = stage.index == 0, stage.index == t.pp - 1
         caps.append(stage_capacity(model, group, first, last, t.model.num_layers, options))
     return caps if min(caps) >= 1 else None

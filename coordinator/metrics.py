@@ -66,7 +66,7 @@ def _balance(topology: Any) -> Iterator[Any]:
                                "(balance check)", labels=["stage"])  # fmt: skip
     layers = GaugeMetricFamily("shardmesh_stage_layers", "Decoder layers the stage holds", labels=["stage"])
     for s in topology.stages:
-        layers.add_metric([str(s.index)], s.layer_end - s.layer_start)
+        layers.add_metric([str(s.index)], s.num_layers)
     for s in c.stages:
         decode.add_metric([str(s.index)], s.decode_ms / 1000)
     yield decode

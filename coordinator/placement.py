@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from shardmesh.core.layout import split_layers
+from shardmesh.core.layout import check_split, split_layers
 from shardmesh.core.topology import (
     Calibration,
     CalibrationStatus,
@@ -158,17 +158,6 @@ def build_topology(
     if calibration is None or epoch is None or calibration.epoch != epoch:
         calibration = pending_calibration(epoch, calibration)
     return Topology(version, model, pp, tp, tuple(stages), rendezvous, complete, limits, calibration)
-
-
-def check_split(split: Split, num_layers: int, pp: int) -> None:
-    """A split must cover [0, num_layers) with `pp` contiguous, non-empty ranges."""
-    start = 0
-    for s, (a, b) in enumerate(split):
-        if a != start or b <= a:
-            raise ValueError(f"stage {s}: layer range [{a}, {b}) must start at {start} and be non-empty")
-        start = b
-    if len(split) != pp or start != num_layers:
-        raise ValueError(f"a split of {num_layers} layers over {pp} stages, got {list(split)}")
 
 
 _ENDED = (CalibrationStatus.BALANCED, CalibrationStatus.IMBALANCED, CalibrationStatus.REBALANCING,

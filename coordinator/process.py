@@ -1,9 +1,6 @@
-"""The Coordinator gRPC service and the process around it.
-
-The servicer only translates: protobuf in -> `membership` request types (which validate and name the
-bad field) -> `Registry` -> protobuf out, with refusals mapped to status codes. `CoordinatorServer`
-owns everything with a life cycle: the c10d TCPStore workers rendezvous on, the registry, the gRPC
-server with health and reflection, and the thread that notices silent workers.
+"""The running coordinator: `CoordinatorServer` owns everything with a life cycle: the c10d TCPStore workers
+rendezvous on, the registry, the gRPC server (the servicer in `coordinator.servicer`) with health and
+reflection, the thread that notices silent workers, and the balance check before serving.
 """
 
 from __future__ import annotations
@@ -19,9 +16,7 @@ from grpc_health.v1 import health, health_pb2
 
 from coordinator.calibration import CalibrationConfig, Calibrator, memory_caps
 from coordinator.placement import Labels, Split
-from coordinator.registry import (
-    Registry,
-)
+from coordinator.registry import Registry
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
 from shardmesh.core.topology import ModelSpec, ServingLimits, Topology
 from shardmesh.proto.v1 import coordinator_pb2_grpc
@@ -84,7 +79,7 @@ class CoordinatorServer:
             store_port=self._store.port, heartbeat_timeout=cfg.heartbeat_timeout, split=cfg.split,
             requires=cfg.requires, logger=self._log,
         )  # fmt: skip
-        server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size)
+        server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size, self._log)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
             CoordinatorServicer(self.registry, cfg.heartbeat_interval), server
         )

@@ -16,29 +16,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from coordinator import placement
-from shardmesh.core.layout import split_layers
+from shardmesh.core.errors import InvalidArgument, NotFound
+from shardmesh.core.layout import check_split, split_layers
 from shardmesh.core.topology import Calibration, ModelSpec, ServingLimits, ShardState, Topology, TopologyStore
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9._/-]{1,63}")
 MAX_LABELS, MAX_LABEL_VALUE = 32, 256
-
-
-class RequestError(Exception):
-    """A request the coordinator refuses; the message names the offending field."""
-
-
-class InvalidArgument(RequestError):
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field_name = field_name
-
-
-class UnknownWorker(RequestError):
-    def __init__(self, worker_id: str) -> None:
-        super().__init__(f"worker_id: no registered worker {worker_id!r}")
-        self.worker_id = worker_id
 
 
 def parse_address(text: str, field_name: str = "address") -> tuple[str, int]:
@@ -170,7 +155,7 @@ class Registry:
     ) -> None:
         self._model, self._pp, self._tp, self._limits = model, pp, tp, limits
         self._split: placement.Split = tuple(split or split_layers(model.num_layers, pp))
-        placement.check_split(self._split, model.num_layers, pp)
+        check_split(self._split, model.num_layers, pp)
         if requires is not None and len(requires) != pp * tp:
             raise ValueError(f"need label requirements for {pp * tp} slots, got {len(requires)}")
         self._requires = tuple(requires) if requires is not None else None
@@ -247,7 +232,7 @@ class Registry:
         """Remove a worker for good; its slot goes to the next standby. Returns the new version."""
         with self._lock:
             if worker_id not in self._workers:
-                raise UnknownWorker(worker_id)
+                raise NotFound(f"worker_id: no registered worker {worker_id!r}")
             self._forget(worker_id, reason="deregistered")
             self._refill()
             return self._publish_if_changed().version
@@ -292,7 +277,7 @@ class Registry:
         """Move layers between stages (`rebalance: by-speed`) if the placement is still the one
         `calibration` measured: a new split is a new placement, so workers reload and a new epoch
         (and a new check) follows."""
-        placement.check_split(split, self._model.num_layers, self._pp)
+        check_split(split, self._model.num_layers, self._pp)
         with self._lock:
             if calibration.epoch != self._epoch:
                 return self.store.current()

@@ -1,60 +1,26 @@
-"""The Coordinator gRPC service and the process around it.
+"""The Coordinator gRPC servicer: protobuf in -> the registry's request types (which validate and name the
+bad field) -> `Registry` -> protobuf out.
 
-The servicer only translates: protobuf in -> `membership` request types (which validate and name the
-bad field) -> `Registry` -> protobuf out, with refusals mapped to status codes. `CoordinatorServer`
-owns everything with a life cycle: the c10d TCPStore workers rendezvous on, the registry, the gRPC
-server with health and reflection, and the thread that notices silent workers.
+Refusals are raised as `shardmesh.core.errors` types; the server's interceptor (`shardmesh.rpc.interceptors`)
+turns them into status codes. The process around the servicer is `coordinator.process.CoordinatorServer`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
 
-from coordinator.registry import (
-    HeartbeatReport,
-    InvalidArgument,
-    Registration,
-    Registry,
-    RequestError,
-    UnknownWorker,
-    check_worker_id,
-)
+from coordinator.registry import HeartbeatReport, Registration, Registry, check_worker_id
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from shardmesh.rpc import telemetry
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name  # "shardmesh.v1.Coordinator"
 WATCH_POLL_S = 0.5  # how often an idle watch stream checks that its client is still there
-
-R = TypeVar("R")
-
-
-def _status_for(e: RequestError) -> grpc.StatusCode:
-    if isinstance(e, UnknownWorker):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(e, InvalidArgument):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    return grpc.StatusCode.FAILED_PRECONDITION
-
-
-def _maps_errors(method: Callable[..., R]) -> Callable[..., R]:
-    """Turn the registry's refusals into gRPC status codes with the message naming the field."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
-        try:
-            return method(self, request, context)
-        except RequestError as e:
-            context.abort(_status_for(e), str(e))
-            raise  # unreachable: abort raises
-
-    return wrapper
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -84,7 +50,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._registry = registry
         self._interval = heartbeat_interval
 
-    @_maps_errors
     def Register(self, request: coordinator_pb2.RegisterRequest, context: grpc.ServicerContext) -> Any:
         with _membership_span("Register", context) as span:
             worker_id, topology = self._registry.register(Registration.from_pb(request))
@@ -96,12 +61,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             heartbeat_timeout=_duration(self._registry.heartbeat_timeout), topology=topology.to_pb(),
         )  # fmt: skip
 
-    @_maps_errors
     def Heartbeat(self, request: coordinator_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> Any:
         known, version = self._registry.heartbeat(HeartbeatReport.from_pb(request))
         return coordinator_pb2.HeartbeatResponse(known=known, topology_version=version)
 
-    @_maps_errors
     def Deregister(self, request: coordinator_pb2.DeregisterRequest, context: grpc.ServicerContext) -> Any:
         with _membership_span("Deregister", context) as span:
             version = self._registry.deregister(check_worker_id(request.worker_id))

@@ -8,23 +8,15 @@ service (grpc, tokenizers) is imported when the command runs.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Any
 
+from shardmesh.rpc.flags import UsageError, env_flags
+
 ENV_PREFIX = "SHARDMESH_GATEWAY_"
-EXIT_USAGE = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    def flag(name: str, default: Any = None, **kw: Any) -> None:
-        """A flag whose default comes from its environment variable when set; argparse converts a
-        string default with the flag's `type`, so env values are parsed like command-line ones."""
-        env = ENV_PREFIX + name.lstrip("-").replace("-", "_").upper()
-        kw["help"] = f"{kw.get('help', '')} [env {env}]".strip()
-        value = os.environ.get(env, default)
-        p.add_argument(name, default=value, required=kw.pop("required", False) and value is None, **kw)
-
+    flag = env_flags(p, ENV_PREFIX)
     flag("--listen", "127.0.0.1:50050", help="host:port for the gRPC server; port 0 picks a free one")
     flag("--coordinator", required=True, help="host:port of the coordinator whose topology the gateway serves on")
     flag("--max-queue", 256, type=int, help="waiting requests before RESOURCE_EXHAUSTED (default 256)")
@@ -47,16 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
               "request span (default 8)")  # fmt: skip
 
 
-class GatewayUsageError(Exception):
-    """A bad flag, found before anything listens; printed as one line, exit code 2."""
-
-
 def _check_address(flag: str, value: str, *, dial: bool = False) -> None:
     """host:port; an address to dial (`dial`) needs a host and a real port, one to listen on may use 0."""
     host, sep, port = value.rpartition(":")
     lowest = 1 if dial else 0
     if not sep or not port.isdigit() or not lowest <= int(port) <= 65535 or (dial and not host):
-        raise GatewayUsageError(f"{flag}: expected host:port (port {lowest}-65535), got {value!r}")
+        raise UsageError(f"{flag}: expected host:port (port {lowest}-65535), got {value!r}")
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -77,12 +65,12 @@ def build_config(args: argparse.Namespace) -> Any:
     ]
     for name, ok, rule in checks:
         if not ok:
-            raise GatewayUsageError(f"{name}: must be {rule}, got {getattr(args, name[2:].replace('-', '_'))}")
+            raise UsageError(f"{name}: must be {rule}, got {getattr(args, name[2:].replace('-', '_'))}")
     try:
         telemetry.check_metrics_port(args.metrics_port)
         telemetry.export_config(args.otlp_endpoint)
     except telemetry.TelemetryConfigError as e:
-        raise GatewayUsageError(str(e)) from None
+        raise UsageError(str(e)) from None
     return GatewayConfig(
         listen=args.listen, coordinator=args.coordinator, max_queue=args.max_queue,
         max_message_bytes=args.max_message_bytes, default_max_new_tokens=args.default_max_new_tokens,
@@ -95,23 +83,13 @@ def build_config(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT, then shut down gracefully (exit 0)."""
     from gateway.process import GatewayServer
-    from shardmesh.rpc import log, procs, telemetry
+    from shardmesh.rpc import lifecycle, log, telemetry
 
-    try:
-        cfg = build_config(args)
-    except GatewayUsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    cfg = build_config(args)  # a UsageError reaches the command's main: one line, exit 2
     logger = log.configure("gateway", level=args.log_level)  # identity on every line, from every thread
     telemetry.setup_tracing("gateway", args.otlp_endpoint)
-    server = GatewayServer(cfg, logger)
-    with procs.stop_on_signals() as stop:
-        try:
-            server.start()
-            while not stop.wait(1.0):
-                pass
-            logger.info("signal_received")
-        finally:
-            server.stop()
-            telemetry.shutdown_tracing()
+    try:
+        lifecycle.serve_until_signal(GatewayServer(cfg, logger), logger)
+    finally:
+        telemetry.shutdown_tracing()  # after the server stopped: the last requests' spans go out too
     return 0

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gateway.service_name import SERVICE_NAME
 from shardmesh.rpc import telemetry
 
 if TYPE_CHECKING:
@@ -196,8 +197,6 @@ class GatewayObserver:
         if self.tracer is None:
             return None
         from opentelemetry.trace import SpanKind
-
-        from gateway.servicer import SERVICE_NAME
 
         span = self.tracer.start_span(
             f"{SERVICE_NAME}/{method}", context=telemetry.extract(metadata), kind=SpanKind.SERVER,

@@ -1,18 +1,9 @@
-"""The Gateway gRPC service and the process around it.
+"""The running gateway: `GatewayServer` owns everything with a life cycle: the topology watcher, the
+scheduler thread, and the gRPC server (the servicer in `gateway.servicer`) with health (SERVING only
+while a complete mesh can take requests) and reflection.
 
-The servicer only translates: protobuf in -> `GenerateCall` (validated, the bad field named) ->
-`prepare` against the served model -> `Scheduler.submit` -> events from the scheduler thread ->
-protobuf out. Domain errors become status codes in `_STATUS`, the one place they are mapped, and
-every error is logged once, as one JSON line bound to the request's id. `GatewayServer` owns
-everything with a life cycle: the topology watcher, the scheduler thread, and the gRPC server
-with health (SERVING only while a complete mesh can take requests) and reflection.
-
-Cancellation: a client that cancels (or whose deadline passes) fires the RPC's termination
-callback, which cancels the request; the scheduler drops it at the next step boundary and
-releases its slot on every shard. At shutdown, a unary `Generate` still running after the grace
-period gets a response with the tokens so far and finish_reason CANCELLED; a `GenerateStream` ends
-with status CANCELLED instead, because a stream's summary must ride on a token message and the
-stream's last token has already been sent.
+At shutdown it turns NOT_SERVING and refuses new RPCs at once; running requests get the grace period
+to finish, then are cancelled (`gateway.servicer` says what each RPC returns then).
 """
 
 from __future__ import annotations
@@ -27,7 +18,8 @@ from grpc_health.v1 import health, health_pb2
 
 from gateway.observe import DEFAULT_TRACE_DECODE_STEPS, GatewayMetrics, GatewayObserver
 from gateway.scheduler import Scheduler, SchedulerConfig
-from gateway.servicer import SERVICE_NAME, GatewayServicer
+from gateway.service_name import SERVICE_NAME
+from gateway.servicer import GatewayServicer
 from gateway.watcher import MeshSource, TopologyWatcher
 from shardmesh.proto.v1 import gateway_pb2_grpc
 from shardmesh.rpc import server as rpc
@@ -89,7 +81,7 @@ class GatewayServer:
 
     def start(self) -> None:
         cfg = self.cfg
-        server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size)
+        server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size, self._log)
         servicer = GatewayServicer(self.scheduler, self._log, self.observer)
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         self.port = rpc.bind(server, cfg.listen)

@@ -31,6 +31,11 @@ When a shard fails, every running request fails with UNAVAILABLE naming the work
 released once no step in flight uses it), and nothing is served until the coordinator publishes a
 newer complete topology; a new chain of steps starts only once every old step is over. Waiting
 requests stay queued through that and are served afterwards.
+
+This module is the loop and what ties its parts together: the waiting queue in `gateway/admission.py`,
+the free KV slots in `gateway/slots.py`, the choice of a micro-batch in `gateway/batching.py` (a pure
+function), the steps in flight and their chain in `gateway/dispatch.py`, one request's tokens and stop
+conditions in `gateway/sequence.py`; the worker messages are built in `gateway/wire.py`.
 """
 
 from __future__ import annotations
@@ -38,19 +43,22 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
-from gateway.fanout import SETTLE_S, MeshView, ShardFailure, StepCall
-from gateway.observe import GatewayObserver, RequestTrace, StepTrace
+from gateway import wire
+from gateway.admission import Admission, context_refusal
+from gateway.batching import pipeline_depth, plan_micro_batch
+from gateway.dispatch import Dispatcher, PipelineStats, StepInFlight
+from gateway.fanout import MeshView, ShardFailure
+from gateway.observe import GatewayObserver, RequestTrace
 from gateway.requests import ModelContext, PreparedRequest
-from gateway.results import EndEvent, FinishReason, RequestHandle, Summary, Timings, TokenEvent
-from gateway.text import CompletionText
+from gateway.results import EndEvent, FinishReason, RequestHandle, Summary, TokenEvent
+from gateway.sequence import Sequence
+from gateway.slots import SlotPool
 from gateway.watcher import MeshState
-from shardmesh.core.errors import Internal, InvalidArgument, MeshError, ResourceExhausted, Unavailable
-from shardmesh.proto.v1 import worker_pb2
+from shardmesh.core.errors import Internal, MeshError, Unavailable
 
 IDLE_WAIT_S = 0.5  # longest sleep without a wake-up; bounds how late a shutdown deadline is noticed
 
@@ -62,66 +70,6 @@ class SchedulerConfig:
     step_timeout: float = 120.0  # seconds a shard may take for one step before it counts as lost
     release_timeout: float = 5.0  # seconds to wait for Release answers
     pipeline_depth: int = 0  # steps in flight at once; 0: one per pipeline stage (the mesh's pp)
-
-
-@dataclass
-class PipelineStats:
-    """How full the scheduler kept the pipeline, since it started."""
-
-    steps: int = 0  # steps dispatched
-    overlapped: int = 0  # of those, dispatched while another step was in flight
-    max_in_flight: int = 0  # the most steps in flight at once
-
-
-@dataclass(eq=False)
-class _Sequence:
-    """The scheduler's record of one request (owned by the scheduler thread once admitted)."""
-
-    req: PreparedRequest
-    handle: RequestHandle
-    key: str  # the request id the workers see; unique among requests in flight
-    text: CompletionText
-    slot: int = -1
-    view: MeshView | None = None  # the mesh holding its KV cache, once admitted
-    cached: int = 0  # tokens in the KV cache: prompt chunks, then each decoded input
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    first_step_at: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    trace: RequestTrace | None = None  # its spans, when tracing is on
-    trace_id: str = ""  # for log lines written outside the request's own thread
-    step: _Step | None = None  # the step in flight it is part of
-    retired: bool = False  # ended while its step was in flight: released when that step completes
-    ready_at: int = 0  # when it last became free for a step (a counter): the longest-waiting go first
-    sampling: worker_pb2.TokenSampling | None = None  # built once, sent with each of its entries
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.req.prompt_ids)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.cached < self.prompt_len
-
-
-@dataclass(frozen=True)
-class _Planned:
-    seq: _Sequence
-    num_tokens: int
-    sample: bool
-
-
-@dataclass(eq=False)
-class _Step:
-    """A micro-batch in flight: what it carries, and the calls collecting every shard's answer."""
-
-    step_id: int
-    view: MeshView
-    seq: int  # MeshState.seq it was planned on: a failure makes that mesh unusable
-    planned: list[_Planned]
-    started: float
-    traced: StepTrace | None
-    call: StepCall
 
 
 class Scheduler:
@@ -139,24 +87,19 @@ class Scheduler:
         self._wakeup = threading.Event()
         # Shared with RPC threads, guarded by _lock:
         self._mesh = MeshState()
-        self._waiting: deque[_Sequence] = deque()
-        self._keys: set[str] = set()
+        self._admission = Admission(cfg.max_queue)
         self._failed_seq = -1  # MeshState.seq at the last step failure
         self._failure = ""
         self._closing = False
         self._deadline = 0.0
         self._ready = False
         self._ready_listeners: list[Callable[[bool], None]] = []
-        self._stats = PipelineStats()
         # Changed by the scheduler thread only, under _lock (submit reads how many slots are free):
-        self._free: list[int] = []
-        self._slots_for: tuple[Any, int] | None = None  # (placement, kv_slots) the free list was built for
+        self._slots = SlotPool()
         # Owned by the scheduler thread:
-        self._running: list[_Sequence] = []
-        self._to_release: list[_Sequence] = []
-        self._in_flight: list[_Step] = []  # in dispatch order
-        self._chain: tuple[Any, int] | None = None  # (placement, step id) the next step runs after
-        self._step_id = 0
+        self._running: list[Sequence] = []
+        self._to_release: list[Sequence] = []
+        self._dispatch = Dispatcher(cfg.step_timeout, observer, self._wakeup.set)
         self._ready_clock = itertools.count(1)
         self._thread: threading.Thread | None = None
 
@@ -199,12 +142,11 @@ class Scheduler:
     def load(self) -> tuple[int, int, int, bool]:
         """(waiting, running, free KV slots, ready), for metrics."""
         with self._lock:
-            return len(self._waiting), len(self._running), self._free_slots_locked(), self._ready_locked()
+            return len(self._admission), len(self._running), self._free_slots_locked(), self._ready_locked()
 
     def pipeline_stats(self) -> PipelineStats:
         """A copy of the pipeline counters."""
-        with self._lock:
-            return replace(self._stats)
+        return self._dispatch.stats()
 
     def submit(self, req: PreparedRequest, trace: RequestTrace | None = None, trace_id: str = "") -> RequestHandle:
         """Queue a request; its events arrive on the returned handle. `trace`: its spans (tracing on);
@@ -212,19 +154,10 @@ class Scheduler:
         with self._lock:
             if not self._ready_locked():
                 raise Unavailable(self._not_ready_reason())
-            queued = self._queued_locked()
-            if queued >= self.cfg.max_queue:
-                raise ResourceExhausted(f"queue full: {queued} requests waiting for a KV slot (--max-queue)")
-            key, n = req.request_id, 1
-            while key in self._keys:  # the same client id twice in flight: workers key state by it
-                n += 1
-                key = f"{req.request_id}#{n}"
-            self._keys.add(key)
             handle = RequestHandle(req.request_id, self._wakeup.set)
+            self._admission.enqueue(req, handle, self._free_slots_locked(), trace, trace_id)
             if trace is not None:
                 trace.queued()
-            self._waiting.append(_Sequence(req, handle, key, CompletionText(req.tokenizer, req.stop), trace=trace,
-                                           trace_id=trace_id))  # fmt: skip
         self._wakeup.set()
         return handle
 
@@ -253,20 +186,10 @@ class Scheduler:
     def _ready_locked(self) -> bool:
         return not self._closing and self._usable_locked()
 
-    def _queued_locked(self) -> int:
-        """Requests still without a slot after the next step boundary: cancelled ones are dropped there,
-        cancelled running ones free their slots there, and free slots take waiting requests."""
-        waiting = sum(1 for s in self._waiting if not s.handle.cancelled)
-        return max(0, waiting - self._free_slots_locked())
-
     def _free_slots_locked(self) -> int:
-        view = self._mesh.view
-        if view is None:
-            return 0
-        if self._slots_for != (view.placement, view.kv_slots):
-            return view.kv_slots  # a mesh the scheduler has not adopted yet: all its slots will be free
         # tuple() copies the scheduler thread's list in one step under the GIL; only a count is needed.
-        return len(self._free) + sum(1 for s in tuple(self._running) if s.handle.cancelled)
+        leaving = sum(1 for s in tuple(self._running) if s.handle.cancelled)
+        return self._slots.free_count(self._mesh.view, leaving)
 
     def _not_ready_reason(self) -> str:
         if self._closing:
@@ -309,23 +232,22 @@ class Scheduler:
         """One pass: collect finished steps, end and release what must end, admit, keep the pipeline
         full, then sleep until something happens. False: shut down."""
         self._wakeup.clear()  # before looking at anything, so that no wake-up in between is lost
-        self._collect()
+        for step in self._dispatch.completed(time.monotonic()):
+            self._complete(step)
         with self._lock:
             state, closing = self._mesh, self._closing
             view = state.view if self._usable_locked() else None
             expired = closing and self._clock() >= self._deadline
-            dropped = [s for s in self._waiting if s.handle.cancelled or closing]
-            if dropped:
-                self._waiting = deque(s for s in self._waiting if not (s.handle.cancelled or closing))
-            has_waiting = bool(self._waiting)
+            dropped = self._admission.drop(everything=closing)
+            has_waiting = bool(self._admission)
         for s in dropped:  # never admitted: no slot to release
             self._end_cancelled(s, by="client" if s.handle.cancelled else "shutdown")
-        for s in [s for s in self._running if s.step is None and (s.handle.cancelled or expired)]:
+        for s in [s for s in self._running if not s.in_flight and (s.handle.cancelled or expired)]:
             self._end_cancelled(s, by="client" if s.handle.cancelled else "shutdown")
         if view is not None:
             self._drop_moved(view)
         self._release_ended()
-        if closing and not self._running and not has_waiting and not self._in_flight:
+        if closing and not self._running and not has_waiting and not self._dispatch.steps:
             return False
         if view is not None and (self._running or has_waiting):
             self._admit(view)
@@ -339,9 +261,9 @@ class Scheduler:
         if closing and not expired:
             timeout = min(timeout, max(0.0, self._deadline - self._clock()))
         now = time.monotonic()
-        deadlines = [s.call.deadline for s in self._in_flight if s.call.deadline > now]  # not yet overdue
-        if deadlines:
-            timeout = min(timeout, min(deadlines) - now)
+        deadline = self._dispatch.next_deadline(now)
+        if deadline is not None:
+            timeout = min(timeout, deadline - now)
         return timeout
 
     def _drop_moved(self, view: MeshView) -> None:
@@ -352,127 +274,57 @@ class Scheduler:
                                 "the KV cache of running requests is gone")  # fmt: skip
             for s in list(self._running):
                 self._end_failed(s, error)
-        for step in self._in_flight:  # the old placement's steps serve nobody now; the new chain waits for them
-            if step.view.placement != view.placement:
-                step.call.cancel_after(SETTLE_S)
+        self._dispatch.settle(keep=view)  # the old placement's steps serve nobody now; the new chain waits for them
 
-    # -- admission and planning -------------------------------------------------------------------
+    # -- admission and the pipeline ---------------------------------------------------------------
 
     def _admit(self, view: MeshView) -> None:
-        if self._slots_for != (view.placement, view.kv_slots) and not self._running:
-            if self._in_flight:
+        """Waiting requests into free slots, oldest first."""
+        if not self._slots.serves(view) and not self._running:
+            if self._dispatch.steps:
                 return  # the old placement's last steps are still out: its slots are not ours to hand out yet
             with self._lock:
-                self._free = list(range(view.kv_slots))
-                self._slots_for = (view.placement, view.kv_slots)
+                self._slots.adopt(view)
         while True:
             with self._lock:
-                if not self._free or not self._waiting:
+                admitted = self._admission.next_admitted(self._slots)
+                if admitted is None:
                     return
-                s = self._waiting.popleft()
-                slot = self._free.pop(0)
-            if s.req.max_total_tokens > view.max_context:  # the limits changed while it waited
+            s, slot = admitted
+            refusal = context_refusal(s.req, view)
+            if refusal is not None:
                 with self._lock:
-                    self._free.insert(0, slot)
-                limit = f"prompt + max_new_tokens ({s.req.max_total_tokens}) exceeds the context of {view.max_context}"
-                self._end_failed(s, InvalidArgument("params.max_new_tokens", limit))
+                    self._slots.put_back(slot)
+                self._end_failed(s, refusal)
                 continue
             s.slot, s.view, s.ready_at = slot, view, next(self._ready_clock)
-            sp = s.req.sampling
-            s.sampling = worker_pb2.TokenSampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                                                  seed=sp.seed)  # fmt: skip
+            s.sampling = wire.token_sampling(s.req.sampling)
             if s.trace is not None:
                 s.trace.admitted(slot)
             self._running.append(s)
 
     def _fill_pipeline(self, view: MeshView, seq: int) -> None:
         """Dispatch micro-batches while fewer steps than the pipeline depth are in flight."""
-        depth = self.cfg.pipeline_depth or view.pp
-        while len(self._in_flight) < depth:
-            chain_goes_on = self._chain is not None and self._chain[0] == view.placement
-            if self._in_flight and not chain_goes_on:
+        depth = pipeline_depth(self.cfg.pipeline_depth, view.pp)
+        while len(self._dispatch.steps) < depth:
+            if not self._dispatch.may_start(view):
                 return  # a new chain (after a failure or a move) starts once every old step is over
-            planned = self._plan(view, depth)
+            planned = plan_micro_batch(self._running, depth, view.max_batch_tokens)
             if not planned:
                 return
-            self._dispatch(view, planned, seq)
+            self._dispatch.start(view, planned, seq, self._clock())
 
-    def _plan(self, view: MeshView, depth: int) -> list[_Planned]:
-        """One micro-batch from the sequences in no step, longest-waiting first: decodes, then prompt
-        chunks, within the token budget and at most ceil(running / depth) sequences."""
-        free = sorted((s for s in self._running if s.step is None), key=lambda s: s.ready_at)
-        cap = -(-len(self._running) // depth)
-        budget = view.max_batch_tokens
-        planned: list[_Planned] = []
-        for s in free:
-            if len(planned) >= min(cap, budget):
-                break
-            if not s.prefilling:
-                planned.append(_Planned(s, 1, True))
-        budget -= len(planned)
-        for s in free:
-            if len(planned) >= cap or budget <= 0:
-                break
-            if s.prefilling:
-                n = min(s.prompt_len - s.cached, budget)
-                planned.append(_Planned(s, n, s.cached + n == s.prompt_len))
-                budget -= n
-        return planned
+    # -- steps that completed ---------------------------------------------------------------------
 
-    def _entry(self, p: _Planned) -> worker_pb2.BatchEntry:
-        s = p.seq
-        ids = s.req.prompt_ids[s.cached : s.cached + p.num_tokens] if s.prefilling else (s.tokens[-1],)
-        return worker_pb2.BatchEntry(request_id=s.key, slot=s.slot, start_pos=s.cached, num_tokens=p.num_tokens,
-                                     token_ids=ids, sampling=s.sampling, skip_sampling=not p.sample)  # fmt: skip
-
-    # -- steps in flight --------------------------------------------------------------------------
-
-    def _dispatch(self, view: MeshView, planned: list[_Planned], seq: int) -> None:
-        """Send one micro-batch to every shard, chained after the previous step on this placement."""
-        self._step_id += 1
-        after = self._chain[1] if self._chain is not None and self._chain[0] == view.placement else 0
-        self._chain = (view.placement, self._step_id)
-        started = self._clock()
-        for p in planned:
-            if p.seq.first_step_at is None:
-                p.seq.first_step_at = started
-        request = worker_pb2.StepRequest(step_id=self._step_id, topology_version=view.version, after_step_id=after,
-                                         entries=[self._entry(p) for p in planned])  # fmt: skip
-        obs, in_flight = self._obs, len(self._in_flight) + 1
-        traced = obs.step_started(self._step_id, view, planned, in_flight, after) if obs is not None else None
-        call = view.start_step(request, self.cfg.step_timeout, traced.metadata if traced is not None else None,
-                               self._wakeup.set)  # fmt: skip
-        step = _Step(self._step_id, view, seq, planned, started, traced, call)
-        for p in planned:
-            p.seq.step = step
-        self._in_flight.append(step)
-        with self._lock:
-            self._stats.steps += 1
-            self._stats.overlapped += int(in_flight > 1)
-            self._stats.max_in_flight = max(self._stats.max_in_flight, in_flight)
-
-    def _collect(self) -> None:
-        """Complete every step whose shards have all answered (or that failed)."""
-        now = time.monotonic()
-        for step in list(self._in_flight):
-            step.call.expire_if_overdue(now)
-            if step.call.done():
-                self._in_flight.remove(step)
-                self._complete(step)
-
-    def _complete(self, step: _Step) -> None:
+    def _complete(self, step: StepInFlight) -> None:
         planned = step.planned
         for p in planned:  # free for the next step; a sequence that ended meanwhile can be released now
-            p.seq.step, p.seq.ready_at = None, next(self._ready_clock)
+            p.seq.in_flight, p.seq.ready_at = False, next(self._ready_clock)
             if p.seq.retired:
                 self._to_release.append(p.seq)
         obs = self._obs
-        sampled = [p for p in planned if p.sample]
         try:
-            response = step.call.result()
-            if len(response.tokens) != len(sampled):
-                raise ShardFailure(step.view.sampler, ValueError(
-                    f"answered {len(response.tokens)} tokens for {len(sampled)} sampled entries"))  # fmt: skip
+            response = step.response()
         except ShardFailure as e:
             if obs is not None:
                 obs.step_done(step.traced, len(planned), 0, self._clock() - step.started, None, str(e))
@@ -486,11 +338,12 @@ class Scheduler:
                         ms=round((now - step.started) * 1000, 3))  # fmt: skip
         for p in planned:
             p.seq.cached += p.num_tokens
+        sampled = [p for p in planned if p.sample]
         for p, token in zip(sampled, response.tokens, strict=True):
             if not p.seq.retired:
                 self._on_token(p.seq, token.token_id, token.logprob, now)
 
-    def _on_step_failure(self, e: ShardFailure, step: _Step) -> None:
+    def _on_step_failure(self, e: ShardFailure, step: StepInFlight) -> None:
         placement = step.view.placement
         with self._lock:
             # A newer version of the same placement is the same processes: it is broken too.
@@ -498,9 +351,8 @@ class Scheduler:
             seq = self._mesh.seq if current is not None and current.placement == placement else step.seq
             if seq > self._failed_seq:  # the first failure on this mesh says why it is unusable
                 self._failed_seq, self._failure = seq, str(e)
-        self._chain = None
-        for other in self._in_flight:  # on the same broken mesh: give them a moment, then cancel
-            other.call.cancel_after(SETTLE_S)
+        self._dispatch.break_chain()
+        self._dispatch.settle()  # the other steps on the broken mesh: give them a moment, then cancel
         doomed = [s for s in self._running if s.view is not None and s.view.placement == placement]
         self._log.error("step_failed", step_id=step.step_id, error=str(e), worker=e.shard.address,
                         stage=e.shard.stage, tp_rank=e.shard.tp_rank, request_ids=[s.req.request_id for s in doomed],
@@ -510,53 +362,32 @@ class Scheduler:
         for s in doomed:  # their KV cache lives on the broken mesh
             self._end_failed(s, error)
 
-    def _on_token(self, s: _Sequence, token_id: int, logprob: float, now: float) -> None:
-        s.tokens.append(int(token_id))
-        s.logprobs.append(float(logprob))
-        s.token_times.append(now)
+    def _on_token(self, s: Sequence, token_id: int, logprob: float, now: float) -> None:
+        delta, reason = s.add_token(token_id, logprob, now)
         if s.trace is not None and len(s.tokens) == 1:
             s.trace.first_token()
-        delta = s.text.add(token_id)
-        if s.text.stopped or token_id in s.req.eos_token_ids:
-            reason: FinishReason | None = FinishReason.STOP
-        elif len(s.tokens) >= s.req.max_new_tokens:
-            reason = FinishReason.LENGTH
-        else:
-            reason = None
         summary = None
         if reason is not None:
-            delta += s.text.finish()
-            summary = self._summary(s, reason, now)
+            summary = s.summary(reason, now)
             self._finish(s, summary)
         s.handle.events.put(TokenEvent(len(s.tokens) - 1, int(token_id), float(logprob), delta, summary))
 
     # -- endings ----------------------------------------------------------------------------------
 
-    def _summary(self, s: _Sequence, reason: FinishReason, now: float) -> Summary:
-        arrival = s.req.arrival
-        times = s.token_times
-        timings = Timings(
-            queue_ms=((s.first_step_at if s.first_step_at is not None else now) - arrival) * 1000,
-            time_to_first_token_ms=(times[0] - arrival) * 1000 if times else 0.0,
-            inter_token_ms=tuple((b - a) * 1000 for a, b in itertools.pairwise(times)),
-            total_ms=((times[-1] if times else now) - arrival) * 1000,
-        )
-        return Summary(reason, s.prompt_len, len(s.tokens), timings)
-
-    def _retire(self, s: _Sequence) -> None:
+    def _retire(self, s: Sequence) -> None:
         """`s` stops running. Its slot goes to the next Release once no step in flight uses it (a
         Release must never race a Step into the same slot); its key is free again after that."""
         if s in self._running:
             self._running.remove(s)
-            if s.step is None:
+            if not s.in_flight:
                 self._to_release.append(s)
             else:
                 s.retired = True
         elif s.view is None:  # never admitted: nothing to release
             with self._lock:
-                self._keys.discard(s.key)
+                self._admission.forget(s.key)
 
-    def _finish(self, s: _Sequence, summary: Summary) -> None:
+    def _finish(self, s: Sequence, summary: Summary) -> None:
         """Take `s` out of the running set; its slot is released at the next step boundary."""
         self._retire(s)
         if self._obs is not None:
@@ -568,15 +399,15 @@ class Scheduler:
                        queue_ms=round(t.queue_ms, 3), time_to_first_token_ms=round(t.time_to_first_token_ms, 3),
                        total_ms=round(t.total_ms, 3))  # fmt: skip
 
-    def _end_cancelled(self, s: _Sequence, by: str) -> None:
+    def _end_cancelled(self, s: Sequence, by: str) -> None:
         delta = s.text.finish()
-        summary = self._summary(s, FinishReason.CANCELLED, self._clock())
+        summary = s.summary(FinishReason.CANCELLED, self._clock())
         self._log.info("request_cancelled", request_id=s.req.request_id, trace_id=s.trace_id, by=by,
                        completion_tokens=len(s.tokens))  # fmt: skip
         self._finish(s, summary)
         s.handle.events.put(EndEvent(summary=summary, text_delta=delta))
 
-    def _end_failed(self, s: _Sequence, error: MeshError) -> None:
+    def _end_failed(self, s: Sequence, error: MeshError) -> None:
         self._retire(s)
         if self._obs is not None:
             self._obs.request_failed(s.trace, error)
@@ -585,28 +416,24 @@ class Scheduler:
     def _release_ended(self) -> None:
         """Release every ended request's slot on the mesh that holds it, then free the slots and keys."""
         ended, self._to_release = self._to_release, []
-        by_view: dict[int, tuple[MeshView, list[_Sequence]]] = {}
+        by_view: dict[int, tuple[MeshView, list[Sequence]]] = {}
         for s in ended:
             if s.view is not None:
                 by_view.setdefault(id(s.view), (s.view, []))[1].append(s)
         for view, group in by_view.values():
-            sequences = [worker_pb2.ReleasedSequence(request_id=s.key, slot=s.slot) for s in group]
-            for failure in view.release(sequences, self.cfg.release_timeout):
+            for failure in view.release(wire.released(group), self.cfg.release_timeout):
                 self._log.warning("release_failed", error=str(failure), request_ids=[s.req.request_id for s in group],
                                   trace_ids=[s.trace_id for s in group])  # fmt: skip
         with self._lock:
-            current = self._slots_for
             for s in ended:
-                self._keys.discard(s.key)
-                if s.view is not None and current == (s.view.placement, s.view.kv_slots) and s.slot not in self._free:
-                    self._free.append(s.slot)
-            self._free.sort()
+                self._admission.forget(s.key)
+            self._slots.release([(s.view, s.slot) for s in ended if s.view is not None])
 
     def _fail_everything(self, error: MeshError) -> None:
         with self._lock:
-            waiting, self._waiting = list(self._waiting), deque()
+            waiting = self._admission.drain()
         for s in [*waiting, *self._running]:
             self._end_failed(s, error)
-        self._chain = None
+        self._dispatch.break_chain()
         with self._lock:
-            self._free, self._slots_for = [], None  # rebuilt from kv_slots at the next admission
+            self._slots.clear()  # rebuilt from kv_slots at the next admission

@@ -1,11 +1,10 @@
-"""The Gateway gRPC service and the process around it.
-
-The servicer only translates: protobuf in -> `GenerateCall` (validated, the bad field named) ->
+"""The Gateway gRPC servicer: protobuf in -> `GenerateCall` (validated, the bad field named) ->
 `prepare` against the served model -> `Scheduler.submit` -> events from the scheduler thread ->
-protobuf out. Domain errors become status codes in `_STATUS`, the one place they are mapped, and
-every error is logged once, as one JSON line bound to the request's id. `GatewayServer` owns
-everything with a life cycle: the topology watcher, the scheduler thread, and the gRPC server
-with health (SERVING only while a complete mesh can take requests) and reflection.
+protobuf out. The process around it is `gateway.process.GatewayServer`.
+
+Failures are raised as `shardmesh.core.errors` types; the server's interceptor
+(`shardmesh.rpc.interceptors`) turns them into status codes. Here each failed request is logged
+once, as one JSON line bound to the request's id, counted, and ends its trace.
 
 Cancellation: a client that cancels (or whose deadline passes) fires the RPC's termination
 callback, which cancels the request; the scheduler drops it at the next step boundary and
@@ -31,29 +30,17 @@ from gateway.observe import GatewayObserver, RequestTrace
 from gateway.requests import GenerateCall, GenerateParams, PromptInput, prepare, request_id_of
 from gateway.results import EndEvent, Event, FinishReason, RequestHandle, Summary, TokenEvent, is_last
 from gateway.scheduler import Scheduler
-from shardmesh.core.errors import Cancelled, Internal, InvalidArgument, MeshError, ResourceExhausted, Unavailable
+from shardmesh.core.errors import Cancelled, Internal, InvalidArgument, MeshError, Unavailable
 from shardmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from shardmesh.rpc import telemetry
 
-SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name  # "shardmesh.v1.Gateway"
 EVENT_POLL_S = 1.0  # how often a waiting RPC checks that the scheduler is still alive
 
-_STATUS: dict[type[MeshError], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Cancelled: grpc.StatusCode.CANCELLED,
-    Internal: grpc.StatusCode.INTERNAL,
-}
 _FINISH = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
 }
-
-
-def status_for(error: MeshError) -> grpc.StatusCode:
-    return next((code for cls, code in _STATUS.items() if isinstance(error, cls)), grpc.StatusCode.INTERNAL)
 
 
 def _summary_pb(summary: Summary) -> gateway_pb2.StreamSummary:
@@ -87,7 +74,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _request(self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext,
                  method: str) -> Iterator[_Call]:  # fmt: skip
         """Bind the request id and trace id to every log line, trace the RPC (when tracing is on), and
-        turn any failure into one status + one log line.
+        log and count a failure once. An unexpected error is re-raised as `Internal` naming the request
+        id, so the client can find the traceback, which only the log has.
 
         The trace id is the request span's when tracing is on; otherwise the client's `traceparent`'s
         when it sent one, so its logs still join ours; otherwise a fresh one, for log correlation only.
@@ -103,7 +91,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         trace_id = trace.trace_id if trace is not None else (telemetry.client_trace_id(metadata) or
                                                               telemetry.new_trace_id())  # fmt: skip
         error: BaseException | None = None
-        code_name = ""
+        code = ""
         with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=trace_id):
             context.set_trailing_metadata((("request-id", request_id), ("trace-id", trace_id)))
             try:
@@ -111,21 +99,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     raise refusal
                 yield _Call(request_id, trace_id, trace)
             except MeshError as e:
-                code = status_for(e)
-                error, code_name = e, code.name
-                self._log.warning("request_failed", code=code.name, error=str(e))
-                if obs is not None:
-                    obs.request_errored(code.name)
-                context.abort(code, str(e))
+                error, code = e, e.code
+                self._log.warning("request_failed", code=code, error=str(e))
+                raise
             except Exception as e:
-                error, code_name = e, grpc.StatusCode.INTERNAL.name
+                error, code = e, Internal.code
                 self._log.exception("request_error")
-                if obs is not None:
-                    obs.request_errored(code_name)
-                context.abort(grpc.StatusCode.INTERNAL, f"internal error (request_id {request_id}; see gateway logs)")
+                raise Internal(f"internal error (request_id {request_id}; see gateway logs)") from e
             finally:
+                if obs is not None and code:
+                    obs.request_errored(code)
                 if trace is not None:
-                    GatewayObserver.end_request(trace, error, code_name)
+                    GatewayObserver.end_request(trace, error, code)
 
     def _start(self, request: gateway_pb2.GenerateRequest, call: _Call, arrival: float) -> RequestHandle:
         started_ns = time.time_ns() if call.trace is not None else 0
@@ -194,7 +179,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest, context: grpc.ServicerContext) -> Any:
         state, ready = self._scheduler.snapshot()
         if state.topology is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, state.reason)
+            raise Unavailable(state.reason)
         topology, model = state.topology, state.model
         return gateway_pb2.ModelInfo(
             model=topology.model.to_pb(), pp=topology.pp, tp=topology.tp, topology_version=topology.version,

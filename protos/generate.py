@@ -16,7 +16,7 @@ are left untouched, so the proto file names ("shardmesh/v1/common.proto"), the p
 fully qualified names on the wire ("shardmesh.v1.Coordinator") stay what the .proto files say.
 
 `--check` generates into a temporary directory and compares with the committed files (exit 1 and
-a list of differences when they are stale); tests/test_protos.py does the same.
+a list of differences when they are stale); tests/unit/rpc/test_protos.py does the same.
 """
 
 from __future__ import annotations

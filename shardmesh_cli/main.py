@@ -8,25 +8,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """Bad command-line input: printed as one line, no traceback."""
+from shardmesh.core.dtypes import DType
+from shardmesh.core.layout import REBALANCES
+from shardmesh.rpc.flags import EXIT_USAGE, UsageError
 
 
 def resolve_model(arg: str) -> Path:
-    """A model directory, or the name of a model `shardmesh model pull` knows (pulled on first use)."""
-    path = Path(arg).expanduser()
-    if path.is_dir():
-        return path
-    from shardmesh.models import pull
+    """`--model` as every command resolves it (`registry.resolve`); an unknown name is a usage error."""
+    from shardmesh.models.registry import UnknownModelError, resolve
 
-    if arg in pull.known_models():
-        return pull.pull(arg)
-    raise UsageError(
-        f"--model: {arg!r} is neither a directory nor a known model name ({', '.join(pull.known_models())})"
-    )
+    try:
+        return resolve(arg)
+    except UnknownModelError as e:
+        raise UsageError(f"--model: {e}") from None
 
 
 def _parse_token_ids(text: str) -> list[int]:
@@ -83,8 +77,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _generate_via_gateway(args)
 
     from shardmesh.core.config import ModelConfig
-    from shardmesh.engine.offline import OfflineRequest, generate_local
-    from shardmesh.engine.sampling import SamplingParams
+    from shardmesh.core.step import SamplingParams
+    from shardmesh_cli.offline import OfflineRequest, generate_local
 
     if args.model is None:
         raise UsageError("--model is required (or --gateway ADDR to use a running gateway)")
@@ -150,9 +144,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_model_pull(args: argparse.Namespace) -> int:
-    from shardmesh.models import pull
+    from shardmesh.models import cache, registry
 
-    path = pull.pull(args.name, Path(args.cache_dir) if args.cache_dir else None)
+    path = cache.pull(registry.get_source(args.name), Path(args.cache_dir) if args.cache_dir else None)
     print(path)
     return 0
 
@@ -173,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="float32", choices=DType.names())
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument(
         "--json", action="store_true", help="print one JSON object: token_ids, logprobs, text, finish_reason"
@@ -225,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--model", default=None, help="model directory or known model name (required without --manifest)")
     u.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     u.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per stage (default 1)")
-    u.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    u.add_argument("--dtype", default="float32", choices=DType.names())
     u.add_argument("--device", default="cpu", help="cpu or cuda")
     u.add_argument("--listen", default=None, help="gateway host:port (default 127.0.0.1 and a free port)")
     u.add_argument("--kv-slots", type=int, default=8, help="sequences in flight per shard (default 8)")
@@ -245,12 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--demo", metavar="PROMPT", default=None, help="stream one answer to PROMPT, then stop")
     u.add_argument("--max-new-tokens", type=int, default=128, help="length of the --demo answer (default 128)")
     u.add_argument("--otlp-endpoint", default=None, help="send every service's spans to this OTLP endpoint")
-    u.add_argument("--metrics", action="store_true", help="Prometheus metrics on every service (free ports; see top)")
+    u.add_argument(
+        "--metrics", action="store_true", help="Prometheus metrics on every service, on free ports printed at start"
+    )
     u.add_argument("--layers", default=None, help="layers per pipeline stage, e.g. 18,12 (default: even)")
     u.add_argument(
         "--rebalance",
         default="none",
-        choices=["none", "by-speed"],
+        choices=REBALANCES,
         help="by-speed: re-split layers by the stage times the balance check measures (default none)",
     )
     u.add_argument(

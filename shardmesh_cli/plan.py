@@ -2,7 +2,8 @@
 
 Exit codes: 0 a plan that fits; 1 it does not fit (the message says what is missing and what would
 fit); 2 bad input (a flag, a manifest field: one line per problem, no traceback).
-Imports only the standard library at import time, so building the `shardmesh` parser stays cheap.
+Imports only the standard library (and the dtype names) at import time, so building the `shardmesh`
+parser stays cheap.
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shardmesh.core.dtypes import DType
+from shardmesh.rpc.flags import EXIT_USAGE, UsageError
+
 if TYPE_CHECKING:
     from shardmesh.planning.deploy import Deployment
     from shardmesh.planning.devices import Device
     from shardmesh.planning.memory import ModelInfo
     from shardmesh.planning.planner import PlanOptions
 
-EXIT_USAGE, EXIT_INFEASIBLE = 2, 1
-DTYPES = ("float32", "bfloat16", "float16")
+EXIT_INFEASIBLE = 1  # a usage error exits EXIT_USAGE (2)
 # Flags a manifest sets itself; giving them as well is refused rather than silently overridden.
 MANIFEST_FIELDS = {
     "model": "model.path", "devices": "nodes", "dtype": "model.dtype", "kv_slots": "serving.kv_slots",
@@ -32,10 +35,15 @@ MANIFEST_FIELDS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="model directory: config.json (+ safetensors, optional: a config alone plans too)")
+    p.add_argument(
+        "--model",
+        help="model directory (config.json; safetensors optional: a config alone plans too) or known model name",
+    )
     p.add_argument("--devices", help="devices as [NODE:]COUNTxSIZE[@SPEED],...: 4x24GiB or nodeA:2x80GiB,nodeB:1x48GiB")
     p.add_argument("--manifest", metavar="FILE", help="plan the deployment a YAML manifest describes")
-    p.add_argument("--dtype", choices=DTYPES, help="serving dtype (default float32, as `up` and the coordinator)")
+    p.add_argument(
+        "--dtype", choices=DType.names(), help="serving dtype (default float32, as `up` and the coordinator)"
+    )
     p.add_argument("--kv-slots", type=int, help="KV-cache slots per shard (default 8)")
     p.add_argument("--max-context", type=int, help="tokens per sequence (default: the model's)")
     p.add_argument("--max-batch-tokens", type=int, help="tokens per step (default: --max-context)")
@@ -51,41 +59,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--manifest-schema", action="store_true", help="print the manifest's JSON Schema and exit")
 
 
-class _Usage(Exception):
-    pass
-
-
 def _flag_options(args: argparse.Namespace) -> tuple[ModelInfo, tuple[Device, ...], PlanOptions]:
+    from shardmesh.core.topology import ServingLimits
+    from shardmesh.models.registry import resolve
     from shardmesh.planning.devices import parse_devices
-    from shardmesh.planning.memory import Limits, RuntimeCosts, load_model
+    from shardmesh.planning.memory import RuntimeCosts, load_model
     from shardmesh.planning.planner import PlanOptions
     from shardmesh.planning.units import parse_bytes
 
     if not args.model or not args.devices:
-        raise _Usage("give --model DIR and --devices SPEC, or --manifest FILE")
+        raise UsageError("give --model DIR and --devices SPEC, or --manifest FILE")
     try:
         devices = parse_devices(args.devices)
         reserve = parse_bytes(args.reserve) if args.reserve else 0
         overhead = parse_bytes(args.runtime_overhead) if args.runtime_overhead else None
         runtime = RuntimeCosts.for_device(args.device or "cpu", overhead)
     except ValueError as e:
-        raise _Usage(str(e)) from None
-    model_dir = Path(args.model).expanduser()
-    if not model_dir.is_dir():
-        raise _Usage(f"--model: {args.model!r} is not a directory")
+        raise UsageError(str(e)) from None
     try:
-        model = load_model(model_dir)
+        model = load_model(resolve(args.model))
     except (ValueError, FileNotFoundError) as e:
-        raise _Usage(f"--model: {e}") from None
+        raise UsageError(f"--model: {e}") from None
     ctx = args.max_context if args.max_context is not None else model.cfg.max_context
     if not 1 <= ctx <= model.cfg.max_context:
-        raise _Usage(f"--max-context: must be in 1..{model.cfg.max_context} (the model's context), got {ctx}")
+        raise UsageError(f"--max-context: must be in 1..{model.cfg.max_context} (the model's context), got {ctx}")
     for flag, value in (("--kv-slots", args.kv_slots), ("--max-batch-tokens", args.max_batch_tokens),
                         ("--tp", args.tp), ("--pp", args.pp)):  # fmt: skip
         if value is not None and value < 1:
-            raise _Usage(f"{flag}: must be >= 1, got {value}")
-    limits = Limits(args.kv_slots or 8, ctx, args.max_batch_tokens or ctx)
-    opts = PlanOptions(dtype=args.dtype or "float32", limits=limits, runtime=runtime, tp=args.tp, pp=args.pp,
+            raise UsageError(f"{flag}: must be >= 1, got {value}")
+    limits = ServingLimits(args.kv_slots or 8, ctx, args.max_batch_tokens or ctx)
+    opts = PlanOptions(dtype=args.dtype or DType.FLOAT32, limits=limits, runtime=runtime, tp=args.tp, pp=args.pp,
                        balance=args.balance or "memory", reserve=reserve)  # fmt: skip
     return model, devices, opts
 
@@ -102,14 +105,14 @@ def run(args: argparse.Namespace) -> int:
         if args.manifest:
             given = [k for k in MANIFEST_FIELDS if getattr(args, k) is not None]
             if given:
-                raise _Usage("; ".join(f"--{k.replace('_', '-')}: the manifest sets this ({MANIFEST_FIELDS[k]})"
+                raise UsageError("; ".join(f"--{k.replace('_', '-')}: the manifest sets this ({MANIFEST_FIELDS[k]})"
                                        for k in given))  # fmt: skip
             source = Path(args.manifest)
             d = deploy.resolve(load_manifest(source), source)
             return _print_deployment(d, args.json)
         model, devices, opts = _flag_options(args)
         chosen = plan(model, devices, opts)
-    except _Usage as e:
+    except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except ManifestError as e:

@@ -53,7 +53,7 @@ def render(t: Topology) -> str:
         f"{'stage':>5}  {'layers':<12} {'rank':>4}  {'worker':<16} {'state':<10} address",
     ]
     for st, sh in t.shards():
-        layers = f"{st.layer_start}-{st.layer_end - 1} ({st.layer_end - st.layer_start})"
+        layers = f"{st.layer_start}-{st.layer_end - 1} ({st.num_layers})"
         lines.append(f"{st.index:>5}  {layers:<12} {sh.rank:>4}  {sh.worker_id or '(vacant)':<16} "
                      f"{sh.state.value:<10} {sh.address or '-'}")  # fmt: skip
     verdict = "passed" if c.passed and t.rendezvous is not None and c.epoch == t.rendezvous.epoch else "not passed"

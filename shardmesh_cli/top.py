@@ -19,7 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-EXIT_USAGE = 2
+from shardmesh.rpc.flags import EXIT_USAGE
+
 BAR = 20  # memory bar width
 BAR_CHARS = (("weights", "#"), ("kv_cache", "="), ("other", "."))
 

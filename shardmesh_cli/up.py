@@ -2,8 +2,10 @@
 
 Each service runs as its own process with exactly the flags compose would give it, so what runs
 here is what runs in a deployment. `up` waits until the gateway reports SERVING (which it does only
-for a complete topology), prints the gateway address, and on Ctrl-C or SIGTERM stops everything in
-reverse order; every child also dies with `up` itself (PR_SET_PDEATHSIG), so none is ever orphaned.
+for a complete topology), prints the gateway address (first: scripts read it), with `--metrics` every
+service's metrics address and the `shardmesh top` command that watches them, and on Ctrl-C or SIGTERM
+stops everything in reverse order; every child also dies with `up` itself (PR_SET_PDEATHSIG), so none is
+ever orphaned.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import Popen
@@ -23,6 +25,8 @@ from subprocess import Popen
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shardmesh.core.layout import layer_counts
+from shardmesh.core.topology import Topology
 from shardmesh.rpc import procs
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -109,6 +113,8 @@ class LocalMesh:
     gateway: str = ""  # host:port
     coordinator: str = ""
     share: CoreShare | None = None
+    # host:port of the coordinator's and the gateway's /metrics (with --metrics); the workers' are in the topology
+    metrics: dict[str, str] = field(default_factory=dict)
     children: list[tuple[str, Popen]] = field(default_factory=list)
     _files: list = field(default_factory=list)
 
@@ -133,15 +139,18 @@ class LocalMesh:
             f.close()
 
 
-def _telemetry_flags(args: argparse.Namespace) -> list[str]:
-    """The same telemetry for every service: spans to one OTLP endpoint, metrics on free ports (which
-    workers announce through the coordinator, where `shardmesh top` finds them)."""
-    flags: list[str] = []
-    if getattr(args, "otlp_endpoint", None):
-        flags += ["--otlp-endpoint", args.otlp_endpoint]
-    if getattr(args, "metrics", False):
-        flags += ["--metrics-port", "-1"]
-    return flags
+def _otlp_flags(args: argparse.Namespace) -> list[str]:
+    """Every service sends its spans to the same OTLP endpoint."""
+    return ["--otlp-endpoint", args.otlp_endpoint] if getattr(args, "otlp_endpoint", None) else []
+
+
+def _metrics_flags(mesh: LocalMesh, service: str, listen: str) -> list[str]:
+    """`--metrics-port` for the coordinator or the gateway under `up --metrics`: a port chosen here, so that
+    `up` can print where it is (workers take any free port and publish it in the topology instead)."""
+    port = free_port()
+    host = listen.rpartition(":")[0].strip("[]")
+    mesh.metrics[service] = f"{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
+    return ["--metrics-port", str(port)]
 
 
 def _balance_flags(args: argparse.Namespace) -> list[str]:
@@ -172,7 +181,10 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
         if args.max_batch_tokens:
             coord += ["--max-batch-tokens", str(args.max_batch_tokens)]
         coord += _balance_flags(args)
-        telemetry = _telemetry_flags(args)
+        metrics = getattr(args, "metrics", False)
+        telemetry = _otlp_flags(args)
+        if metrics:
+            coord += _metrics_flags(mesh, "coordinator", mesh.coordinator)
         mesh.spawn("coordinator", coord + telemetry)
         wait_serving(mesh.coordinator, mesh.children, 60, log_dir)
         world = args.pp * args.tp
@@ -183,13 +195,19 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
         nodes = args.rank_nodes.split(",") if getattr(args, "rank_nodes", None) else None
         for rank in range(world):
             labels = ["--label", f"node={nodes[rank]}"] if nodes else []  # the node the plan put this rank on
+            # -1: any free port, published in the topology, so a restarted worker binds a fresh one and
+            # `shardmesh top` still finds it
+            worker_metrics = ["--metrics-port", "-1"] if metrics else []
             mesh.spawn(f"worker{rank}", ["worker", "--coordinator", mesh.coordinator, "--worker-id", f"worker-{rank}",
-                                         "--device", args.device, *labels, *telemetry], env=env)  # fmt: skip
+                                         "--device", args.device, *labels, *telemetry, *worker_metrics],
+                       env=env)  # fmt: skip
         mesh.gateway = args.listen or f"127.0.0.1:{free_port()}"
         gateway = ["gateway", "--listen", mesh.gateway, "--coordinator", mesh.coordinator,
                    "--pipeline-depth", str(share.gateway_depth)]  # fmt: skip
         if getattr(args, "max_queue", None):  # from a manifest (serving.max_queue)
             gateway += ["--max-queue", str(args.max_queue)]
+        if metrics:
+            gateway += _metrics_flags(mesh, "gateway", mesh.gateway)
         mesh.spawn("gateway", gateway + telemetry)
         wait_serving(mesh.gateway, mesh.children, args.start_timeout, log_dir)
         return mesh
@@ -198,16 +216,46 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
         raise
 
 
-def _balance_summary(coordinator: str) -> str:
-    """One line on the balance check the mesh passed before serving (details: `shardmesh status`)."""
+def _topology(coordinator: str) -> Topology | grpc.RpcError:
+    """The coordinator's topology once the mesh serves, or why it could not be had."""
     from shardmesh_cli.status import fetch
 
     try:
-        c = fetch(coordinator, 5.0).calibration
+        return fetch(coordinator, 5.0)
     except grpc.RpcError as e:
-        return f"balance check: could not ask the coordinator ({e.code().name})"
+        return e
+
+
+def _balance_summary(coordinator: str, topology: Topology | grpc.RpcError) -> str:
+    """One line on the balance check the mesh passed before serving (details: `shardmesh status`)."""
+    if isinstance(topology, grpc.RpcError):
+        return f"balance check: could not ask the coordinator ({topology.code().name})"
+    c = topology.calibration
     return (f"balance check {c.status.value}: {c.message} (details: shardmesh status --coordinator "
             f"{coordinator})")  # fmt: skip
+
+
+def metrics_endpoints(services: Mapping[str, str], topology: Topology | grpc.RpcError) -> list[tuple[str, str]]:
+    """(name, host:port) of every /metrics: the gateway, the coordinator, then each worker from the topology
+    (its `metrics` label), named by worker id and shard; an address is "" where it is not known."""
+    from shardmesh.rpc.telemetry import METRICS_LABEL
+
+    out = [(name, services[name]) for name in ("gateway", "coordinator") if name in services]
+    if isinstance(topology, Topology):
+        out += [(f"{shard.worker_id} (stage {stage.index}, tp rank {shard.tp_rank})", shard.label(METRICS_LABEL))
+                for stage, shard in topology.shards() if not shard.vacant]  # fmt: skip
+    return out
+
+
+def metrics_lines(coordinator: str, endpoints: Sequence[tuple[str, str]]) -> list[str]:
+    """The lines `up --metrics` prints: one per Prometheus endpoint, then the `shardmesh top` command that
+    watches them all (the coordinator lists the workers; only the gateway's address must be given)."""
+    width = max((len(name) for name, _ in endpoints), default=0)
+    lines = [f"metrics: {name:<{width}}  " + (f"http://{address}/metrics" if address else "(not published)")
+             for name, address in endpoints]  # fmt: skip
+    gateway = dict(endpoints).get("gateway")
+    watch = f"shardmesh top --coordinator {coordinator}" + (f" --gateway-metrics {gateway}" if gateway else "")
+    return [*lines, f"watch the mesh: {watch}"]
 
 
 def _supervise(mesh: LocalMesh, max_restarts: int) -> int:
@@ -239,7 +287,11 @@ def run(args: argparse.Namespace, model_dir: Path, demo: object | None = None) -
             mesh = start_mesh(args, model_dir)
             print(f"gateway listening on {mesh.gateway}, coordinator on {mesh.coordinator} (ready in "
                   f"{time.monotonic() - t0:.1f} s; logs in {mesh.log_dir})", file=sys.stderr, flush=True)  # fmt: skip
-            print(_balance_summary(mesh.coordinator), file=sys.stderr, flush=True)
+            topology = _topology(mesh.coordinator)
+            if mesh.metrics:
+                for line in metrics_lines(mesh.coordinator, metrics_endpoints(mesh.metrics, topology)):
+                    print(line, file=sys.stderr, flush=True)
+            print(_balance_summary(mesh.coordinator, topology), file=sys.stderr, flush=True)
             if mesh.share is not None and args.pp > 1:
                 print(mesh.share.describe(procs.cores()), file=sys.stderr, flush=True)
             if callable(demo):
@@ -283,7 +335,7 @@ def args_from_manifest(args: argparse.Namespace, defaults: dict[str, object]) ->
     notes = [f"manifest {source}: pp={d.pp} × tp={d.tp}, {d.dtype}, {d.limits.kv_slots} KV slots × "
              f"{d.limits.max_context} tokens", *d.notes]  # fmt: skip
     if d.plan is not None:
-        notes.append(f"planned layer split {[b - a for a, b in d.plan.layer_split]} (layers per stage), ranks on nodes "
+        notes.append(f"planned layer split {layer_counts(d.plan.layer_split)} (layers per stage), ranks on nodes "
                      f"{[d.node_of(r) for r in range(d.pp * d.tp)]}; tightest device keeps "
                      f"{d.plan.min_headroom / 2**30:.2f} GiB free")  # fmt: skip
     return deploy.up_args(d, args), notes

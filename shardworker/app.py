@@ -1,23 +1,18 @@
-"""The stage-worker process: a StageWorker gRPC server around `StageWorkerCore`, plus its ties to the
-coordinator (register, heartbeat, watch topology) and its life cycle (health, SIGTERM).
+"""`shardmesh worker`: flags (each also settable as SHARDMESH_WORKER_<FLAG>), validation, run.
 
-Threads: gRPC handlers (Step, Release, GetShardInfo); a heartbeat loop; a topology watch that hands
-the newest version to a placement thread, which does the slow part (load weights, join groups)
-so the watch keeps reading and heartbeats keep flowing while a shard loads.
+Bad flags are reported as one line with exit code 2 before anything starts; a worker that cannot
+start (its coordinator refused it) exits 1. The process itself is `shardworker.process.WorkerProcess`,
+imported when the command runs, as torch comes with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-import threading
 from typing import Any
 
-from shardmesh.rpc import log, procs, telemetry
-from shardmesh.rpc.flags import env_flags
-from shardworker import heap
-from shardworker.process import WorkerConfig, WorkerProcess
+from shardmesh.rpc import telemetry
+from shardmesh.rpc.flags import UsageError, env_flags
 
 ENV_PREFIX = "SHARDMESH_WORKER_"
 
@@ -37,20 +32,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     telemetry.add_flags(flag)
 
 
-def run(args: argparse.Namespace) -> int:
+def build_config(args: argparse.Namespace) -> Any:
+    """Validate the flags; returns a `WorkerConfig`."""
+    from shardworker.process import WorkerConfig
+
     labels: dict[str, str] = {}
     for item in args.label if isinstance(args.label, list) else [args.label]:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            print(f"error: --label: expected key=value, got {item!r}", file=sys.stderr)
-            return 2
+            raise UsageError(f"--label: expected key=value, got {item!r}")
         labels[key] = value
     try:
         telemetry.check_metrics_port(args.metrics_port)
         telemetry.export_config(args.otlp_endpoint)
     except telemetry.TelemetryConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
+    return WorkerConfig(args.coordinator, args.listen, args.advertise, args.worker_id, args.device, labels,
+                        args.group_timeout, args.max_message_mb * 1024 * 1024, args.metrics_port,
+                        args.otlp_endpoint)  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT, then leave the mesh and shut down (exit 0); exit 1 if it cannot start."""
+    from shardmesh.rpc import lifecycle, log
+    from shardworker import heap
+    from shardworker.process import WorkerProcess
+
+    cfg = build_config(args)  # a UsageError reaches the command's main: one line, exit 2
     if args.threads:
         import torch
 
@@ -62,27 +70,8 @@ def run(args: argparse.Namespace) -> int:
     logger = log.configure("shardworker", level=args.log_level)
     if not heap.keep_freed_memory():
         logger.info("malloc_defaults", detail="mallopt unavailable: freed step memory goes back to the OS")
-    cfg = WorkerConfig(args.coordinator, args.listen, args.advertise, args.worker_id, args.device, labels,
-                       args.group_timeout, args.max_message_mb * 1024 * 1024, args.metrics_port,
-                       args.otlp_endpoint)  # fmt: skip
     resource = {"service.instance.id": args.worker_id} if args.worker_id else {}
     telemetry.setup_tracing("worker", args.otlp_endpoint, **resource)
-    proc = WorkerProcess(cfg, logger)
-    with procs.stop_on_signals() as stop:
-        try:
-            threading.Thread(target=_start_or_stop, args=(proc, stop, logger), daemon=True).start()
-            while not stop.wait(0.5):
-                pass
-        finally:
-            proc.stop()
-    return 1 if proc.failed else 0
-
-
-def _start_or_stop(proc: WorkerProcess, stop: threading.Event, logger: Any) -> None:
-    """Start in a thread so SIGTERM during registration (coordinator not up yet) still stops us promptly."""
-    try:
-        proc.start()
-    except Exception as e:
-        logger.error("start_failed", error=str(e))
-        proc.failed = True
-        stop.set()
+    # Started in the background: registration waits for the coordinator, and a SIGTERM meanwhile must stop us.
+    started = lifecycle.serve_until_signal(WorkerProcess(cfg, logger), logger, start_in_background=True)
+    return 0 if started else 1

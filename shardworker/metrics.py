@@ -11,8 +11,9 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from shardmesh.core.step import StepEntry
 from shardmesh.rpc import telemetry
-from shardworker.runtime import StepEntry, StepResult
+from shardworker.runtime import StepResult
 
 MEMORY_KINDS = ("weights", "kv_cache", "other", "free")
 

@@ -57,12 +57,11 @@ class WorkerProcess:
         )
         self._channel = grpc.insecure_channel(cfg.coordinator, options=rpc.message_options(cfg.max_message_bytes))
         self._coord = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self._server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, threads=8)
+        self._server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, threads=8, logger=logger)
         self._watch_call: Any = None
         self._metrics_server: Any = None
         self.metrics: Any = None
         self.metrics_address = ""
-        self.failed = False
 
     # ---- start-up ------------------------------------------------------------------------------------
 

@@ -22,12 +22,15 @@ import torch
 import torch.distributed as dist
 
 from shardmesh.core.config import ModelConfig
+from shardmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from shardmesh.core.layout import ShardSpec
+from shardmesh.core.step import Sampled, Segment, StepEntry
 from shardmesh.core.topology import Rendezvous, ServingLimits, ShardState, Topology
+from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.groups import Backend, ShardGroups, form_groups
 from shardmesh.engine.loader import build_shard, parse_dtype
-from shardmesh.engine.model import BatchLayout, Segment, Transformer
-from shardmesh.engine.sampling import SamplingParams, sample
+from shardmesh.engine.model import Transformer
+from shardmesh.engine.sampling import generator, sample
 from shardmesh.engine.stage import StageEngine
 from shardmesh.engine.timing import calibrate_shard
 from shardmesh.engine.tp import bind_group
@@ -35,32 +38,6 @@ from shardworker import heap
 from shardworker.ordering import OrderError, StepOrder
 
 R = TypeVar("R")
-
-
-class StepRefused(Exception):
-    """A step the worker will not run; `kind` picks the gRPC status, the message names the field."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind  # "invalid" | "exhausted" | "not_ready" | "peer_lost"
-
-
-@dataclass(frozen=True)
-class StepEntry:
-    request_id: str
-    slot: int
-    start_pos: int
-    num_tokens: int
-    token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    skip_sampling: bool = False
-
-
-@dataclass(frozen=True)
-class Sampled:
-    request_id: str
-    token_id: int
-    logprob: float
 
 
 @dataclass(frozen=True)
@@ -273,7 +250,7 @@ class StageWorkerCore:
             with rt.order.turn(step_id, after_step_id, cancelled) as waited:
                 yield waited
         except OrderError as e:
-            raise StepRefused("not_ready", str(e)) from None
+            raise FailedPrecondition(str(e)) from None
 
     def step(self, topology_version: int, entries: list[StepEntry]) -> StepResult:
         """Run one step; returns the sampled tokens (last stage only) and the step's timings and traffic.
@@ -287,7 +264,7 @@ class StageWorkerCore:
         with self._slots_lock:
             for e in entries:
                 if e.start_pos == 0 or e.request_id not in rt.generators:
-                    rt.generators[e.request_id] = e.sampling.generator()
+                    rt.generators[e.request_id] = generator(e.sampling)
                 rt.slots[e.slot] = e.request_id
         batch = BatchLayout.build([Segment(e.slot, e.start_pos, e.num_tokens) for e in entries], self.device)
         ids = torch.tensor([t for e in entries for t in e.token_ids]) if rt.engine.is_first else None
@@ -319,15 +296,14 @@ class StageWorkerCore:
         epoch the version does not predate. Lock held."""
         rt = self._runtime
         if rt is None or self.state is not ShardState.READY:
-            raise StepRefused("not_ready", f"worker is {self.state.name.lower()}: {self.detail or 'no shard'}")
+            raise FailedPrecondition(f"worker is {self.state.name.lower()}: {self.detail or 'no shard'}")
         if topology_version < rt.groups_epoch:
-            raise StepRefused(
-                "not_ready",
+            raise FailedPrecondition(
                 f"topology_version {topology_version} predates this worker's placement (epoch {rt.groups_epoch})",
             )
         return rt
 
-    def _peer_lost(self, rt: _Runtime, error: RuntimeError, **log_fields: Any) -> StepRefused:
+    def _peer_lost(self, rt: _Runtime, error: RuntimeError, **log_fields: Any) -> Unavailable:
         """A collective or link of `rt`'s groups failed: the epoch is broken for good (only a new one heals
         it), the steps waiting for their turn in it are failed, and the caller raises what this returns.
         Lock held."""
@@ -336,36 +312,36 @@ class StageWorkerCore:
         self.detail = f"process group broken: {error}"
         rt.order.close(self.detail)
         self.log.error("peer_lost", error=str(error), **log_fields)
-        return StepRefused("peer_lost", f"a peer of stage {rt.placement.stage} was lost: {error}")
+        return Unavailable(f"a peer of stage {rt.placement.stage} was lost: {error}")
 
     def _validate(self, rt: _Runtime, entries: list[StepEntry]) -> None:
         limits, cfg = rt.placement.limits, rt.engine.model.cfg
         if not entries:
-            raise StepRefused("invalid", "entries: a step needs at least one entry")
+            raise InvalidArgument("entries", "a step needs at least one entry")
         total = sum(e.num_tokens for e in entries)
         if total > limits.max_batch_tokens:
-            raise StepRefused("exhausted", f"entries: {total} tokens exceed max_batch_tokens={limits.max_batch_tokens}")
+            raise ResourceExhausted(f"entries: {total} tokens exceed max_batch_tokens={limits.max_batch_tokens}")
         seen: set[int] = set()
         for i, e in enumerate(entries):
             where = f"entries[{i}]"
             if not 0 <= e.slot < limits.kv_slots:
-                raise StepRefused("exhausted", f"{where}.slot: {e.slot} outside [0, {limits.kv_slots})")
+                raise ResourceExhausted(f"{where}.slot: {e.slot} outside [0, {limits.kv_slots})")
             if e.slot in seen:
-                raise StepRefused("invalid", f"{where}.slot: {e.slot} used twice in one step")
+                raise InvalidArgument(f"{where}.slot", f"{e.slot} used twice in one step")
             seen.add(e.slot)
             if e.num_tokens < 1:
-                raise StepRefused("invalid", f"{where}.num_tokens: must be >= 1")
+                raise InvalidArgument(f"{where}.num_tokens", "must be >= 1")
             if e.start_pos + e.num_tokens > limits.max_context:
-                raise StepRefused("exhausted", f"{where}.start_pos: {e.start_pos} + num_tokens {e.num_tokens} "
-                                               f"exceeds max_context={limits.max_context}")  # fmt: skip
+                raise ResourceExhausted(f"{where}.start_pos: {e.start_pos} + num_tokens {e.num_tokens} "
+                                        f"exceeds max_context={limits.max_context}")  # fmt: skip
             if rt.engine.is_first:
                 if len(e.token_ids) != e.num_tokens:
                     msg = f"{len(e.token_ids)} ids for num_tokens={e.num_tokens}"
-                    raise StepRefused("invalid", f"{where}.token_ids: {msg}")
+                    raise InvalidArgument(f"{where}.token_ids", msg)
                 bad = [t for t in e.token_ids if t >= cfg.vocab_size]
                 if bad:
                     msg = f"{bad[:5]} outside the vocabulary [0, {cfg.vocab_size})"
-                    raise StepRefused("invalid", f"{where}.token_ids: {msg}")
+                    raise InvalidArgument(f"{where}.token_ids", msg)
 
     def release(self, sequences: list[tuple[str, int]]) -> int:
         """Free the slots and sampler streams of ended sequences. Never waits for a running step: the
@@ -412,13 +388,13 @@ class StageWorkerCore:
         rt = self._ready(topology_version)
         limits = rt.placement.limits
         if rt.slots:  # the passes write into KV slots: never while a sequence holds one
-            raise StepRefused("not_ready", f"{len(rt.slots)} sequences hold KV slots; calibrate before serving")
+            raise FailedPrecondition(f"{len(rt.slots)} sequences hold KV slots; calibrate before serving")
         longest = min(limits.max_batch_tokens, limits.max_context)
         bounds = (("decode_batch", decode_batch, limits.kv_slots), ("prefill_tokens", prefill_tokens, longest),
                   ("iterations", iterations, 100))  # fmt: skip
         for name, value, hi in bounds:
             if not 1 <= value <= hi:
-                raise StepRefused("invalid", f"{name}: must be in [1, {hi}], got {value}")  # fmt: skip
+                raise InvalidArgument(name, f"must be in [1, {hi}], got {value}")
         try:
             timing = calibrate_shard(rt.engine.model, rt.engine.cache, self.device, decode_batch=decode_batch,
                                      prefill_tokens=prefill_tokens, iterations=iterations)  # fmt: skip

@@ -1,50 +1,25 @@
-"""The stage-worker process: a StageWorker gRPC server around `StageWorkerCore`, plus its ties to the
-coordinator (register, heartbeat, watch topology) and its life cycle (health, SIGTERM).
+"""The StageWorker gRPC servicer: protobuf in -> `StepEntry` -> `StageWorkerCore` -> protobuf out, with
+each step's metrics and trace spans. The process around it is `shardworker.process.WorkerProcess`.
 
-Threads: gRPC handlers (Step, Release, GetShardInfo); a heartbeat loop; a topology watch that hands
-the newest version to a placement thread, which does the slow part (load weights, join groups)
-so the watch keeps reading and heartbeats keep flowing while a shard loads.
+Refusals are raised as `shardmesh.core.errors` types; the server's interceptor (`shardmesh.rpc.interceptors`)
+turns them into status codes.
 """
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
-from shardmesh.core.topology import dtype_to_pb
-from shardmesh.engine.sampling import SamplingParams
+from shardmesh.core.dtypes import DType
+from shardmesh.core.errors import InvalidArgument, MeshError
+from shardmesh.core.step import SamplingParams, StepEntry
 from shardmesh.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from shardmesh.rpc import telemetry
-from shardworker.runtime import StageWorkerCore, StepEntry, StepRefused, StepResult
+from shardworker.runtime import StageWorkerCore, StepResult
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["StageWorker"].full_name
-_STATUS = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "not_ready": grpc.StatusCode.FAILED_PRECONDITION,
-    "peer_lost": grpc.StatusCode.UNAVAILABLE,
-}
-R = TypeVar("R")
-
-
-def _maps_errors(method: Callable[..., R]) -> Callable[..., R]:
-    """Refusals become their status code with the message naming the field; nothing else leaks."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
-        try:
-            return method(self, request, context)
-        except StepRefused as e:
-            context.abort(_STATUS[e.kind], str(e))
-        except ValueError as e:  # e.g. SamplingParams bounds
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        raise AssertionError("unreachable")
-
-    return wrapper
 
 
 def entry_from_pb(pb: worker_pb2.BatchEntry) -> StepEntry:
@@ -53,17 +28,17 @@ def entry_from_pb(pb: worker_pb2.BatchEntry) -> StepEntry:
         sampling = SamplingParams(s.temperature, s.top_p if s.top_p else 1.0, s.top_k,
                                   s.seed if s.HasField("seed") else None)  # fmt: skip
     except ValueError as e:
-        raise StepRefused("invalid", f"entries.sampling: {e}") from None
+        raise InvalidArgument("entries.sampling", str(e)) from None
     return StepEntry(pb.request_id, pb.slot, pb.start_pos, pb.num_tokens, tuple(pb.token_ids), sampling,
                      pb.skip_sampling)  # fmt: skip
 
 
-def entries_of(request: worker_pb2.StepRequest) -> tuple[list[StepEntry], StepRefused | None]:
+def entries_of(request: worker_pb2.StepRequest) -> tuple[list[StepEntry], InvalidArgument | None]:
     """The step's entries, converted before its turn (off the pipeline's critical path), or the
     refusal of a bad one, which the step raises in its turn so that the steps after it keep their order."""
     try:
         return [entry_from_pb(e) for e in request.entries], None
-    except StepRefused as e:
+    except InvalidArgument as e:
         return [], e
 
 
@@ -72,7 +47,6 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         self.core = core
         self.metrics = metrics  # shardworker.metrics.WorkerMetrics, or None when --metrics-port is 0
 
-    @_maps_errors
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext) -> worker_pb2.StepResponse:
         tracer = telemetry.tracer()
         parents = telemetry.step_parents(context.invocation_metadata()) if tracer is not None else ()
@@ -85,11 +59,11 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 if refused is not None:
                     raise refused
                 result = self.core.step(request.topology_version, entries)
-        except StepRefused as e:
+        except MeshError as e:
             if self.metrics is not None:
-                self.metrics.failed(e.kind)
+                self.metrics.failed(e.code.lower())
             if parents:
-                self._spans(parents, start_ns, request, entries, None, waited, f"{e.kind}: {e}")
+                self._spans(parents, start_ns, request, entries, None, waited, f"{e.code}: {e}")
             raise
         if self.metrics is not None:
             self.metrics.observe(result, sum(e.num_tokens for e in entries))
@@ -110,12 +84,10 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                           request.topology_version, entries, result, error, after_step_id=request.after_step_id,
                           order_wait_s=order_wait_s)  # fmt: skip
 
-    @_maps_errors
     def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.ServicerContext) -> worker_pb2.ReleaseResponse:
         free = self.core.release([(s.request_id, s.slot) for s in request.sequences])
         return worker_pb2.ReleaseResponse(free_slots=free)
 
-    @_maps_errors
     def GetShardInfo(self, request: worker_pb2.GetShardInfoRequest, context: grpc.ServicerContext) -> Any:
         i = self.core.info()
         out = worker_pb2.ShardInfo(
@@ -129,10 +101,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             out.stage, out.num_stages = p.stage, p.num_stages
             out.layer_start, out.layer_end = p.spec.layer_start, p.spec.layer_end
             out.tp_rank, out.tp_size = p.spec.tp_rank, p.spec.tp_size
-            out.dtype = dtype_to_pb(p.dtype)
+            out.dtype = DType.parse(p.dtype).to_pb()
         return out
 
-    @_maps_errors
     def Calibrate(self, request: worker_pb2.CalibrateRequest, context: grpc.ServicerContext) -> Any:
         r = self.core.calibrate(request.topology_version, request.decode_batch, request.prefill_tokens,
                                 request.iterations)  # fmt: skip

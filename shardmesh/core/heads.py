@@ -1,15 +1,7 @@
-"""Tensor parallelism as a transform: `apply_tp(model, group)` swaps a stage's layers for sharded ones.
-
-Run it on the model while it is still on the `meta` device: the sharded modules are created with
-their local shapes and record which slice of each checkpoint tensor they hold (`checkpoint_index`),
-so the loader reads only those bytes. Every slice is contiguous, so `safe_open(...).get_slice(name)`
-reads it without touching the rest of the tensor.
-
-Per decoder layer (Megatron's scheme, one all-reduce per attention and one per MLP):
-  attention  q/k/v: column-parallel by heads     o_proj: row-parallel, then all-reduce
-  MLP        gate/up: column-parallel by columns down_proj: row-parallel, then all-reduce
-At the ends of the model the vocabulary is split: the embedding looks up only its rows and the
-partial results are all-reduced; the LM head computes its share of logits and they are all-gathered.
+"""What tensor-parallel rank `rank` of `size` owns of each dimension tensor parallelism splits, as pure
+arithmetic: query and key/value heads (`HeadSplit`), MLP intermediate columns (`mlp_range`) and
+vocabulary rows (`vocab_range`). `shardmesh.engine.tp` slices the model by these; the planner counts a
+rank's bytes by the same functions, without building the model.
 """
 
 from __future__ import annotations
@@ -56,3 +48,28 @@ class HeadSplit:
 
 def _kv_ok(kv: int, size: int) -> bool:
     return kv % size == 0 if size <= kv else size % kv == 0
+
+
+def mlp_range(cfg: ModelConfig, rank: int, size: int) -> tuple[int, int]:
+    """Intermediate columns [start, end) of the MLP: intermediate_size / size each, so size must divide it."""
+    if cfg.intermediate_size % size:
+        raise TensorParallelError(
+            f"tensor parallel degree {size} must divide intermediate_size={cfg.intermediate_size}"
+        )
+    share = cfg.intermediate_size // size
+    return rank * share, (rank + 1) * share
+
+
+def vocab_range(vocab: int, rank: int, size: int) -> tuple[int, int]:
+    """Vocabulary rows [start, end): equal chunks of ceil(vocab / size); the last may be short (or empty)
+    when size does not divide vocab."""
+    chunk = -(-vocab // size)
+    start = min(rank * chunk, vocab)
+    return start, min(start + chunk, vocab)
+
+
+def valid_tp_degrees(cfg: ModelConfig) -> list[int]:
+    """Degrees the model splits by: dividing the query heads and intermediate_size, and dividing the kv
+    heads or being a multiple of them (each kv head then replicated on tp / kv ranks)."""
+    h, kv = cfg.num_heads, cfg.num_kv_heads
+    return [d for d in range(1, h + 1) if h % d == 0 and cfg.intermediate_size % d == 0 and _kv_ok(kv, d)]

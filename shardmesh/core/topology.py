@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from shardmesh.core.dtypes import DType
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2
 
 
@@ -37,28 +38,12 @@ class ShardState(enum.Enum):
         return cls[name.removeprefix("SHARD_STATE_")]
 
 
-DTYPES = ("float32", "bfloat16", "float16")  # the names `shardmesh.engine.loader.parse_dtype` takes
-
-
-def dtype_to_pb(name: str) -> common_pb2.DType.ValueType:
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}")
-    return common_pb2.DType.Value(f"DTYPE_{name.upper()}")
-
-
-def dtype_from_pb(value: int) -> str:
-    name = common_pb2.DType.Name(value).removeprefix("DTYPE_").lower()
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {common_pb2.DType.Name(value)}")
-    return name
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """The model every shard loads: a directory plus the few config numbers consumers need up front."""
 
     path: str
-    dtype: str
+    dtype: str  # a `DType` name
     architecture: str
     num_layers: int
     hidden_size: int
@@ -67,14 +52,14 @@ class ModelSpec:
 
     def to_pb(self) -> common_pb2.ModelSpec:
         return common_pb2.ModelSpec(
-            path=self.path, dtype=dtype_to_pb(self.dtype), architecture=self.architecture,
+            path=self.path, dtype=DType.parse(self.dtype).to_pb(), architecture=self.architecture,
             num_layers=self.num_layers, hidden_size=self.hidden_size, vocab_size=self.vocab_size,
             max_context=self.max_context,
         )  # fmt: skip
 
     @classmethod
     def from_pb(cls, pb: common_pb2.ModelSpec) -> ModelSpec:
-        return cls(pb.path, dtype_from_pb(pb.dtype), pb.architecture, pb.num_layers, pb.hidden_size,
+        return cls(pb.path, DType.from_pb(pb.dtype), pb.architecture, pb.num_layers, pb.hidden_size,
                    pb.vocab_size, pb.max_context)  # fmt: skip
 
 
@@ -118,6 +103,10 @@ class Stage:
     layer_end: int
     shards: tuple[ShardAssignment, ...]
 
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
     def to_pb(self) -> coordinator_pb2.Stage:
         return coordinator_pb2.Stage(index=self.index, layer_start=self.layer_start, layer_end=self.layer_end,
                                      shards=[s.to_pb() for s in self.shards])  # fmt: skip
@@ -156,11 +145,18 @@ class Rendezvous:
 
 @dataclass(frozen=True)
 class ServingLimits:
-    """Sizes every shard allocates for, so that all stages agree on slots and lengths."""
+    """What every shard allocates for, so that all stages agree on slots and lengths (and what the planner
+    sizes KV caches and activations by): KV slots (sequences in flight), tokens per sequence (prompt +
+    completion), tokens per step over the batch."""
 
     kv_slots: int
     max_context: int
     max_batch_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("kv_slots", "max_context", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def to_pb(self) -> coordinator_pb2.ServingLimits:
         return coordinator_pb2.ServingLimits(kv_slots=self.kv_slots, max_context=self.max_context,

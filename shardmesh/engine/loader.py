@@ -8,36 +8,59 @@ import torch
 from torch import nn
 
 from shardmesh.core.config import ModelConfig
+from shardmesh.core.dtypes import DType
 from shardmesh.core.layout import ShardSpec
-from shardmesh.engine.checkpoint import Checkpoint, TensorRead, read_tensors
-from shardmesh.engine.fuse import fuse_projections
 from shardmesh.engine.groups import Collective, UnboundGroup
-from shardmesh.engine.linear import can_pack, pack_weights
+from shardmesh.engine.linear import Linear, LinearProduct, choose_kernel
 from shardmesh.engine.model import Transformer
-from shardmesh.engine.tp import VocabParallelEmbedding, apply_tp, checkpoint_index
+from shardmesh.engine.reads import read_tensors
+from shardmesh.engine.tp import apply_tp, checkpoint_index
+from shardmesh.models.checkpoint import Checkpoint, TensorRead
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 
 
 def parse_dtype(name: str) -> torch.dtype:
     try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r} is not supported; expected one of {sorted(DTYPES)}") from None
+        return TORCH_DTYPES[DType(name)]
+    except ValueError:
+        raise ValueError(f"dtype {name!r} is not supported; expected one of {sorted(DType.names())}") from None
 
 
-def _source_name(cfg: ModelConfig, name: str) -> str:
-    # Tied embeddings: the head reuses the embedding matrix, which checkpoints store once.
-    if name == "lm_head.weight" and cfg.tie_word_embeddings:
-        return "model.embed_tokens.weight"
-    return name
+# Per parameter: the checkpoint tensors it is made of, in row order, with their full shapes.
+Sources = dict[str, list[tuple[str, tuple[int, ...]]]]
 
 
-def plan_reads(model: nn.Module, full_shapes: dict[str, tuple[int, ...]], cfg: ModelConfig) -> list[TensorRead]:
-    return [
-        TensorRead(name, _source_name(cfg, name), full_shapes[name], checkpoint_index(model, name))
-        for name, _ in model.named_parameters()
-    ]
+def _sources(model: Transformer) -> Sources:
+    """Each parameter of the unsharded meta model: the checkpoint tensors it is made of, in row order,
+    with their full shapes. A stacked product's blocks are tensors of their own (`q_proj.weight` ...)."""
+    out: Sources = {}
+    for name, p in model.named_parameters():
+        path, _, leaf = name.rpartition(".")
+        module = model.get_submodule(path)
+        if isinstance(module, Linear) and module.blocks:
+            parent = path.rpartition(".")[0]
+            out[name] = [(f"{parent}.{b.name}.{leaf}", (b.rows, *p.shape[1:])) for b in module.blocks]
+        elif name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+            # Tied embeddings: the head reuses the embedding matrix, which checkpoints store once.
+            out[name] = [("model.embed_tokens.weight", tuple(p.shape))]
+        else:
+            out[name] = [(name, tuple(p.shape))]
+    return out
+
+
+def plan_reads(model: nn.Module, sources: Sources) -> list[TensorRead]:
+    """The reads that fill `model` (tensor-parallel or not): each parameter's blocks, sliced as
+    `tp.checkpoint_index` records, stacked one after another along its rows."""
+    reads = []
+    for name, _ in model.named_parameters():
+        index = checkpoint_index(model, name)
+        row = 0
+        for i, (source, full_shape) in enumerate(sources[name]):
+            read = TensorRead(name, source, full_shape, index[i] if index is not None else None, row)
+            reads.append(read)
+            row += read.shape[0]
+    return reads
 
 
 def meta_shard(
@@ -46,9 +69,9 @@ def meta_shard(
     """The shard's model on the meta device (no memory) and the checkpoint reads that will fill it."""
     with torch.device("meta"):
         model = Transformer(cfg, spec.layers, max_len=max_len)
-    full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    sources = _sources(model)
     apply_tp(model, tp)
-    return model, plan_reads(model, full_shapes, cfg)
+    return model, plan_reads(model, sources)
 
 
 def check_shards(model_dir: str | Path, specs: list[ShardSpec], cfg: ModelConfig | None = None) -> Checkpoint:
@@ -64,22 +87,6 @@ def check_shards(model_dir: str | Path, specs: list[ShardSpec], cfg: ModelConfig
     return ckpt
 
 
-def _input_major(model: nn.Module) -> None:
-    """Re-store every matrix that `F.linear` multiplies as the transpose of an (in, out) array.
-
-    Same shape, same name, same values: only the memory order changes. `F.linear(x, W)` computes
-    `x @ W.t()`, and with this layout `W.t()` is contiguous, which on CPUs is the faster GEMM for the
-    few rows of a decode step (SmolLM2, all weights, one token: 41 -> 28 ms, see bench/). The
-    embedding keeps its row-major layout: lookups read whole rows.
-    """
-    for module in model.modules():
-        if isinstance(module, nn.Embedding) or getattr(module, "weight", None) is None:
-            continue
-        w = module.weight
-        if w.dim() == 2 and not isinstance(module, VocabParallelEmbedding):
-            module.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=False)
-
-
 def build_shard(
     model_dir: str | Path,
     spec: ShardSpec,
@@ -90,12 +97,9 @@ def build_shard(
     max_len: int | None = None,
     progress: bool = True,
     cfg: ModelConfig | None = None,
-    fuse: bool = True,
 ) -> Transformer:
-    """Load layers `spec.layers` (and tensor slice `spec.tp_rank`) of the checkpoint in `model_dir`.
-
-    `fuse=False` keeps q/k/v and gate/up as separate products under their checkpoint names (for tests
-    that compare loaded tensors by name); serving fuses them (`shardmesh/engine/fuse.py`)."""
+    """Load layers `spec.layers` (and tensor slice `spec.tp_rank`) of the checkpoint in `model_dir`, with
+    every product computed by the kernel `linear.choose_kernel` picks for `dtype` on `device`."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
     if spec.num_layers != cfg.num_layers:
         raise ValueError(f"shard spec says {spec.num_layers} layers but config.json has {cfg.num_layers}")
@@ -106,14 +110,12 @@ def build_shard(
     model, reads = meta_shard(cfg, spec, tp, max_len)
     tensors = read_tensors(ckpt, reads, dtype, device, progress)
     model.load_state_dict(tensors, strict=True, assign=True)
-    del tensors  # the model holds them now; no second reference may outlive `_input_major`'s copies
+    del tensors  # the model holds them now; no second reference may outlive `use_kernel`'s copies
     for p in model.parameters():
         p.requires_grad_(False)
-    if fuse:
-        fuse_projections(model)  # before packing: the stacked matrices are what gets packed
-    if can_pack(dtype, torch.device(device)):
-        pack_weights(model, skip=(nn.Embedding, VocabParallelEmbedding))  # oneDNN's layout: cpu_linear.py
-    elif torch.device(device).type == "cpu":
-        _input_major(model)  # one matrix at a time: each original is freed as its copy replaces it
+    kernel = choose_kernel(dtype, device)
+    for module in model.modules():
+        if isinstance(module, LinearProduct):
+            module.use_kernel(kernel)  # one matrix at a time: each original is freed as its copy replaces it
     model.init_buffers(device)
     return model.eval()

@@ -2,147 +2,35 @@
 
 A `Transformer` holds one pipeline stage: a half-open range of decoder layers, plus the embedding if it
 is the first stage and the final norm and LM head if it is the last. Module paths mirror the Hugging
-Face checkpoint (`model.layers.7.self_attn.q_proj.weight`), so a parameter's name *is* its tensor name
-in the safetensors files. Tensor parallelism is not here: `tp.apply_tp` swaps the linear layers for
-sharded ones and tells each attention module how many heads it now owns, and after loading
-`fuse.fuse_projections` stacks q/k/v and gate/up into one product each.
+Face checkpoint (`model.layers.7.self_attn.o_proj.weight`), so a parameter's name *is* its tensor name
+in the safetensors files, with two exceptions: q/k/v are one product, `qkv_proj`, and gate/up are one,
+`gate_up_proj`, whose `blocks` name the checkpoint tensors stacked in them. Tensor parallelism is not
+here: `tp.apply_tp` swaps the linear layers for sharded ones and tells each attention module how many
+heads it now owns.
 
-Tokens are packed: one step carries several sequences back to back as a (T, hidden) tensor, and
-`BatchLayout` says which rows belong to which sequence, at which positions, in which KV-cache slot.
-The linear layers see all T rows at once; attention takes the one-token (decode) segments together, in
-one call per layer (`DecodeRows`), and each longer segment (a prompt chunk) on its own.
+Why stacked: a decode step multiplies a handful of rows by every weight matrix, so each product costs its
+weight bytes plus a fixed price (dispatch, an OpenMP fork and join, oneDNN's primitive lookup). q, k and
+v read the same input, as do gate and up: one product each turns 7 products per layer into 4 (measured,
+SmolLM2's 30 layers, one row, packed fp32, 2 threads: 35.1 -> 32.0 ms of products, 1 thread 21.1 -> 19.1
+ms; vLLM's QKVParallelLinear and gpt-fast's `wqkv` do the same).
+
+Tokens are packed: one step carries several sequences back to back as a (T, hidden) tensor, laid out by
+a `batch.BatchLayout`; keys and values go to a `kv_cache.KVCache`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardmesh.core.config import ModelConfig, RopeScaling
-from shardmesh.engine.linear import Linear
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One sequence's share of a step: `length` new tokens at positions [start, start + length)."""
-
-    slot: int
-    start: int
-    length: int
-
-
-@dataclass(frozen=True)
-class DecodeRows:
-    """The step's one-token segments, attended together: one attention call per layer, not one per sequence.
-
-    The call reads the KV cache of the slot range [first_slot, first_slot + span) as a view (no copy), up
-    to `length` positions; `mask` hides from each slot's query the positions past its own. A slot of the
-    range that is in no segment gets a zero query that sees position 0 only, and its output is dropped.
-    (Measured, SmolLM2, 16 sequences decoding: 30 attention calls per step instead of 480, and the whole
-    step in process 46 -> 35 ms.)
-    """
-
-    rows: slice | Tensor  # row of each one-token segment in the packed batch (a slice when they are adjacent)
-    slots: Tensor  # (D,) its KV slot
-    positions: Tensor  # (D,) its position: where its key goes, and the last one it sees
-    index: Tensor  # (D,) slot - first_slot
-    first_slot: int
-    span: int
-    in_order: bool  # row i is slot first_slot + i for every i: the queries need no reordering
-    length: int  # positions read per slot: the largest position + 1
-    mask: Tensor | None  # (span, 1, 1, length) bool; None when every slot of the range sees all `length`
-
-
-@dataclass(frozen=True)
-class BatchLayout:
-    segments: tuple[Segment, ...]
-    positions: Tensor  # (T,) int64, the absolute position of every packed token
-    last_index: Tensor  # (B,) int64, row of each sequence's last token in the packed batch
-    decode: DecodeRows | None = None  # the one-token segments, when attended together
-    looped: tuple[tuple[int, Segment], ...] = ()  # (first row, segment) attended one at a time
-
-    @classmethod
-    def build(cls, segments: list[Segment] | tuple[Segment, ...], device: torch.device | str = "cpu") -> BatchLayout:
-        if not segments:
-            raise ValueError("a batch needs at least one segment")
-        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
-        ends = torch.tensor([s.length for s in segments]).cumsum(0) - 1
-        starts = list(accumulate((s.length for s in segments[:-1]), initial=0))  # each segment's first row
-        ones = [(row, s) for row, s in zip(starts, segments, strict=True) if s.length == 1]
-        decode = _decode_rows(ones, device)
-        looped = tuple((row, s) for row, s in zip(starts, segments, strict=True) if decode is None or s.length > 1)
-        return cls(tuple(segments), positions.to(device), ends.to(device), decode, looped)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.length for s in self.segments)
-
-
-def _decode_rows(ones: list[tuple[int, Segment]], device: torch.device | str) -> DecodeRows | None:
-    """Attend the one-token segments together when their slots are dense: a range at most twice their
-    number (the scheduler hands out the lowest free slots, so decoding sequences usually are); otherwise
-    one call each, which reads no slot that is not in the step."""
-    if len(ones) < 2:
-        return None  # one call either way
-    slots = [s.slot for _, s in ones]
-    first, span = min(slots), max(slots) - min(slots) + 1
-    if span > 2 * len(ones):
-        return None
-    ends = [s.start for _, s in ones]  # a one-token segment's position is its start
-    length = max(ends) + 1
-    index = [x - first for x in slots]
-    mask = None
-    if span != len(ones) or min(ends) != length - 1:
-        last = torch.zeros(span, dtype=torch.long)  # slots in the range but not in the step: position 0 only
-        last[index] = torch.tensor(ends)
-        mask = (torch.arange(length)[None, :] <= last[:, None])[:, None, None, :].to(device)
-
-    def t(xs: list[int]) -> Tensor:
-        return torch.tensor(xs, device=device)
-
-    in_order = index == list(range(span))
-    rows = [row for row, _ in ones]
-    adjacent = rows == list(range(rows[0], rows[0] + len(rows)))
-    return DecodeRows(slice(rows[0], rows[0] + len(rows)) if adjacent else t(rows), t(slots), t(ends), t(index),
-                      first, span, in_order, length, mask)  # fmt: skip
-
-
-class KVCache:
-    """Static keys and values for `num_slots` sequences of up to `max_len` tokens, per local layer.
-
-    Allocated once, up front, so memory use is known before the first request and never grows.
-    Shape per layer: (num_slots, kv_heads, max_len, head_dim).
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_slots: int,
-        kv_heads: int,
-        max_len: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        shape = (num_layers, 2, num_slots, kv_heads, max_len, head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-        self.num_slots = num_slots
-
-    def keys(self, layer: int) -> Tensor:
-        return self.data[layer, 0]
-
-    def values(self, layer: int) -> Tensor:
-        return self.data[layer, 1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+from shardmesh.core.step import Segment
+from shardmesh.engine.batch import BatchLayout, DecodeRows
+from shardmesh.engine.kv_cache import KVCache
+from shardmesh.engine.linear import Block, Linear
 
 
 class RMSNorm(nn.Module):
@@ -202,20 +90,14 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.num_kv_heads
         self.cache_index = cache_index
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias)
-        self.k_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
-        self.v_proj = Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
+        blocks = (Block("q_proj", q_out), Block("k_proj", kv_out), Block("v_proj", kv_out))
+        self.qkv_proj = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias, blocks=blocks)
         self.o_proj = Linear(q_out, cfg.hidden_size, bias=cfg.o_proj_bias)
-        # Set by fuse.fuse_projections, which stacks q/k/v into one product after loading.
-        self.qkv_proj: nn.Module | None = None
-        self.qkv_sizes: tuple[int, ...] = ()
 
     def forward(self, x: Tensor, batch: BatchLayout, cache: KVCache, cos: Tensor, sin: Tensor) -> Tensor:
         T = x.shape[0]
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split((q_out, kv_out, kv_out), dim=-1)  # (T, q_out), (T, kv_out) twice
         q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)  # (T, h, hd)
         k = apply_rope(k.view(T, self.n_kv_heads, self.head_dim), cos, sin)  # (T, kvh, hd)
         v = v.view(T, self.n_kv_heads, self.head_dim)
@@ -276,16 +158,13 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.gate_up_proj: nn.Module | None = None  # gate and up stacked, set by fuse.fuse_projections
+        inter = cfg.intermediate_size
+        blocks = (Block("gate_proj", inter), Block("up_proj", inter))
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias, blocks=blocks)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, inter) each, also when sharded: [gate_r; up_r]
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -7,38 +7,19 @@ pick the same token report the same number.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
+from shardmesh.core.step import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
-    top_k: int = 0  # 0 means no limit
-    seed: int | None = None
 
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def generator(self) -> torch.Generator | None:
-        """A per-request random stream: same seed, same tokens, however requests are batched."""
-        if self.greedy:
-            return None
-        g = torch.Generator()
-        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        return g
+def generator(params: SamplingParams) -> torch.Generator | None:
+    """A per-request random stream: same seed, same tokens, however requests are batched."""
+    if params.greedy:
+        return None
+    g = torch.Generator()
+    g.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    return g
 
 
 def _shape(logits: Tensor, p: SamplingParams) -> Tensor:

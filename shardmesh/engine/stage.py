@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.groups import ShardGroups
-from shardmesh.engine.model import BatchLayout, KVCache, Transformer
+from shardmesh.engine.kv_cache import KVCache
+from shardmesh.engine.model import Transformer
 
 
 class StageEngine:

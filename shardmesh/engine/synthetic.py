@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shardmesh.core.config import ModelConfig
-
-_SAFETENSORS_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2)}
+from shardmesh.core.dtypes import DType
 
 
 def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -32,7 +31,7 @@ def write_checkpoint(out_dir: str | Path, config: dict[str, Any], dtype: str = "
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     cfg = ModelConfig.from_hf(config)
-    code, size = _SAFETENSORS_DTYPES[dtype]
+    code, size = DType(dtype).safetensors, DType(dtype).itemsize
     header: dict[str, Any] = {}
     offset = 0
     for name, shape in sorted(tensor_shapes(cfg).items()):

@@ -23,7 +23,10 @@ import psutil
 import torch
 from torch import Tensor
 
-from shardmesh.engine.model import BatchLayout, KVCache, Segment, Transformer
+from shardmesh.core.step import Segment
+from shardmesh.engine.batch import BatchLayout
+from shardmesh.engine.kv_cache import KVCache
+from shardmesh.engine.model import Transformer
 
 
 @dataclass(frozen=True)

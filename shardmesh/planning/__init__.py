@@ -1,2 +1,3 @@
 """Planning a deployment: how many bytes each shard needs, how to split a model over given devices,
-and the YAML manifest that describes a deployment. Pure functions; nothing here starts a process."""
+and the YAML manifest that describes a deployment. Pure functions on config.json and safetensors headers:
+nothing here imports torch, reads a weight or starts a process."""

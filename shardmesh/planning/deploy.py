@@ -12,10 +12,13 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardmesh.core.heads import valid_tp_degrees
+from shardmesh.core.layout import format_split, layer_counts
+from shardmesh.core.topology import ServingLimits
 from shardmesh.planning.devices import Device, make_devices
 from shardmesh.planning.manifest import Manifest, ManifestError, address_port
-from shardmesh.planning.memory import Limits, ModelInfo, RuntimeCosts, load_model
-from shardmesh.planning.planner import Plan, PlanError, PlanOptions, plan, valid_tp_degrees
+from shardmesh.planning.memory import ModelInfo, RuntimeCosts, load_model
+from shardmesh.planning.planner import Plan, PlanError, PlanOptions, plan
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,7 @@ class Deployment:
     model: ModelInfo
     pp: int
     tp: int
-    limits: Limits
+    limits: ServingLimits
     plan: Plan | None  # None when the manifest lists no nodes (fixed pp and tp, nothing to place)
     notes: list[str] = field(default_factory=list)
 
@@ -41,7 +44,7 @@ class Deployment:
         None for the coordinator's own even split."""
         if self.plan is None or self.plan.even_split:
             return None
-        return ",".join(str(b - a) for a, b in self.plan.layer_split)
+        return format_split(self.plan.layer_split)
 
     def rank_nodes_flag(self) -> str | None:
         """`--rank-nodes`: the node the plan put each global rank on, e.g. "a,a,b"; None without a plan."""
@@ -58,10 +61,10 @@ def model_dir(m: Manifest, source: Path | None, resolve_name: bool = True) -> Pa
     if raw.is_dir():
         return raw
     if resolve_name:
-        from shardmesh.models import pull
+        from shardmesh.models.registry import REGISTRY, resolve
 
-        if m.model.path in pull.known_models():
-            return pull.pull(m.model.path)
+        if m.model.path in REGISTRY:
+            return resolve(m.model.path)
     raise ManifestError(str(source or "manifest"), [f"model.path: {m.model.path!r} is neither a directory (relative "
                                                      f"paths are read from the manifest's directory) nor a known "
                                                      f"model name"])  # fmt: skip
@@ -71,13 +74,13 @@ def devices(m: Manifest) -> tuple[Device, ...]:
     return make_devices([(n.name, g.count, g.memory, g.speed) for n in m.nodes for g in n.devices])
 
 
-def limits(m: Manifest, model: ModelInfo, source: str) -> Limits:
+def limits(m: Manifest, model: ModelInfo, source: str) -> ServingLimits:
     s, ctx = m.serving, model.cfg.max_context
     if s.max_context is not None and s.max_context > ctx:
         raise ManifestError(source, [f"serving.max_context: must be <= {ctx} (the model's context), got "
                                      f"{s.max_context}"])  # fmt: skip
     max_context = s.max_context or ctx
-    return Limits(s.kv_slots, max_context, s.max_batch_tokens or max_context)
+    return ServingLimits(s.kv_slots, max_context, s.max_batch_tokens or max_context)
 
 
 def options(m: Manifest, model: ModelInfo, source: str) -> PlanOptions:
@@ -122,7 +125,7 @@ def resolve(m: Manifest, source: Path | None = None, model: ModelInfo | None = N
     notes = []
     if not chosen.even_split:
         basis = "free memory" if opts.balance == "memory" else "speed"
-        notes.append(f"uneven layer split {[b - a for a, b in chosen.layer_split]} (layers per stage), in "
+        notes.append(f"uneven layer split {layer_counts(chosen.layer_split)} (layers per stage), in "
                      f"proportion to each stage's {basis}")  # fmt: skip
     return Deployment(m, model, chosen.pp, chosen.tp, opts.limits, chosen, notes)
 

@@ -21,11 +21,11 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 from pydantic_core import PydanticCustomError
 
+from shardmesh.core.dtypes import DType
 from shardmesh.planning.units import parse_bytes
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "compose" / "manifest.schema.json"
 SCHEMA_ID = "https://shardmesh.dev/schemas/manifest-v1.json"
-DTYPES = ("float32", "bfloat16", "float16")
 _ADDRESS = r"^[A-Za-z0-9_.\-\[\]:]*:\d{1,5}$"
 _NAME = r"^[A-Za-z0-9_.-]+$"
 _URL = r"^(https?|grpc)://[^\s/]+(/\S*)?$"
@@ -108,7 +108,7 @@ class ModelSection(_Section):
 
     path: str = Field(min_length=1, description="model directory (config.json + safetensors), or a known model "
                                                 "name such as smollm2-135m-instruct")  # fmt: skip
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+    dtype: Literal[DType.names()] = Field(  # type: ignore[valid-type]  # the enum's names: one JSON Schema "enum"
         "float32", description="dtype weights and KV cache are held in (the checkpoint is converted while loading)"
     )
 

@@ -3,11 +3,11 @@
 Notation, per shard (stage `s` × tensor rank `r` of `tp`); `b` is the bytes of the serving dtype
 (4 for float32, 2 for bfloat16 / float16), `n` the number of layers the stage holds:
 
-  weights     = Σ numel(p) × b over the parameters of the shard's meta model, built by the same route
-                as `build_shard` (`shardmesh.engine.loader.meta_shard`: meta `Transformer` → `apply_tp`), so
-                tensor-parallel slices, replicated kv heads, an uneven vocabulary split and untied /
-                tied heads count exactly as loaded. All decoder layers have the same shapes, so the
-                count is n × (one layer) + embedding (first stage) + norm and LM head (last stage).
+  weights     = Σ numel × b over the slices the shard reads (`weights.shard_slices`: the layout
+                `shardmesh.engine.loader.meta_shard` builds, counted from the config), so tensor-parallel
+                slices, replicated kv heads, an uneven vocabulary split and untied / tied heads count
+                exactly as loaded. All decoder layers have the same shapes, so the count is
+                n × (one layer) + embedding (first stage) + norm and LM head (last stage).
   kv_cache    = n × 2 × kv_slots × kv_heads_local × max_context × head_dim × b
                 (the `KVCache` tensor: layers × {k, v} × slots × kv heads × positions × head_dim)
   buffers     = 2 × max_context × head_dim × 4        (rope cos and sin tables, always float32)
@@ -24,9 +24,9 @@ Notation, per shard (stage `s` × tensor rank `r` of `tp`); `b` is the bytes of 
   load        = the transient of loading, on top of the weights:
                 cpu:  max(2 × S × c, M × b). Reading holds one tensor at a time twice: its mapped file
                       pages and the slice safetensors returns (S = the shard's largest tensor slice in
-                      elements, c = bytes of the checkpoint's dtype; `shardmesh.engine.checkpoint._read_one`).
-                      Then `build_shard` re-stores every matrix input-major (`shardmesh.engine.loader.
-                      _input_major`), one at a time, each original freed as its copy replaces it:
+                      elements, c = bytes of the checkpoint's dtype; `shardmesh.engine.reads._read_into`).
+                      Then `build_shard` re-stores every matrix for its kernel (`shardmesh.engine.linear.
+                      LinearProduct.use_kernel`), one at a time, each original freed as its copy replaces it:
                       M = elements of the shard's largest 2-D parameter but the embedding.
                 cuda: S × c (slices are read on the host; at most one is staged on the device).
   runtime     = the fixed cost of a worker process (`RuntimeCosts`), measured on CPU.
@@ -37,17 +37,17 @@ transient) before the KV cache is reserved and the first step runs.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shardmesh.core.config import ModelConfig
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_HF_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
-              "half": "float16", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # fmt: skip
+from shardmesh.core.dtypes import DType
+from shardmesh.core.heads import HeadSplit, mlp_range
+from shardmesh.core.topology import ServingLimits
+from shardmesh.models.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, TensorRead
+from shardmesh.planning.weights import checkpoint_shapes, weight_parts
 
 # --- measured constants -----------------------------------------------------------------------------------
 #
@@ -97,27 +97,13 @@ class RuntimeCosts:
 
 
 @dataclass(frozen=True)
-class Limits:
-    """What every shard allocates for: KV slots (sequences in flight), tokens per sequence, tokens per step."""
-
-    kv_slots: int
-    max_context: int
-    max_batch_tokens: int
-
-    def __post_init__(self) -> None:
-        for name in ("kv_slots", "max_context", "max_batch_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
 class ModelInfo:
     """A model to plan for: its config, and what is known of its checkpoint (maybe nothing)."""
 
     cfg: ModelConfig
     name: str
     path: Path
-    checkpoint_dtype: str  # dtype the weights are stored in (headers, or config.json's torch_dtype)
+    checkpoint_dtype: str  # the `DType` the weights are stored in (headers, or config.json's torch_dtype)
     has_weights: bool  # False: planned from config.json alone
 
 
@@ -148,66 +134,13 @@ class ShardMemory:
         return self.runtime + self.weights + self.buffers + self.kv_cache + self.activations
 
 
-@dataclass(frozen=True)
-class Part:
-    """Elements of one part of a shard: the embedding, one decoder layer, or the final norm and LM head."""
-
-    total: int = 0
-    largest_matrix: int = 0  # the largest 2-D parameter `_input_major` re-stores on CPU (not the embedding)
-    largest: int = 0  # the largest single tensor
-
-
-@dataclass(frozen=True)
-class WeightParts:
-    """One tensor rank's slice of each part of the model (all decoder layers have the same shapes)."""
-
-    embedding: Part  # the first stage's extra
-    layer: Part  # one decoder layer
-    head: Part  # the last stage's extra
-
-
-@functools.lru_cache(maxsize=512)
-def weight_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
-    """Count the parameters of the meta shard `build_shard` would fill, as embedding / one layer / head.
-
-    Two one-layer meta models suffice: the first layer (with the embedding) and the last (with the
-    final norm and LM head); a one-layer model is both.
-    """
-    from shardmesh.core.layout import ShardSpec
-    from shardmesh.engine.groups import UnboundGroup
-    from shardmesh.engine.loader import meta_shard
-
-    sizes: dict[str, list[tuple[int, int]]] = {"embedding": [], "layer": [], "head": []}  # (numel, ndim)
-    last = cfg.num_layers - 1
-    for start in sorted({0, last}):
-        spec = ShardSpec(start, start + 1, cfg.num_layers, rank, tp)
-        model, _ = meta_shard(cfg, spec, UnboundGroup(rank, tp), None)
-        for name, p in model.named_parameters():
-            if name.startswith("model.embed_tokens."):
-                sizes["embedding"].append((p.numel(), 0))  # lookups keep their row-major layout
-            elif name.startswith("model.layers."):
-                if start == 0:
-                    sizes["layer"].append((p.numel(), p.dim()))
-            else:
-                sizes["head"].append((p.numel(), p.dim()))
-
-    def part(entries: list[tuple[int, int]]) -> Part:
-        return Part(
-            sum(n for n, _ in entries),
-            max((n for n, d in entries if d == 2), default=0),
-            max((n for n, _ in entries), default=0),
-        )
-
-    return WeightParts(part(sizes["embedding"]), part(sizes["layer"]), part(sizes["head"]))
-
-
 def shard_memory(
     model: ModelInfo,
     layers: tuple[int, int],
     tp: int,
     rank: int,
     dtype: str,
-    limits: Limits,
+    limits: ServingLimits,
     runtime: RuntimeCosts = RuntimeCosts(),  # frozen, so a shared default is safe
 ) -> ShardMemory:
     """The bytes of the shard holding layers [start, end) × tensor rank `rank` of `tp` (module docstring)."""
@@ -225,14 +158,12 @@ def stage_memory(
     tp: int,
     rank: int,
     dtype: str,
-    limits: Limits,
+    limits: ServingLimits,
     runtime: RuntimeCosts = RuntimeCosts(),  # frozen, so a shared default is safe
 ) -> ShardMemory:
     """`shard_memory` by position: `n` layers (any n >= 1, even more than the model has, for capacity
     searches), plus the embedding when `first` and the final norm and LM head when `last`."""
-    from shardmesh.core.heads import HeadSplit
-
-    cfg, b = model.cfg, DTYPE_BYTES[dtype]
+    cfg, b = model.cfg, DType.parse(dtype).itemsize
     parts = weight_parts(cfg, tp, rank)
     held = [(n, parts.layer)] + [(1, parts.embedding)] * first + [(1, parts.head)] * last  # (count, part)
     weights = sum(count * part.total for count, part in held) * b
@@ -240,12 +171,13 @@ def stage_memory(
     hd = cfg.head_dim
     kv = n * 2 * limits.kv_slots * split.kv_count * limits.max_context * hd * b
     buffers = 2 * limits.max_context * hd * 4
-    t, h, f = limits.max_batch_tokens, cfg.hidden_size, cfg.intermediate_size // tp
+    ffn_start, ffn_end = mlp_range(cfg, rank, tp)
+    t, h, f = limits.max_batch_tokens, cfg.hidden_size, ffn_end - ffn_start
     q, k = split.q_count * hd, split.kv_count * hd
     acts = t * (b * (2 * h + max(3 * f, 4 * q + 3 * k)) + 8 * h + 8 * hd) + t * limits.max_context
     if last:
         acts += min(limits.kv_slots, t) * cfg.vocab_size * (2 * b + 16)
-    read = max(part.largest for _, part in held) * DTYPE_BYTES[model.checkpoint_dtype]
+    read = max(part.largest_read for _, part in held) * DType(model.checkpoint_dtype).itemsize
     relayout = max(part.largest_matrix for _, part in held) * b
     load = max(2 * read, relayout) if runtime.device == "cpu" else read
     fixed = runtime.process + first * runtime.first_stage
@@ -255,18 +187,17 @@ def stage_memory(
 def _config_dtype(raw: dict[str, Any], default: str) -> str:
     """HF configs name the stored dtype `torch_dtype` (or `dtype` in transformers 5)."""
     name = raw.get("torch_dtype") or raw.get("dtype")
-    return _HF_DTYPES.get(str(name), default) if name else default
+    return (DType.from_hf(str(name)) or default) if name else default
 
 
-def load_model(path: str | Path, default_dtype: str = "bfloat16") -> ModelInfo:
+def load_model(path: str | Path, default_dtype: str = DType.BFLOAT16) -> ModelInfo:
     """A model directory with config.json, and safetensors weights or not.
 
-    With weights, every tensor's header is checked against the shapes the model expects (as the
-    coordinator does before serving) and the stored dtype is read from the headers; without, the
-    stored dtype is config.json's `torch_dtype`, else `default_dtype`.
+    With weights, every tensor's header is checked against the shape config.json implies (as the
+    coordinator does before serving; headers only, `shardmesh.models.checkpoint`) and the stored dtype is
+    that of the largest tensor; without, the stored dtype is config.json's `torch_dtype`, else
+    `default_dtype`.
     """
-    from shardmesh.engine.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
-
     d = Path(path).expanduser()
     if d.is_file() and d.name.endswith(".json"):
         d = d.parent
@@ -275,9 +206,7 @@ def load_model(path: str | Path, default_dtype: str = "bfloat16") -> ModelInfo:
     name = str(raw.get("_name_or_path") or d.name)
     if not ((d / SINGLE_FILE).is_file() or (d / INDEX_FILE).is_file()):
         return ModelInfo(cfg, name, d, _config_dtype(raw, default_dtype), has_weights=False)
-    from shardmesh.core.layout import shard_specs
-    from shardmesh.engine.loader import check_shards
-
-    ckpt: Checkpoint = check_shards(d, shard_specs(cfg.num_layers, 1, 1), cfg)
+    ckpt = Checkpoint(d)
+    ckpt.check([TensorRead(source, source, shape, None) for source, shape in checkpoint_shapes(cfg).items()])
     stored = max(ckpt.tensors.values(), key=lambda t: t.nbytes).dtype if ckpt.tensors else "F32"
-    return ModelInfo(cfg, name, d, _HF_DTYPES.get(stored, "float32"), has_weights=True)
+    return ModelInfo(cfg, name, d, DType.from_hf(stored) or DType.FLOAT32, has_weights=True)

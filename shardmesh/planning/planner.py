@@ -14,9 +14,9 @@ MLP width, divides or is a multiple of the kv heads; capped by `PlanOptions.tp` 
    `cap_s >= 1` and `Σ cap_s >= num_layers`.
 4. **Split.** Layers are shared in proportion to each stage's free memory (balance "memory": the
    tightest rank's memory less the reserve and the stage's fixed costs, `free_memory`) or to its speed
-   (the slowest rank's; balance "speed"), by
-   `shardmesh.engine.groups.split_layers`; if that leaves a stage over its capacity, by
-   `capped_split` (proportional shares clipped at each capacity, the rest shared among the others).
+   (the slowest rank's; balance "speed"), by `shardmesh.core.layout.split_layers`; if that leaves a
+   stage over its capacity, by `layout.capped_split` (proportional shares clipped at each capacity, the
+   rest shared among the others).
 
 Among the layouts that fit, the plan uses the most devices, then the fewest pipeline stages (each stage
 adds a hop to every token; tensor groups stay inside a node), then keeps the most headroom on its
@@ -26,22 +26,15 @@ would fit (another dtype, more devices of the largest size, a shorter context, f
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from shardmesh.core.config import ModelConfig
-from shardmesh.core.layout import layer_ranges, split_layers
-from shardmesh.planning.devices import DEFAULT_NODE, Device, compact_bytes, describe_devices, nodes_of
-from shardmesh.planning.memory import (
-    DTYPE_BYTES,
-    Limits,
-    ModelInfo,
-    RuntimeCosts,
-    ShardMemory,
-    shard_memory,
-    stage_memory,
-)
+from shardmesh.core.dtypes import DType
+from shardmesh.core.heads import valid_tp_degrees
+from shardmesh.core.layout import capped_split, layer_counts, split_layers
+from shardmesh.core.topology import ServingLimits
+from shardmesh.planning.devices import Device, compact_bytes, describe_devices, nodes_of
+from shardmesh.planning.memory import ModelInfo, RuntimeCosts, ShardMemory, shard_memory, stage_memory
 from shardmesh.planning.units import format_bytes
 
 BALANCES = ("memory", "speed")
@@ -77,8 +70,8 @@ class Infeasible(PlanError):
 class PlanOptions:
     """What to plan for; `tp` / `pp` None means choose."""
 
-    dtype: str = "bfloat16"
-    limits: Limits = field(default_factory=lambda: Limits(8, 4096, 4096))
+    dtype: str = DType.BFLOAT16  # a `DType` name
+    limits: ServingLimits = field(default_factory=lambda: ServingLimits(8, 4096, 4096))
     runtime: RuntimeCosts = field(default_factory=RuntimeCosts)
     tp: int | None = None
     pp: int | None = None
@@ -87,8 +80,10 @@ class PlanOptions:
     reserve: int = 0  # bytes every device keeps free beyond the predicted peak
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise PlanError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        try:
+            DType.parse(self.dtype)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
         if self.balance not in BALANCES:
             raise PlanError(f"balance must be one of {', '.join(BALANCES)}, got {self.balance!r}")
         for name in ("tp", "pp"):
@@ -146,14 +141,6 @@ class Plan:
 # --- pure building blocks -----------------------------------------------------------------------------------
 
 
-def valid_tp_degrees(cfg: ModelConfig) -> list[int]:
-    """Degrees `apply_tp` accepts: divide the query heads and intermediate_size; divide the kv heads
-    or be a multiple of them (each kv head then replicated on tp / kv ranks)."""
-    h, kv = cfg.num_heads, cfg.num_kv_heads
-    return [d for d in range(1, h + 1)
-            if h % d == 0 and cfg.intermediate_size % d == 0 and (kv % d == 0 if d <= kv else d % kv == 0)]  # fmt: skip
-
-
 def tensor_groups(devices: tuple[Device, ...], tp: int, node_order: tuple[str, ...] = ()) -> list[tuple[Device, ...]]:
     """Groups of `tp` devices of one node each, in pipeline order; a node's leftover devices are unused.
 
@@ -167,37 +154,6 @@ def tensor_groups(devices: tuple[Device, ...], tp: int, node_order: tuple[str, .
         ds = sorted(by_node[node], key=lambda d: (-d.memory, -d.speed, d.index))
         groups += [tuple(ds[i : i + tp]) for i in range(0, len(ds) - tp + 1, tp)]
     return groups
-
-
-def capped_split(total: int, weights: list[float], caps: list[int]) -> list[tuple[int, int]]:
-    """Layer ranges with counts ∝ `weights`, each in [1, cap]; requires 1 <= cap and Σ cap >= total >= stages.
-
-    Water-filling: find λ with Σ clip(λ·w_s, 1, cap_s) = total (bisection; the sum grows with λ), floor
-    the shares, then give the layers still unplaced to the largest remainders among stages below cap.
-    """
-    stages = len(weights)
-    if not (stages <= total <= sum(caps)) or min(caps) < 1 or len(caps) != stages:
-        raise ValueError(f"cannot place {total} layers on {stages} stages with capacities {caps}")
-
-    def shares(lam: float) -> list[float]:
-        return [min(float(c), max(1.0, lam * w)) for w, c in zip(weights, caps, strict=True)]
-
-    lo, hi = 0.0, float(total) / min(weights) + 1.0
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(shares(mid)) < total else (lo, mid)
-    exact = shares(hi)
-    counts = [min(c, max(1, math.floor(x + 1e-9))) for x, c in zip(exact, caps, strict=True)]
-    by_remainder = sorted(range(stages), key=lambda i: exact[i] - counts[i], reverse=True)
-    while sum(counts) < total:
-        i = next(i for i in by_remainder if counts[i] < caps[i])
-        counts[i] += 1
-        by_remainder.remove(i)
-        by_remainder.append(i)
-    while sum(counts) > total:  # only from float slack; take from the stage with the smallest remainder
-        i = next(i for i in reversed(by_remainder) if counts[i] > 1)
-        counts[i] -= 1
-    return layer_ranges(counts)
 
 
 def stage_capacity(model: ModelInfo, group: tuple[Device, ...], first: bool, last: bool, max_layers: int,
@@ -275,7 +231,7 @@ def _attempt(model: ModelInfo, devices: tuple[Device, ...], tp: int, options: Pl
         else:
             weights = [min(d.speed for d in g) for g in groups]
         split = split_layers(num_layers, pp, weights)
-        if any(e - s > c for (s, e), c in zip(split, caps, strict=True)):
+        if any(n > c for n, c in zip(layer_counts(split), caps, strict=True)):
             split = capped_split(num_layers, weights, caps)
         shards = []
         for s, (g, rng) in enumerate(zip(groups, split, strict=True)):
@@ -416,17 +372,17 @@ def suggest(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions)
     """Single changes that make the model fit, each checked by planning again."""
     out: list[Suggestion] = []
     lim = options.limits
-    for dtype in ("bfloat16", "float16"):
-        if DTYPE_BYTES[dtype] < DTYPE_BYTES[options.dtype] and _fits(model, devices, replace(options, dtype=dtype)):
+    for dtype in (DType.BFLOAT16, DType.FLOAT16):
+        if dtype.itemsize < DType(options.dtype).itemsize and _fits(model, devices, replace(options, dtype=dtype)):
             out.append(Suggestion(f"--dtype {dtype} instead of {options.dtype} (half the bytes per weight and per "
-                                  f"KV entry)", {"dtype": dtype}))  # fmt: skip
+                                  f"KV entry)", {"dtype": dtype.value}))  # fmt: skip
             break
     more = _more_devices(model, devices, options)
     if more is not None:
         out.append(more)
 
     def with_context(n: int) -> PlanOptions:
-        return replace(options, limits=Limits(lim.kv_slots, n, min(lim.max_batch_tokens, n)))
+        return replace(options, limits=ServingLimits(lim.kv_slots, n, min(lim.max_batch_tokens, n)))
 
     ctx = _largest_fitting(1, lim.max_context - 1, lambda n: _fits(model, devices, with_context(n)))
     if ctx is not None:
@@ -439,45 +395,3 @@ def suggest(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions)
         out.append(Suggestion(f"--kv-slots {slots} instead of {lim.kv_slots} (fewer sequences in flight)",
                               {"kv_slots": slots}))  # fmt: skip
     return out
-
-
-__all__ = ["DEFAULT_NODE", "Infeasible", "Plan", "PlanError", "PlanOptions", "ShardPlan", "Suggestion", "plan",
-           "suggest", "try_plan", "valid_tp_degrees"]  # fmt: skip
-
-
-# --- re-splitting by measured speed (`rebalance: by-speed`) -------------------------------------------------
-
-
-def split_by_speed(
-    num_layers: int, fixed_ms: Sequence[float], per_layer_ms: Sequence[float], caps: Sequence[int] | None = None
-) -> list[tuple[int, int]]:
-    """The layer split that minimises the slowest stage's predicted time, stage s taking
-    ``fixed_ms[s] + n_s * per_layer_ms[s]`` for n_s layers (its embedding / LM head cost is fixed: it stays
-    with the stage), with 1 <= n_s <= caps[s] (the layers its memory holds).
-
-    Greedy: every stage starts with one layer, and each further layer goes where the stage's time after
-    taking it is smallest. With costs that grow by a constant per layer this is optimal for the maximum
-    (an exchange argument: any split with a smaller maximum would have had to take a cheaper step).
-    """
-    stages = len(fixed_ms)
-    caps = list(caps) if caps is not None else [num_layers] * stages
-    if len(per_layer_ms) != stages or len(caps) != stages or stages < 1:
-        raise ValueError(f"need one fixed cost, per-layer cost and cap per stage, got {stages}, "
-                         f"{len(per_layer_ms)}, {len(caps)}")  # fmt: skip
-    if not stages <= num_layers <= sum(caps) or min(caps) < 1:
-        raise ValueError(f"cannot place {num_layers} layers on {stages} stages with capacities {caps}")
-    if min(per_layer_ms) < 0 or min(fixed_ms) < 0:
-        raise ValueError("stage costs must be >= 0")
-    counts = [1] * stages
-    for _ in range(num_layers - stages):
-        open_ = [s for s in range(stages) if counts[s] < caps[s]]
-        s = min(open_, key=lambda s: (fixed_ms[s] + (counts[s] + 1) * per_layer_ms[s], s))
-        counts[s] += 1
-    return layer_ranges(counts)
-
-
-def predicted_ms(
-    split: Sequence[tuple[int, int]], fixed_ms: Sequence[float], per_layer_ms: Sequence[float]
-) -> list[float]:
-    """Each stage's time under `split` by the same linear model."""
-    return [f + (b - a) * p for (a, b), f, p in zip(split, fixed_ms, per_layer_ms, strict=True)]

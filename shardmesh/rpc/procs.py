@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -83,22 +82,6 @@ def terminate_on_signals() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[threading.Event]:
-    """A service's main loop: an Event that SIGTERM or SIGINT sets; the previous handlers come back after.
-
-    The handler only sets the event, so the main thread notices at its next wait and shuts the
-    service down in order (NOT_SERVING, drain, stop) instead of dying inside whatever it was doing.
-    """
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield stop
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def tail(path: Path, lines: int = 20) -> str:

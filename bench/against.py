@@ -1,0 +1,124 @@
+"""This checkout against an earlier commit, in one run: did a change make serving slower?
+
+    .venv/bin/python bench/against.py REV [--layouts 1x1,2x1] [--streams 1,16] [--rounds 3]
+
+REV is checked out into a temporary git worktree (removed afterwards). For each layout, the two
+checkouts' meshes (`shardmesh up`, same model, flags and threads) are started in turn, A B A B ...,
+`--rounds` times each, and the same requests as bench/run.py are sent (one stream: the median of 3; N
+streams: one burst). Alternating keeps slow drifts of the machine (another tenant, thermal state) from
+landing on one side only. The table gives each side's median over its rounds and the ratio this / REV,
+per figure: decode ms per token (below 1 is faster) and aggregate tokens/s (above 1 is faster).
+
+Writes bench/results/<host>-<date>-against-<rev>.{md,json} and prints the markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.conditions import PROMPT, machine  # noqa: E402  (the repository root is on the path only now)
+from bench.run import Mesh, run_streams  # noqa: E402
+from shardmesh.rpc.procs import cores  # noqa: E402
+from shardmesh_cli.up import share_cores  # noqa: E402
+
+FIGURES = (("ms_per_token", "decode ms/token", "lower"), ("aggregate_tok_s", "aggregate tok/s", "higher"))
+
+
+def worktree(rev: str, into: Path) -> str:
+    """Check `rev` out at `into`; its full commit id."""
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"],
+                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(into), commit], check=True)
+    return commit
+
+
+def measure(tree: Path, model_dir: Path, pp: int, tp: int, streams: list[int], prompt_ids: list[int],
+            new_tokens: int) -> dict[int, dict]:  # fmt: skip
+    share = share_cores(pp, tp, "cpu", "auto", None, cores())
+    with tempfile.TemporaryDirectory() as logs:
+        mesh = Mesh(model_dir, pp, tp, share.pipeline, max(streams), Path(logs), share.worker_threads, "none", tree)
+        try:
+            return {n: run_streams(mesh.address, prompt_ids, new_tokens, n) for n in streams}
+        finally:
+            mesh.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rev", help="the commit to compare against, e.g. HEAD~3 or a hash")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--layouts", default="1x1,2x1", help="pp x tp pairs")
+    ap.add_argument("--streams", default="1,16")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="meshes started per checkout and layout, alternating")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    a = ap.parse_args()
+
+    from shardmesh.models.registry import resolve
+    from shardmesh.models.tokenizer import Tokenizer
+
+    model_dir = resolve(a.model)
+    prompt_ids = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])
+    streams = [int(s) for s in a.streams.split(",")]
+    layouts = [tuple(int(x) for x in layout.split("x")) for layout in a.layouts.split(",")]
+    info = machine()
+    with tempfile.TemporaryDirectory() as tmp:
+        other = Path(tmp) / "against"
+        commit = worktree(a.rev, other)
+        try:
+            rows = []
+            for pp, tp in layouts:
+                runs: dict[str, list[dict[int, dict]]] = {"this": [], "rev": []}
+                for i in range(a.rounds):
+                    for side, tree in (
+                        (("this", ROOT), ("rev", other)) if i % 2 == 0 else (("rev", other), ("this", ROOT))
+                    ):
+                        runs[side].append(measure(tree, model_dir, pp, tp, streams, prompt_ids, a.new_tokens))
+                        print(f"pp={pp} tp={tp} {side} round {i}: {runs[side][-1]}", file=sys.stderr)
+                for n in streams:
+                    row = {"pp": pp, "tp": tp, "streams": n}
+                    for key, _, _ in FIGURES:
+                        mine = statistics.median(r[n][key] for r in runs["this"])
+                        theirs = statistics.median(r[n][key] for r in runs["rev"])
+                        row[key] = {"this": mine, "rev": theirs, "ratio": mine / theirs}
+                    rows.append(row)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(other)], check=False)
+    report(info, commit, rows, a)
+
+
+def report(info: dict, commit: str, rows: list[dict], a: argparse.Namespace) -> None:
+    lines = [
+        f"## This checkout against {commit[:7]} — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
+        f"{info['date']}",
+        "",
+        f"Model `{a.model}` float32, greedy, {a.new_tokens} new tokens; each side's median over {a.rounds} meshes "
+        "started in turn (A B A B ...). Ratio = this ÷ REV: below 1 is faster for ms/token, above 1 for tok/s.",
+        "",
+        "| pp | tp | streams | ms/token this | ms/token REV | ratio | tok/s this | tok/s REV | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        m, g = r["ms_per_token"], r["aggregate_tok_s"]
+        lines.append(f"| {r['pp']} | {r['tp']} | {r['streams']} | {m['this']:.1f} | {m['rev']:.1f} | "
+                     f"{m['ratio']:.3f} | {g['this']:.1f} | {g['rev']:.1f} | {g['ratio']:.3f} |")  # fmt: skip
+    md = "\n".join(lines) + "\n"
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{info['host']}-{info['date'][:10]}-against-{commit[:7]}"
+    (out / f"{stem}.md").write_text(md)
+    (out / f"{stem}.json").write_text(json.dumps({"machine": info, "against": commit, "rows": rows}, indent=1))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""What every benchmark here holds fixed and records: the prompt it sends, and the machine it ran on.
+
+Shared by bench/run.py, bench/llamacpp.py and bench/tracing.py, so their numbers are for the same request.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import socket
+from pathlib import Path
+
+import psutil
+
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+
+
+def machine() -> dict:
+    """The host, CPU model, cores, memory and versions: absolute times move by 30% between hosts, so every
+    result is recorded beside these."""
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())  # fmt: skip
+    return {
+        "host": socket.gethostname(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
+        "torch": torch.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }  # fmt: skip

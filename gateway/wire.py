@@ -1,0 +1,35 @@
+"""The worker messages the gateway sends, built from its scheduling state in this one place."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shardmesh.proto.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from gateway.batching import Planned
+    from gateway.requests import Sampling
+    from gateway.sequence import Sequence
+
+
+def token_sampling(sampling: Sampling) -> worker_pb2.TokenSampling:
+    return worker_pb2.TokenSampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                    seed=sampling.seed)  # fmt: skip
+
+
+def batch_entry(p: Planned[Sequence]) -> worker_pb2.BatchEntry:
+    """`p.num_tokens` of the sequence's log from its cached position, in its slot."""
+    s = p.seq
+    return worker_pb2.BatchEntry(request_id=s.key, slot=s.slot, start_pos=s.cached, num_tokens=p.num_tokens,
+                                 token_ids=s.inputs(p.num_tokens), sampling=s.sampling,
+                                 skip_sampling=not p.sample)  # fmt: skip
+
+
+def step_request(step_id: int, topology_version: int, after_step_id: int,
+                 planned: list[Planned[Sequence]]) -> worker_pb2.StepRequest:  # fmt: skip
+    return worker_pb2.StepRequest(step_id=step_id, topology_version=topology_version, after_step_id=after_step_id,
+                                  entries=[batch_entry(p) for p in planned])  # fmt: skip
+
+
+def released(sequences: list[Sequence]) -> list[worker_pb2.ReleasedSequence]:
+    return [worker_pb2.ReleasedSequence(request_id=s.key, slot=s.slot) for s in sequences]

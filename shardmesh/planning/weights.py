@@ -1,0 +1,137 @@
+"""What one tensor rank of a shard holds, from config.json alone: every checkpoint tensor it reads, the
+slice of it, and the parameter the slice fills. No torch and no weights: the planner counts bytes with
+this, and `memory.load_model` checks a checkpoint's headers against it.
+
+Per decoder layer (checkpoint names, below ``model.layers.N.``), on rank r of tp, with H = hidden,
+d = head_dim, q and kv = the rank's query and kv heads (`HeadSplit`), F = its intermediate columns
+(`mlp_range`), V = its vocabulary rows (`vocab_range`):
+
+  input_layernorm, post_attention_layernorm   (H,) each, whole on every rank
+  self_attn.{q,k,v}_proj                      (q·d, H), (kv·d, H), (kv·d, H)   stacked: self_attn.qkv_proj
+                                              (+ biases (q·d,), (kv·d,) ×2 with attention_bias)
+  self_attn.o_proj                            (H, q·d)   (+ bias (H,), whole, with o_proj_bias)
+  mlp.{gate,up}_proj                          (F, H) ×2  stacked: mlp.gate_up_proj  (+ biases (F,) ×2)
+  mlp.down_proj                               (H, F)     (+ bias (H,), whole)
+
+The first stage adds model.embed_tokens (V, H); the last adds model.norm (H,) and lm_head (V, H), read
+from model.embed_tokens when the embeddings are tied. At tp = 1 every slice is its whole tensor.
+This is the layout `shardmesh.engine.loader.meta_shard` builds; tests/unit/planning/test_weights.py
+compares the two for every model family, tensor degree and rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from shardmesh.core.config import ModelConfig
+from shardmesh.core.heads import HeadSplit, mlp_range, vocab_range
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """The part of checkpoint tensor `source` (shape `full`) one rank reads (shape `local`) into `target`."""
+
+    source: str
+    full: tuple[int, ...]
+    local: tuple[int, ...]
+    target: str  # the parameter it fills; q/k/v stack into one, as do gate/up
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local)
+
+
+def _whole(name: str, shape: tuple[int, ...]) -> TensorSlice:
+    return TensorSlice(name, shape, shape, name)
+
+
+def _embedding(cfg: ModelConfig, tp: int, rank: int) -> list[TensorSlice]:
+    start, end = vocab_range(cfg.vocab_size, rank, tp)
+    name = "model.embed_tokens.weight"
+    return [TensorSlice(name, (cfg.vocab_size, cfg.hidden_size), (end - start, cfg.hidden_size), name)]
+
+
+def _layer(cfg: ModelConfig, index: int, tp: int, rank: int) -> list[TensorSlice]:
+    h, d = cfg.hidden_size, cfg.head_dim
+    heads = HeadSplit.of(cfg, rank, tp)
+    start, end = mlp_range(cfg, rank, tp)
+    q, kv, f = heads.q_count * d, heads.kv_count * d, end - start
+    attn, mlp = f"model.layers.{index}.self_attn.", f"model.layers.{index}.mlp."
+    norms = ("input_layernorm", "post_attention_layernorm")
+    out = [_whole(f"model.layers.{index}.{norm}.weight", (h,)) for norm in norms]
+    for proj, full, local in (("q_proj", cfg.num_heads * d, q), ("k_proj", cfg.num_kv_heads * d, kv),
+                              ("v_proj", cfg.num_kv_heads * d, kv)):  # fmt: skip
+        out.append(TensorSlice(f"{attn}{proj}.weight", (full, h), (local, h), f"{attn}qkv_proj.weight"))
+        if cfg.attention_bias:
+            out.append(TensorSlice(f"{attn}{proj}.bias", (full,), (local,), f"{attn}qkv_proj.bias"))
+    out.append(TensorSlice(f"{attn}o_proj.weight", (h, cfg.num_heads * d), (h, q), f"{attn}o_proj.weight"))
+    if cfg.o_proj_bias:
+        out.append(_whole(f"{attn}o_proj.bias", (h,)))  # added once, after the all-reduce
+    for proj in ("gate_proj", "up_proj"):
+        out.append(TensorSlice(f"{mlp}{proj}.weight", (cfg.intermediate_size, h), (f, h), f"{mlp}gate_up_proj.weight"))
+        if cfg.mlp_bias:
+            out.append(TensorSlice(f"{mlp}{proj}.bias", (cfg.intermediate_size,), (f,), f"{mlp}gate_up_proj.bias"))
+    out.append(TensorSlice(f"{mlp}down_proj.weight", (h, cfg.intermediate_size), (h, f), f"{mlp}down_proj.weight"))
+    if cfg.mlp_bias:
+        out.append(_whole(f"{mlp}down_proj.bias", (h,)))
+    return out
+
+
+def _head(cfg: ModelConfig, tp: int, rank: int) -> list[TensorSlice]:
+    start, end = vocab_range(cfg.vocab_size, rank, tp)
+    # Tied embeddings: the head reuses the embedding matrix, which checkpoints store once.
+    source = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    head = TensorSlice(source, (cfg.vocab_size, cfg.hidden_size), (end - start, cfg.hidden_size), "lm_head.weight")
+    return [_whole("model.norm.weight", (cfg.hidden_size,)), head]
+
+
+def shard_slices(cfg: ModelConfig, layers: range, tp: int, rank: int) -> list[TensorSlice]:
+    """Everything rank `rank` of `tp` reads for layers [start, stop), with the embedding on the first stage
+    and the final norm and LM head on the last. TensorParallelError for a degree the model cannot split by."""
+    out = _embedding(cfg, tp, rank) if layers.start == 0 else []
+    for i in layers:
+        out += _layer(cfg, i, tp, rank)
+    return out + (_head(cfg, tp, rank) if layers.stop == cfg.num_layers else [])
+
+
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this config must hold, with its shape."""
+    return {s.source: s.full for s in shard_slices(cfg, range(cfg.num_layers), 1, 0)}
+
+
+@dataclass(frozen=True)
+class Part:
+    """Elements one rank holds of one part of a shard: the embedding, one decoder layer, or the final norm
+    and LM head."""
+
+    total: int = 0
+    largest_matrix: int = 0  # the largest 2-D parameter the CPU re-layout copies (not the embedding)
+    largest_read: int = 0  # the largest single slice read from the checkpoint
+
+
+@dataclass(frozen=True)
+class WeightParts:
+    """One tensor rank's share of each part of the model (all decoder layers have the same shapes)."""
+
+    embedding: Part  # the first stage's extra
+    layer: Part  # one decoder layer
+    head: Part  # the last stage's extra
+
+
+def _part(slices: list[TensorSlice], relaid: bool = True) -> Part:
+    params: dict[str, tuple[int, ...]] = {}  # the slices stacked by rows into their parameters
+    for s in slices:
+        rows = params.get(s.target, (0,))[0] + s.local[0]
+        params[s.target] = (rows, *s.local[1:])
+    matrices = [math.prod(shape) for shape in params.values() if len(shape) == 2] if relaid else []
+    return Part(sum(s.numel for s in slices), max(matrices, default=0), max((s.numel for s in slices), default=0))
+
+
+@functools.lru_cache(maxsize=512)
+def weight_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
+    """The embedding, one decoder layer and the head, as rank `rank` of `tp` holds them."""
+    # Lookups keep the embedding's row-major layout: it is never re-laid out.
+    return WeightParts(_part(_embedding(cfg, tp, rank), relaid=False), _part(_layer(cfg, 0, tp, rank)),
+                       _part(_head(cfg, tp, rank)))  # fmt: skip

@@ -1,0 +1,178 @@
+"""`shardmesh generate` without services: P × T local processes, one shard each, one request.
+
+The launcher hosts the rendezvous store (a `TCPStore` on 127.0.0.1), starts one process per global
+rank, and collects the result from the last stage. Each rank builds its shard, forms its groups,
+and runs the same decode loop in lock step: the first stage embeds the tokens, activations flow
+stage to stage over torch.distributed point-to-point, the last stage samples, and the sampled token
+is broadcast to every rank so all of them know the next input and when to stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardmesh.core.config import ModelConfig
+from shardmesh.core.layout import shard_specs
+from shardmesh.core.step import SamplingParams, Segment
+from shardmesh.engine.batch import BatchLayout
+from shardmesh.engine.groups import Backend, GroupCollective, form_groups
+from shardmesh.engine.loader import build_shard, check_shards, parse_dtype
+from shardmesh.engine.sampling import generator, sample
+from shardmesh.engine.stage import StageEngine
+from shardmesh.rpc import log, procs
+
+
+@dataclass(frozen=True)
+class OfflineRequest:
+    input_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class OfflineResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "length" | "stop"
+
+
+def generate_local(
+    model_dir: Path,
+    request: OfflineRequest,
+    pp: int = 1,
+    tp: int = 1,
+    dtype: str = "float32",
+    device: str = "cpu",
+    timeout_s: float = 600.0,
+) -> OfflineResult:
+    """Run `request` on a fresh P × T mesh of local processes and return what the last stage sampled."""
+    cfg = ModelConfig.from_dir(model_dir)
+    check_shards(model_dir, shard_specs(cfg.num_layers, pp, tp), cfg)  # fail here, not in a child
+    if len(request.input_ids) + request.max_new_tokens > cfg.max_context:
+        raise ValueError(
+            f"max_new_tokens: prompt ({len(request.input_ids)}) + max_new_tokens ({request.max_new_tokens}) "
+            f"exceeds the model context of {cfg.max_context} tokens"
+        )
+    world = pp * tp
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="shardmesh-") as tmp:
+        req_file, result_file = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req_file.write_text(json.dumps(asdict(request)))
+        children, logs, log_files = [], [], []
+        env = {**os.environ, "OMP_NUM_THREADS": str(procs.threads_per_process(world))}
+        try:
+            with procs.terminate_on_signals():
+                for rank in range(world):
+                    logs.append(Path(tmp) / f"rank{rank}.log")
+                    args = [
+                        "-m", "shardmesh_cli.offline", "--model", str(model_dir), "--pp", str(pp), "--tp", str(tp),
+                        "--rank", str(rank), "--store-port", str(store.port), "--request", str(req_file),
+                        "--result", str(result_file), "--dtype", dtype, "--device", device,
+                    ]  # fmt: skip
+                    log_files.append(logs[-1].open("wb"))
+                    children.append(procs.spawn(args, env=env, stderr=log_files[-1]))
+                _wait(children, logs, timeout_s)
+        finally:
+            procs.stop_all(children)
+            for f in log_files:
+                f.close()
+        return OfflineResult(**json.loads(result_file.read_text()))
+
+
+def _wait(children: list, logs: list[Path], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(c.poll() is None for c in children):
+        for rank, c in enumerate(children):
+            if c.poll() not in (None, 0):
+                raise RuntimeError(f"rank {rank} exited with code {c.returncode}:\n{procs.tail(logs[rank])}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"generation did not finish within {timeout_s:.0f} s")
+        time.sleep(0.05)
+    for rank, c in enumerate(children):
+        if c.returncode != 0:
+            raise RuntimeError(f"rank {rank} exited with code {c.returncode}:\n{procs.tail(logs[rank])}")
+
+
+def _rank_main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser()
+    for name in ("--model", "--request", "--result", "--dtype", "--device"):
+        ap.add_argument(name, required=True)
+    for name in ("--pp", "--tp", "--rank", "--store-port"):
+        ap.add_argument(name, type=int, required=True)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    logger = log.configure("shardworker-offline", rank=a.rank)
+    req = json.loads(Path(a.request).read_text())
+    request = OfflineRequest(
+        req["input_ids"], req["max_new_tokens"], SamplingParams(**req["sampling"]), tuple(req["stop_ids"])
+    )
+    device = torch.device(a.device)
+    cfg = ModelConfig.from_dir(a.model)
+    spec = shard_specs(cfg.num_layers, a.pp, a.tp)[a.rank]
+    stage = a.rank // a.tp
+    store = dist.TCPStore("127.0.0.1", a.store_port, None, False, timeout=timedelta(seconds=120))
+    backend = Backend.for_device(device)
+    groups = form_groups(store, "offline", spec, stage, a.pp, backend)
+    # One group over all ranks, used only to share each sampled token.
+    world = GroupCollective(backend.group(store, "offline/world", a.rank, a.pp * a.tp), a.rank, a.pp * a.tp)
+    logger.info("shard_loading", stage=stage, layers=[spec.layer_start, spec.layer_end], tp_rank=spec.tp_rank)
+    dtype = parse_dtype(a.dtype)
+    max_len = len(request.input_ids) + request.max_new_tokens
+    model = build_shard(a.model, spec, groups.tp, dtype=dtype, device=device, max_len=max_len,
+                        progress=a.rank == 0, cfg=cfg)  # fmt: skip
+    engine = StageEngine(model, groups, model.make_cache(1, dtype, device), device)
+    result = _decode(engine, request, world, sampler_rank=(a.pp - 1) * a.tp, rank=a.rank, device=device)
+    if a.rank == (a.pp - 1) * a.tp:
+        Path(a.result).write_text(json.dumps(asdict(result)))
+    logger.info("done", tokens=len(result.token_ids))
+
+
+def _decode(
+    engine: StageEngine, req: OfflineRequest, world: GroupCollective, sampler_rank: int, rank: int,
+    device: torch.device,
+) -> OfflineResult:  # fmt: skip
+    stream = generator(req.sampling)
+    inputs, start = list(req.input_ids), 0
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    finish = "length"
+    opts = dist.BroadcastOptions()
+    opts.rootRank = sampler_rank
+    for _ in range(req.max_new_tokens):
+        batch = BatchLayout.build([Segment(0, start, len(inputs))], device)
+        logits = engine.step(batch, torch.tensor(inputs) if engine.is_first else None)
+        msg = torch.zeros(2, dtype=torch.float64, device=device)
+        if rank == sampler_rank:
+            assert logits is not None
+            ids, lps = sample(logits, [req.sampling], [stream])
+            msg = torch.tensor([ids[0], lps[0]], dtype=torch.float64, device=device)
+        world.pg.broadcast([msg], opts).wait()
+        token = int(msg[0].item())
+        token_ids.append(token)
+        logprobs.append(float(msg[1].item()))
+        start += len(inputs)
+        inputs = [token]
+        if token in req.stop_ids:
+            finish = "stop"
+            break
+    return OfflineResult(token_ids, logprobs, finish)
+
+
+if __name__ == "__main__":
+    procs.die_with_parent_if_asked()
+    try:
+        _rank_main(sys.argv[1:])
+    except KeyboardInterrupt:
+        sys.exit(130)

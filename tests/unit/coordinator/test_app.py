@@ -1,0 +1,68 @@
+"""`shardmesh coordinator`'s flags: everything wrong is found before anything listens, and said in one line
+naming the flag, with exit code 2 (in process, and through a real process for the balance flags)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardmesh_cli import main as cli
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 100, "max_position_embeddings": 128,
+}  # fmt: skip
+
+
+def _model_dir(tmp_path: Path, **config: object) -> Path:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**TINY_CONFIG, **config}))
+    return tmp_path / "model"
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return _model_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "message"),
+    [
+        (["--tp", "3"], {}, "--tp: tensor parallel degree 3 must divide num_attention_heads=4"),
+        (["--pp", "5"], {}, "--pp: cannot split 4 layers over 5 stages"),
+        ([], {"SHARDMESH_COORDINATOR_PP": "5"}, "--pp: cannot split 4 layers over 5 stages"),
+        (["--heartbeat-interval", "1", "--heartbeat-timeout", "0.5"], {}, "--heartbeat-timeout: must exceed"),
+        (["--max-context", "4096"], {}, "--max-context: must be in 1..128"),
+        (["--listen", "127.0.0.1"], {}, "--listen: expected host:port"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(
+    model_dir: Path, flags: list[str], env: dict[str, str], message: str,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert cli.main(["coordinator", "--model", str(model_dir), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_missing_model_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["coordinator", "--model", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.startswith("error: --model:")
+
+
+def test_coordinator_refuses_bad_balance_flags(tmp_path: Path) -> None:
+    ten_layers = _model_dir(tmp_path, num_hidden_layers=10)
+    cases = ((["--layers", "4,1"], "--layers: need 2 counts >= 1 (one per stage) adding up to the model's 10 layers, "
+                                   "got '4,1'"),
+             (["--max-stage-ratio", "0.5"], "--max-stage-ratio: must be >= 1.0, got 0.5"),
+             (["--rank-nodes", "a"], "--rank-nodes: need 2 node names (one per rank), got 'a'"))  # fmt: skip
+    for flags, message in cases:
+        r = subprocess.run([sys.executable, "-m", "shardmesh_cli", "coordinator", "--model", str(ten_layers), "--pp",
+                            "2", *flags], capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 2 and r.stderr.strip() == f"error: {message}", r.stderr

@@ -1,0 +1,279 @@
+"""The scheduler against a fake mesh of shards (which check slots and positions like real workers):
+batching, slots, stop conditions, chunking, cancellation, the queue limit, worker failures, topology
+changes and shutdown. Pipelining (pp steps in flight) over shards that keep the chain order is in
+test_pipeline.py; the planner on its own in test_batching.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from gateway.results import EndEvent, FinishReason, TokenEvent
+from gateway.scheduler import Scheduler, SchedulerConfig
+from gateway.watcher import ModelFiles
+from shardmesh.core.errors import ResourceExhausted, Unavailable
+from tests.unit.gateway.fakes import FakeMesh, collect, eos_of, finish, ids_of, mesh_state, request, text, tokens
+from tests.waiting import WAIT_S, wait_until
+
+
+def test_requests_are_batched_into_one_step(scheduler: Scheduler, model_files: ModelFiles) -> None:
+    mesh = FakeMesh(pp=1, tp=2)  # one stage: one step in flight (pp=2 pipelines them: test_pipeline.py)
+    mesh.gate = threading.Event()
+    scheduler.update_mesh(mesh_state(mesh, model_files))
+    first = scheduler.submit(request(model_files, "a", "hello", max_new=3))
+    assert mesh.entered.wait(WAIT_S)  # step 1 (a's prompt) is in flight and held
+    others = [scheduler.submit(request(model_files, rid, "yo", max_new=3)) for rid in ("b", "c")]
+    mesh.gate.set()
+    results = [collect(h) for h in (first, *others)]
+    assert [len(tokens(r)) for r in results] == [3, 3, 3]
+    assert all(finish(r) is FinishReason.LENGTH for r in results)
+    steps = mesh.shards[0].steps
+    # Step 2: a's first decode next to b's and c's whole prompts, each in its own slot.
+    assert [(e.request_id, e.slot, e.start_pos, e.num_tokens) for e in steps[1].entries] == [
+        ("a", 0, 5, 1), ("b", 1, 0, 2), ("c", 2, 0, 2),
+    ]  # fmt: skip
+    assert [e.request_id for e in steps[2].entries] == ["a", "b", "c"]  # then decodes only
+    assert len(steps) == 4
+    # Every shard got exactly the same steps, in the same order, and released all three.
+    for shard in mesh.shards:
+        assert shard.steps == steps
+        wait_until(lambda shard=shard: sorted(shard.released_ids()) == ["a", "b", "c"])
+        assert shard.slots == {}
+
+
+def test_slots_are_reused_after_release(logger: Any, model_files: ModelFiles) -> None:
+    scheduler = Scheduler(SchedulerConfig(max_queue=8, step_timeout=5.0), logger)
+    scheduler.start()
+    try:
+        mesh = FakeMesh(pp=1, tp=2, kv_slots=2)
+        scheduler.update_mesh(mesh_state(mesh, model_files))
+        handles = [scheduler.submit(request(model_files, f"r{i}", max_new=2 + i)) for i in range(4)]
+        results = [collect(h) for h in handles]
+        assert [len(tokens(r)) for r in results] == [2, 3, 4, 5]
+        first_step = {}
+        for i, step in enumerate(mesh.shards[0].steps):
+            for e in step.entries:
+                first_step.setdefault(e.request_id, (i, e.slot))
+        # Two slots: r2 takes r0's slot once r0 is released, r3 takes r1's.
+        assert first_step["r0"][1] == first_step["r2"][1] == 0 and first_step["r1"][1] == first_step["r3"][1] == 1
+        assert first_step["r2"][0] > first_step["r0"][0]
+        for shard in mesh.shards:  # the last release happens just after the last token is sent
+            wait_until(lambda shard=shard: shard.released_ids() == ["r0", "r1", "r2", "r3"])
+            assert shard.slots == {}
+    finally:
+        scheduler.shutdown(grace=0.0)
+
+
+def test_eos_and_stop_strings_end_generation(scheduler: Scheduler, model_files: ModelFiles) -> None:
+    mesh = FakeMesh(pp=1, tp=1)
+    scheduler.update_mesh(mesh_state(mesh, model_files))
+    eos = eos_of(model_files)
+    mesh.script["eos"] = [*ids_of(model_files, "hi"), eos, *ids_of(model_files, "never")]
+    mesh.script["stop"] = ids_of(model_files, "Hé, world!\nUser: more")
+    eos_events = collect(scheduler.submit(request(model_files, "eos", max_new=10)))
+    assert tokens(eos_events) == [*ids_of(model_files, "hi"), eos]  # the eos token is returned, its text is not
+    assert text(eos_events) == "hi" and finish(eos_events) is FinishReason.STOP
+    stop_events = collect(scheduler.submit(request(model_files, "stop", max_new=40, stop=("\nUser:", "zz"))))
+    assert text(stop_events) == "Hé, world!" and finish(stop_events) is FinishReason.STOP
+    assert tokens(stop_events) == ids_of(model_files, "Hé, world!\nUser:")  # up to the token completing it
+    summary = stop_events[-1].summary
+    assert summary is not None and summary.completion_tokens == len(tokens(stop_events))
+    assert summary.prompt_tokens == 2
+    assert [e.index for e in stop_events] == list(range(len(stop_events)))
+    assert all(e.summary is None for e in stop_events[:-1])
+
+
+def test_max_new_tokens_and_timings(scheduler: Scheduler, model_files: ModelFiles) -> None:
+    mesh = FakeMesh(pp=2, tp=1)
+    scheduler.update_mesh(mesh_state(mesh, model_files))
+    events = collect(scheduler.submit(request(model_files, "len", max_new=5)))
+    assert len(tokens(events)) == 5 and finish(events) is FinishReason.LENGTH
+    assert [e.logprob for e in events] == pytest.approx([-0.1, -0.2, -0.3, -0.4, -0.5])
+    t = events[-1].summary.timings
+    assert 0 <= t.queue_ms <= t.time_to_first_token_ms <= t.total_ms
+    assert len(t.inter_token_ms) == 4 and t.mean_inter_token_ms == pytest.approx(sum(t.inter_token_ms) / 4)
+
+
+def test_long_prompts_are_chunked_to_the_batch_budget(scheduler: Scheduler, model_files: ModelFiles) -> None:
+    mesh = FakeMesh(pp=1, tp=1, max_batch_tokens=4)  # one step in flight, so both share every step
+    scheduler.update_mesh(mesh_state(mesh, model_files))
+    mesh.gate = threading.Event()
+    short = scheduler.submit(request(model_files, "short", "ab", max_new=4))
+    assert mesh.entered.wait(WAIT_S)
+    long = scheduler.submit(request(model_files, "long", "0123456789", max_new=2))
+    mesh.gate.set()
+    assert len(tokens(collect(short))) == 4 and len(tokens(collect(long))) == 2
+    plan = [[(e.request_id, e.start_pos, e.num_tokens, e.skip_sampling) for e in s.entries]
+            for s in mesh.shards[-1].steps]  # fmt: skip
+    assert plan[:5] == [
+        [("short", 0, 2, False)],
+        [("short", 2, 1, False), ("long", 0, 3, True)],  # decode first, the prompt gets what is left
+        [("short", 3, 1, False), ("long", 3, 3, True)],
+        [("short", 4, 1, False), ("long", 6, 3, True)],
+        [("long", 9, 1, False)],  # the last chunk samples
+    ]
+    assert all(sum(e.num_tokens for e in s.entries) <= 4 for s in mesh.shards[-1].steps)
+
+
+def test_cancellation_releases_on_every_shard(scheduler: Scheduler, model_files: ModelFiles) -> None:
+    mesh = FakeMesh(pp=2, tp=2)
+    scheduler.update_mesh(mesh_state(mesh, model_files))
+    handle = scheduler.submit(request(model_files, "gone", max_new=50))
+    first = handle.events.get(timeout=WAIT_S)
+    assert isinstance(first, TokenEvent)
+    handle.cancel()
+    events = [first, *collect(handle)]
+    assert isinstance(events[-1], EndEvent) and finish(events) is FinishReason.CANCELLED
+    assert len(tokens(events)) < 50
+    for shard in mesh.shards:
+        wait_until(lambda shard=shard: shard.released_ids() == ["gone"])
+        assert shard.slots == {}
+    # A cancelled request that was still waiting never got a slot: nothing to release.
+    mesh.gate = threading.Event()
+    mesh.entered.clear()
+    busy = [scheduler.submit(request(model_files, f"busy{i}", max_new=2)) for i in range(4)]
+    assert mesh.entered.wait(WAIT_S)
+    queued = scheduler.submit(request(model_files, "queued", max_new=2))
+    queued.cancel()
+    mesh.gate.set()
+    assert finish(collect(queued)) is FinishReason.CANCELLED
+    assert all(finish(collect(h)) is FinishReason.LENGTH for h in busy)
+    wait_until(lambda: len(mesh.shards[0].released_ids()) == 5)
+    assert "queued" not in mesh.shards[0].released_ids()
+
+
+def test_queue_full_is_resource_exhausted(logger: Any, model_files: ModelFiles) -> None:
+    scheduler = Scheduler(SchedulerConfig(max_queue=2, step_timeout=5.0), logger)
+    scheduler.start()
+    try:
+        mesh = FakeMesh(pp=1, tp=1, kv_slots=2)
+        mesh.gate = threading.Event()
+        scheduler.update_mesh(mesh_state(mesh, model_files))
+        running = scheduler.submit(request(model_files, "running", max_new=5))
+        assert mesh.entered.wait(WAIT_S)  # its step is held: the others wait for the next step boundary
+        # The second takes the free slot at that boundary, so it does not count as queued; two more fit.
+        others = [scheduler.submit(request(model_files, f"w{i}", max_new=1)) for i in range(3)]
+        with pytest.raises(ResourceExhausted, match=r"^queue full: 2 requests waiting for a KV slot"):
+            scheduler.submit(request(model_files, "one-too-many"))
+        # Cancelled requests leave at the next boundary (the step is still held): they no longer count.
+        others[-1].cancel()
+        others.append(scheduler.submit(request(model_files, "after-a-waiting-cancel", max_new=1)))
+        running.cancel()  # its slot frees at the boundary too
+        others.append(scheduler.submit(request(model_files, "after-a-running-cancel", max_new=1)))
+        with pytest.raises(ResourceExhausted):
+            scheduler.submit(request(model_files, "one-too-many-again"))
+        mesh.gate.set()
+        assert finish(collect(running)) is FinishReason.CANCELLED
+        assert [finish(collect(h)) for h in others] == [FinishReason.LENGTH] * 2 + [FinishReason.CANCELLED] + [
+            FinishReason.LENGTH
+        ] * 2
+    finally:
+        scheduler.shutdown(grace=0.0)
+
+
+def test_no_topology_is_unavailable(scheduler: Scheduler, model_files: ModelFiles) -> None:
+    with pytest.raises(Unavailable, match=r"^no ready topology: waiting for the first topology"):
+        scheduler.serving_context()
+    mesh = FakeMesh()
+    scheduler.update_mesh(mesh_state(mesh, model_files, complete=False))
+    with pytest.raises(Unavailable, match=r"^no ready topology: topology v1 is not complete"):
+        scheduler.submit(request(model_files, "x"))
+
+
+def test_worker_failure_fails_the_step_and_waits_for_a_new_topology(
+    scheduler: Scheduler, model_files: ModelFiles
+) -> None:
+    mesh = FakeMesh(pp=2, tp=2, kv_slots=1)
+    ready: list[bool] = []
+    scheduler.add_ready_listener(ready.append)
+    scheduler.update_mesh(mesh_state(mesh, model_files, seq=1))
+    mesh.gate = threading.Event()
+    doomed = scheduler.submit(request(model_files, "doomed", max_new=20))
+    assert mesh.entered.wait(WAIT_S)
+    queued = scheduler.submit(request(model_files, "queued", max_new=2))  # no slot: waits through the failure
+    mesh.failures[(1, 1)] = (grpc.StatusCode.UNAVAILABLE, "Connection refused")
+    mesh.gate.set()
+    end = collect(doomed)[-1]
+    assert isinstance(end, EndEvent) and isinstance(end.error, Unavailable)
+    assert str(end.error) == "worker 127.0.0.1:7011 (stage 1, tp rank 1) lost: UNAVAILABLE: Connection refused"
+    for shard in mesh.shards:  # released everywhere (the fake "dead" shard answers Release too)
+        wait_until(lambda shard=shard: shard.released_ids() == ["doomed"])
+    wait_until(lambda: ready == [False, True, False])
+    with pytest.raises(Unavailable, match=r"^no ready topology: worker 127.0.0.1:7011 .* lost: .*waiting for"):
+        scheduler.submit(request(model_files, "refused"))
+    # The coordinator publishes a newer complete topology (the worker is back): serving resumes, and
+    # the request that was queued through the failure is served first.
+    scheduler.update_mesh(mesh_state(mesh, model_files, seq=2, version=2, placement="epoch-2"))
+    assert finish(collect(queued)) is FinishReason.LENGTH
+    after = collect(scheduler.submit(request(model_files, "after", max_new=2)))
+    assert finish(after) is FinishReason.LENGTH and ready[-1] is True
+    assert mesh.shards[0].steps[-1].topology_version == 2
+
+
+def test_topology_versions_keep_or_drop_running_requests(scheduler: Scheduler, model_files: ModelFiles) -> None:
+    mesh = FakeMesh(pp=1, tp=2)
+    scheduler.update_mesh(mesh_state(mesh, model_files, seq=1))
+    mesh.gate = threading.Event()
+    handle = scheduler.submit(request(model_files, "r", max_new=3))
+    assert mesh.entered.wait(WAIT_S)
+    # Same placement, newer version (e.g. a shard state refresh): the KV cache is still there.
+    scheduler.update_mesh(mesh_state(mesh, model_files, seq=2, version=2))
+    mesh.gate.set()
+    assert finish(collect(handle)) is FinishReason.LENGTH
+    assert [s.topology_version for s in mesh.shards[0].steps] == [1, 2, 2]
+    # Another placement while a request runs: its cache is gone, it fails and is released.
+    mesh.gate.clear()
+    mesh.entered.clear()
+    handle = scheduler.submit(request(model_files, "moved", max_new=30))
+    assert mesh.entered.wait(WAIT_S)
+    scheduler.update_mesh(mesh_state(mesh, model_files, seq=3, version=3, placement="epoch-3"))
+    mesh.gate.set()
+    end = collect(handle)[-1]
+    assert isinstance(end, EndEvent) and "topology changed to v3" in str(end.error)
+    wait_until(lambda: "moved" in mesh.shards[1].released_ids())
+
+
+def test_duplicate_request_ids_get_distinct_worker_keys(scheduler: Scheduler, model_files: ModelFiles) -> None:
+    mesh = FakeMesh(pp=1, tp=1)
+    mesh.gate = threading.Event()
+    scheduler.update_mesh(mesh_state(mesh, model_files))
+    handles = [scheduler.submit(request(model_files, "same", max_new=2)) for _ in range(2)]
+    mesh.gate.set()
+    assert all(finish(collect(h)) is FinishReason.LENGTH for h in handles)
+    wait_until(lambda: sorted(mesh.shards[0].released_ids()) == ["same", "same#2"])
+
+
+def test_shutdown_lets_running_finish_then_cancels(logger: Any, model_files: ModelFiles) -> None:
+    scheduler = Scheduler(SchedulerConfig(step_timeout=5.0), logger)
+    scheduler.start()
+    mesh = FakeMesh(pp=1, tp=2, kv_slots=1)
+    scheduler.update_mesh(mesh_state(mesh, model_files))
+    mesh.gate = threading.Event()
+    short = scheduler.submit(request(model_files, "short", max_new=2))
+    assert mesh.entered.wait(WAIT_S)
+    waiting = scheduler.submit(request(model_files, "waiting", max_new=2))
+    mesh.gate.set()
+    scheduler.shutdown(grace=2.0)  # short finishes within the grace; waiting is cancelled at once
+    assert finish(collect(short)) is FinishReason.LENGTH
+    assert finish(collect(waiting)) is FinishReason.CANCELLED
+    assert not scheduler.alive
+    with pytest.raises(Unavailable, match="shutting down"):
+        scheduler.submit(request(model_files, "late"))
+
+    scheduler = Scheduler(SchedulerConfig(step_timeout=5.0), logger)
+    scheduler.start()
+    scheduler.update_mesh(mesh_state(mesh, model_files))
+    mesh.step_delay = 0.02  # 60 tokens take 1.2 s: longer than the grace
+    endless = scheduler.submit(request(model_files, "endless", max_new=60))
+    assert isinstance(endless.events.get(timeout=WAIT_S), TokenEvent)
+    started = time.monotonic()
+    scheduler.shutdown(grace=0.2)
+    assert time.monotonic() - started < 2.0
+    events = collect(endless)
+    assert finish(events) is FinishReason.CANCELLED and events[-1].summary.completion_tokens < 60
+    assert "endless" in mesh.shards[1].released_ids()

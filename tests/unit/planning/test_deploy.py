@@ -1,0 +1,56 @@
+"""From a manifest to what runs: the plan behind it, the services' command lines, and the flags `up` and the
+coordinator get (an uneven split and node pinning included)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from shardmesh.planning import deploy
+from shardmesh.planning.manifest import load_manifest, parse_manifest
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLE = ROOT / "compose" / "manifest.example.yaml"
+CONFIGS = ROOT / "tests" / "data" / "configs"
+
+
+def test_example_manifest_plans_llama_70b(tmp_path: Path) -> None:
+    m = load_manifest(EXAMPLE)
+    assert m.nodes[0].devices[0].memory == 80 * 2**30 and m.placement.reserve == 2 * 2**30
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["model"]["path"] = str(CONFIGS / "llama-3-70b")  # the example's path is a deployment's, not ours
+    d = deploy.resolve(parse_manifest(data), tmp_path / "m.yaml")
+    assert (d.pp, d.tp, d.dtype) == (1, 4, "bfloat16") and d.plan is not None and d.plan.min_headroom > 2 * 2**30
+    commands = deploy.service_commands(d)
+    assert len(commands) == 1 + 4 + 1
+    assert "--pp 1 --tp 4 --dtype bfloat16 --kv-slots 8 --max-context 8192" in commands[0]
+    assert "--store-port 29500" in commands[0] and "--label node=gpu-a --label zone=eu-west-1a" in commands[1]
+    assert commands[-1].endswith("--max-queue 256 --otlp-endpoint http://otel-collector:4317 --metrics-port 9464")
+    assert all("--otlp-endpoint http://otel-collector:4317 --metrics-port 9464" in c for c in commands)
+    up = deploy.up_args(d, argparse.Namespace())
+    assert up.otlp_endpoint == "http://otel-collector:4317" and up.metrics
+
+
+def test_uneven_plans_deploy_as_planned(tmp_path: Path) -> None:
+    """The coordinator deploys the planner's split, uneven or not, and pins each rank to its node."""
+
+    def manifest(second: str) -> dict:
+        return {"model": {"path": str(CONFIGS / "llama-3-8b"), "dtype": "bfloat16"},
+                "nodes": [{"name": "a", "devices": [{"memory": "48GiB"}]},
+                          {"name": "b", "devices": [{"memory": second}]}],
+                "serving": {"kv_slots": 4, "max_context": 4096, "max_batch_tokens": 1024},
+                "services": {"worker": {"device": "cuda"}}}  # fmt: skip
+
+    tight = deploy.resolve(parse_manifest(manifest("8GiB")), tmp_path / "m.yaml")
+    assert tight.plan is not None and not tight.plan.even_split and tight.plan.fits
+    counts = [b - a for a, b in tight.plan.layer_split]
+    assert counts[0] > counts[1] and sum(counts) == 32 and tight.notes and "uneven layer split" in tight.notes[0]
+    flags = deploy.coordinator_flags(tight)
+    assert flags[flags.index("--layers") + 1] == ",".join(map(str, counts))
+    assert flags[flags.index("--rank-nodes") + 1] == "a,b"
+    up = deploy.up_args(tight, argparse.Namespace())
+    assert (up.layers, up.rank_nodes, up.rebalance) == (",".join(map(str, counts)), "a,b", "none")
+    roomy = deploy.resolve(parse_manifest(manifest("48GiB")), tmp_path / "m.yaml")
+    assert roomy.plan is not None and roomy.plan.even_split and "--layers" not in deploy.coordinator_flags(roomy)

@@ -1,0 +1,83 @@
+"""The planner's torch-free count of what a tensor rank holds equals the engine's meta shard, part by part, for
+every model family x tensor degree x rank; and the checkpoint it expects is the one the engine reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shardmesh.core.config import ModelConfig
+from shardmesh.core.heads import valid_tp_degrees
+from shardmesh.core.layout import ShardSpec
+from shardmesh.engine.groups import UnboundGroup
+from shardmesh.engine.loader import meta_shard
+from shardmesh.planning.weights import Part, WeightParts, checkpoint_shapes, shard_slices, weight_parts
+from tests.checkpoints import FAMILIES
+
+# The shapes tests/checkpoints.py gives every family, and variants that exercise what the families do not:
+# a vocabulary no tensor degree divides (the last rank's rows are short) and biases on every projection.
+BASE = {"vocab_size": 96, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 3,
+        "max_position_embeddings": 256}  # fmt: skip
+VARIANTS = {"as-is": {}, "odd-vocab": {"vocab_size": 97}, "all-biases": {"attention_bias": True, "mlp_bias": True}}
+
+
+def _config(family: str, variant: str) -> ModelConfig:
+    spec: dict[str, Any] = dict(FAMILIES[family])
+    arch = f"{spec.pop('cls')}ForCausalLM"
+    return ModelConfig.from_hf({"architectures": [arch], **BASE, **spec, **VARIANTS[variant]})
+
+
+def _meta_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
+    """The engine's count: parameters and checkpoint reads of one-layer meta shards at each end of the model."""
+    params: dict[str, list[tuple[int, int]]] = {"embedding": [], "layer": [], "head": []}  # (numel, dim)
+    reads: dict[str, list[int]] = {"embedding": [], "layer": [], "head": []}
+
+    def part_of(name: str) -> str:
+        return "embedding" if name.startswith("model.embed_tokens.") else "layer" if ".layers." in name else "head"
+
+    last = cfg.num_layers - 1
+    for start in (0, last):
+        model, planned = meta_shard(cfg, ShardSpec(start, start + 1, cfg.num_layers, rank, tp), UnboundGroup(rank, tp),
+                                    None)  # fmt: skip
+        for name, p in model.named_parameters():
+            if part_of(name) != "layer" or start == 0:  # one layer, not two
+                params[part_of(name)].append((p.numel(), p.dim()))
+        for r in planned:
+            if part_of(r.target) != "layer" or start == 0:
+                reads[part_of(r.target)].append(r.numel)
+
+    def part(key: str) -> Part:
+        matrices = [n for n, dim in params[key] if dim == 2 and key != "embedding"]  # lookups are not re-laid out
+        return Part(sum(n for n, _ in params[key]), max(matrices, default=0), max(reads[key], default=0))
+
+    return WeightParts(part("embedding"), part("layer"), part("head"))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_analytic_parts_equal_the_meta_shard(family: str, variant: str) -> None:
+    cfg = _config(family, variant)
+    degrees = valid_tp_degrees(cfg)
+    assert len(degrees) > 1, degrees  # the families must exercise tensor parallelism at all
+    for tp in degrees:
+        for rank in range(tp):
+            assert weight_parts(cfg, tp, rank) == _meta_parts(cfg, tp, rank), (family, variant, tp, rank)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_shapes_are_what_the_engine_reads(family: str) -> None:
+    cfg = _config(family, "as-is")
+    _, reads = meta_shard(cfg, ShardSpec(0, cfg.num_layers, cfg.num_layers), UnboundGroup(0, 1), None)
+    assert checkpoint_shapes(cfg) == {r.source: r.full_shape for r in reads}
+    # The tied families read their head from the embedding: the checkpoint holds no lm_head.weight.
+    assert ("lm_head.weight" in checkpoint_shapes(cfg)) == (not cfg.tie_word_embeddings)
+
+
+def test_a_whole_stage_is_its_parts() -> None:
+    cfg = _config("qwen2-bias-tied", "odd-vocab")
+    parts = weight_parts(cfg, 2, 1)
+    whole = sum(s.numel for s in shard_slices(cfg, range(cfg.num_layers), 2, 1))
+    assert whole == parts.embedding.total + cfg.num_layers * parts.layer.total + parts.head.total
+    # rank 1 of 2 holds vocabulary rows [49, 97): 48 of them, in the embedding and in the head
+    assert parts.embedding.total == 48 * cfg.hidden_size and parts.head.largest_read == 48 * cfg.hidden_size
