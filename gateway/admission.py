@@ -62,6 +62,18 @@ class Admission:
             return None
         return self._waiting.popleft(), slots.take()
 
+    def requeue(self, resuming: list[Sequence]) -> None:
+        """Sequences whose workers were lost go back to the front of the queue, in their order, keeping
+        their keys: they are admitted again before any request that has not started."""
+        self._waiting.extendleft(reversed(resuming))
+
+    def expired(self, now: float) -> list[Sequence]:
+        """Take out the sequences waiting to resume whose deadline has passed."""
+        late = [s for s in self._waiting if s.resume_deadline is not None and now >= s.resume_deadline]
+        if late:
+            self._waiting = deque(s for s in self._waiting if s not in late)
+        return late
+
     def drain(self) -> list[Sequence]:
         """Every waiting request, taken out of the queue."""
         waiting, self._waiting = list(self._waiting), deque()

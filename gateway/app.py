@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--default-max-new-tokens", 256, type=int,
          help="length for requests that leave max_new_tokens at 0, capped to the context (default 256)")  # fmt: skip
     flag("--step-timeout", 120.0, type=float, help="seconds a worker may take for one step before it is lost")
+    flag("--resume-timeout", 60.0, type=float,
+         help="seconds a running request whose worker was lost waits for a complete mesh to replay its tokens on, "
+              "before it fails with UNAVAILABLE (default 60)")  # fmt: skip
     flag("--pipeline-depth", 0, type=int,
          help="steps in flight at once (default 0: one per pipeline stage, every stage busy at once; 1: the stages "
               "take turns, for stages that share the same cores)")  # fmt: skip
@@ -59,6 +62,7 @@ def build_config(args: argparse.Namespace) -> Any:
         ("--max-message-bytes", args.max_message_bytes >= 1024, ">= 1024"),
         ("--default-max-new-tokens", args.default_max_new_tokens >= 1, ">= 1"),
         ("--step-timeout", args.step_timeout > 0, "> 0 seconds"),
+        ("--resume-timeout", args.resume_timeout >= 0, ">= 0 seconds"),
         ("--pipeline-depth", args.pipeline_depth >= 0, ">= 0"),
         ("--shutdown-grace", args.shutdown_grace >= 0, ">= 0 seconds"),
         ("--trace-decode-steps", args.trace_decode_steps >= 0, ">= 0"),
@@ -74,7 +78,8 @@ def build_config(args: argparse.Namespace) -> Any:
     return GatewayConfig(
         listen=args.listen, coordinator=args.coordinator, max_queue=args.max_queue,
         max_message_bytes=args.max_message_bytes, default_max_new_tokens=args.default_max_new_tokens,
-        step_timeout=args.step_timeout, pipeline_depth=args.pipeline_depth, shutdown_grace=args.shutdown_grace,
+        step_timeout=args.step_timeout, resume_timeout=args.resume_timeout, pipeline_depth=args.pipeline_depth,
+        shutdown_grace=args.shutdown_grace,
         model_dir=args.model_dir,
         metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint, trace_decode_steps=args.trace_decode_steps,
     )  # fmt: skip

@@ -8,6 +8,8 @@ of them (new requests join whichever has room), and at most `max_batch_tokens` t
   1. decode rows first, one token each, longest-waiting first;
   2. then prompt entries, longest-waiting first, each the whole rest of its prompt or a chunk of what is
      left of the budget. Only a prompt's last chunk samples a token; earlier chunks only fill the cache.
+     A sequence resuming after a lost worker prefills its log the same way (`prefill_len`), and its last
+     chunk samples nothing: the next token is known, its decode step comes next.
 
 "Longest-waiting" is `ready_at`: a counter stamped when a sequence last became free for a step.
 """
@@ -23,7 +25,9 @@ class Schedulable(Protocol):
     """What the planner reads of a running sequence."""
 
     @property
-    def prompt_len(self) -> int: ...
+    def prefill_len(self) -> int: ...  # tokens to cache before decoding: the prompt (+ a replayed log)
+    @property
+    def samples_after_prefill(self) -> bool: ...  # whether the last prefill chunk draws a token
     @property
     def cached(self) -> int: ...  # tokens already in its KV cache
     @property
@@ -60,14 +64,14 @@ def plan_micro_batch(running: Iterable[S], depth: int, max_batch_tokens: int) ->
     for s in free:
         if len(planned) >= min(cap, budget):
             break
-        if s.cached >= s.prompt_len:
+        if s.cached >= s.prefill_len:
             planned.append(Planned(s, 1, True))
     budget -= len(planned)
     for s in free:
         if len(planned) >= cap or budget <= 0:
             break
-        if s.cached < s.prompt_len:
-            n = min(s.prompt_len - s.cached, budget)
-            planned.append(Planned(s, n, s.cached + n == s.prompt_len))
+        if s.cached < s.prefill_len:
+            n = min(s.prefill_len - s.cached, budget)
+            planned.append(Planned(s, n, s.cached + n == s.prefill_len and s.samples_after_prefill))
             budget -= n
     return planned

@@ -43,6 +43,11 @@ class StepInFlight:
     started: float
     traced: StepTrace | None
     call: StepCall
+    resumes: tuple[int, ...]  # each planned sequence's `resumes` when sent: an answer for a log since replayed is void
+
+    def current(self, i: int) -> bool:
+        """Whether planned entry i still speaks for its sequence's cache (it has not resumed since)."""
+        return self.planned[i].seq.resumes == self.resumes[i]
 
     def response(self) -> worker_pb2.StepResponse:
         """The sampler's answer, one token per sampled entry; raises ShardFailure. Only once done."""
@@ -94,7 +99,8 @@ class Dispatcher:
         traced = obs.step_started(self._step_id, view, planned, in_flight, after) if obs is not None else None
         call = view.start_step(request, self._step_timeout, traced.metadata if traced is not None else None,
                                self._on_done)  # fmt: skip
-        step = StepInFlight(self._step_id, view, seq, planned, started, traced, call)
+        step = StepInFlight(self._step_id, view, seq, planned, started, traced, call,
+                            tuple(p.seq.resumes for p in planned))  # fmt: skip
         for p in planned:
             p.seq.in_flight = True
         self.steps.append(step)

@@ -76,6 +76,12 @@ class RequestTrace:
         if self.recording:
             self._queue = self.child("queue")
 
+    def resumed(self, reason: str, replay_tokens: int, waited_s: float) -> None:
+        """An event on the request span: its workers were lost, and it replays its log on a new mesh."""
+        if self.recording:
+            self.span.add_event("resumed", {"shardmesh.reason": reason, "shardmesh.replay_tokens": replay_tokens,
+                                            "shardmesh.waited_ms": round(waited_s * 1000, 3)})  # fmt: skip
+
     def admitted(self, slot: int) -> None:
         if self._queue is not None:
             self._queue.set_attribute("shardmesh.slot", slot)
@@ -175,6 +181,10 @@ class GatewayMetrics:
         self.step_seconds = Histogram("shardmesh_step_duration_seconds", "One step over every shard, as the gateway "
                                       "waits for it", registry=r, buckets=telemetry.STEP_BUCKETS)  # fmt: skip
         self.step_failures = Counter("shardmesh_step_failures", "Steps a shard failed", registry=r)
+        self.resumed = Counter("shardmesh_resumed_requests", "Running requests that lost their workers and replayed "
+                               "their token log on a new mesh", registry=r)  # fmt: skip
+        self.replayed = Counter("shardmesh_replayed_tokens", "Log tokens prefilled again by resumed requests",
+                                registry=r)  # fmt: skip
         for name, doc, i in (("shardmesh_queue_depth", "Requests waiting for a KV slot", 0),
                              ("shardmesh_running_requests", "Requests holding a KV slot", 1),
                              ("shardmesh_free_kv_slots", "KV slots free for new requests", 2),
@@ -293,6 +303,13 @@ class GatewayObserver:
                 m.ttft.observe(t.time_to_first_token_ms / 1e3)
             for ms in t.inter_token_ms:
                 m.itl.observe(ms / 1e3)
+
+    def request_resumed(self, trace: RequestTrace | None, reason: str, replay_tokens: int, waited_s: float) -> None:
+        if trace is not None:
+            trace.resumed(reason, replay_tokens, waited_s)
+        if self.metrics is not None:
+            self.metrics.resumed.inc()
+            self.metrics.replayed.inc(replay_tokens)
 
     def request_failed(self, trace: RequestTrace | None, error: Exception) -> None:
         """Counted by the servicer, which turns the error into a status (`request_errored`)."""

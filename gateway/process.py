@@ -34,6 +34,7 @@ class GatewayConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     default_max_new_tokens: int = 256
     step_timeout: float = 120.0
+    resume_timeout: float = 60.0
     pipeline_depth: int = 0  # steps in flight at once; 0: one per pipeline stage
     shutdown_grace: float = 5.0
     model_dir: str | None = None  # where this gateway reads the tokenizer; default: the topology's model path
@@ -61,7 +62,8 @@ class GatewayServer:
         self.observer = observer
         self.scheduler = Scheduler(
             SchedulerConfig(max_queue=cfg.max_queue, default_max_new_tokens=cfg.default_max_new_tokens,
-                            step_timeout=cfg.step_timeout, pipeline_depth=cfg.pipeline_depth),
+                            step_timeout=cfg.step_timeout, resume_timeout=cfg.resume_timeout,
+                            pipeline_depth=cfg.pipeline_depth),
             logger, observer=observer,
         )  # fmt: skip
         if observer is not None and cfg.metrics_port:

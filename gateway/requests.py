@@ -29,7 +29,7 @@ class Sampling:
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0  # (0, 1]; 1 means no nucleus filtering
     top_k: int = 0  # 0 means no limit
-    seed: int | None = None  # None: the worker picks a random one
+    seed: int | None = None  # None: the gateway picks a random one (gateway/wire.py)
 
     def __post_init__(self) -> None:
         # `not x >= 0` rather than `x < 0` so NaN is refused too.

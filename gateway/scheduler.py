@@ -27,10 +27,14 @@ Each iteration of the loop:
      join whichever has room); send it to every shard without waiting for the answers;
   6. sleep until a step completes, a request arrives or is cancelled, or the mesh changes.
 
-When a shard fails, every running request fails with UNAVAILABLE naming the worker (its slot is
-released once no step in flight uses it), and nothing is served until the coordinator publishes a
-newer complete topology; a new chain of steps starts only once every old step is over. Waiting
-requests stay queued through that and are served afterwards.
+When a shard fails, nothing is served until the coordinator publishes a newer complete topology, and a
+new chain of steps starts only once every old step is over. The running requests do not fail: their KV
+cache is gone with the mesh, but the gateway holds each one's token log (`gateway/sequence.py`), so they
+go back to the front of the queue and, on the next complete mesh, replay their log (prefill without
+sampling) and decode on; greedy and seeded tokens are the same as without the failure, and the client
+sees no error and no repeated or missing token, only a longer gap. A request that cannot resume within
+`resume_timeout` fails with UNAVAILABLE saying why. The same happens when the mesh moves to other
+workers (a new placement). Waiting requests stay queued through all of it.
 
 This module is the loop and what ties its parts together: the waiting queue in `gateway/admission.py`,
 the free KV slots in `gateway/slots.py`, the choice of a micro-batch in `gateway/batching.py` (a pure
@@ -70,6 +74,23 @@ class SchedulerConfig:
     step_timeout: float = 120.0  # seconds a shard may take for one step before it counts as lost
     release_timeout: float = 5.0  # seconds to wait for Release answers
     pipeline_depth: int = 0  # steps in flight at once; 0: one per pipeline stage (the mesh's pp)
+    resume_timeout: float = 60.0  # seconds a request whose workers were lost may wait for a mesh to resume on
+
+
+@dataclass(frozen=True)
+class Vacated:
+    """A KV slot a sequence held, to release on the mesh that held it (once no step in flight uses it)."""
+
+    view: MeshView | None
+    slot: int
+    key: str
+    request_id: str
+    trace_id: str
+    keeps_key: bool = False  # the sequence resumes elsewhere under the same key
+
+    @classmethod
+    def of(cls, s: Sequence, keeps_key: bool = False) -> Vacated:
+        return cls(s.view, s.slot, s.key, s.req.request_id, s.trace_id, keeps_key)
 
 
 class Scheduler:
@@ -98,7 +119,8 @@ class Scheduler:
         self._slots = SlotPool()
         # Owned by the scheduler thread:
         self._running: list[Sequence] = []
-        self._to_release: list[Sequence] = []
+        self._to_release: list[Vacated] = []
+        self._vacate_after_step: dict[Sequence, Vacated] = {}  # resumed while a step of theirs was in flight
         self._dispatch = Dispatcher(cfg.step_timeout, observer, self._wakeup.set)
         self._ready_clock = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -239,9 +261,13 @@ class Scheduler:
             view = state.view if self._usable_locked() else None
             expired = closing and self._clock() >= self._deadline
             dropped = self._admission.drop(everything=closing)
+            late = self._admission.expired(self._clock())
             has_waiting = bool(self._admission)
-        for s in dropped:  # never admitted: no slot to release
+        for s in dropped:  # waiting for a slot: none to release
             self._end_cancelled(s, by="client" if s.handle.cancelled else "shutdown")
+        for s in late:
+            self._end_failed(s, Unavailable(f"could not resume within {self.cfg.resume_timeout:g} s "
+                                            f"(--resume-timeout): {s.resume_reason}"))  # fmt: skip
         for s in [s for s in self._running if not s.in_flight and (s.handle.cancelled or expired)]:
             self._end_cancelled(s, by="client" if s.handle.cancelled else "shutdown")
         if view is not None:
@@ -267,13 +293,11 @@ class Scheduler:
         return timeout
 
     def _drop_moved(self, view: MeshView) -> None:
-        """Fail the running requests when the mesh moved to other workers: their KV cache is gone."""
+        """Resume the running requests elsewhere when the mesh moved to other workers: their KV cache is gone."""
         held_by = self._running[0].view if self._running else None
         if held_by is not None and held_by.placement != view.placement:
-            error = Unavailable(f"topology changed to v{view.version} with other workers: "
-                                "the KV cache of running requests is gone")  # fmt: skip
-            for s in list(self._running):
-                self._end_failed(s, error)
+            self._resume([s for s in self._running if s.view is held_by],
+                         f"topology changed to v{view.version} with other workers")  # fmt: skip
         self._dispatch.settle(keep=view)  # the old placement's steps serve nobody now; the new chain waits for them
 
     # -- admission and the pipeline ---------------------------------------------------------------
@@ -298,7 +322,16 @@ class Scheduler:
                 self._end_failed(s, refusal)
                 continue
             s.slot, s.view, s.ready_at = slot, view, next(self._ready_clock)
-            s.sampling = wire.token_sampling(s.req.sampling)
+            if s.sampling is None:  # once: a resumed sequence keeps its seed
+                s.sampling = wire.token_sampling(s.req.sampling)
+            if s.resume_deadline is not None:
+                s.resume_deadline = None
+                waited = self._clock() - s.lost_at
+                self._log.info("request_resuming", request_id=s.req.request_id, trace_id=s.trace_id, slot=slot,
+                               version=view.version, replay_tokens=s.prefill_len, reason=s.resume_reason,
+                               waited_ms=round(waited * 1000, 3))  # fmt: skip
+                if self._obs is not None:
+                    self._obs.request_resumed(s.trace, s.resume_reason, s.prefill_len, waited)
             if s.trace is not None:
                 s.trace.admitted(slot)
             self._running.append(s)
@@ -317,11 +350,16 @@ class Scheduler:
     # -- steps that completed ---------------------------------------------------------------------
 
     def _complete(self, step: StepInFlight) -> None:
-        planned = step.planned
-        for p in planned:  # free for the next step; a sequence that ended meanwhile can be released now
+        # Entries of sequences that resumed meanwhile belong to a cache that is gone: their answers are dropped
+        # (a replay recomputes the same tokens).
+        current = [step.current(i) for i in range(len(step.planned))]
+        planned = [p for p, ok in zip(step.planned, current, strict=True) if ok]
+        for p in step.planned:  # free for the next step; a sequence that ended meanwhile can be released now
             p.seq.in_flight, p.seq.ready_at = False, next(self._ready_clock)
             if p.seq.retired:
-                self._to_release.append(p.seq)
+                self._to_release.append(Vacated.of(p.seq))
+            elif p.seq in self._vacate_after_step:
+                self._to_release.append(self._vacate_after_step.pop(p.seq))
         obs = self._obs
         try:
             response = step.response()
@@ -338,9 +376,9 @@ class Scheduler:
                         ms=round((now - step.started) * 1000, 3))  # fmt: skip
         for p in planned:
             p.seq.cached += p.num_tokens
-        sampled = [p for p in planned if p.sample]
-        for p, token in zip(sampled, response.tokens, strict=True):
-            if not p.seq.retired:
+        sampled = [(p, ok) for p, ok in zip(step.planned, current, strict=True) if p.sample]
+        for (p, ok), token in zip(sampled, response.tokens, strict=True):
+            if ok and not p.seq.retired:
                 self._on_token(p.seq, token.token_id, token.logprob, now)
 
     def _on_step_failure(self, e: ShardFailure, step: StepInFlight) -> None:
@@ -358,9 +396,29 @@ class Scheduler:
                         stage=e.shard.stage, tp_rank=e.shard.tp_rank, request_ids=[s.req.request_id for s in doomed],
                         trace_ids=[s.trace_id for s in doomed])  # fmt: skip
         self._publish_ready()
-        error = Unavailable(str(e))
-        for s in doomed:  # their KV cache lives on the broken mesh
-            self._end_failed(s, error)
+        self._resume(doomed, str(e))  # their KV cache lived on the broken mesh
+
+    def _resume(self, sequences: list[Sequence], reason: str) -> None:
+        """Back to the front of the queue, to replay their token logs on the next complete mesh. Their slots
+        on the lost mesh are released there (best effort: its workers may be gone)."""
+        resuming = []
+        for s in sequences:
+            if s.handle.cancelled:  # nobody to resume for: it ends as any cancelled request does
+                self._end_cancelled(s, by="client")
+                continue
+            self._running.remove(s)
+            vacated = Vacated.of(s, keeps_key=True)
+            if s.in_flight:  # never a Release racing a Step into the same slot: after that step
+                self._vacate_after_step[s] = vacated
+            else:
+                self._to_release.append(vacated)
+            s.resume(self._clock(), self.cfg.resume_timeout, reason)
+            resuming.append(s)
+        if resuming:
+            self._log.warning("requests_resuming", reason=reason, request_ids=[s.req.request_id for s in resuming],
+                              trace_ids=[s.trace_id for s in resuming], timeout_s=self.cfg.resume_timeout)  # fmt: skip
+            with self._lock:
+                self._admission.requeue(resuming)
 
     def _on_token(self, s: Sequence, token_id: int, logprob: float, now: float) -> None:
         delta, reason = s.add_token(token_id, logprob, now)
@@ -380,10 +438,10 @@ class Scheduler:
         if s in self._running:
             self._running.remove(s)
             if not s.in_flight:
-                self._to_release.append(s)
+                self._to_release.append(Vacated.of(s))
             else:
                 s.retired = True
-        elif s.view is None:  # never admitted: nothing to release
+        elif s.view is None:  # waiting for a slot (a first one, or one to resume in): nothing to release
             with self._lock:
                 self._admission.forget(s.key)
 
@@ -414,20 +472,23 @@ class Scheduler:
         s.handle.events.put(EndEvent(error=error))
 
     def _release_ended(self) -> None:
-        """Release every ended request's slot on the mesh that holds it, then free the slots and keys."""
-        ended, self._to_release = self._to_release, []
-        by_view: dict[int, tuple[MeshView, list[Sequence]]] = {}
-        for s in ended:
-            if s.view is not None:
-                by_view.setdefault(id(s.view), (s.view, []))[1].append(s)
+        """Release every vacated slot on the mesh that held it, then free the slots, and the keys of the
+        requests that ended (a resuming one keeps its key)."""
+        vacated, self._to_release = self._to_release, []
+        by_view: dict[int, tuple[MeshView, list[Vacated]]] = {}
+        for v in vacated:
+            if v.view is not None:
+                by_view.setdefault(id(v.view), (v.view, []))[1].append(v)
         for view, group in by_view.values():
-            for failure in view.release(wire.released(group), self.cfg.release_timeout):
-                self._log.warning("release_failed", error=str(failure), request_ids=[s.req.request_id for s in group],
-                                  trace_ids=[s.trace_id for s in group])  # fmt: skip
+            released = [wire.released_slot(v.key, v.slot) for v in group]
+            for failure in view.release(released, self.cfg.release_timeout):
+                self._log.warning("release_failed", error=str(failure), request_ids=[v.request_id for v in group],
+                                  trace_ids=[v.trace_id for v in group])  # fmt: skip
         with self._lock:
-            for s in ended:
-                self._admission.forget(s.key)
-            self._slots.release([(s.view, s.slot) for s in ended if s.view is not None])
+            for v in vacated:
+                if not v.keeps_key:
+                    self._admission.forget(v.key)
+            self._slots.release([(v.view, v.slot) for v in vacated if v.view is not None])
 
     def _fail_everything(self, error: MeshError) -> None:
         with self._lock:

@@ -2,7 +2,10 @@
 
 Its token log is the prompt followed by the generated ids (`req.prompt_ids` + `tokens`); `cached` says
 how much of the log the workers' KV slot holds, so the next input is always the log from `cached` on
-(a prompt chunk while prefilling, the last sampled token after). The stop conditions are checked here,
+(a prompt chunk while prefilling, the last sampled token after). When the workers holding its cache are
+lost, `resume` forgets the cache and the sequence waits for a mesh again; there it prefills its whole log
+but the last token (a replay: those tokens were sent to the client already, nothing is sampled), and then
+decodes on from the last token as if nothing had happened. The stop conditions are checked here,
 token by token: a stop string in the text, an end-of-sequence id, or `max_new_tokens`.
 """
 
@@ -42,7 +45,11 @@ class Sequence:
     in_flight: bool = False  # part of a step in flight (one at most: its next input is what that step samples)
     retired: bool = False  # ended while its step was in flight: released when that step completes
     ready_at: int = 0  # when it last became free for a step (a counter): the longest-waiting go first
-    sampling: worker_pb2.TokenSampling | None = None  # built once at admission, sent with each of its entries
+    sampling: worker_pb2.TokenSampling | None = None  # built at its first admission, sent with each of its entries
+    resumes: int = 0  # times its cache was lost and rebuilt by replaying its log
+    resume_deadline: float | None = None  # while waiting to resume: when it gives up (clock of the scheduler)
+    resume_reason: str = ""  # why it is waiting to resume
+    lost_at: float = 0.0  # when its cache was last lost (clock of the scheduler)
 
     def __post_init__(self) -> None:
         self.text = CompletionText(self.req.tokenizer, self.req.stop)
@@ -52,15 +59,35 @@ class Sequence:
         return len(self.req.prompt_ids)
 
     @property
+    def prefill_len(self) -> int:
+        """Log tokens to put in the cache before decoding: the prompt, and after a resume every generated
+        token but the last (which the next decode step feeds)."""
+        return self.prompt_len + max(0, len(self.tokens) - 1)
+
+    @property
+    def samples_after_prefill(self) -> bool:
+        """Whether the last prefill chunk draws a token: the prompt's does; a replay's does not, since the
+        token after it is known."""
+        return not self.tokens
+
+    @property
     def prefilling(self) -> bool:
-        return self.cached < self.prompt_len
+        return self.cached < self.prefill_len
 
     def inputs(self, num_tokens: int) -> tuple[int, ...]:
-        """Log positions [cached, cached + num_tokens): a prompt chunk, or the last sampled token (while
-        decoding, `cached` is one short of the log: the last token has been sampled, not yet fed)."""
+        """Log positions [cached, cached + num_tokens): a prompt (or replay) chunk, or the last sampled token
+        (while decoding, `cached` is one short of the log: the last token has been sampled, not yet fed)."""
         if self.prefilling:
-            return self.req.prompt_ids[self.cached : self.cached + num_tokens]
+            log = (*self.req.prompt_ids, *self.tokens)
+            return log[self.cached : self.cached + num_tokens]
         return (self.tokens[-1],)
+
+    def resume(self, now: float, timeout: float, reason: str) -> None:
+        """Its KV cache is gone with the workers that held it: wait (until `now + timeout`) for a mesh, then
+        replay the log."""
+        self.slot, self.view, self.cached = -1, None, 0
+        self.resumes += 1
+        self.lost_at, self.resume_deadline, self.resume_reason = now, now + timeout, reason
 
     def add_token(self, token_id: int, logprob: float, now: float) -> tuple[str, FinishReason | None]:
         """Append a sampled token; returns the text now safe to send and why generation ends with this

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import TYPE_CHECKING
 
 from shardmesh.proto.v1 import worker_pb2
@@ -13,8 +14,13 @@ if TYPE_CHECKING:
 
 
 def token_sampling(sampling: Sampling) -> worker_pb2.TokenSampling:
+    """Built once per request. A sampled request without a seed gets one here: the gateway owns its token
+    log, and with the seed a replay after a worker's loss draws the same tokens (`engine.sampling`)."""
+    seed = sampling.seed
+    if seed is None and sampling.temperature > 0:
+        seed = secrets.randbits(62)
     return worker_pb2.TokenSampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                                    seed=sampling.seed)  # fmt: skip
+                                    seed=seed)  # fmt: skip
 
 
 def batch_entry(p: Planned[Sequence]) -> worker_pb2.BatchEntry:
@@ -31,5 +37,5 @@ def step_request(step_id: int, topology_version: int, after_step_id: int,
                                   entries=[batch_entry(p) for p in planned])  # fmt: skip
 
 
-def released(sequences: list[Sequence]) -> list[worker_pb2.ReleasedSequence]:
-    return [worker_pb2.ReleasedSequence(request_id=s.key, slot=s.slot) for s in sequences]
+def released_slot(key: str, slot: int) -> worker_pb2.ReleasedSequence:
+    return worker_pb2.ReleasedSequence(request_id=key, slot=slot)

@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from shardmesh.core.step import SamplingParams, Segment
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.groups import Backend, GroupCollective, form_groups
 from shardmesh.engine.loader import build_shard, check_shards, parse_dtype
-from shardmesh.engine.sampling import generator, sample
+from shardmesh.engine.sampling import random_seed, sample
 from shardmesh.engine.stage import StageEngine
 from shardmesh.rpc import log, procs
 
@@ -143,7 +143,11 @@ def _decode(
     engine: StageEngine, req: OfflineRequest, world: GroupCollective, sampler_rank: int, rank: int,
     device: torch.device,
 ) -> OfflineResult:  # fmt: skip
-    stream = generator(req.sampling)
+    sampling = (
+        req.sampling
+        if req.sampling.greedy or req.sampling.seed is not None
+        else replace(req.sampling, seed=random_seed())
+    )
     inputs, start = list(req.input_ids), 0
     token_ids: list[int] = []
     logprobs: list[float] = []
@@ -156,7 +160,7 @@ def _decode(
         msg = torch.zeros(2, dtype=torch.float64, device=device)
         if rank == sampler_rank:
             assert logits is not None
-            ids, lps = sample(logits, [req.sampling], [stream])
+            ids, lps = sample(logits, [sampling], [start + len(inputs)])
             msg = torch.tensor([ids[0], lps[0]], dtype=torch.float64, device=device)
         world.pg.broadcast([msg], opts).wait()
         token = int(msg[0].item())

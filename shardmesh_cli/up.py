@@ -296,7 +296,8 @@ def run(args: argparse.Namespace, model_dir: Path, demo: object | None = None) -
                 print(mesh.share.describe(procs.cores()), file=sys.stderr, flush=True)
             if callable(demo):
                 return int(demo(mesh.gateway) or 0)
-            print(mesh.gateway, flush=True)  # stdout carries just the address, for scripts
+            print(mesh.gateway, flush=True)  # stdout carries the addresses, for scripts: the gateway's first,
+            print(f"coordinator: {mesh.coordinator}", flush=True)  # then the coordinator's (status, top, drain)
             return _supervise(mesh, args.max_restarts)
         except KeyboardInterrupt:
             print("stopping the mesh ...", file=sys.stderr, flush=True)

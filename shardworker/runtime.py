@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -24,13 +24,13 @@ import torch.distributed as dist
 from shardmesh.core.config import ModelConfig
 from shardmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from shardmesh.core.layout import ShardSpec
-from shardmesh.core.step import Sampled, Segment, StepEntry
+from shardmesh.core.step import Sampled, SamplingParams, Segment, StepEntry
 from shardmesh.core.topology import Rendezvous, ServingLimits, ShardState, Topology
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.groups import Backend, ShardGroups, form_groups
 from shardmesh.engine.loader import build_shard, parse_dtype
 from shardmesh.engine.model import Transformer
-from shardmesh.engine.sampling import generator, sample
+from shardmesh.engine.sampling import random_seed, sample
 from shardmesh.engine.stage import StageEngine
 from shardmesh.engine.timing import calibrate_shard
 from shardmesh.engine.tp import bind_group
@@ -124,7 +124,7 @@ class _Runtime:
     placement: Placement
     engine: StageEngine
     groups_epoch: int
-    generators: dict[str, torch.Generator | None] = field(default_factory=dict)
+    seeds: dict[str, int] = field(default_factory=dict)  # for sampled requests that came without a seed
     slots: dict[int, str] = field(default_factory=dict)  # occupied KV slot -> request id
     order: StepOrder = field(default_factory=StepOrder)  # this epoch's steps take turns in the gateway's order
 
@@ -263,8 +263,12 @@ class StageWorkerCore:
         self._validate(rt, entries)
         with self._slots_lock:
             for e in entries:
-                if e.start_pos == 0 or e.request_id not in rt.generators:
-                    rt.generators[e.request_id] = generator(e.sampling)
+                if (
+                    not e.sampling.greedy
+                    and e.sampling.seed is None
+                    and (e.start_pos == 0 or e.request_id not in rt.seeds)
+                ):
+                    rt.seeds[e.request_id] = random_seed()  # a gateway sends seeds; this covers clients that do not
                 rt.slots[e.slot] = e.request_id
         batch = BatchLayout.build([Segment(e.slot, e.start_pos, e.num_tokens) for e in entries], self.device)
         ids = torch.tensor([t for e in entries for t in e.token_ids]) if rt.engine.is_first else None
@@ -283,13 +287,20 @@ class StageWorkerCore:
         sampled: list[Sampled] = []
         if logits is not None:
             keep = [i for i, e in enumerate(entries) if not e.skip_sampling]
-            params = [entries[i].sampling for i in keep]
             with self._slots_lock:
-                gens = [rt.generators[entries[i].request_id] for i in keep]
+                params = [self._seeded(rt, entries[i]) for i in keep]
+            positions = [entries[i].start_pos + entries[i].num_tokens for i in keep]  # where each drawn token goes
             rows = logits if len(keep) == len(entries) else logits[keep]  # no copy when every row samples
-            ids_out, lps = sample(rows, params, gens) if keep else ([], [])
+            ids_out, lps = sample(rows, params, positions) if keep else ([], [])
             sampled = [Sampled(entries[i].request_id, t, lp) for i, t, lp in zip(keep, ids_out, lps, strict=True)]
         return StepResult(sampled, elapsed, comm, rt.placement)
+
+    @staticmethod
+    def _seeded(rt: _Runtime, e: StepEntry) -> SamplingParams:
+        """`e`'s sampling parameters with the seed it draws with (its own, or the one picked for it)."""
+        if e.sampling.greedy or e.sampling.seed is not None:
+            return e.sampling
+        return replace(e.sampling, seed=rt.seeds[e.request_id])
 
     def _ready(self, topology_version: int) -> _Runtime:
         """The runtime a step or calibration of `topology_version` runs on; refused unless READY in an
@@ -344,14 +355,14 @@ class StageWorkerCore:
                     raise InvalidArgument(f"{where}.token_ids", msg)
 
     def release(self, sequences: list[tuple[str, int]]) -> int:
-        """Free the slots and sampler streams of ended sequences. Never waits for a running step: the
+        """Free the slots and seeds of ended sequences. Never waits for a running step: the
         gateway releases only sequences that are in no step in flight."""
         with self._slots_lock:
             rt = self._runtime
             if rt is None:
                 return 0
             for request_id, slot in sequences:
-                rt.generators.pop(request_id, None)
+                rt.seeds.pop(request_id, None)
                 if rt.slots.get(slot) == request_id:
                     del rt.slots[slot]
             return rt.placement.limits.kv_slots - len(rt.slots)

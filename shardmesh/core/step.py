@@ -22,7 +22,8 @@ class Segment:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How a request draws its tokens; `seed` fixes its random stream (`engine.sampling.generator`)."""
+    """How a request draws its tokens; the draw at each position depends on `seed` and that position only
+    (`engine.sampling.draw_seed`)."""
 
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p

@@ -181,21 +181,28 @@ def test_watcher_fan_out_worker_loss_and_recovery(cluster: FakeCluster, model_di
         info = stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)
         assert info.ready and info.topology_version == 2 and info.has_chat_template
 
-        # The last stage's worker dies: the request in flight fails naming it, and nothing is served
-        # until the coordinator publishes a complete topology again.
+        # The last stage's worker dies: the request in flight waits, new ones are refused naming the lost worker,
+        # until the coordinator publishes a complete topology again; then the waiting one replays and finishes.
         dead = cluster.mesh.shards[1].address
         cluster.kill_worker(1)
-        err = _rpc_error(lambda: stub.Generate(request, timeout=10))
-        assert err.code() == grpc.StatusCode.UNAVAILABLE
-        assert err.details().startswith(f"worker {dead} (stage 1, tp rank 0) lost: UNAVAILABLE: ")
-        assert _health(channel) == NOT_SERVING
-        assert "no ready topology: worker" in _rpc_error(lambda: stub.Generate(request, timeout=5)).details()
-        assert len(cluster.mesh.shards[0].released_ids()) == 2  # the first request, then the failed one
+        resuming = stub.Generate.future(request, timeout=60)  # its step fails: it waits to replay, no error
+        _wait_health(channel, NOT_SERVING)
+        refused = _rpc_error(lambda: stub.Generate(request, timeout=5))
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE  # new requests are refused meanwhile, saying why
+        assert refused.details().startswith(
+            f"no ready topology: worker {dead} (stage 1, tp rank 0) lost: UNAVAILABLE: "
+        )
+        deadline = time.monotonic() + WAIT_S  # the resuming request's slot is released on the lost mesh
+        while len(cluster.mesh.shards[0].released_ids()) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert not resuming.done()
 
         cluster.publish(complete=False)  # the coordinator notices the silence
         cluster.start_worker(1)  # the worker restarts on another port and rejoins
         cluster.publish(complete=True, epoch=4)
         _wait_health(channel, SERVING)
+        assert resuming.result(timeout=30).text == "ok!"  # replayed on the new mesh, then finished
         r = stub.Generate(request, timeout=5)
         assert r.text == "ok!"
         assert cluster.mesh.shards[1].steps[-1].topology_version == 4

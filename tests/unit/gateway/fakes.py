@@ -166,7 +166,9 @@ class _FakeStub:
 
 
 class FakeMesh:
-    """pp × tp fake shards; the sampler draws `script[request_id]` in order, then `filler` tokens."""
+    """pp × tp fake shards; the sampler draws `script[request_id]` in order, then `filler` tokens. Like a real
+    worker's, a draw depends on the log position it fills, not on the draws before it: a request that
+    replays its log after a lost worker draws the same tokens again."""
 
     def __init__(self, pp: int = 2, tp: int = 2, kv_slots: int = 4, max_context: int = 64,
                  max_batch_tokens: int = 64, filler: int = 72) -> None:  # fmt: skip
@@ -174,7 +176,7 @@ class FakeMesh:
         self.max_context, self.max_batch_tokens, self.filler = max_context, max_batch_tokens, filler
         self.script: dict[str, list[int]] = {}
         self.default_script: list[int] = []
-        self.drawn: dict[str, int] = {}
+        self.first_draw: dict[str, int] = {}  # request key -> log position of its first draw
         self.failures: dict[tuple[int, int], tuple[grpc.StatusCode, str]] = {}
         self.gate: threading.Event | None = None
         self.step_delay = 0.0
@@ -184,8 +186,8 @@ class FakeMesh:
         self.shards = [FakeShard(self, s, t) for s in range(pp) for t in range(tp)]
 
     def draw(self, e: worker_pb2.BatchEntry) -> worker_pb2.SampledToken:
-        n = self.drawn.get(e.request_id, 0)
-        self.drawn[e.request_id] = n + 1
+        position = e.start_pos + e.num_tokens
+        n = position - self.first_draw.setdefault(e.request_id, position)
         script = self.script.get(e.request_id, self.default_script)
         token = script[n] if n < len(script) else self.filler
         return worker_pb2.SampledToken(request_id=e.request_id, token_id=token, logprob=-(n + 1) / 10)

@@ -10,10 +10,11 @@ from gateway.batching import Planned, pipeline_depth, plan_micro_batch
 @dataclass(frozen=True)
 class Seq:
     name: str
-    prompt_len: int
+    prefill_len: int
     cached: int = 0
     ready_at: int = 0
     in_flight: bool = False
+    samples_after_prefill: bool = True  # False: a replay after a lost worker, its next token known
 
 
 def prefill(name: str, prompt_len: int, cached: int = 0, ready_at: int = 0) -> Seq:
@@ -21,7 +22,7 @@ def prefill(name: str, prompt_len: int, cached: int = 0, ready_at: int = 0) -> S
 
 
 def decode(name: str, ready_at: int = 0) -> Seq:
-    return Seq(name, prompt_len=3, cached=5, ready_at=ready_at)  # prompt cached, two tokens decoded
+    return Seq(name, prefill_len=3, cached=5, ready_at=ready_at)  # prompt cached, two tokens decoded
 
 
 def rows(plan: list[Planned[Seq]]) -> list[tuple[str, int, bool]]:
@@ -83,3 +84,14 @@ def test_longest_waiting_first_and_sequences_in_flight_are_skipped() -> None:
 def test_nothing_to_plan() -> None:
     assert plan_micro_batch([], 2, 64) == []
     assert plan_micro_batch([replace(decode("a"), in_flight=True)], 1, 64) == []
+
+
+def test_a_replay_is_prefilled_like_a_prompt_and_its_last_chunk_samples_nothing() -> None:
+    """A sequence resuming after a lost worker: 7 log tokens to cache again, its next token already known."""
+    replay = Seq("r", prefill_len=7, ready_at=1, samples_after_prefill=False)
+    first = plan_micro_batch([replay], depth=1, max_batch_tokens=4)
+    assert rows(first) == [("r", 4, False)]
+    last = plan_micro_batch([replace(replay, cached=4)], depth=1, max_batch_tokens=4)
+    assert rows(last) == [("r", 3, False)]  # the whole log is cached now, and nothing was drawn
+    after = plan_micro_batch([replace(replay, cached=7)], depth=1, max_batch_tokens=4)
+    assert rows(after) == [("r", 1, True)]  # then it decodes its last token, which draws the next

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
 
+from gateway.observe import GatewayMetrics, GatewayObserver
 from gateway.results import EndEvent, FinishReason, TokenEvent
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.watcher import ModelFiles
@@ -185,37 +187,90 @@ def test_no_topology_is_unavailable(scheduler: Scheduler, model_files: ModelFile
         scheduler.submit(request(model_files, "x"))
 
 
-def test_worker_failure_fails_the_step_and_waits_for_a_new_topology(
-    scheduler: Scheduler, model_files: ModelFiles
+@pytest.fixture
+def observed(logger: Any) -> Iterator[tuple[Scheduler, GatewayMetrics]]:
+    """A scheduler with its metrics on."""
+    holder: list[Scheduler] = []
+    metrics = GatewayMetrics(lambda: holder[0].load())
+    s = Scheduler(SchedulerConfig(max_queue=8, step_timeout=5.0), logger, observer=GatewayObserver(None, metrics))
+    holder.append(s)
+    s.start()
+    yield s, metrics
+    s.shutdown(grace=0.0)
+
+
+def test_a_worker_failure_resumes_running_requests_on_the_next_topology(
+    observed: tuple[Scheduler, GatewayMetrics], model_files: ModelFiles
 ) -> None:
+    scheduler, metrics = observed
     mesh = FakeMesh(pp=2, tp=2, kv_slots=1)
+    mesh.default_script = list(range(30, 50))
     ready: list[bool] = []
     scheduler.add_ready_listener(ready.append)
     scheduler.update_mesh(mesh_state(mesh, model_files, seq=1))
-    mesh.gate = threading.Event()
-    doomed = scheduler.submit(request(model_files, "doomed", max_new=20))
-    assert mesh.entered.wait(WAIT_S)
+    mesh.step_delay = 0.01
+    running = scheduler.submit(request(model_files, "running", max_new=20))
     queued = scheduler.submit(request(model_files, "queued", max_new=2))  # no slot: waits through the failure
-    mesh.failures[(1, 1)] = (grpc.StatusCode.UNAVAILABLE, "Connection refused")
-    mesh.gate.set()
-    end = collect(doomed)[-1]
-    assert isinstance(end, EndEvent) and isinstance(end.error, Unavailable)
-    assert str(end.error) == "worker 127.0.0.1:7011 (stage 1, tp rank 1) lost: UNAVAILABLE: Connection refused"
-    for shard in mesh.shards:  # released everywhere (the fake "dead" shard answers Release too)
-        wait_until(lambda shard=shard: shard.released_ids() == ["doomed"])
+    sent = [running.events.get(timeout=WAIT_S) for _ in range(3)]
+    mesh.failures[(1, 1)] = (grpc.StatusCode.UNAVAILABLE, "Connection refused")  # after 3 tokens or more
+    for shard in mesh.shards:  # its slot is released everywhere (the fake "dead" shard answers Release too)
+        wait_until(lambda shard=shard: shard.released_ids() == ["running"])
     wait_until(lambda: ready == [False, True, False])
     with pytest.raises(Unavailable, match=r"^no ready topology: worker 127.0.0.1:7011 .* lost: .*waiting for"):
         scheduler.submit(request(model_files, "refused"))
-    # The coordinator publishes a newer complete topology (the worker is back): serving resumes, and
-    # the request that was queued through the failure is served first.
+    while not running.events.empty():
+        sent.append(running.events.get())
+    assert not any(isinstance(e, EndEvent) for e in sent)  # no error: it waits to resume
+    # The coordinator publishes a newer complete topology (the worker is back): the running request replays
+    # its log first (prompt and tokens so far, nothing drawn), then the queued one is served.
     scheduler.update_mesh(mesh_state(mesh, model_files, seq=2, version=2, placement="epoch-2"))
+    events = sent + collect(running)
+    assert finish(events) is FinishReason.LENGTH
+    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == list(range(30, 50))  # none lost or twice
+    assert [e.index for e in events if isinstance(e, TokenEvent)] == list(range(20))
     assert finish(collect(queued)) is FinishReason.LENGTH
     after = collect(scheduler.submit(request(model_files, "after", max_new=2)))
     assert finish(after) is FinishReason.LENGTH and ready[-1] is True
     assert mesh.shards[0].steps[-1].topology_version == 2
+    replays = [e for s in mesh.shards[0].steps if s.topology_version == 2 for e in s.entries
+               if e.request_id == "running" and e.start_pos == 0]  # fmt: skip
+    prompt, before = len(ids_of(model_files, "hi")), len(sent)
+    assert [(e.num_tokens, e.skip_sampling) for e in replays] == [(prompt + before - 1, True)]  # the log but its last
+    assert list(replays[0].token_ids)[prompt:] == list(range(30, 30 + before - 1))  # the last one is fed next
+    value = metrics.registry.get_sample_value
+    assert value("shardmesh_resumed_requests_total") == 1
+    assert value("shardmesh_replayed_tokens_total") == prompt + before - 1
 
 
-def test_topology_versions_keep_or_drop_running_requests(scheduler: Scheduler, model_files: ModelFiles) -> None:
+def test_a_request_that_cannot_resume_in_time_fails_saying_why(model_files: ModelFiles, logger: Any) -> None:
+    now = [0.0]
+    scheduler = Scheduler(SchedulerConfig(max_queue=8, step_timeout=5.0, resume_timeout=30.0), logger,
+                          clock=lambda: now[0])  # fmt: skip
+    scheduler.start()
+    try:
+        mesh = FakeMesh(pp=1, tp=1, kv_slots=1)
+        scheduler.update_mesh(mesh_state(mesh, model_files, seq=1))
+        mesh.gate = threading.Event()
+        handle = scheduler.submit(request(model_files, "r", max_new=20))
+        assert mesh.entered.wait(WAIT_S)
+        mesh.failures[(0, 0)] = (grpc.StatusCode.UNAVAILABLE, "Connection refused")
+        mesh.gate.set()
+        # The pass that resumed it also checked the deadlines (before releasing its slot): nothing ended it.
+        wait_until(lambda: mesh.shards[0].released_ids() == ["r"])
+        assert handle.events.empty()
+        now[0] = 30.0
+        scheduler.update_mesh(mesh_state(mesh, model_files, seq=1))  # a wake-up, no new topology
+        end = collect(handle)[-1]
+        assert isinstance(end, EndEvent) and isinstance(end.error, Unavailable)
+        assert str(end.error) == ("could not resume within 30 s (--resume-timeout): worker 127.0.0.1:7000 "
+                                  "(stage 0, tp rank 0) lost: UNAVAILABLE: Connection refused")  # fmt: skip
+    finally:
+        scheduler.shutdown(grace=0.0)
+
+
+def test_topology_versions_keep_running_requests_or_replay_them_elsewhere(
+    scheduler: Scheduler, model_files: ModelFiles
+) -> None:
     mesh = FakeMesh(pp=1, tp=2)
     scheduler.update_mesh(mesh_state(mesh, model_files, seq=1))
     mesh.gate = threading.Event()
@@ -226,16 +281,17 @@ def test_topology_versions_keep_or_drop_running_requests(scheduler: Scheduler, m
     mesh.gate.set()
     assert finish(collect(handle)) is FinishReason.LENGTH
     assert [s.topology_version for s in mesh.shards[0].steps] == [1, 2, 2]
-    # Another placement while a request runs: its cache is gone, it fails and is released.
+    # Another placement while a request runs: its cache is gone; it is released there and replays on the new one.
     mesh.gate.clear()
     mesh.entered.clear()
     handle = scheduler.submit(request(model_files, "moved", max_new=30))
     assert mesh.entered.wait(WAIT_S)
     scheduler.update_mesh(mesh_state(mesh, model_files, seq=3, version=3, placement="epoch-3"))
     mesh.gate.set()
-    end = collect(handle)[-1]
-    assert isinstance(end, EndEvent) and "topology changed to v3" in str(end.error)
-    wait_until(lambda: "moved" in mesh.shards[1].released_ids())
+    assert finish(collect(handle)) is FinishReason.LENGTH
+    assert "moved" in mesh.shards[1].released_ids()
+    assert {s.topology_version for s in mesh.shards[0].steps if any(e.request_id == "moved" for e in s.entries)} \
+        == {2, 3}  # fmt: skip
 
 
 def test_duplicate_request_ids_get_distinct_worker_keys(scheduler: Scheduler, model_files: ModelFiles) -> None:

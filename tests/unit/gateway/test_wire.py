@@ -31,4 +31,14 @@ def test_a_step_request_carries_prompt_chunks_and_decode_rows() -> None:
     assert first.skip_sampling and not second.skip_sampling
     assert (second.request_id, second.slot, second.start_pos, list(second.token_ids)) == ("b", 0, 2, [40])
     assert second.sampling == worker_pb2.TokenSampling(temperature=0.5, top_p=0.9, top_k=4, seed=7)
-    assert [(r.request_id, r.slot) for r in wire.released([a, b])] == [("a", 1), ("b", 0)]
+    released = wire.released_slot("a", 1)
+    assert (released.request_id, released.slot) == ("a", 1)
+
+
+def test_a_sampled_request_without_a_seed_gets_one_and_a_greedy_one_none() -> None:
+    """The gateway picks the seed, so a replay on other workers draws the same tokens (engine/sampling.py)."""
+    sampled = wire.token_sampling(Sampling(temperature=0.7))
+    assert sampled.HasField("seed")
+    assert wire.token_sampling(Sampling(temperature=0.7)).seed != sampled.seed  # one per request
+    assert not wire.token_sampling(Sampling()).HasField("seed")
+    assert wire.token_sampling(Sampling(temperature=0.7, seed=5)).seed == 5
