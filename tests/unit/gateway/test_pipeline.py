@@ -133,9 +133,12 @@ def _micro_batches(scheduler: Scheduler, model_files: ModelFiles, pp: int, in_fl
         assert batches[:2] == [["a"], ["b", "c"]]
 
 
+@pytest.mark.parametrize("placement", ["epoch-2", "epoch-1"], ids=["new-placement", "same-placement"])
 def test_a_failure_resumes_every_micro_batch_and_releases_after_their_steps(
-    scheduler: Scheduler, model_files: ModelFiles
+    scheduler: Scheduler, model_files: ModelFiles, placement: str
 ) -> None:
+    """The repaired mesh may be other workers (a new epoch) or, after a transient failure, the same ones under a
+    newer version: then a sequence whose old step is still out must not take a slot before its old one is free."""
     mesh = ordered_mesh(pp=2, tp=1, kv_slots=2)
     mesh.default_script = list(range(10, 30))
     last = mesh.shards[1]
@@ -159,11 +162,12 @@ def test_a_failure_resumes_every_micro_batch_and_releases_after_their_steps(
         assert shard.races == []
     assert a.events.empty() and b.events.empty()  # no token, no error: the failed step answered nothing
     # A repaired mesh: a new chain (after_step_id 0) once every old step is over; a and b replay and go on.
-    scheduler.update_mesh(mesh_state(mesh, model_files, seq=2, version=2, placement="epoch-2"))
+    scheduler.update_mesh(mesh_state(mesh, model_files, seq=2, version=2, placement=placement))
     for handle in (a, b):
         events = collect(handle)
         assert finish(events) is FinishReason.LENGTH
         assert [e.token_id for e in events if isinstance(e, TokenEvent)] == list(range(10, 30))  # none twice
     first_after = next(s for s in mesh.shards[0].steps if s.topology_version == 2)
     assert first_after.after_step_id == 0
+    assert all(shard.races == [] for shard in mesh.shards)
     assert finish(collect(scheduler.submit(request(model_files, "c", max_new=2)))) is FinishReason.LENGTH
