@@ -185,6 +185,9 @@ class GatewayMetrics:
                                "their token log on a new mesh", registry=r)  # fmt: skip
         self.replayed = Counter("shardmesh_replayed_tokens", "Log tokens prefilled again by resumed requests",
                                 registry=r)  # fmt: skip
+        self.resume_gap = Histogram("shardmesh_resume_gap_seconds", "The pause a resumed request's client saw: from "
+                                    "its last token (or arrival) before the loss to its first token after",
+                                    registry=r, buckets=telemetry.REQUEST_BUCKETS)  # fmt: skip
         for name, doc, i in (("shardmesh_queue_depth", "Requests waiting for a KV slot", 0),
                              ("shardmesh_running_requests", "Requests holding a KV slot", 1),
                              ("shardmesh_free_kv_slots", "KV slots free for new requests", 2),
@@ -310,6 +313,10 @@ class GatewayObserver:
         if self.metrics is not None:
             self.metrics.resumed.inc()
             self.metrics.replayed.inc(replay_tokens)
+
+    def resume_gap(self, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.resume_gap.observe(seconds)
 
     def request_failed(self, trace: RequestTrace | None, error: Exception) -> None:
         """Counted by the servicer, which turns the error into a status (`request_errored`)."""

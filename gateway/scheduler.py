@@ -421,6 +421,13 @@ class Scheduler:
                 self._admission.requeue(resuming)
 
     def _on_token(self, s: Sequence, token_id: int, logprob: float, now: float) -> None:
+        if s.gap_open:  # the first token after a resume: how long the client waited
+            s.gap_open = False
+            gap = now - (s.token_times[-1] if s.token_times else s.req.arrival)
+            self._log.info("request_resumed", request_id=s.req.request_id, trace_id=s.trace_id,
+                           gap_ms=round(gap * 1000, 3), resumes=s.resumes)  # fmt: skip
+            if self._obs is not None:
+                self._obs.resume_gap(gap)
         delta, reason = s.add_token(token_id, logprob, now)
         if s.trace is not None and len(s.tokens) == 1:
             s.trace.first_token()

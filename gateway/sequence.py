@@ -50,6 +50,7 @@ class Sequence:
     resume_deadline: float | None = None  # while waiting to resume: when it gives up (clock of the scheduler)
     resume_reason: str = ""  # why it is waiting to resume
     lost_at: float = 0.0  # when its cache was last lost (clock of the scheduler)
+    gap_open: bool = False  # resumed, and no token sent since: the next one closes the pause the client saw
 
     def __post_init__(self) -> None:
         self.text = CompletionText(self.req.tokenizer, self.req.stop)
@@ -88,6 +89,7 @@ class Sequence:
         self.slot, self.view, self.cached = -1, None, 0
         self.resumes += 1
         self.lost_at, self.resume_deadline, self.resume_reason = now, now + timeout, reason
+        self.gap_open = True
 
     def add_token(self, token_id: int, logprob: float, now: float) -> tuple[str, FinishReason | None]:
         """Append a sampled token; returns the text now safe to send and why generation ends with this

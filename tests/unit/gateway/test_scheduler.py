@@ -240,6 +240,8 @@ def test_a_worker_failure_resumes_running_requests_on_the_next_topology(
     value = metrics.registry.get_sample_value
     assert value("shardmesh_resumed_requests_total") == 1
     assert value("shardmesh_replayed_tokens_total") == prompt + before - 1
+    assert value("shardmesh_resume_gap_seconds_count") == 1  # one pause, measured at its first token after
+    assert value("shardmesh_resume_gap_seconds_sum") > 0
 
 
 def test_a_request_that_cannot_resume_in_time_fails_saying_why(model_files: ModelFiles, logger: Any) -> None:
