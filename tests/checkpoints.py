@@ -11,6 +11,14 @@ from typing import Any
 
 import torch
 
+# SmolLM2-135M-Instruct's geometry, as `shardmesh model pull` writes its config.json (no weights).
+SMOLLM2_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+    "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192, "vocab_size": 49152,
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+
 FAMILIES: dict[str, dict[str, Any]] = {
     # name: (config class, config kwargs)
     "llama-gqa-tied": {

@@ -35,6 +35,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tests.checkpoints import SMOLLM2_CONFIG
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
 STACKS = {"cpu": COMPOSE_DIR / "cpu.compose.yaml", "cuda": COMPOSE_DIR / "cuda.compose.yaml"}
@@ -46,13 +48,6 @@ HEALTHCHECK_BIN = "shardmesh-healthcheck"
 ENV_IN_HELP = re.compile(r"\[env ([A-Z0-9_]+)\]")
 SHELL_ENTRYPOINTS = (["/bin/sh", "-c"], ["sh", "-c"])
 
-# The geometry of the default model, SmolLM2-135M-Instruct (its config.json as `model pull` writes it).
-SMOLLM2 = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
-    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-    "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192, "vocab_size": 49152,
-    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip
 # A Llama 3.2 1B-like geometry: heads that split in two, for the documented pp=2 tp=2 CUDA layout.
 LLAMA_1B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
@@ -255,9 +250,9 @@ def model_dir(tmp_path: Path, config: dict[str, Any]) -> Path:
 
 
 LAYOUTS = [  # stack, compose variables, the model's geometry
-    pytest.param("cpu", {}, SMOLLM2, id="cpu-default"),
-    pytest.param("cpu", {"SHARDMESH_PP": "3", "SHARDMESH_TP": "3"}, SMOLLM2, id="cpu-pp3-tp3"),
-    pytest.param("cuda", {}, SMOLLM2, id="cuda-default"),
+    pytest.param("cpu", {}, SMOLLM2_CONFIG, id="cpu-default"),
+    pytest.param("cpu", {"SHARDMESH_PP": "3", "SHARDMESH_TP": "3"}, SMOLLM2_CONFIG, id="cpu-pp3-tp3"),
+    pytest.param("cuda", {}, SMOLLM2_CONFIG, id="cuda-default"),
     pytest.param("cuda", {"SHARDMESH_PP": "2", "SHARDMESH_TP": "2"}, LLAMA_1B, id="cuda-pp2-tp2-llama"),
 ]
 
@@ -357,7 +352,7 @@ def test_default_model_refuses_tp2(clean_env: pytest.MonkeyPatch, tmp_path: Path
     from shardmesh.rpc.flags import UsageError
 
     args = subparsers()["coordinator"].parse_args(
-        ["--model", str(model_dir(tmp_path, SMOLLM2)), "--pp", "2", "--tp", "2"]
+        ["--model", str(model_dir(tmp_path, SMOLLM2_CONFIG)), "--pp", "2", "--tp", "2"]
     )
     with pytest.raises(UsageError, match="--tp"):
         coordinator_app.build_config(args)
