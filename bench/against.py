@@ -15,7 +15,6 @@ Writes bench/results/<host>-<date>-against-<rev>.{md,json} and prints the markdo
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.conditions import PROMPT, machine  # noqa: E402  (the repository root is on the path only now)
+from bench.conditions import PROMPT, machine, save_results  # noqa: E402  (the repository root is on the path only now)
 from bench.run import Mesh, run_streams  # noqa: E402
 from shardmesh.rpc.procs import cores  # noqa: E402
 from shardmesh_cli.up import share_cores  # noqa: E402
@@ -112,12 +111,7 @@ def report(info: dict, commit: str, rows: list[dict], a: argparse.Namespace) -> 
         lines.append(f"| {r['pp']} | {r['tp']} | {r['streams']} | {m['this']:.1f} | {m['rev']:.1f} | "
                      f"{m['ratio']:.3f} | {g['this']:.1f} | {g['rev']:.1f} | {g['ratio']:.3f} |")  # fmt: skip
     md = "\n".join(lines) + "\n"
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{info['host']}-{info['date'][:10]}-against-{commit[:7]}"
-    (out / f"{stem}.md").write_text(md)
-    (out / f"{stem}.json").write_text(json.dumps({"machine": info, "against": commit, "rows": rows}, indent=1))
-    print(md)
+    save_results(Path(a.out), info, f"-against-{commit[:7]}", md, {"against": commit, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Shared by bench/run.py, bench/llamacpp.py and bench/tracing.py, so their numbers
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import platform
 import socket
@@ -28,3 +29,13 @@ def machine() -> dict:
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
         "torch": torch.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }  # fmt: skip
+
+
+def save_results(out: Path, info: dict, suffix: str, md: str, data: dict) -> None:
+    """Write `<out>/<host>-<date><suffix>.md` and `.json` (the data beside the machine it ran on), then print
+    the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{info['host']}-{info['date'][:10]}{suffix}"
+    (out / f"{stem}.md").write_text(md)
+    (out / f"{stem}.json").write_text(json.dumps({"machine": info, **data}, indent=1))
+    print(md)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import signal
 import statistics
@@ -29,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.conditions import PROMPT, machine  # noqa: E402  (the repository root is on the path only now)
+from bench.conditions import PROMPT, machine, save_results  # noqa: E402  (the repository root is on the path only now)
 from bench.run import Mesh  # noqa: E402
 from shardmesh.rpc.procs import cores  # noqa: E402
 from shardmesh_cli.up import share_cores  # noqa: E402
@@ -164,14 +163,9 @@ def report(info: dict, a: argparse.Namespace, calm: dict, hit: dict, identical: 
         f"longest gap p99 with the kill ÷ undisturbed: {hit['longest_gap_p99_ms'] / calm['longest_gap_p99_ms']:.0f}×.",
     ]  # fmt: skip
     md = "\n".join(lines) + "\n"
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{info['host']}-{info['date'][:10]}-failover"
-    (out / f"{stem}.md").write_text(md)
-    data = {"machine": info, "undisturbed": {k: v for k, v in calm.items() if k != "tokens"},
+    data = {"undisturbed": {k: v for k, v in calm.items() if k != "tokens"},
             "killed": {k: v for k, v in hit.items() if k != "tokens"}, "identical": identical}  # fmt: skip
-    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
-    print(md)
+    save_results(Path(a.out), info, "-failover", md, data)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import llamacpp  # noqa: E402  (the repository root is on the path only now)
-from bench.conditions import PROMPT, machine  # noqa: E402
+from bench.conditions import PROMPT, machine, save_results  # noqa: E402
 from shardmesh.rpc.procs import cores  # noqa: E402
 from shardmesh_cli.up import share_cores  # noqa: E402
 
@@ -297,11 +297,7 @@ def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out:
     lines += stage_boundary(rows)
     lines += pipeline_ratios(rows)
     md = "\n".join(lines) + "\n"
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{info['host']}-{info['date'][:10]}"
-    (out / f"{stem}.md").write_text(md)
-    (out / f"{stem}.json").write_text(json.dumps({"machine": info, "baseline": base, "rows": rows}, indent=1))
-    print(md)
+    save_results(out, info, "", md, {"baseline": base, "rows": rows})
 
 
 if __name__ == "__main__":
