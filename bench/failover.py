@@ -1,12 +1,16 @@
-"""What a client sees when a stage worker dies mid-stream, next to an undisturbed run in the same invocation.
+"""What a client sees while the mesh changes under it, next to an undisturbed run in the same invocation.
 
     .venv/bin/python bench/failover.py [--model smollm2-135m-instruct] [--pp 2] [--streams 16] [--new-tokens 96]
 
-One `shardmesh up` mesh serves both runs: first N greedy streams undisturbed, then the same N streams with
-SIGKILL of the last stage's worker once every stream has 3 tokens (`up` restarts it under the same id; the
-gateway replays every running request's token log on the new topology). For each run: requests completed,
-tokens identical to the undisturbed run, the longest pause between two tokens of a stream (p50 and p99 over
-the streams), and the aggregate tokens/s; the run with the kill over the undisturbed one as ratios.
+One `shardmesh up --spares 1` mesh serves every run: first N greedy streams undisturbed, then the same N streams
+with one change once every stream has 3 tokens:
+  - kill:        SIGKILL of the last stage's worker (the spare takes its slot; `up` restarts the killed one,
+                 which becomes the next spare);
+  - join:        a new `shardmesh worker` registers (it becomes a spare: nothing moves);
+  - drain:       `shardmesh drain` of the first stage's worker (a spare takes its slot, the worker exits 0);
+  - coordinator: SIGKILL of the coordinator (`up` restarts it; it takes the placement back from the workers).
+For each run: requests completed, tokens identical to the undisturbed run, the longest pause between two tokens
+of a stream (p50 and p99 over the streams), and the aggregate tokens/s; the ratios against the undisturbed run.
 
 Writes bench/results/<host>-<date>-failover.{md,json} and prints the markdown.
 """
@@ -18,12 +22,14 @@ import itertools
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -34,22 +40,50 @@ from shardmesh.rpc.procs import cores  # noqa: E402
 from shardmesh_cli.up import share_cores  # noqa: E402
 
 
-def worker_pid(mesh: Mesh, coordinator: str, stage: int) -> int:
-    """The process holding stage `stage` (tp rank 0) now, from the coordinator's topology."""
+def topology(coordinator: str) -> Any:
+    """The coordinator's topology now (None while it is down)."""
     import grpc
-    import psutil
 
+    from shardmesh.core.topology import Topology
     from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-    with grpc.insecure_channel(coordinator) as ch:
-        topology = coordinator_pb2_grpc.CoordinatorStub(ch).GetTopology(coordinator_pb2.GetTopologyRequest(),
-                                                                         timeout=10)  # fmt: skip
-    worker_id = topology.stages[stage].shards[0].worker_id
+    try:
+        with grpc.insecure_channel(coordinator) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            return Topology.from_pb(stub.GetTopology(coordinator_pb2.GetTopologyRequest(), timeout=5))
+    except grpc.RpcError:
+        return None
+
+
+def process_of(mesh: Mesh, predicate: Callable[[list[str]], bool]) -> int:
+    import psutil
+
     for p in psutil.Process(mesh.proc.pid).children(recursive=True):
-        cmd = p.cmdline()
-        if "--worker-id" in cmd and cmd[cmd.index("--worker-id") + 1] == worker_id:
+        if predicate(p.cmdline()):
             return p.pid
-    raise RuntimeError(f"no process for {worker_id}")
+    raise RuntimeError("no such process")
+
+
+def holder(coordinator: str, stage: int) -> str:
+    t = topology(coordinator)
+    return t.stages[stage].shards[0].worker_id
+
+
+def worker_pid(mesh: Mesh, worker_id: str) -> int:
+    return process_of(mesh, lambda cmd: "--worker-id" in cmd and cmd[cmd.index("--worker-id") + 1] == worker_id)
+
+
+def settle(coordinator: str, spares: int, timeout: float = 120.0) -> float:
+    """Wait until the mesh serves with at least `spares` spares; returns the seconds it took."""
+    from shardmesh.core.topology import WorkerState
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        t = topology(coordinator)
+        if t is not None and t.serving and sum(w.state is WorkerState.SPARE for w in t.workers) >= spares:
+            return time.perf_counter() - t0
+        time.sleep(0.1)
+    raise TimeoutError(f"the mesh did not serve with {spares} spare(s) within {timeout:.0f} s")
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -103,6 +137,15 @@ def run(address: str, prompt_ids: list[int], new_tokens: int, n: int, kill: Call
             "longest_gap_p99_ms": percentile(gaps, 0.99) * 1e3 if gaps else float("nan")}  # fmt: skip
 
 
+SCENARIOS = ("kill", "join", "drain", "coordinator")
+DESCRIBE = {
+    "kill": "last stage's worker killed (spare takes over)",
+    "join": "a worker joins (becomes a spare)",
+    "drain": "first stage's worker drained (to the spare)",
+    "coordinator": "coordinator killed (restarted by `up`)",
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -110,6 +153,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="which changes to run, in order")
+    ap.add_argument("--log-dir", help="keep the services' logs here (default: a temporary directory)")
     a = ap.parse_args()
 
     from shardmesh.models.registry import resolve
@@ -119,52 +164,67 @@ def main() -> None:
     prompt_ids = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])
     info = machine()
     share = share_cores(a.pp, 1, "cpu", "auto", None, cores())
-    with tempfile.TemporaryDirectory() as logs:
-        mesh = Mesh(model_dir, a.pp, 1, share.pipeline, a.streams, Path(logs), share.worker_threads, "none")
+    runs: dict[str, dict] = {}
+    joined: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = a.log_dir or tmp
+        mesh = Mesh(model_dir, a.pp, 1, share.pipeline, a.streams, Path(logs), share.worker_threads, "none",
+                    extra=("--spares", "1"))  # fmt: skip
         try:
             coordinator = mesh.proc.stdout.readline().decode().strip().removeprefix("coordinator: ")
-            calm = run(mesh.address, prompt_ids, a.new_tokens, a.streams)
-            print(f"undisturbed: { {k: v for k, v in calm.items() if k != 'tokens'} }", file=sys.stderr)
-            killed_at: list[float] = []
-
-            def kill() -> None:
-                os.kill(worker_pid(mesh, coordinator, a.pp - 1), signal.SIGKILL)
-                killed_at.append(time.perf_counter())
-
-            hit = run(mesh.address, prompt_ids, a.new_tokens, a.streams, kill)
-            print(f"killed: { {k: v for k, v in hit.items() if k != 'tokens'} }", file=sys.stderr)
+            settle(coordinator, 1)
+            runs["undisturbed"] = run(mesh.address, prompt_ids, a.new_tokens, a.streams)
+            changes: dict[str, Callable[[], None]] = {
+                "kill": lambda: os.kill(worker_pid(mesh, holder(coordinator, a.pp - 1)), signal.SIGKILL),
+                "join": lambda: joined.append(subprocess.Popen(
+                    [sys.executable, "-m", "shardmesh_cli", "worker", "--coordinator", coordinator, "--worker-id",
+                     "joiner"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)),
+                "drain": lambda: subprocess.run(
+                    [sys.executable, "-m", "shardmesh_cli", "drain", "--coordinator", coordinator,
+                     holder(coordinator, 0)], check=True, capture_output=True, timeout=300),
+                "coordinator": lambda: os.kill(process_of(mesh, lambda cmd: "coordinator" in cmd), signal.SIGKILL),
+            }  # fmt: skip
+            for name in a.scenarios.split(","):
+                settle(coordinator, 1 if name in ("kill", "drain") else 0)  # these need a spare to hand over to
+                runs[name] = run(mesh.address, prompt_ids, a.new_tokens, a.streams, changes[name])
+                runs[name]["settle_s"] = settle(coordinator, 0)
+                print(f"{name}: { {k: v for k, v in runs[name].items() if k != 'tokens'} }", file=sys.stderr)
         finally:
+            for p in joined:
+                p.terminate()
+                p.wait(timeout=30)
             mesh.close()
-    identical = sum(1 for i, t in hit["tokens"].items() if t == calm["tokens"].get(i))
-    report(info, a, calm, hit, identical)
+    calm = runs["undisturbed"]["tokens"]
+    for r in runs.values():
+        r["identical"] = sum(1 for i, t in r["tokens"].items() if t == calm.get(i))
+    report(info, a, runs)
 
 
-def report(info: dict, a: argparse.Namespace, calm: dict, hit: dict, identical: int) -> None:
+def report(info: dict, a: argparse.Namespace, runs: dict[str, dict]) -> None:
+    calm = runs["undisturbed"]
+
     def row(name: str, r: dict) -> str:
-        return (f"| {name} | {r['completed']}/{a.streams} | {r['longest_gap_p50_ms']:.0f} | "
-                f"{r['longest_gap_p99_ms']:.0f} | {r['aggregate_tok_s']:.1f} | {r['wall_s']:.1f} |")  # fmt: skip
+        ratio = r["aggregate_tok_s"] / calm["aggregate_tok_s"]
+        return (f"| {DESCRIBE.get(name, name)} | {r['completed']}/{a.streams} | {r['identical']}/{a.streams} | "
+                f"{len(r['errors'])} | {r['longest_gap_p50_ms']:.0f} | {r['longest_gap_p99_ms']:.0f} | "
+                f"{r['aggregate_tok_s']:.1f} | {ratio:.2f}× |")  # fmt: skip
 
     lines = [
-        f"## A stage worker killed mid-stream — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
+        f"## The mesh changing mid-stream — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
         f"{info['date']}",
         "",
-        f"Model `{a.model}` float32, pp={a.pp}, {a.streams} greedy streams of {a.new_tokens} tokens, one "
-        "`shardmesh up` mesh for both runs; SIGKILL of the last stage's worker once every stream has 3 tokens "
-        "(`up` restarts it; no spare). Longest gap: the longest pause between two tokens of a stream, p50 and p99 "
-        "over the streams.",
+        f"Model `{a.model}` float32, pp={a.pp}, `shardmesh up --spares 1`, {a.streams} greedy streams of "
+        f"{a.new_tokens} tokens per run, one mesh for every run, each change made once every stream has 3 tokens. "
+        "Longest gap: the longest pause between two tokens of a stream, p50 and p99 over the streams. Identical: "
+        "streams whose tokens equal the undisturbed run's.",
         "",
-        "| run | completed | longest gap p50 ms | longest gap p99 ms | aggregate tok/s | wall s |",
-        "|---|---:|---:|---:|---:|---:|",
-        row("undisturbed", calm),
-        row("worker killed", hit),
-        "",
-        f"Tokens identical to the undisturbed run: {identical}/{a.streams}. Errors: {len(hit['errors'])}. "
-        f"Throughput with the kill ÷ undisturbed: {hit['aggregate_tok_s'] / calm['aggregate_tok_s']:.2f}×; "
-        f"longest gap p99 with the kill ÷ undisturbed: {hit['longest_gap_p99_ms'] / calm['longest_gap_p99_ms']:.0f}×.",
+        "| run | completed | identical | errors | longest gap p50 ms | longest gap p99 ms | aggregate tok/s | "
+        "tok/s ÷ undisturbed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        *(row(name, r) for name, r in runs.items()),
     ]  # fmt: skip
     md = "\n".join(lines) + "\n"
-    data = {"undisturbed": {k: v for k, v in calm.items() if k != "tokens"},
-            "killed": {k: v for k, v in hit.items() if k != "tokens"}, "identical": identical}  # fmt: skip
+    data = {name: {k: v for k, v in r.items() if k != "tokens"} for name, r in runs.items()}
     save_results(Path(a.out), info, "-failover", md, data)
 
 

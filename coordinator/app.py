@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          help="weight and activation dtype the shards use (default float32)")  # fmt: skip
     flag("--heartbeat-interval", 1.0, type=float, help="seconds between worker heartbeats (default 1.0)")
     flag("--heartbeat-timeout", type=float, help="seconds of silence before a worker is UNHEALTHY (default 3×interval)")
+    flag("--recovery-grace", type=float, help="seconds a (re)started coordinator keeps slots for the workers "
+         "that held them to claim them back, telling watchers nothing meanwhile (default 2×timeout)")  # fmt: skip
     flag("--store-host", help="host workers reach the rendezvous store at (default: the --listen host)")
     flag("--store-port", 0, type=int, help="port of the rendezvous TCPStore; 0 picks a free one (default)")
     flag("--kv-slots", 8, type=int, help="KV-cache slots per shard: sequences in flight (default 8)")
@@ -151,6 +153,9 @@ def build_config(args: argparse.Namespace) -> Any:
     timeout = args.heartbeat_timeout if args.heartbeat_timeout is not None else 3 * interval
     if not timeout > interval:
         raise UsageError(f"--heartbeat-timeout: must exceed --heartbeat-interval ({interval} s), got {timeout}")
+    grace = args.recovery_grace if args.recovery_grace is not None else 2 * timeout
+    if grace < 0:
+        raise UsageError(f"--recovery-grace: must be >= 0 seconds, got {grace}")
     if not 0 <= args.store_port <= 65535:
         raise UsageError(f"--store-port: must be in 0..65535, got {args.store_port}")
     if args.kv_slots < 1:
@@ -195,7 +200,7 @@ def build_config(args: argparse.Namespace) -> Any:
     return CoordinatorConfig(
         listen=args.listen, model=model, pp=args.pp, tp=args.tp,
         limits=ServingLimits(args.kv_slots, max_context, max_batch), heartbeat_interval=interval,
-        heartbeat_timeout=timeout, store_host=store_host, store_port=args.store_port,
+        heartbeat_timeout=timeout, store_host=store_host, store_port=args.store_port, recovery_grace=grace,
         max_message_bytes=args.max_message_mb * 1024 * 1024, metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, split=split, requires=requires, calibration=calibration,
     )  # fmt: skip

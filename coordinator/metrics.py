@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from coordinator.registry import Registry
-from shardmesh.core.topology import ShardState
+from shardmesh.core.topology import ShardState, WorkerState
 
 
 class CoordinatorCollector:
@@ -18,7 +18,7 @@ class CoordinatorCollector:
         return []
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         topology = self._registry.store.current()
         workers = self._registry.workers()
@@ -50,6 +50,17 @@ class CoordinatorCollector:
         yield age
         yield slots
         yield GaugeMetricFamily("shardmesh_registered_workers", "Workers registered (placed and standby)", len(workers))
+        by_state = GaugeMetricFamily("shardmesh_workers", "Registered workers by state (serving, spare, loading, "
+                                     "draining, lost)", labels=["state"])  # fmt: skip
+        for state in WorkerState:
+            by_state.add_metric([state.value], sum(1 for w in topology.workers if w.state is state))
+        yield by_state
+        yield GaugeMetricFamily("shardmesh_epoch", "Rendezvous epoch of the placement (0: none)", topology.epoch)
+        changes = CounterMetricFamily("shardmesh_topology_changes", "New placements (rendezvous epochs), by what "
+                                      "caused them: join, lost, drain, leave, resplit", labels=["reason"])  # fmt: skip
+        for reason, n in sorted(self._registry.change_counts().items()):
+            changes.add_metric([reason], n)
+        yield changes
         yield from _balance(topology)
 
 

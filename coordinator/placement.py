@@ -25,6 +25,8 @@ from shardmesh.core.layout import check_split, split_layers
 from shardmesh.core.topology import (
     Calibration,
     CalibrationStatus,
+    HeldShard,
+    MeshWorker,
     ModelSpec,
     Rendezvous,
     ServingLimits,
@@ -32,6 +34,7 @@ from shardmesh.core.topology import (
     ShardState,
     Stage,
     Topology,
+    WorkerState,
 )
 
 Slots = tuple[str | None, ...]  # global rank -> id of the worker holding it, None when vacant
@@ -52,6 +55,9 @@ class WorkerView:
     applied_version: int  # the newest topology version the worker says it has acted on
     timed_out: bool  # heartbeats stopped for longer than the timeout
     labels: tuple[tuple[str, str], ...] = ()  # as registered; published with the slot it holds
+    pid: int = 0
+    draining: bool = False  # asked to leave: its slot goes to a spare, then it exits
+    detail: str = ""  # why it is lost, or what its drain waits for
 
 
 def empty_slots(pp: int, tp: int) -> Slots:
@@ -84,6 +90,72 @@ def fill_slots(
 
 def vacate(slots: Slots, worker_id: str) -> Slots:
     return tuple(None if w == worker_id else w for w in slots)
+
+
+def is_spare(w: WorkerView, slots: Slots) -> bool:
+    """Healthy, not leaving, and holding no slot: may take one."""
+    return w.worker_id not in slots and not w.timed_out and not w.draining and w.reported is not ShardState.UNHEALTHY
+
+
+def leaving(w: WorkerView) -> bool:
+    """A slot holder whose slot should go to a spare: lost (silent, unreachable, broken) or draining."""
+    return w.timed_out or w.draining or w.reported is ShardState.UNHEALTHY
+
+
+def hand_over(
+    slots: Slots, workers: Mapping[str, WorkerView], spares: Sequence[str], requires: Sequence[Labels] | None = None
+) -> tuple[Slots, list[tuple[int, str, str]]]:
+    """Give the slot of every leaving holder (lowest rank first) to the first of `spares` whose labels fit.
+
+    Returns the new slots and the moves made as (rank, old holder, new holder). A leaving holder with no
+    spare to take over keeps its slot: a lost worker may come back, a draining one keeps serving.
+    """
+    out, moves = list(slots), []
+    queue = [s for s in spares if s not in slots]
+    for rank, holder in enumerate(slots):
+        if holder is None or holder not in workers or not leaving(workers[holder]):
+            continue
+        need = requires[rank] if requires else ()
+        spare = next((c for c in queue if fits(workers[c].labels, need)), None)
+        if spare is not None:
+            queue.remove(spare)
+            out[rank] = spare
+            moves.append((rank, holder, spare))
+    return tuple(out), moves
+
+
+def claimed_rank(held: HeldShard | None, pp: int, tp: int, split: Split) -> int | None:
+    """The rank a worker claims after a coordinator restart, when the claim fits this coordinator's placement."""
+    if held is None or (held.pp, held.tp) != (pp, tp) or not 0 <= held.rank < pp * tp:
+        return None
+    if split[held.rank // tp] != (held.layer_start, held.layer_end):
+        return None
+    return held.rank
+
+
+def adopted_epoch(slots: Slots, held: Mapping[str, HeldShard | None]) -> int | None:
+    """The epoch every slot holder claims to be in at its own rank, or None when they do not all agree.
+
+    A restarted coordinator that finds the whole placement claimed this way keeps its epoch: the workers'
+    process groups (and KV caches) are still the ones that epoch formed, so nothing needs re-forming."""
+    epochs = set()
+    for rank, holder in enumerate(slots):
+        claim = held.get(holder) if holder is not None else None
+        if claim is None or claim.rank != rank:
+            return None
+        epochs.add(claim.epoch)
+    return epochs.pop() if len(epochs) == 1 else None
+
+
+def worker_state(w: WorkerView, shard: ShardState | None) -> WorkerState:
+    """What `w` is doing, given the state of the slot it holds (None: it holds none)."""
+    if w.timed_out or w.reported is ShardState.UNHEALTHY:
+        return WorkerState.LOST
+    if w.draining:
+        return WorkerState.DRAINING
+    if shard is None:
+        return WorkerState.SPARE
+    return WorkerState.SERVING if shard is ShardState.READY else WorkerState.LOADING
 
 
 def placement_key(split: Split, slots: Slots, workers: Mapping[str, WorkerView]) -> PlacementKey | None:
@@ -143,12 +215,14 @@ def build_topology(
         raise ValueError(f"expected {pp * tp} slots for pp={pp} tp={tp}, got {len(slots)}")
     split = split or tuple(split_layers(model.num_layers, pp))
     check_split(split, model.num_layers, pp)
-    stages = []
+    stages, slot_states = [], {}
     for s, (start, end) in enumerate(split):
         shards = []
         for t in range(tp):
             rank = s * tp + t
             worker = workers.get(slots[rank]) if slots[rank] is not None else None  # type: ignore[arg-type]
+            if worker is not None:
+                slot_states[worker.worker_id] = (rank, shard_state(worker, epoch))
             shards.append(ShardAssignment(t, rank, worker.worker_id if worker else "", worker.address if worker else "",
                                           shard_state(worker, epoch), worker.labels if worker else (),
                                           requires[rank] if requires else ()))  # fmt: skip
@@ -157,11 +231,16 @@ def build_topology(
     complete = rendezvous is not None and all(sh.state is ShardState.READY for st in stages for sh in st.shards)
     if calibration is None or epoch is None or calibration.epoch != epoch:
         calibration = pending_calibration(epoch, calibration)
-    return Topology(version, model, pp, tp, tuple(stages), rendezvous, complete, limits, calibration)
+    listed = tuple(
+        MeshWorker(w.worker_id, w.address, w.pid, worker_state(w, slot_states.get(w.worker_id, (0, None))[1]),
+                   slot_states[w.worker_id][0] if w.worker_id in slot_states else None, w.detail)
+        for w in workers.values()
+    )  # fmt: skip
+    return Topology(version, model, pp, tp, tuple(stages), rendezvous, complete, limits, calibration, listed)
 
 
 _ENDED = (CalibrationStatus.BALANCED, CalibrationStatus.IMBALANCED, CalibrationStatus.REBALANCING,
-          CalibrationStatus.FAILED)  # fmt: skip
+          CalibrationStatus.FAILED, CalibrationStatus.CARRIED_OVER)  # fmt: skip
 
 
 def pending_calibration(epoch: int | None, previous: Calibration | None) -> Calibration:

@@ -41,6 +41,9 @@ class CoordinatorConfig:
     split: Split | None = None  # layer range per stage; None: even
     requires: tuple[Labels, ...] | None = None  # labels each rank's worker must have (from a manifest's plan)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    # How long a (re)started coordinator waits for workers to claim back the slots they hold before it
+    # places anyone else there; the first established placement ends it early.
+    recovery_grace: float = 0.0
 
     @property
     def thread_pool_size(self) -> int:
@@ -77,11 +80,11 @@ class CoordinatorServer:
         self.registry = Registry(
             model=cfg.model, pp=cfg.pp, tp=cfg.tp, limits=cfg.limits, store_host=cfg.store_host,
             store_port=self._store.port, heartbeat_timeout=cfg.heartbeat_timeout, split=cfg.split,
-            requires=cfg.requires, logger=self._log,
+            requires=cfg.requires, logger=self._log, recovery_grace=cfg.recovery_grace,
         )  # fmt: skip
         server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size, self._log)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            CoordinatorServicer(self.registry, cfg.heartbeat_interval), server
+            CoordinatorServicer(self.registry, cfg.heartbeat_interval, self._log), server
         )
         self.port = rpc.bind(server, cfg.listen)
         if cfg.metrics_port:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -18,12 +19,24 @@ from typing import Any
 from coordinator import placement
 from shardmesh.core.errors import InvalidArgument, NotFound
 from shardmesh.core.layout import check_split, split_layers
-from shardmesh.core.topology import Calibration, ModelSpec, ServingLimits, ShardState, Topology, TopologyStore
+from shardmesh.core.topology import (
+    Calibration,
+    CalibrationStatus,
+    HeldShard,
+    ModelSpec,
+    ServingLimits,
+    ShardState,
+    Topology,
+    TopologyStore,
+    WorkerState,
+)
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9._/-]{1,63}")
 MAX_LABELS, MAX_LABEL_VALUE = 32, 256
+MAX_REPORTED = 1024  # worker ids in one ReportFailure
+LOST_RETENTION = 20  # heartbeat timeouts a lost worker without a slot stays listed (as LOST) before it is forgotten
 
 
 def parse_address(text: str, field_name: str = "address") -> tuple[str, int]:
@@ -79,6 +92,9 @@ class Registration:
     device: Device
     labels: tuple[tuple[str, str], ...] = ()
     requested_id: str | None = None
+    pid: int = 0
+    last_version: int = 0  # the newest version it saw, maybe from an earlier coordinator
+    held: HeldShard | None = None  # what it holds from an earlier coordinator
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.RegisterRequest) -> Registration:
@@ -93,7 +109,11 @@ class Registration:
             if len(value) > MAX_LABEL_VALUE:
                 raise InvalidArgument(f"labels[{key!r}]", f"values must be at most {MAX_LABEL_VALUE} characters")
         requested = check_worker_id(pb.worker_id) if pb.HasField("worker_id") else None
-        return cls(pb.address, Device.from_pb(pb.device), tuple(sorted(pb.labels.items())), requested)
+        held = HeldShard.from_pb(pb.held) if pb.HasField("held") else None
+        if held is not None and (held.epoch < 1 or held.layer_end <= held.layer_start):
+            raise InvalidArgument("held", f"epoch must be >= 1 and layer_end > layer_start, got {held}")
+        return cls(pb.address, Device.from_pb(pb.device), tuple(sorted(pb.labels.items())), requested, pb.pid,
+                   pb.last_topology_version, held)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -127,12 +147,18 @@ class WorkerRecord:
     last_seen: float  # monotonic seconds
     reported: ShardState = ShardState.PENDING
     applied_version: int = 0
-    timed_out: bool = False
+    timed_out: bool = False  # lost: silent for longer than the timeout, or unreachable when reported failed
     load: Load = field(default_factory=Load)
+    pid: int = 0
+    held: HeldShard | None = None  # claimed at registration (after a coordinator restart)
+    draining: bool = False
+    detail: str = ""  # why it is lost, or what its drain waits for
+    lost_at: float = 0.0
 
     def view(self) -> placement.WorkerView:
         return placement.WorkerView(self.worker_id, self.address, self.incarnation, self.reported,
-                                    self.applied_version, self.timed_out, self.labels)  # fmt: skip
+                                    self.applied_version, self.timed_out, self.labels, self.pid, self.draining,
+                                    self.detail)  # fmt: skip
 
 
 class Registry:
@@ -152,6 +178,7 @@ class Registry:
         requires: Sequence[placement.Labels] | None = None,
         clock: Callable[[], float] = time.monotonic,
         logger: Any = None,
+        recovery_grace: float = 0.0,
     ) -> None:
         self._model, self._pp, self._tp, self._limits = model, pp, tp, limits
         self._split: placement.Split = tuple(split or split_layers(model.num_layers, pp))
@@ -160,6 +187,9 @@ class Registry:
             raise ValueError(f"need label requirements for {pp * tp} slots, got {len(requires)}")
         self._requires = tuple(requires) if requires is not None else None
         self._calibration: Calibration | None = None  # the latest result, for the epoch it names
+        # The split and each rank's device when a balance check last passed: a new epoch with the same split on the
+        # same devices (a spare of the same kind in a lost or drained worker's slot) needs no new check.
+        self._passed_on: tuple[placement.Split, tuple[tuple[str, str], ...]] | None = None
         self._store_host, self._store_port = store_host, store_port
         self.heartbeat_timeout = heartbeat_timeout
         self._clock = clock
@@ -172,6 +202,16 @@ class Registry:
         self._incarnations = 0
         self._key: placement.PlacementKey | None = None
         self._epoch: int | None = None
+        self._established = False  # a placement got an epoch in this coordinator's life
+        self._floor = 0  # the highest version a registering worker saw (an earlier coordinator's)
+        self.changes: Counter[str] = Counter()  # new rendezvous epochs, by what caused them
+        # Soft state: a restarted coordinator learns the placement back from the workers that re-register and
+        # claim what they hold. Until a placement is established or `recovery_grace` has passed, claimed slots
+        # wait for their claimants and watchers are told nothing (they keep serving the last topology they had).
+        self._recovery_ends = clock() + recovery_grace
+        self.settled = threading.Event()
+        if recovery_grace <= 0:
+            self.settled.set()
         self.store = TopologyStore(self._build(version=1, epoch=None))
 
     # -- operations -------------------------------------------------------------------------------
@@ -190,12 +230,18 @@ class Registry:
             self._incarnations += 1
             if old is None:
                 self._seq += 1
+            self._floor = max(self._floor, reg.last_version)
+            # A worker that claims a shard is READY in that epoch (it holds no claim otherwise): saying so now keeps
+            # an adopted placement serving without waiting for the worker's next heartbeat.
+            reported, applied = (ShardState.READY, reg.held.epoch) if reg.held else (ShardState.PENDING, 0)
             self._workers[worker_id] = WorkerRecord(
                 worker_id, reg.address, reg.device, reg.labels, old.seq if old else self._seq, self._incarnations,
-                now,
+                now, reported, applied, pid=reg.pid, held=reg.held,
             )  # fmt: skip
             self._emit("worker_registered", worker_id=worker_id, address=reg.address, device=reg.device.type,
-                       returning=old is not None, labels=dict(reg.labels))  # fmt: skip
+                       returning=old is not None, labels=dict(reg.labels), pid=reg.pid,
+                       held=None if reg.held is None else f"epoch {reg.held.epoch} rank {reg.held.rank}")  # fmt: skip
+            self._take_claimed_slot(worker_id)
             if worker_id in self._slots and self._requires is not None:
                 rank = self._slots.index(worker_id)
                 if not placement.fits(reg.labels, self._requires[rank]):  # came back with other labels
@@ -203,7 +249,7 @@ class Registry:
                     self._emit("slot_vacated", worker_id=worker_id, rank=rank, reason="labels_changed",
                                requires=dict(self._requires[rank]))  # fmt: skip
             self._refill()
-            topology = self._publish_if_changed()
+            topology = self._publish_if_changed("join")
             return worker_id, topology
 
     def heartbeat(self, report: HeartbeatReport) -> tuple[bool, int]:
@@ -220,13 +266,17 @@ class Registry:
                 )
             if record.timed_out:
                 self._emit("worker_recovered", worker_id=record.worker_id)
-            if report.state is ShardState.UNHEALTHY and record.reported is not ShardState.UNHEALTHY:
+            broken = report.state is ShardState.UNHEALTHY
+            if broken and record.reported is not ShardState.UNHEALTHY:
                 self._emit("worker_reports_unhealthy", worker_id=record.worker_id, detail=report.detail)
+            detail = report.detail if broken else ("" if record.timed_out else record.detail)
             self._workers[report.worker_id] = replace(
                 record, last_seen=self._clock(), reported=report.state, applied_version=report.applied_version,
-                timed_out=False, load=report.load,
+                timed_out=False, load=report.load, detail=detail,
             )  # fmt: skip
-            return True, self._publish_if_changed().version
+            if broken or record.timed_out:
+                self._refill()
+            return True, self._publish_if_changed("lost" if broken else "join").version
 
     def deregister(self, worker_id: str) -> int:
         """Remove a worker for good; its slot goes to the next standby. Returns the new version."""
@@ -235,29 +285,66 @@ class Registry:
                 raise NotFound(f"worker_id: no registered worker {worker_id!r}")
             self._forget(worker_id, reason="deregistered")
             self._refill()
-            return self._publish_if_changed().version
+            return self._publish_if_changed("leave").version
 
     def expire(self) -> list[str]:
-        """Mark workers silent for longer than the timeout: slot holders become UNHEALTHY (keeping
-        the slot for their return), standbys are forgotten. Returns the ids that timed out now."""
+        """Mark workers silent for longer than the timeout as lost: a spare takes a lost worker's slot (without
+        one, the slot waits for the worker's return, UNHEALTHY). Lost workers without a slot are forgotten after
+        LOST_RETENTION timeouts. Also ends the recovery window. Returns the ids that timed out now."""
         with self._lock:
             now = self._clock()
             expired = [w for w in self._workers.values()
                        if not w.timed_out and now - w.last_seen > self.heartbeat_timeout]  # fmt: skip
             for w in expired:
-                silent = round(now - w.last_seen, 3)
-                if w.worker_id in self._slots:
-                    self._workers[w.worker_id] = replace(w, timed_out=True)
-                    self._emit("worker_unhealthy", worker_id=w.worker_id, reason="heartbeat_timeout", silent_s=silent)
-                else:
-                    self._forget(w.worker_id, reason="heartbeat_timeout")
-            if expired:
-                self._publish_if_changed()
+                self._lose(w, f"no heartbeat for {now - w.last_seen:.1f} s", reason="heartbeat_timeout")
+            stale = [w.worker_id for w in self._workers.values() if w.timed_out and w.worker_id not in self._slots
+                     and now - w.lost_at > LOST_RETENTION * self.heartbeat_timeout]  # fmt: skip
+            for worker_id in stale:
+                self._forget(worker_id, reason="lost_retention_over")
+            settling = not self.settled.is_set() and now >= self._recovery_ends
+            if settling:
+                self._emit("recovery_window_over", placed=sum(w is not None for w in self._slots))
+                self.settled.set()
+            if expired or stale or settling:
+                self._refill()
+                self._publish_if_changed("lost")
             return [w.worker_id for w in expired]
+
+    def report_lost(self, worker_ids: Sequence[str], why: str) -> tuple[list[str], int]:
+        """Workers somebody saw fail and that did not answer a health check: lost now, as if their heartbeats
+        had timed out. Returns the ids newly lost and the version after acting on them."""
+        with self._lock:
+            lost = [self._workers[i] for i in dict.fromkeys(worker_ids) if i in self._workers]
+            lost = [w for w in lost if not w.timed_out]
+            for w in lost:
+                self._lose(w, why, reason="reported")
+            if lost:
+                self._refill()
+            return [w.worker_id for w in lost], self._publish_if_changed("lost").version
+
+    def drain(self, worker_id: str) -> tuple[WorkerState, str, int]:
+        """Ask `worker_id` to leave: its slot goes to a spare now or when one registers; a worker without a slot
+        exits at once. Returns its state, what the drain waits for and the version after the request."""
+        with self._lock:
+            record = self._workers.get(worker_id)
+            if record is None:
+                raise NotFound(f"worker_id: no registered worker {worker_id!r}")
+            if not record.draining:
+                self._emit("drain_requested", worker_id=worker_id, holds_slot=worker_id in self._slots)
+                self._workers[worker_id] = replace(record, draining=True)
+            self._refill()
+            topology = self._publish_if_changed("drain")
+            listed = topology.worker(worker_id)
+            assert listed is not None
+            return listed.state, listed.detail, topology.version
 
     def workers(self) -> Mapping[str, WorkerRecord]:
         with self._lock:
             return dict(self._workers)
+
+    def change_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.changes)
 
     def split(self) -> placement.Split:
         with self._lock:
@@ -270,7 +357,9 @@ class Registry:
             if calibration.epoch != self._epoch:
                 return False
             self._calibration = calibration
-            self._publish_if_changed()
+            if calibration.passed:
+                self._passed_on = (self._split, self._devices())
+            self._publish_if_changed("calibration")
             return True
 
     def resplit(self, split: placement.Split, calibration: Calibration) -> Topology:
@@ -282,11 +371,11 @@ class Registry:
             if calibration.epoch != self._epoch:
                 return self.store.current()
             self._calibration = calibration
-            self._publish_if_changed()  # REBALANCING, for whoever watches, before the epoch moves on
+            self._publish_if_changed("calibration")  # REBALANCING, for whoever watches, before the epoch moves on
             self._emit("layers_resplit", old=[list(r) for r in self._split], new=[list(r) for r in split],
                        epoch=self._epoch)  # fmt: skip
             self._split = split
-            return self._publish_if_changed()
+            return self._publish_if_changed("resplit")
 
     # -- internals (lock held) --------------------------------------------------------------------
 
@@ -302,32 +391,132 @@ class Registry:
         self._slots = placement.vacate(self._slots, worker_id)
         self._emit("worker_removed", worker_id=worker_id, reason=reason)
 
+    def _lose(self, w: WorkerRecord, why: str, reason: str) -> None:
+        self._workers[w.worker_id] = replace(w, timed_out=True, detail=why, lost_at=self._clock())
+        self._emit("worker_lost", worker_id=w.worker_id, reason=reason, detail=why,
+                   held_slot=w.worker_id in self._slots)  # fmt: skip
+
+    def _claim(self, record: WorkerRecord) -> int | None:
+        return placement.claimed_rank(record.held, self._pp, self._tp, self._split)
+
+    def _recovering(self) -> bool:
+        """In the recovery window of a coordinator that replaces another: a worker said it saw topologies before."""
+        return not self.settled.is_set() and self._floor > 0
+
+    def _take_claimed_slot(self, worker_id: str) -> None:
+        """Put a re-registering worker back in the slot it claims, while no placement is established yet (a
+        newcomer placed there meanwhile steps back: it has nothing loaded worth keeping)."""
+        record = self._workers[worker_id]
+        rank = self._claim(record)
+        if self._established or rank is None or worker_id in self._slots:
+            return
+        holder = self._slots[rank]
+        if holder is not None and (holder not in self._workers or self._claim(self._workers[holder]) == rank):
+            return
+        if self._requires is not None and not placement.fits(record.labels, self._requires[rank]):
+            return
+        self._slots = (*self._slots[:rank], worker_id, *self._slots[rank + 1 :])
+        self._emit("slot_reclaimed", worker_id=worker_id, rank=rank, epoch=record.held.epoch if record.held else None,
+                   displaced=holder)  # fmt: skip
+
     def _refill(self) -> None:
-        standbys = sorted((w for w in self._workers.values() if not w.timed_out), key=lambda w: w.seq)
+        """Spares into vacant slots, then into the slots of lost and draining holders (see placement)."""
+        views = {k: w.view() for k, w in self._workers.items()}
+        by_seq = sorted(self._workers.values(), key=lambda w: w.seq)
+        # While recovering, unclaimed workers wait: the slots are kept for the workers that held them.
+        recovering = self._recovering()
+        spares = [w.worker_id for w in by_seq if placement.is_spare(views[w.worker_id], self._slots)
+                  and not (recovering and self._claim(w) is None)]  # fmt: skip
         before = self._slots
-        labels = {w.worker_id: w.labels for w in standbys}
-        self._slots = placement.fill_slots(self._slots, [w.worker_id for w in standbys], labels, self._requires)
+        labels = {w: views[w].labels for w in spares}
+        self._slots = placement.fill_slots(self._slots, spares, labels, self._requires)
         for rank, (old, new) in enumerate(zip(before, self._slots, strict=True)):
             if old is None and new is not None:
                 self._emit("slot_assigned", worker_id=new, rank=rank, stage=rank // self._tp, tp_rank=rank % self._tp)
+        self._slots, moves = placement.hand_over(self._slots, views, [s for s in spares if s not in self._slots],
+                                                 self._requires)  # fmt: skip
+        for rank, old, new in moves:
+            why = "draining" if views[old].draining else "lost"
+            self._emit("slot_handed_over", rank=rank, stage=rank // self._tp, tp_rank=rank % self._tp, old=old,
+                       new=new, reason=why)  # fmt: skip
+        for worker_id, record in self._workers.items():  # what each drain waits for
+            if record.draining:
+                detail = self._drain_detail(worker_id)
+                if detail != record.detail:
+                    self._workers[worker_id] = replace(record, detail=detail)
+
+    def _drain_detail(self, worker_id: str) -> str:
+        if worker_id not in self._slots:
+            return "slot handed over; exiting"
+        rank = self._slots.index(worker_id)
+        return (f"waiting for a spare to take stage {rank // self._tp} tp rank {rank % self._tp} "
+                "(start one with `shardmesh worker --coordinator ...`)")  # fmt: skip
 
     def _build(self, version: int, epoch: int | None) -> Topology:
+        ordered = sorted(self._workers.values(), key=lambda w: w.seq)
         return placement.build_topology(
             version=version, model=self._model, pp=self._pp, tp=self._tp, limits=self._limits,
             store_host=self._store_host, store_port=self._store_port, slots=self._slots,
-            workers={w.worker_id: w.view() for w in self._workers.values()}, epoch=epoch, split=self._split,
+            workers={w.worker_id: w.view() for w in ordered}, epoch=epoch, split=self._split,
             requires=self._requires, calibration=self._calibration,
         )  # fmt: skip
 
-    def _publish_if_changed(self) -> Topology:
+    def _devices(self) -> tuple[tuple[str, str], ...]:
+        """(type, name) of each rank's device; ("", "") for a vacant slot."""
+        return tuple((self._workers[w].device.type, self._workers[w].device.name) if w in self._workers else ("", "")
+                     for w in self._slots)  # fmt: skip
+
+    def _carry_over(self, epoch: int) -> None:
+        """Keep the passed balance check for a new epoch that changed only who holds a slot, not on what device.
+        Measuring again would cost seconds of every request's pause in a fail-over and could not say anything new."""
+        previous = self._calibration
+        if previous is None or not previous.passed or self._passed_on != (self._split, self._devices()):
+            return
+        self._calibration = replace(
+            previous, status=CalibrationStatus.CARRIED_OVER, epoch=epoch,
+            message=f"the check of epoch {previous.epoch} carried over: same layer split, same devices "
+                    f"({previous.status.value}: {previous.message})"[:1024],
+        )  # fmt: skip
+        self._emit("calibration_carried_over", epoch=epoch, previous_epoch=previous.epoch)
+
+    def _adopt(self) -> int | None:
+        """The epoch the workers kept through a coordinator restart, when every slot holder claims it; its
+        balance check carries over when a gateway served on it (measuring again would need its KV slots)."""
+        if self._established:
+            return None
+        epoch = placement.adopted_epoch(self._slots, {k: w.held for k, w in self._workers.items()})
+        if epoch is None:
+            return None
+        claims = [self._workers[w].held for w in self._slots if w is not None]
+        if any(c is not None and c.served for c in claims):
+            self._calibration = Calibration(
+                CalibrationStatus.CARRIED_OVER, epoch, True,
+                message="not measured again: a gateway was serving this placement when the coordinator restarted",
+            )  # fmt: skip
+        self._emit("placement_adopted", epoch=epoch, carried_over=self._calibration is not None)
+        return epoch
+
+    def _publish_if_changed(self, reason: str) -> Topology:
         current = self.store.current()
         key = placement.placement_key(self._split, self._slots, {k: w.view() for k, w in self._workers.items()})
-        epoch = placement.next_epoch(self._key, self._epoch, key, current.version + 1)
+        version = max(current.version, self._floor) + 1
+        epoch = placement.next_epoch(self._key, self._epoch, key, version)
+        if key is not None and key != self._key:
+            adopted = self._adopt()
+            if adopted is None and epoch is not None and epoch != self._epoch:
+                self._carry_over(epoch)
+            epoch = adopted or epoch
         candidate = self._build(current.version, epoch)
         if candidate.same_content(current):
             return current
-        published = replace(candidate, version=current.version + 1)
+        published = replace(candidate, version=version)
         self.store.publish(published)
+        if epoch is not None and epoch != self._epoch:
+            self.changes[reason] += 1
+            self._established = True
+            if not self.settled.is_set():
+                self._emit("recovered", epoch=epoch, version=version)
+                self.settled.set()
         self._key, self._epoch = key, epoch
         vacant = sum(1 for _, sh in published.shards() if sh.vacant)
         states = [sh.state.value for _, sh in published.shards()]

@@ -1,6 +1,6 @@
 """The running gateway: `GatewayServer` owns everything with a life cycle: the topology watcher, the
-scheduler thread, and the gRPC server (the servicer in `gateway.servicer`) with health (SERVING only
-while a complete mesh can take requests) and reflection.
+scheduler thread, the failure reporter (`gateway.reporter`), and the gRPC server (the servicer in
+`gateway.servicer`) with health (SERVING only while a complete mesh can take requests) and reflection.
 
 At shutdown it turns NOT_SERVING and refuses new RPCs at once; running requests get the grace period
 to finish, then are cancelled (`gateway.servicer` says what each RPC returns then).
@@ -8,6 +8,7 @@ to finish, then are cancelled (`gateway.servicer` says what each RPC returns the
 
 from __future__ import annotations
 
+import socket
 import threading
 from concurrent import futures
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from gateway.observe import DEFAULT_TRACE_DECODE_STEPS, GatewayMetrics, GatewayObserver
+from gateway.reporter import FailureReporter
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.service_name import SERVICE_NAME
 from gateway.servicer import GatewayServicer
@@ -60,11 +62,12 @@ class GatewayServer:
         if tracer is not None or cfg.metrics_port:
             observer = GatewayObserver(tracer, None, cfg.trace_decode_steps)
         self.observer = observer
+        self.reporter = FailureReporter(cfg.coordinator, logger, max_message_bytes=cfg.max_message_bytes)
         self.scheduler = Scheduler(
             SchedulerConfig(max_queue=cfg.max_queue, default_max_new_tokens=cfg.default_max_new_tokens,
                             step_timeout=cfg.step_timeout, resume_timeout=cfg.resume_timeout,
                             pipeline_depth=cfg.pipeline_depth),
-            logger, observer=observer,
+            logger, observer=observer, report_failure=self.reporter.report,
         )  # fmt: skip
         if observer is not None and cfg.metrics_port:
             observer.metrics = GatewayMetrics(self.scheduler.load)
@@ -93,13 +96,15 @@ class GatewayServer:
             )
             self.metrics_port = self._metrics_server.server_port
         self._set_health(False)
+        host = cfg.listen.rpartition(":")[0]
+        shown = socket.gethostname() if host in ("", "0.0.0.0", "[::]") else host  # a wildcard names no one
+        self.reporter.start(f"gateway {shown}:{self.port}")
         self.scheduler.add_ready_listener(self._set_health)
         self.scheduler.start()
         self.mesh_source.subscribe(self.scheduler.update_mesh)
         self.mesh_source.start()
         server.start()
         self._server = server
-        host = cfg.listen.rpartition(":")[0]
         self._log.info("listening", address=f"{host}:{self.port}", port=self.port, coordinator=cfg.coordinator,
                        max_queue=cfg.max_queue, max_message_bytes=cfg.max_message_bytes,
                        pipeline_depth=cfg.pipeline_depth or "one per stage", metrics_port=self.metrics_port or "off",
@@ -125,6 +130,7 @@ class GatewayServer:
         self._log.info("shutdown_started", grace_s=grace)
         stopped = self._server.stop(grace + 2.0) if self._server is not None else None
         self.scheduler.shutdown(grace)
+        self.reporter.stop()
         self.mesh_source.stop()
         if stopped is not None:
             stopped.wait(grace + 3.0)

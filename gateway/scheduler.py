@@ -28,7 +28,9 @@ Each iteration of the loop:
   6. sleep until a step completes, a request arrives or is cancelled, or the mesh changes.
 
 When a shard fails, nothing is served until the coordinator publishes a newer complete topology, and a
-new chain of steps starts only once every old step is over. The running requests do not fail: their KV
+new chain of steps starts only once every old step is over; the gateway asks the coordinator to probe the
+mesh's workers at once (`gateway/reporter.py`), so that a spare replaces a dead one without waiting for
+its heartbeats to time out. The running requests do not fail: their KV
 cache is gone with the mesh, but the gateway holds each one's token log (`gateway/sequence.py`), so they
 go back to the front of the queue and, on the next complete mesh, replay their log (prefill without
 sampling) and decode on; greedy and seeded tokens are the same as without the failure, and the client
@@ -98,11 +100,13 @@ class Scheduler:
     `serving_context`, `update_mesh`, `snapshot`, `pipeline_stats`, `shutdown` and `RequestHandle.cancel`."""
 
     def __init__(self, cfg: SchedulerConfig, logger: Any, clock: Callable[[], float] = time.monotonic,
-                 observer: GatewayObserver | None = None) -> None:  # fmt: skip
+                 observer: GatewayObserver | None = None,
+                 report_failure: Callable[[list[str], str], None] | None = None) -> None:  # fmt: skip
         self.cfg = cfg
         self._log = logger
         self._clock = clock
         self._obs = observer  # tracing and metrics; None when both are off
+        self._report_failure = report_failure  # (worker ids, reason) to the coordinator; never blocks or raises
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()  # orders readiness notifications; taken before _lock
         self._wakeup = threading.Event()
@@ -389,6 +393,11 @@ class Scheduler:
             seq = self._mesh.seq if current is not None and current.placement == placement else step.seq
             if seq > self._failed_seq:  # the first failure on this mesh says why it is unusable
                 self._failed_seq, self._failure = seq, str(e)
+            moved = current is not None and current.placement != placement
+        # Every worker of the mesh, for the coordinator to probe: the failing shard may be a survivor that only saw
+        # its peer vanish. Not once the mesh moved to other workers: the coordinator knows, the old steps end anyway.
+        if self._report_failure is not None and not moved:
+            self._report_failure([s.worker_id for s in step.view.shards], str(e))
         self._dispatch.break_chain()
         self._dispatch.settle()  # the other steps on the broken mesh: give them a moment, then cancel
         doomed = [s for s in self._running if s.view is not None and s.view.placement == placement]

@@ -125,6 +125,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     # --- end up --manifest ---
     if args.pp < 1 or args.tp < 1:
         raise UsageError("--pp and --tp must be >= 1")
+    if args.spares < 0:
+        raise UsageError(f"--spares: must be >= 0, got {args.spares}")
     if args.worker_threads is not None and args.worker_threads < 1:
         raise UsageError(f"--worker-threads: must be >= 1, got {args.worker_threads}")
     model_dir = resolve_model(args.model)
@@ -227,7 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step (default: --max-context)")
     u.add_argument("--log-dir", default=None, help="where each service's JSON log goes (default: a new temp dir)")
     u.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for SERVING (default 600)")
-    u.add_argument("--max-restarts", type=int, default=3, help="restarts of a worker that dies (default 3)")
+    u.add_argument("--spares", type=int, default=0,
+                   help="hot spare workers beyond the pp×tp stage workers: one takes the slot of a worker that is "
+                        "lost or drained (default 0)")  # fmt: skip
+    u.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts of each worker or the coordinator when it dies (default 3)")  # fmt: skip
     u.add_argument("--worker-threads", type=int, default=None,
                    help="torch threads per worker (default: the cores divided among the workers that compute at "
                         "once; see --pipeline)")  # fmt: skip
@@ -267,6 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
     status_command.add_arguments(st)
     st.set_defaults(func=status_command.run)
     # --- end status ---
+    # --- drain: take a worker out of service without failing a request (shardmesh_cli/drain.py) ---
+    from shardmesh_cli import drain as drain_command
+
+    dr = sub.add_parser("drain", help="take a worker out of service: a spare takes its slot, then it exits")
+    drain_command.add_arguments(dr)
+    dr.set_defaults(func=drain_command.run)
+    # --- end drain ---
     # --- plan: split a model over devices, or show what a manifest deploys (shardmesh_cli/plan.py) ---
     from shardmesh_cli import plan as plan_command
 

@@ -1,5 +1,6 @@
-"""`shardmesh status`: the mesh as the coordinator sees it, once — placement, shard states and the balance
-check (each stage's measured time and memory) — as a table or, with `--json`, for tools.
+"""`shardmesh status`: the mesh as the coordinator sees it, once — placement, shard states, the workers beyond
+the slots (spares, drains, lost ones) and the balance check (each stage's measured time and memory) — as a
+table or, with `--json`, for tools.
 
 Exit codes, for scripts: 0 the mesh serves (complete and its balance check passed), 1 it does not
 (the output says why), 2 the coordinator could not be asked.
@@ -15,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from shardmesh.core.topology import CalibrationStatus, Topology
+from shardmesh.core.topology import CalibrationStatus, MeshWorker, Topology, WorkerState
 from shardmesh.planning.units import format_bytes
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -24,7 +25,8 @@ EXIT_SERVING, EXIT_NOT_SERVING, EXIT_UNREACHABLE = 0, 1, 2
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", required=True, help="host:port of the coordinator")
-    p.add_argument("--json", action="store_true", help="print the topology and its balance check as JSON")
+    p.add_argument("--json", action="store_true", help="print one JSON object: topology_version, epoch, "
+                   "workers (each one's state and slot), then the topology and its balance check")  # fmt: skip
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the coordinator (default 5)")
 
 
@@ -56,6 +58,7 @@ def render(t: Topology) -> str:
         layers = f"{st.layer_start}-{st.layer_end - 1} ({st.num_layers})"
         lines.append(f"{st.index:>5}  {layers:<12} {sh.rank:>4}  {sh.worker_id or '(vacant)':<16} "
                      f"{sh.state.value:<10} {sh.address or '-'}")  # fmt: skip
+    lines += _other_workers(t)
     verdict = "passed" if c.passed and t.rendezvous is not None and c.epoch == t.rendezvous.epoch else "not passed"
     lines += ["", f"balance check (epoch {c.epoch}): {c.status.value}, {verdict}"]
     if c.message:
@@ -79,8 +82,37 @@ def render(t: Topology) -> str:
     return "\n".join(lines)
 
 
+_OTHER_STATES = (WorkerState.SPARE, WorkerState.DRAINING, WorkerState.LOST)  # listed after the stages, in this order
+
+
+def _other_workers(t: Topology) -> list[str]:
+    """The workers besides those serving a slot: spares, drains (with what they wait for) and lost ones."""
+    others = sorted((w for w in t.workers if w.state in _OTHER_STATES), key=lambda w: _OTHER_STATES.index(w.state))
+    if not others:
+        return []
+    lines = ["", f"{'state':<8}  {'worker':<16} {'pid':>7}  {'address':<21} detail"]
+    for w in others:
+        lines.append(f"{w.state.value:<8}  {w.worker_id:<16} {w.pid or '-':>7}  {w.address or '-':<21} "
+                     f"{w.detail}".rstrip())  # fmt: skip
+    return lines
+
+
+def worker_json(t: Topology, w: MeshWorker) -> dict[str, Any]:
+    """One worker for `--json`: who and where, its state, and the slot it holds (nulls for a worker without one)."""
+    slot: dict[str, int | None] = {"stage": None, "layer_start": None, "layer_end": None, "tp_rank": None}
+    stage = next((s for s in t.stages if s.index == w.rank // t.tp), None) if w.rank is not None and t.tp else None
+    if stage is not None and w.rank is not None:
+        slot = {"stage": stage.index, "layer_start": stage.layer_start, "layer_end": stage.layer_end,
+                "tp_rank": w.rank % t.tp}  # fmt: skip
+    return {"worker_id": w.worker_id, "address": w.address, "pid": w.pid, "state": w.state.value, **slot,
+            "detail": w.detail}  # fmt: skip
+
+
 def as_json(t: Topology) -> dict[str, Any]:
-    out = asdict(t)
+    """The topology for tools: its version, epoch and workers first, then placement and the balance check."""
+    out: dict[str, Any] = {"topology_version": t.version, "epoch": t.epoch,
+                           "workers": [worker_json(t, w) for w in t.workers]}  # fmt: skip
+    out.update((k, v) for k, v in asdict(t).items() if k != "workers")
     out["serving"] = t.serving
     out["calibration"]["status"] = t.calibration.status.value
     for stage in out["stages"]:

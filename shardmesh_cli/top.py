@@ -238,6 +238,13 @@ def _gateway_lines(address: str, cur: Metrics | str, prev: Metrics | str | None,
     return lines + _table(header, rows)
 
 
+def _workers_line(t: Any) -> str:
+    """The rendezvous epoch and how many workers are spares, draining or lost (`shardmesh status` names them)."""
+    states = [w.state.value for w in t.workers]
+    return (f"epoch {t.epoch}  workers {len(states)}: {states.count('spare')} spare, "
+            f"{states.count('draining')} draining, {states.count('lost')} lost")  # fmt: skip
+
+
 def render(cur: Snapshot, prev: Snapshot | None, coordinator: str, gateway_metrics: str | None) -> str:
     dt = max(1e-6, cur.at - prev.at) if prev is not None else 1.0
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(cur.wall))
@@ -251,6 +258,7 @@ def render(cur: Snapshot, prev: Snapshot | None, coordinator: str, gateway_metri
     lines = [
         f"shardmesh top  coordinator {coordinator}  topology v{t.version} {state}  pp {t.pp} x tp {t.tp}  "
         f"{t.model.architecture} {t.model.num_layers} layers{balance}  {stamp}",
+        _workers_line(t),
         f"rates over the last {dt:.1f} s; memory bar: # weights  = KV cache  . other (RSS - weights - KV), "
         "scaled to the largest worker",
         "",

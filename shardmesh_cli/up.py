@@ -5,7 +5,9 @@ here is what runs in a deployment. `up` waits until the gateway reports SERVING 
 for a complete topology), prints the gateway address (first: scripts read it), with `--metrics` every
 service's metrics address and the `shardmesh top` command that watches them, and on Ctrl-C or SIGTERM
 stops everything in reverse order; every child also dies with `up` itself (PR_SET_PDEATHSIG), so none is
-ever orphaned.
+ever orphaned. `--spares N` starts N workers beyond the plan, which the coordinator keeps as hot spares.
+While the mesh runs, a worker or the coordinator that dies is started again (`--max-restarts` times each);
+a worker that exits with status 0 was drained (`shardmesh drain`) and stays gone; the gateway's death ends it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import Popen
@@ -125,7 +127,11 @@ class LocalMesh:
         self._files.append(f)
         p = procs.spawn(["-m", "shardmesh_cli", *args], env=env, stderr=f, stdout=f)
         self.commands[name] = (args, env)
-        self.children = [(n, c) for n, c in self.children if n != name] + [(name, p)]
+        names = [n for n, _ in self.children]
+        if name in names:  # a restart keeps its place, so stop() still stops the gateway first, the coordinator last
+            self.children[names.index(name)] = (name, p)
+        else:
+            self.children.append((name, p))
         return p
 
     def respawn(self, name: str) -> Popen:
@@ -166,16 +172,39 @@ def _balance_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def worker_commands(args: argparse.Namespace, coordinator: str) -> list[tuple[str, list[str]]]:
+    """(process name, `shardmesh` arguments) of every worker: the pp × tp stage workers, then `--spares` more.
+
+    The spares get the ids after the stage workers' and the same flags; they register beyond the plan, so the
+    coordinator keeps them as hot spares for a slot that is lost or drained.
+    """
+    world = args.pp * args.tp
+    nodes = args.rank_nodes.split(",") if getattr(args, "rank_nodes", None) else None
+    telemetry = _otlp_flags(args)
+    # -1: any free port, published in the topology, so a restarted worker binds a fresh one and
+    # `shardmesh top` still finds it
+    worker_metrics = ["--metrics-port", "-1"] if getattr(args, "metrics", False) else []
+    out = []
+    for rank in range(world + getattr(args, "spares", 0)):
+        # the node the plan put this rank on; a spare is on no node of the plan, so it gets no label
+        labels = ["--label", f"node={nodes[rank]}"] if nodes and rank < world else []
+        out.append((f"worker{rank}", ["worker", "--coordinator", coordinator, "--worker-id", f"worker-{rank}",
+                                      "--device", args.device, *labels, *telemetry, *worker_metrics]))  # fmt: skip
+    return out
+
+
 def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="shardmesh-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     mesh = LocalMesh(log_dir)
     try:
         mesh.coordinator = getattr(args, "coordinator_listen", None) or f"127.0.0.1:{free_port()}"
+        # A fixed store port (the manifest's services.coordinator.store_port, or one chosen now), like the fixed
+        # --listen: a coordinator the supervisor restarts serves the rendezvous store where the workers know it.
+        store_port = getattr(args, "store_port", None) or free_port()
         coord = ["coordinator", "--listen", mesh.coordinator, "--model", str(model_dir), "--pp", str(args.pp),
-                 "--tp", str(args.tp), "--dtype", args.dtype, "--kv-slots", str(args.kv_slots)]  # fmt: skip
-        if getattr(args, "store_port", None):  # from a manifest (services.coordinator.store_port)
-            coord += ["--store-port", str(args.store_port)]
+                 "--tp", str(args.tp), "--dtype", args.dtype, "--kv-slots", str(args.kv_slots),
+                 "--store-port", str(store_port)]  # fmt: skip
         if args.max_context:
             coord += ["--max-context", str(args.max_context)]
         if args.max_batch_tokens:
@@ -187,20 +216,12 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
             coord += _metrics_flags(mesh, "coordinator", mesh.coordinator)
         mesh.spawn("coordinator", coord + telemetry)
         wait_serving(mesh.coordinator, mesh.children, 60, log_dir)
-        world = args.pp * args.tp
         share = share_cores(args.pp, args.tp, args.device, getattr(args, "pipeline", "auto"),
                             getattr(args, "worker_threads", None), procs.cores())  # fmt: skip
         mesh.share = share
         env = {**os.environ, **share.worker_env, "OMP_NUM_THREADS": str(share.worker_threads)}
-        nodes = args.rank_nodes.split(",") if getattr(args, "rank_nodes", None) else None
-        for rank in range(world):
-            labels = ["--label", f"node={nodes[rank]}"] if nodes else []  # the node the plan put this rank on
-            # -1: any free port, published in the topology, so a restarted worker binds a fresh one and
-            # `shardmesh top` still finds it
-            worker_metrics = ["--metrics-port", "-1"] if metrics else []
-            mesh.spawn(f"worker{rank}", ["worker", "--coordinator", mesh.coordinator, "--worker-id", f"worker-{rank}",
-                                         "--device", args.device, *labels, *telemetry, *worker_metrics],
-                       env=env)  # fmt: skip
+        for name, command in worker_commands(args, mesh.coordinator):
+            mesh.spawn(name, command, env=env)
         mesh.gateway = args.listen or f"127.0.0.1:{free_port()}"
         gateway = ["gateway", "--listen", mesh.gateway, "--coordinator", mesh.coordinator,
                    "--pipeline-depth", str(share.gateway_depth)]  # fmt: skip
@@ -258,22 +279,48 @@ def metrics_lines(coordinator: str, endpoints: Sequence[tuple[str, str]]) -> lis
     return [*lines, f"watch the mesh: {watch}"]
 
 
-def _supervise(mesh: LocalMesh, max_restarts: int) -> int:
-    """Restart a worker that dies (same id, so it takes its slot back); any other death ends the mesh."""
+def supervise_once(mesh: LocalMesh, restarts: dict[str, int], max_restarts: int) -> int | None:
+    """One look at the children: None while the mesh goes on, else `up`'s exit status.
+
+    A worker that exited with status 0 was drained (`shardmesh drain`): its slot has moved, so it stays gone.
+    A worker or the coordinator that died otherwise is started again with the same command (a worker keeps its
+    id and takes its slot back; the coordinator keeps its address and store port, and the workers register with
+    it again), up to `max_restarts` times each. Any other death, the gateway's included, ends the mesh.
+    """
+    for name, p in list(mesh.children):
+        if p.poll() is None:
+            continue
+        is_worker = name.startswith("worker")
+        if is_worker and p.returncode == 0:
+            print(f"{name} drained and exited (status 0); not restarting it", file=sys.stderr, flush=True)
+            mesh.children.remove((name, p))
+            continue
+        if (is_worker or name == "coordinator") and restarts.get(name, 0) < max_restarts:
+            restarts[name] = restarts.get(name, 0) + 1
+            print(f"{name} exited with code {p.returncode}; restarting it ({restarts[name]}/{max_restarts})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            mesh.respawn(name)
+            continue
+        print(f"error: {name} exited with code {p.returncode}; logs in {mesh.log_dir}", file=sys.stderr)
+        return 1
+    return None
+
+
+def _supervise(mesh: LocalMesh, max_restarts: int, sleep: Callable[[float], None] = time.sleep) -> int:
+    """Watch the children until one dies for good (see `supervise_once`)."""
     restarts: dict[str, int] = {}
     while True:
-        time.sleep(0.5)
-        for name, p in list(mesh.children):
-            if p.poll() is None:
-                continue
-            if name.startswith("worker") and restarts.get(name, 0) < max_restarts:
-                restarts[name] = restarts.get(name, 0) + 1
-                print(f"{name} exited with code {p.returncode}; restarting it ({restarts[name]}/{max_restarts})",
-                      file=sys.stderr, flush=True)  # fmt: skip
-                mesh.respawn(name)
-                continue
-            print(f"error: {name} exited with code {p.returncode}; logs in {mesh.log_dir}", file=sys.stderr)
-            return 1
+        sleep(0.5)
+        status = supervise_once(mesh, restarts, max_restarts)
+        if status is not None:
+            return status
+
+
+def _workers_phrase(args: argparse.Namespace) -> str:
+    """The workers in the start-up line, e.g. "4 stage workers (pp=2, tp=2) + 1 spare"."""
+    spares = getattr(args, "spares", 0)
+    extra = f" + {spares} spare{'s' if spares > 1 else ''}" if spares else ""
+    return f"{args.pp * args.tp} stage workers (pp={args.pp}, tp={args.tp}){extra}"
 
 
 def run(args: argparse.Namespace, model_dir: Path, demo: object | None = None) -> int:
@@ -282,8 +329,8 @@ def run(args: argparse.Namespace, model_dir: Path, demo: object | None = None) -
         mesh = None
         try:
             t0 = time.monotonic()
-            print(f"starting coordinator, {args.pp * args.tp} stage workers (pp={args.pp}, tp={args.tp}) and gateway "
-                  f"for {model_dir} ...", file=sys.stderr, flush=True)  # fmt: skip
+            print(f"starting coordinator, {_workers_phrase(args)} and gateway for {model_dir} ...", file=sys.stderr,
+                  flush=True)  # fmt: skip
             mesh = start_mesh(args, model_dir)
             print(f"gateway listening on {mesh.gateway}, coordinator on {mesh.coordinator} (ready in "
                   f"{time.monotonic() - t0:.1f} s; logs in {mesh.log_dir})", file=sys.stderr, flush=True)  # fmt: skip

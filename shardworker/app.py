@@ -53,7 +53,8 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM or SIGINT, then leave the mesh and shut down (exit 0); exit 1 if it cannot start."""
+    """Serve until SIGTERM, SIGINT or a drain, then leave the mesh and shut down (exit 0); exit 1 if it cannot
+    start."""
     from shardmesh.rpc import lifecycle, log
     from shardworker import heap
     from shardworker.process import WorkerProcess
@@ -73,5 +74,6 @@ def run(args: argparse.Namespace) -> int:
     resource = {"service.instance.id": args.worker_id} if args.worker_id else {}
     telemetry.setup_tracing("worker", args.otlp_endpoint, **resource)
     # Started in the background: registration waits for the coordinator, and a SIGTERM meanwhile must stop us.
-    started = lifecycle.serve_until_signal(WorkerProcess(cfg, logger), logger, start_in_background=True)
+    worker = WorkerProcess(cfg, logger)
+    started = lifecycle.serve_until_signal(worker, logger, start_in_background=True, stop=worker.exit_requested)
     return 0 if started else 1

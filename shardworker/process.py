@@ -4,11 +4,15 @@ coordinator (register, heartbeat, watch topology) and its life cycle (health, SI
 Threads: gRPC handlers (Step, Release, GetShardInfo); a heartbeat loop; a topology watch that hands
 the newest version to a placement thread, which does the slow part (load weights, join groups)
 so the watch keeps reading and heartbeats keep flowing while a shard loads.
+
+A drained worker (see `should_exit`) sets `exit_requested`; `serve_until_signal` waits on that event as on
+a signal, then stops the process in order and `shardmesh worker` exits 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from concurrent import futures
 from dataclasses import dataclass
@@ -17,7 +21,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from shardmesh.core.topology import ShardState, Topology
+from shardmesh.core.topology import ShardState, Topology, WorkerState
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from shardmesh.rpc import log, telemetry
 from shardmesh.rpc import server as rpc
@@ -39,12 +43,23 @@ class WorkerConfig:
     otlp_endpoint: str | None = None
 
 
+def should_exit(topology: Topology, worker_id: str) -> bool:
+    """Whether `topology` tells this worker to leave: it is DRAINING and its slot has moved to another.
+    A draining worker that still holds its slot (no spare has taken it yet) keeps serving."""
+    me = topology.worker(worker_id)
+    return me is not None and me.state is WorkerState.DRAINING and topology.find(worker_id) is None
+
+
 class WorkerProcess:
     def __init__(self, cfg: WorkerConfig, logger: Any) -> None:
         import torch
 
         self.cfg, self.log = cfg, logger
         self.stopping = threading.Event()
+        # Ends serving: `serve_until_signal` waits on it (a signal sets it too), then calls `stop` on the main
+        # thread and returns True (exit 0). A drained worker sets it rather than calling `stop` itself, so its
+        # shutdown takes the same single path as a SIGTERM's.
+        self.exit_requested = threading.Event()
         self.worker_id = cfg.worker_id or ""
         self.core: StageWorkerCore | None = None
         self.device = torch.device(cfg.device)
@@ -105,14 +120,23 @@ class WorkerProcess:
         self.metrics_address = f"{advertised}:{self._metrics_server.server_port}"
 
     def _register(self) -> None:
-        """Register, retrying while the coordinator starts; keeps our id so a restart takes its slot back."""
+        """Register, retrying while the coordinator starts; keeps our id so a restart takes its slot back.
+
+        Also called when a heartbeat finds that the coordinator forgot us (it restarted): then the request
+        carries the newest version we saw, so the new coordinator numbers its topologies after it, and the
+        shard and groups we hold, so it can keep them (soft state) instead of reloading and re-forming."""
         labels = dict(self.cfg.labels)
         if self.metrics_address:
             labels[telemetry.METRICS_LABEL] = self.metrics_address
+        latest = self._latest
         req = coordinator_pb2.RegisterRequest(address=self.address, device=device_pb(self.device.type),
-                                              labels=labels)  # fmt: skip
+                                              labels=labels, pid=os.getpid(),
+                                              last_topology_version=latest.version if latest else 0)  # fmt: skip
         if self.worker_id:
             req.worker_id = self.worker_id
+        held = self.core.held() if self.core is not None else None
+        if held is not None:
+            req.held.CopyFrom(held.to_pb())
         delay = 0.1
         while not self.stopping.is_set():
             try:
@@ -154,6 +178,10 @@ class WorkerProcess:
             if topology is None or topology.version <= applied or self.stopping.is_set():
                 continue
             applied = topology.version
+            if should_exit(topology, self.worker_id):
+                self.log.info("drained", worker_id=self.worker_id, version=topology.version)
+                self.exit_requested.set()
+                return
             assert self.core is not None
             self.core.apply(topology)
             self._heartbeat_once()  # report the new state at once rather than at the next tick

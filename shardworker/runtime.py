@@ -25,7 +25,7 @@ from shardmesh.core.config import ModelConfig
 from shardmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.step import Sampled, SamplingParams, Segment, StepEntry
-from shardmesh.core.topology import Rendezvous, ServingLimits, ShardState, Topology
+from shardmesh.core.topology import HeldShard, Rendezvous, ServingLimits, ShardState, Topology
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.groups import Backend, ShardGroups, form_groups
 from shardmesh.engine.loader import build_shard, parse_dtype
@@ -127,6 +127,7 @@ class _Runtime:
     seeds: dict[str, int] = field(default_factory=dict)  # for sampled requests that came without a seed
     slots: dict[int, str] = field(default_factory=dict)  # occupied KV slot -> request id
     order: StepOrder = field(default_factory=StepOrder)  # this epoch's steps take turns in the gateway's order
+    steps: int = 0  # requests' steps run in this epoch (calibration passes are not steps)
 
 
 class StageWorkerCore:
@@ -143,7 +144,6 @@ class StageWorkerCore:
         self._model: Transformer | None = None
         self._loaded_spec: tuple[Any, ...] | None = None  # what _model was built for
         self._runtime: _Runtime | None = None
-        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
         self._lock = threading.Lock()  # one step at a time; topology changes wait for the step
         # Guards the runtime's slot and sampler bookkeeping, so that a Release (of sequences in no
         # running step) need not wait for another micro-batch's step to finish.
@@ -224,10 +224,16 @@ class StageWorkerCore:
 
     def _join(self, p: Placement, model: Transformer) -> _Runtime:
         r = p.rendezvous
-        key = (r.host, r.port)
-        if key not in self._stores:
-            self._stores[key] = dist.TCPStore(r.host, r.port, None, False, timeout=self.backend.timeout)
-        groups = form_groups(self._stores[key], r.prefix, p.spec, p.stage, p.num_stages, self.backend)
+        # A new store client for every join, never one kept from an earlier epoch: the store is served by the
+        # coordinator process, and a restarted coordinator serves a new one, usually on the same host:port. A
+        # client of the old one holds a dead connection (its next request fails with "Broken pipe"; it does not
+        # reconnect), so a kept client would keep every epoch after a coordinator restart from forming. The
+        # process groups formed here keep a reference to their client; groups already formed need no store
+        # (their Gloo pairs are connected), so a coordinator restart leaves them working. (NCCL creates a
+        # communicator at a group's first use, through the store: one first used after the restart fails like a
+        # lost peer, and the next epoch heals it.)
+        store = dist.TCPStore(r.host, r.port, None, False, timeout=self.backend.timeout)
+        groups = form_groups(store, r.prefix, p.spec, p.stage, p.num_stages, self.backend)
         bind_group(model, groups.tp)
         dtype = next(model.parameters()).dtype
         cache = model.make_cache(p.limits.kv_slots, dtype, self.device)
@@ -281,6 +287,7 @@ class StageWorkerCore:
             raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
         elapsed = time.perf_counter() - t0
         comm = CommCounters.of(rt.engine.groups) - before
+        rt.steps += 1
         self.stats.steps += 1
         self.stats.compute_s += elapsed - comm.recv_wait_s
         self.stats.recv_wait_s += comm.recv_wait_s
@@ -368,6 +375,17 @@ class StageWorkerCore:
             return rt.placement.limits.kv_slots - len(rt.slots)
 
     # ---- reporting -----------------------------------------------------------------------------------
+
+    def held(self) -> HeldShard | None:
+        """The shard and groups this worker holds, as it claims them when registering with a restarted
+        coordinator; None while it holds none (no placement yet, loading, or its groups broke)."""
+        rt = self._runtime
+        if rt is None:
+            return None
+        p, spec = rt.placement, rt.placement.spec
+        return HeldShard(epoch=rt.groups_epoch, rank=p.stage * spec.tp_size + spec.tp_rank, pp=p.num_stages,
+                         tp=spec.tp_size, layer_start=spec.layer_start, layer_end=spec.layer_end,
+                         served=rt.steps > 0)  # fmt: skip
 
     def info(self) -> dict[str, Any]:
         rt = self._runtime

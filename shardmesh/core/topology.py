@@ -176,6 +176,7 @@ class CalibrationStatus(enum.Enum):
     IMBALANCED = "imbalanced"
     REBALANCING = "rebalancing"
     FAILED = "failed"
+    CARRIED_OVER = "carried-over"  # served before a coordinator restart; not measured again
 
     def to_pb(self) -> coordinator_pb2.CalibrationStatus.ValueType:
         return coordinator_pb2.CalibrationStatus.Value(f"CALIBRATION_STATUS_{self.name}")
@@ -270,6 +271,70 @@ class Calibration:
                    pb.message, pb.decode_batch, pb.prefill_tokens, tuple(pb.speed_split), pb.rebalances)  # fmt: skip
 
 
+class WorkerState(enum.Enum):
+    """What one registered worker is doing; mirrors `shardmesh.v1.WorkerState` without UNSPECIFIED."""
+
+    SERVING = "serving"  # holds a READY slot
+    SPARE = "spare"  # healthy, holds no slot: takes one that is lost or drained
+    LOADING = "loading"  # holds a slot that is not READY yet
+    DRAINING = "draining"  # asked to leave: serves until its slot has moved, then exits
+    LOST = "lost"  # silent, unreachable or broken
+
+    def to_pb(self) -> coordinator_pb2.WorkerState.ValueType:
+        return coordinator_pb2.WorkerState.Value(f"WORKER_STATE_{self.name}")
+
+    @classmethod
+    def from_pb(cls, value: int) -> WorkerState:
+        name = coordinator_pb2.WorkerState.Name(value) if value in coordinator_pb2.WorkerState.values() else ""
+        if not name.startswith("WORKER_STATE_") or name == "WORKER_STATE_UNSPECIFIED":
+            raise ValueError(f"unknown worker state {value}")
+        return cls[name.removeprefix("WORKER_STATE_")]
+
+
+@dataclass(frozen=True)
+class MeshWorker:
+    """One registered worker as the topology lists it (slot holders and spares alike)."""
+
+    worker_id: str
+    address: str
+    pid: int
+    state: WorkerState
+    rank: int | None = None  # the global rank of the slot it holds
+    detail: str = ""
+
+    def to_pb(self) -> coordinator_pb2.MeshWorker:
+        pb = coordinator_pb2.MeshWorker(worker_id=self.worker_id, address=self.address, pid=self.pid,
+                                        state=self.state.to_pb(), detail=self.detail)  # fmt: skip
+        if self.rank is not None:
+            pb.rank = self.rank
+        return pb
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.MeshWorker) -> MeshWorker:
+        return cls(pb.worker_id, pb.address, pb.pid, WorkerState.from_pb(pb.state),
+                   pb.rank if pb.HasField("rank") else None, pb.detail)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HeldShard:
+    """The shard and process groups a worker holds, claimed when it registers with a restarted coordinator."""
+
+    epoch: int
+    rank: int
+    pp: int
+    tp: int
+    layer_start: int
+    layer_end: int
+    served: bool = False  # it ran requests' steps in this epoch: a gateway served on it
+
+    def to_pb(self) -> coordinator_pb2.HeldShard:
+        return coordinator_pb2.HeldShard(**asdict(self))
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.HeldShard) -> HeldShard:
+        return cls(pb.epoch, pb.rank, pb.pp, pb.tp, pb.layer_start, pb.layer_end, pb.served)
+
+
 @dataclass(frozen=True)
 class Topology:
     """The whole mesh at one version. Built by `placement.build_topology`, never edited in place."""
@@ -283,6 +348,15 @@ class Topology:
     complete: bool  # every slot READY under `rendezvous`
     limits: ServingLimits
     calibration: Calibration = field(default_factory=Calibration)
+    workers: tuple[MeshWorker, ...] = ()  # every registered worker, in registration order
+
+    @property
+    def epoch(self) -> int:
+        """The rendezvous epoch, 0 while slots are vacant."""
+        return self.rendezvous.epoch if self.rendezvous is not None else 0
+
+    def worker(self, worker_id: str) -> MeshWorker | None:
+        return next((w for w in self.workers if w.worker_id == worker_id), None)
 
     @property
     def serving(self) -> bool:
@@ -308,7 +382,7 @@ class Topology:
         pb = coordinator_pb2.Topology(
             version=self.version, model=self.model.to_pb(), pp=self.pp, tp=self.tp,
             stages=[s.to_pb() for s in self.stages], complete=self.complete, limits=self.limits.to_pb(),
-            calibration=self.calibration.to_pb(),
+            calibration=self.calibration.to_pb(), workers=[w.to_pb() for w in self.workers],
         )  # fmt: skip
         if self.rendezvous is not None:
             pb.rendezvous.CopyFrom(self.rendezvous.to_pb())
@@ -321,7 +395,7 @@ class Topology:
             stages=tuple(Stage.from_pb(s) for s in pb.stages),
             rendezvous=Rendezvous.from_pb(pb.rendezvous) if pb.HasField("rendezvous") else None,
             complete=pb.complete, limits=ServingLimits.from_pb(pb.limits),
-            calibration=Calibration.from_pb(pb.calibration),
+            calibration=Calibration.from_pb(pb.calibration), workers=tuple(MeshWorker.from_pb(w) for w in pb.workers),
         )  # fmt: skip
 
 

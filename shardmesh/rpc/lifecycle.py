@@ -23,31 +23,42 @@ class Service(Protocol):
 
 
 @contextlib.contextmanager
-def _stop_on_signals() -> Iterator[threading.Event]:
-    """An Event that SIGTERM or SIGINT sets; the previous handlers come back after.
+def _stop_on_signals(stop: threading.Event) -> Iterator[list[int]]:
+    """SIGTERM or SIGINT set `stop`; yields the signals received. The previous handlers come back after.
 
     The handler only sets the event, so the main thread notices at its next wait and shuts the
     service down in order (NOT_SERVING, drain, stop) instead of dying inside whatever it was doing.
     """
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        received.append(signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield stop
+        yield received
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def serve_until_signal(service: Service, logger: Any, *, start_in_background: bool = False) -> bool:
+def serve_until_signal(
+    service: Service, logger: Any, *, start_in_background: bool = False, stop: threading.Event | None = None
+) -> bool:
     """Start `service`, serve until SIGTERM or SIGINT (logged as `signal_received`), then `service.stop()`,
     whatever happened before. Returns whether the service started.
+
+    `stop` is an event the service may set to end serving itself (a drained worker): it is stopped as on a
+    signal, without `signal_received`, and this returns True as well, so the process exits 0.
 
     In the foreground (the default) an error from `start` is raised, after `stop`. `start_in_background`
     is for a service whose start waits on others (a worker registering with a coordinator that is not up
     yet): `start` runs on its own thread, so a signal meanwhile stops the service at once (its `stop`
     must end a `start` still running), and an error from it is logged as `start_failed` and ends serving.
     """
-    with _stop_on_signals() as stop:
+    stop = stop if stop is not None else threading.Event()
+    with _stop_on_signals(stop) as signals:
         started = True
         try:
             if start_in_background:
@@ -66,7 +77,7 @@ def serve_until_signal(service: Service, logger: Any, *, start_in_background: bo
                 service.start()
             while not stop.wait(POLL_S):
                 pass
-            if started:
+            if started and signals:
                 logger.info("signal_received")
         finally:
             service.stop()

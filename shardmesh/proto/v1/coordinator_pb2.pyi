@@ -25,6 +25,42 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _WorkerState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WorkerStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WorkerState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WORKER_STATE_UNSPECIFIED: _WorkerState.ValueType  # 0
+    """Not set; never sent by the coordinator."""
+    WORKER_STATE_SERVING: _WorkerState.ValueType  # 1
+    """Holds a slot that is READY."""
+    WORKER_STATE_SPARE: _WorkerState.ValueType  # 2
+    """Registered, healthy, holds no slot: takes one when a slot holder is lost or drained."""
+    WORKER_STATE_LOADING: _WorkerState.ValueType  # 3
+    """Holds a slot that is not READY yet: loading weights or joining process groups."""
+    WORKER_STATE_DRAINING: _WorkerState.ValueType  # 4
+    """Asked to leave (Drain): serving until its slot has moved, then it exits."""
+    WORKER_STATE_LOST: _WorkerState.ValueType  # 5
+    """Stopped heartbeating, did not answer a health check, or reported itself broken."""
+
+class WorkerState(_WorkerState, metaclass=_WorkerStateEnumTypeWrapper):
+    """What one registered worker is doing, as the coordinator sees it."""
+
+WORKER_STATE_UNSPECIFIED: WorkerState.ValueType  # 0
+"""Not set; never sent by the coordinator."""
+WORKER_STATE_SERVING: WorkerState.ValueType  # 1
+"""Holds a slot that is READY."""
+WORKER_STATE_SPARE: WorkerState.ValueType  # 2
+"""Registered, healthy, holds no slot: takes one when a slot holder is lost or drained."""
+WORKER_STATE_LOADING: WorkerState.ValueType  # 3
+"""Holds a slot that is not READY yet: loading weights or joining process groups."""
+WORKER_STATE_DRAINING: WorkerState.ValueType  # 4
+"""Asked to leave (Drain): serving until its slot has moved, then it exits."""
+WORKER_STATE_LOST: WorkerState.ValueType  # 5
+"""Stopped heartbeating, did not answer a health check, or reported itself broken."""
+Global___WorkerState: _TypeAlias = WorkerState  # noqa: Y015
+
 class _CalibrationStatus:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -45,6 +81,10 @@ class _CalibrationStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Cal
     """Layers are being re-split by the measured speeds (rebalance: by-speed); a new epoch follows."""
     CALIBRATION_STATUS_FAILED: _CalibrationStatus.ValueType  # 6
     """A shard could not be timed (message says which and why); the coordinator tries again."""
+    CALIBRATION_STATUS_CARRIED_OVER: _CalibrationStatus.ValueType  # 7
+    """The placement was serving before the coordinator restarted and its workers kept it (soft
+    state): not measured again, since its KV caches hold running sequences; passed.
+    """
 
 class CalibrationStatus(_CalibrationStatus, metaclass=_CalibrationStatusEnumTypeWrapper):
     """Where the balance check of one placement stands."""
@@ -63,6 +103,10 @@ CALIBRATION_STATUS_REBALANCING: CalibrationStatus.ValueType  # 5
 """Layers are being re-split by the measured speeds (rebalance: by-speed); a new epoch follows."""
 CALIBRATION_STATUS_FAILED: CalibrationStatus.ValueType  # 6
 """A shard could not be timed (message says which and why); the coordinator tries again."""
+CALIBRATION_STATUS_CARRIED_OVER: CalibrationStatus.ValueType  # 7
+"""The placement was serving before the coordinator restarted and its workers kept it (soft
+state): not measured again, since its KV caches hold running sequences; passed.
+"""
 Global___CalibrationStatus: _TypeAlias = CalibrationStatus  # noqa: Y015
 
 @_typing.final
@@ -95,11 +139,21 @@ class RegisterRequest(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    LAST_TOPOLOGY_VERSION_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """host:port of the worker's StageWorker gRPC server, as gateways and peers can reach it."""
     worker_id: _builtins.str
     """The id the worker wants: set it to the id from an earlier registration to take that slot
     back after a restart. 1-64 characters from [A-Za-z0-9._-]. Unset: the coordinator picks one.
+    """
+    pid: _builtins.int
+    """The worker's process id, for operators (`shardmesh status`); 0 when unknown."""
+    last_topology_version: _builtins.int
+    """The newest topology version the worker has seen, from this or an earlier coordinator: a
+    restarted coordinator numbers its topologies after the highest one reported, so versions
+    never go back.
     """
     @_builtins.property
     def device(self) -> _common_pb2.Device:
@@ -111,6 +165,14 @@ class RegisterRequest(_message.Message):
         placement policy and kept for later ones.
         """
 
+    @_builtins.property
+    def held(self) -> Global___HeldShard:
+        """The shard the worker holds and the process groups it is in, when it registers again with a
+        restarted coordinator: the coordinator rebuilds its placement from these claims (soft state)
+        and keeps the epoch when every slot is claimed consistently, so no weights are reloaded and
+        no process group is re-formed. Unset for a worker that holds nothing.
+        """
+
     def __init__(
         self,
         *,
@@ -118,16 +180,67 @@ class RegisterRequest(_message.Message):
         device: _common_pb2.Device | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         worker_id: _builtins.str | None = ...,
+        pid: _builtins.int = ...,
+        last_topology_version: _builtins.int = ...,
+        held: Global___HeldShard | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_worker_id", b"_worker_id", "device", b"device", "worker_id", b"worker_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_worker_id", b"_worker_id", "device", b"device", "held", b"held", "worker_id", b"worker_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_worker_id", b"_worker_id", "address", b"address", "device", b"device", "labels", b"labels", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_worker_id", b"_worker_id", "address", b"address", "device", b"device", "held", b"held", "labels", b"labels", "last_topology_version", b"last_topology_version", "pid", b"pid", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__worker_id: _TypeAlias = _typing.Literal["worker_id"]  # noqa: Y015
     _WhichOneofArgType__worker_id: _TypeAlias = _typing.Literal["_worker_id", b"_worker_id"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__worker_id) -> _WhichOneofReturnType__worker_id | None: ...
 
 Global___RegisterRequest: _TypeAlias = RegisterRequest  # noqa: Y015
+
+@_typing.final
+class HeldShard(_message.Message):
+    """What a registering worker already holds (see RegisterRequest.held)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    PP_FIELD_NUMBER: _builtins.int
+    TP_FIELD_NUMBER: _builtins.int
+    LAYER_START_FIELD_NUMBER: _builtins.int
+    LAYER_END_FIELD_NUMBER: _builtins.int
+    SERVED_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """Rendezvous epoch of the process groups the worker is in."""
+    rank: _builtins.int
+    """Global rank in those groups."""
+    pp: _builtins.int
+    """Pipeline stages of that placement."""
+    tp: _builtins.int
+    """Tensor-parallel degree of that placement."""
+    layer_start: _builtins.int
+    """First layer of the worker's stage."""
+    layer_end: _builtins.int
+    """One past the last layer of the worker's stage."""
+    served: _builtins.bool
+    """Whether the worker has run requests' steps in this epoch, i.e. a gateway served on it (so its
+    balance check passed).
+    """
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        pp: _builtins.int = ...,
+        tp: _builtins.int = ...,
+        layer_start: _builtins.int = ...,
+        layer_end: _builtins.int = ...,
+        served: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "layer_end", b"layer_end", "layer_start", b"layer_start", "pp", b"pp", "rank", b"rank", "served", b"served", "tp", b"tp"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldShard: _TypeAlias = HeldShard  # noqa: Y015
 
 @_typing.final
 class RegisterResponse(_message.Message):
@@ -373,6 +486,162 @@ class GetTopologyRequest(_message.Message):
 Global___GetTopologyRequest: _TypeAlias = GetTopologyRequest  # noqa: Y015
 
 @_typing.final
+class ReportFailureRequest(_message.Message):
+    """Workers somebody saw fail."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_IDS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    REPORTER_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """What was seen, for the coordinator's log."""
+    reporter: _builtins.str
+    """Who saw it, e.g. "gateway 127.0.0.1:50050", for the log."""
+    @_builtins.property
+    def worker_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Ids of the workers to check (e.g. every shard of the step that failed); at most 1024."""
+
+    def __init__(
+        self,
+        *,
+        worker_ids: _abc.Iterable[_builtins.str] | None = ...,
+        reason: _builtins.str = ...,
+        reporter: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "reporter", b"reporter", "worker_ids", b"worker_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportFailureRequest: _TypeAlias = ReportFailureRequest  # noqa: Y015
+
+@_typing.final
+class ReportFailureResponse(_message.Message):
+    """What the coordinator concluded."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOST_FIELD_NUMBER: _builtins.int
+    TOPOLOGY_VERSION_FIELD_NUMBER: _builtins.int
+    topology_version: _builtins.int
+    """The topology version after acting on them."""
+    @_builtins.property
+    def lost(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The reported workers that did not answer a health check and are now LOST."""
+
+    def __init__(
+        self,
+        *,
+        lost: _abc.Iterable[_builtins.str] | None = ...,
+        topology_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lost", b"lost", "topology_version", b"topology_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportFailureResponse: _TypeAlias = ReportFailureResponse  # noqa: Y015
+
+@_typing.final
+class DrainRequest(_message.Message):
+    """A worker to take out of service."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    """The worker's id (as in `shardmesh status`)."""
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainRequest: _TypeAlias = DrainRequest  # noqa: Y015
+
+@_typing.final
+class DrainResponse(_message.Message):
+    """Where the drain stands right after the request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    TOPOLOGY_VERSION_FIELD_NUMBER: _builtins.int
+    state: Global___WorkerState.ValueType
+    """The worker's state now: DRAINING until its slot has moved, then it exits."""
+    message: _builtins.str
+    """What the drain waits for, e.g. "waiting for a spare to take stage 1 tp rank 0"."""
+    topology_version: _builtins.int
+    """The topology version after the request."""
+    def __init__(
+        self,
+        *,
+        state: Global___WorkerState.ValueType = ...,
+        message: _builtins.str = ...,
+        topology_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "state", b"state", "topology_version", b"topology_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainResponse: _TypeAlias = DrainResponse  # noqa: Y015
+
+@_typing.final
+class MeshWorker(_message.Message):
+    """One registered worker (slot holders, spares, drains and recently lost workers alike)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    """The worker's id."""
+    address: _builtins.str
+    """host:port of its StageWorker server."""
+    pid: _builtins.int
+    """Its process id as it registered it (0: unknown)."""
+    state: Global___WorkerState.ValueType
+    """What it is doing."""
+    rank: _builtins.int
+    """Global rank of the slot it holds; unset for a worker that holds none."""
+    detail: _builtins.str
+    """Why it is in that state when that is not obvious (e.g. what a drain waits for)."""
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        state: Global___WorkerState.ValueType = ...,
+        rank: _builtins.int | None = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_rank", b"_rank", "rank", b"rank"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_rank", b"_rank", "address", b"address", "detail", b"detail", "pid", b"pid", "rank", b"rank", "state", b"state", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__rank: _TypeAlias = _typing.Literal["rank"]  # noqa: Y015
+    _WhichOneofArgType__rank: _TypeAlias = _typing.Literal["_rank", b"_rank"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__rank) -> _WhichOneofReturnType__rank | None: ...
+
+Global___MeshWorker: _TypeAlias = MeshWorker  # noqa: Y015
+
+@_typing.final
 class ShardAssignment(_message.Message):
     """One tensor-parallel slot of a stage, and who holds it."""
 
@@ -589,6 +858,7 @@ class Topology(_message.Message):
     COMPLETE_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
     CALIBRATION_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Increases by one with every change; never reused by one coordinator."""
     pp: _builtins.int
@@ -621,6 +891,10 @@ class Topology(_message.Message):
         and calibration.passed is true for calibration.epoch == rendezvous.epoch.
         """
 
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___MeshWorker]:
+        """Every registered worker in registration order, slot holders and spares alike."""
+
     def __init__(
         self,
         *,
@@ -633,10 +907,11 @@ class Topology(_message.Message):
         complete: _builtins.bool = ...,
         limits: Global___ServingLimits | None = ...,
         calibration: Global___Calibration | None = ...,
+        workers: _abc.Iterable[Global___MeshWorker] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "limits", b"limits", "model", b"model", "rendezvous", b"rendezvous"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "complete", b"complete", "limits", b"limits", "model", b"model", "pp", b"pp", "rendezvous", b"rendezvous", "stages", b"stages", "tp", b"tp", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "complete", b"complete", "limits", b"limits", "model", b"model", "pp", b"pp", "rendezvous", b"rendezvous", "stages", b"stages", "tp", b"tp", "version", b"version", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -60,6 +60,16 @@ class CoordinatorStub:
                 request_serializer=shardmesh_dot_v1_dot_coordinator__pb2.GetTopologyRequest.SerializeToString,
                 response_deserializer=shardmesh_dot_v1_dot_coordinator__pb2.Topology.FromString,
                 _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/shardmesh.v1.Coordinator/ReportFailure',
+                request_serializer=shardmesh_dot_v1_dot_coordinator__pb2.ReportFailureRequest.SerializeToString,
+                response_deserializer=shardmesh_dot_v1_dot_coordinator__pb2.ReportFailureResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/shardmesh.v1.Coordinator/Drain',
+                request_serializer=shardmesh_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
+                response_deserializer=shardmesh_dot_v1_dot_coordinator__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -108,6 +118,26 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFailure(self, request, context):
+        """A gateway (or anyone) saw these workers fail, e.g. a Step to them broke. The coordinator
+        probes each one's grpc.health.v1 service at once and treats the ones that do not answer as
+        lost, without waiting for their heartbeats to time out: a hot spare takes a lost worker's
+        slot. Workers that answer are left alone. Errors: INVALID_ARGUMENT naming the field.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Take a worker out of service without failing a request: its slot goes to a spare (the mesh
+        replays the running sequences there), then the worker exits with status 0. Without a spare
+        the worker keeps serving, DRAINING, until one registers. Repeating a drain is harmless.
+        Errors: NOT_FOUND for an unknown worker_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -135,6 +165,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetTopology,
                     request_deserializer=shardmesh_dot_v1_dot_coordinator__pb2.GetTopologyRequest.FromString,
                     response_serializer=shardmesh_dot_v1_dot_coordinator__pb2.Topology.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=shardmesh_dot_v1_dot_coordinator__pb2.ReportFailureRequest.FromString,
+                    response_serializer=shardmesh_dot_v1_dot_coordinator__pb2.ReportFailureResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=shardmesh_dot_v1_dot_coordinator__pb2.DrainRequest.FromString,
+                    response_serializer=shardmesh_dot_v1_dot_coordinator__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -273,6 +313,60 @@ class Coordinator:
             '/shardmesh.v1.Coordinator/GetTopology',
             shardmesh_dot_v1_dot_coordinator__pb2.GetTopologyRequest.SerializeToString,
             shardmesh_dot_v1_dot_coordinator__pb2.Topology.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardmesh.v1.Coordinator/ReportFailure',
+            shardmesh_dot_v1_dot_coordinator__pb2.ReportFailureRequest.SerializeToString,
+            shardmesh_dot_v1_dot_coordinator__pb2.ReportFailureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardmesh.v1.Coordinator/Drain',
+            shardmesh_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
+            shardmesh_dot_v1_dot_coordinator__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

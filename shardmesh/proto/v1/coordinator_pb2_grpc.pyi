@@ -58,6 +58,18 @@ class CoordinatorStub:
     """
     GetTopology: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetTopologyRequest, _coordinator_pb2.Topology]
     """The current topology."""
+    ReportFailure: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReportFailureRequest, _coordinator_pb2.ReportFailureResponse]
+    """A gateway (or anyone) saw these workers fail, e.g. a Step to them broke. The coordinator
+    probes each one's grpc.health.v1 service at once and treats the ones that do not answer as
+    lost, without waiting for their heartbeats to time out: a hot spare takes a lost worker's
+    slot. Workers that answer are left alone. Errors: INVALID_ARGUMENT naming the field.
+    """
+    Drain: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.DrainResponse]
+    """Take a worker out of service without failing a request: its slot goes to a spare (the mesh
+    replays the running sequences there), then the worker exits with status 0. Without a spare
+    the worker keeps serving, DRAINING, until one registers. Repeating a drain is harmless.
+    Errors: NOT_FOUND for an unknown worker_id.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -85,6 +97,18 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """
     GetTopology: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetTopologyRequest, _coordinator_pb2.Topology]  # type: ignore[assignment]
     """The current topology."""
+    ReportFailure: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReportFailureRequest, _coordinator_pb2.ReportFailureResponse]  # type: ignore[assignment]
+    """A gateway (or anyone) saw these workers fail, e.g. a Step to them broke. The coordinator
+    probes each one's grpc.health.v1 service at once and treats the ones that do not answer as
+    lost, without waiting for their heartbeats to time out: a hot spare takes a lost worker's
+    slot. Workers that answer are left alone. Errors: INVALID_ARGUMENT naming the field.
+    """
+    Drain: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.DrainResponse]  # type: ignore[assignment]
+    """Take a worker out of service without failing a request: its slot goes to a spare (the mesh
+    replays the running sequences there), then the worker exits with status 0. Without a spare
+    the worker keeps serving, DRAINING, until one registers. Repeating a drain is harmless.
+    Errors: NOT_FOUND for an unknown worker_id.
+    """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     """The mesh's membership and placement authority."""
@@ -139,5 +163,29 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.Topology, _abc.Awaitable[_coordinator_pb2.Topology]]:
         """The current topology."""
+
+    @_abc_1.abstractmethod
+    def ReportFailure(
+        self,
+        request: _coordinator_pb2.ReportFailureRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ReportFailureResponse, _abc.Awaitable[_coordinator_pb2.ReportFailureResponse]]:
+        """A gateway (or anyone) saw these workers fail, e.g. a Step to them broke. The coordinator
+        probes each one's grpc.health.v1 service at once and treats the ones that do not answer as
+        lost, without waiting for their heartbeats to time out: a hot spare takes a lost worker's
+        slot. Workers that answer are left alone. Errors: INVALID_ARGUMENT naming the field.
+        """
+
+    @_abc_1.abstractmethod
+    def Drain(
+        self,
+        request: _coordinator_pb2.DrainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.DrainResponse, _abc.Awaitable[_coordinator_pb2.DrainResponse]]:
+        """Take a worker out of service without failing a request: its slot goes to a spare (the mesh
+        replays the running sequences there), then the worker exits with status 0. Without a spare
+        the worker keeps serving, DRAINING, until one registers. Repeating a drain is harmless.
+        Errors: NOT_FOUND for an unknown worker_id.
+        """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -3,11 +3,22 @@ balance check's bookkeeping per epoch, label requirements, and requests refused 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from coordinator.registry import Device, HeartbeatReport, Load, Registration, Registry
+from coordinator.registry import LOST_RETENTION, Device, HeartbeatReport, Load, Registration, Registry
 from shardmesh.core.errors import InvalidArgument, NotFound
-from shardmesh.core.topology import Calibration, CalibrationStatus, ModelSpec, ServingLimits, ShardState, Topology
+from shardmesh.core.topology import (
+    Calibration,
+    CalibrationStatus,
+    HeldShard,
+    ModelSpec,
+    ServingLimits,
+    ShardState,
+    Topology,
+    WorkerState,
+)
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2
 
 MODEL = ModelSpec("/models/tiny", "float32", "LlamaForCausalLM", 4, 32, 100, 128)
@@ -54,7 +65,11 @@ def test_registry_fills_publishes_and_completes(registry: tuple[Registry, Clock]
     assert topo.rendezvous is not None and topo.rendezvous.epoch == 5 and topo.rendezvous.prefix == "topo/v5"
     assert [sh.worker_id for _, sh in topo.shards()] == ids
     spare, spare_topo = reg.register(_reg("10.0.0.9:7000"))
-    assert spare_topo.find(spare) is None and spare_topo.version == 5  # a standby changes nothing
+    assert spare_topo.find(spare) is None and spare_topo.rendezvous == topo.rendezvous  # a spare moves nobody
+    assert [(w.worker_id, w.state, w.rank) for w in spare_topo.workers][-2:] == [
+        ("worker-3", WorkerState.LOADING, 3),
+        (spare, WorkerState.SPARE, None),
+    ]  # listed all the same
 
     _beat(reg, "worker-0", LOADING)
     assert _states(reg.store.current())[0] == "worker-0:loading"
@@ -68,45 +83,92 @@ def test_registry_fills_publishes_and_completes(registry: tuple[Registry, Clock]
     assert reg.store.current().version == version
 
 
-def test_registry_timeout_recovery_restart_and_standby(registry: tuple[Registry, Clock]) -> None:
+def test_registry_timeout_recovery_and_restart_without_a_spare(registry: tuple[Registry, Clock]) -> None:
     reg, clock = registry
     ids = [reg.register(_reg(f"10.0.0.{i}:7000", f"w{i}"))[0] for i in range(4)]
-    reg.register(_reg("10.0.0.9:7000", "spare"))
     epoch = reg.store.current().version
     for w in ids:
         _beat(reg, w)
     assert reg.store.current().complete
 
     clock.now += 2.0
-    for w in [*ids[:3], "spare"]:
+    for w in ids[:3]:
         _beat(reg, w)
     clock.now += 2.0  # w3 silent for 4 s > 3 s
     assert reg.expire() == ["w3"]
     sick = reg.store.current()
     assert not sick.complete and _states(sick)[3] == "w3:unhealthy"
-    assert sick.rendezvous is not None and sick.rendezvous.epoch == epoch  # it keeps its slot
+    assert sick.rendezvous is not None and sick.rendezvous.epoch == epoch  # no spare: it keeps its slot
+    assert sick.worker("w3").state is WorkerState.LOST and "no heartbeat" in sick.worker("w3").detail  # type: ignore[union-attr]
     assert reg.expire() == []  # reported once
 
     _beat(reg, "w3")  # it was only slow: same process, same groups
-    assert reg.store.current().complete and reg.store.current().rendezvous.epoch == epoch  # type: ignore[union-attr]
+    back = reg.store.current()
+    assert back.complete and back.rendezvous.epoch == epoch and back.worker("w3").detail == ""  # type: ignore[union-attr]
 
     _, restarted = reg.register(_reg("10.0.0.3:7001", "w3"))  # restarted on a new port: takes its slot back
     assert restarted.find("w3")[1].rank == 3  # type: ignore[index]
     assert restarted.find("w3")[1].address == "10.0.0.3:7001"  # type: ignore[index]
     assert restarted.rendezvous is not None and restarted.rendezvous.epoch == restarted.version > epoch
     assert _states(restarted) == ["w0:pending", "w1:pending", "w2:pending", "w3:pending"]  # all must rejoin
-
-    version = reg.deregister("w1")
-    refilled = reg.store.current()
-    assert refilled.version == version and refilled.find("spare")[1].rank == 1  # type: ignore[index]
-    assert refilled.rendezvous is not None and refilled.rendezvous.epoch == version
+    assert reg.changes == {"join": 2}
 
     clock.now += 10.0  # everyone silent; slot holders stay (UNHEALTHY)
-    assert sorted(reg.expire()) == ["spare", "w0", "w2", "w3"]
+    assert sorted(reg.expire()) == ["w0", "w1", "w2", "w3"]
     assert {sh.state for _, sh in reg.store.current().shards()} == {UNHEALTHY}
 
 
-def test_registry_forgets_silent_standbys_and_reuses_ids_by_address(registry: tuple[Registry, Clock]) -> None:
+def test_a_spare_takes_the_slot_of_a_lost_worker_at_once(registry: tuple[Registry, Clock]) -> None:
+    reg, clock = registry
+    ids = [reg.register(_reg(f"10.0.0.{i}:7000", f"w{i}"))[0] for i in range(4)]
+    reg.register(_reg("10.0.0.9:7000", "spare"))
+    epoch = reg.store.current().rendezvous.epoch  # type: ignore[union-attr]
+    clock.now += 2.0
+    for w in [*ids[:3], "spare"]:
+        _beat(reg, w)
+    clock.now += 2.0
+    assert reg.expire() == ["w3"]
+    t = reg.store.current()
+    assert t.find("spare")[1].rank == 3 and t.find("w3") is None  # type: ignore[index]
+    assert t.rendezvous is not None and t.rendezvous.epoch > epoch
+    assert t.worker("w3").state is WorkerState.LOST  # type: ignore[union-attr]
+
+    _beat(reg, "w3")  # back after all, or restarted under its id: the spare keeps the slot, w3 is the spare now
+    _, again = reg.register(_reg("10.0.0.3:7001", "w3"))
+    assert again.find("spare")[1].rank == 3 and again.worker("w3").state is WorkerState.SPARE  # type: ignore[index,union-attr]
+    assert again.rendezvous == t.rendezvous
+
+    lost, version = reg.report_lost(["w1", "ghost"], "step failed")  # a gateway saw w1 fail; the probe agreed
+    after = reg.store.current()
+    assert lost == ["w1"] and after.version == version and after.find("w3")[1].rank == 1  # type: ignore[index]
+    assert after.worker("w1").state is WorkerState.LOST and after.worker("w1").detail == "step failed"  # type: ignore[union-attr]
+    assert reg.report_lost(["w1"], "again")[0] == []  # already lost
+    assert reg.changes == {"join": 1, "lost": 2}
+
+
+def test_drain_hands_the_slot_to_a_spare_or_waits_for_one(registry: tuple[Registry, Clock]) -> None:
+    reg, _ = registry
+    for i in range(4):
+        reg.register(_reg(f"10.0.0.{i}:7000", f"w{i}"))
+    state, detail, _ = reg.drain("w2")
+    assert state is WorkerState.DRAINING and "waiting for a spare to take stage 1 tp rank 0" in detail
+    assert reg.store.current().find("w2") is not None  # no spare: it keeps serving
+
+    reg.register(_reg("10.0.0.9:7000", "spare"))  # a spare arrives: the drain goes ahead
+    t = reg.store.current()
+    assert t.find("spare")[1].rank == 2 and t.find("w2") is None  # type: ignore[index]
+    assert t.worker("w2").state is WorkerState.DRAINING and "exiting" in t.worker("w2").detail  # type: ignore[union-attr]
+    reg.deregister("w2")  # what the drained worker does on its way out
+    assert reg.store.current().worker("w2") is None
+
+    reg.register(_reg("10.0.0.8:7000", "s2"))
+    assert reg.drain("s2")[0] is WorkerState.DRAINING  # a spare drains at once: it holds nothing
+    assert reg.store.current().find("s2") is None
+    with pytest.raises(NotFound, match="worker_id"):
+        reg.drain("ghost")
+
+
+def test_lost_spares_are_listed_then_forgotten_and_ids_reused_by_address(registry: tuple[Registry, Clock]) -> None:
     reg, clock = registry
     for i in range(4):
         reg.register(_reg(f"10.0.0.{i}:7000"))
@@ -116,8 +178,61 @@ def test_registry_forgets_silent_standbys_and_reuses_ids_by_address(registry: tu
     for w in ["worker-0", "worker-1", "worker-2", "worker-3"]:
         _beat(reg, w)
     assert reg.expire() == [spare]
+    assert reg.store.current().worker(spare).state is WorkerState.LOST  # type: ignore[union-attr]
+    clock.now += LOST_RETENTION * 3.0 + 1
+    for w in ["worker-0", "worker-1", "worker-2", "worker-3"]:
+        _beat(reg, w)
+    reg.expire()
     assert spare not in reg.workers()
     assert _beat(reg, spare) == (False, reg.store.current().version)  # forgotten: told to re-register
+
+
+def _claim(i: int, epoch: int, served: bool = True) -> Registration:
+    held = HeldShard(epoch, i, 2, 2, 0 if i < 2 else 2, 2 if i < 2 else 4, served)
+    return replace(_reg(f"10.0.0.{i}:7000", f"w{i}"), held=held, last_version=40, pid=1000 + i)
+
+
+def test_a_restarted_coordinator_adopts_the_placement_the_workers_claim() -> None:
+    clock = Clock()
+    reg = Registry(model=MODEL, pp=2, tp=2, limits=LIMITS, store_host="127.0.0.1", store_port=29500,
+                   heartbeat_timeout=3.0, clock=clock, recovery_grace=6.0)  # fmt: skip
+    assert not reg.settled.is_set()
+    reg.register(_reg("10.0.0.9:7000", "newcomer"))  # registers first: it steps back for the claimant of its slot
+    for i in (3, 1, 0, 2):  # in any order: each goes back to the rank it held
+        reg.register(_claim(i, epoch=37))
+    t = reg.store.current()
+    assert [sh.worker_id for _, sh in t.shards()] == ["w0", "w1", "w2", "w3"]
+    assert t.rendezvous is not None and t.rendezvous.epoch == 37 and t.version > 40  # versions never go back
+    assert t.calibration.status is CalibrationStatus.CARRIED_OVER and t.calibration.passed
+    assert t.worker("newcomer").state is WorkerState.SPARE and t.worker("w0").pid == 1000  # type: ignore[union-attr]
+    assert reg.settled.is_set() and t.serving  # no reload, no new groups, no balance check: serving at once
+
+
+def test_recovery_gives_up_on_claims_after_the_grace() -> None:
+    clock = Clock()
+    reg = Registry(model=MODEL, pp=2, tp=2, limits=LIMITS, store_host="127.0.0.1", store_port=29500,
+                   heartbeat_timeout=3.0, clock=clock, recovery_grace=6.0)  # fmt: skip
+    for i in (0, 1, 2):
+        reg.register(_claim(i, epoch=37, served=False))
+    reg.register(_reg("10.0.0.9:7000", "newcomer"))
+    assert reg.store.current().find("newcomer") is None  # rank 3 waits for w3
+    clock.now += 5.0
+    for w in ["w0", "w1", "w2", "newcomer"]:
+        _beat(reg, w, PENDING, applied=0)
+    clock.now += 1.5
+    reg.expire()
+    t = reg.store.current()
+    assert reg.settled.is_set() and t.find("newcomer")[1].rank == 3  # type: ignore[index]
+    assert t.rendezvous is not None and t.rendezvous.epoch != 37  # a new placement: new groups
+    assert t.calibration.status is CalibrationStatus.PENDING
+
+
+def test_claims_that_do_not_fit_this_placement_are_ignored() -> None:
+    reg = Registry(model=MODEL, pp=2, tp=2, limits=LIMITS, store_host="127.0.0.1", store_port=29500,
+                   heartbeat_timeout=3.0, clock=Clock(), recovery_grace=6.0)  # fmt: skip
+    wrong = replace(_claim(3, 37), held=HeldShard(37, 3, 2, 2, 1, 4))  # another layer split
+    reg.register(wrong)
+    assert reg.store.current().find("w3") is None
 
 
 def test_registry_refusals(registry: tuple[Registry, Clock]) -> None:
@@ -208,3 +323,22 @@ def test_slots_that_require_a_node_wait_for_a_worker_from_it() -> None:
     # The node-B worker comes back with other labels: it loses the slot, and nobody else may take it.
     reg.register(Registration("127.0.0.1:5001", Device("cpu", "cpu", 2**30), (("node", "C"),), ids[1]))
     assert [sh.worker_id for _, sh in reg.store.current().shards()] == ["", ids[0]]
+
+
+def test_a_passed_check_carries_over_to_a_spare_on_the_same_kind_of_device() -> None:
+    reg, ids = _ready_registry()
+    t = _ready(reg, ids)
+    assert reg.record_calibration(Calibration(CalibrationStatus.BALANCED, t.epoch, True, message="fine"))
+    same = Registration("127.0.0.1:5009", Device("cpu", "cpu", 2**30), (("node", "B"),), "spare")
+    reg.register(same)
+    reg.report_lost([ids[1]], "killed")
+    moved = reg.store.current()
+    assert moved.find("spare") is not None and moved.epoch > t.epoch
+    assert moved.calibration.status is CalibrationStatus.CARRIED_OVER and moved.calibration.epoch == moved.epoch
+    assert f"epoch {t.epoch} carried over" in moved.calibration.message
+    assert _ready(reg, [ids[0], "spare"]).serving  # no new check: serving as soon as the shards are READY
+
+    other = Registration("127.0.0.1:5010", Device("cuda", "NVIDIA H100", 80 * 2**30), (("node", "A"),), "gpu")
+    reg.register(other)
+    reg.report_lost([ids[0]], "killed")
+    assert reg.store.current().calibration.status is CalibrationStatus.PENDING  # another device: measured again

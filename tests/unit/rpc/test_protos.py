@@ -68,7 +68,7 @@ def test_services_have_the_agreed_rpcs() -> None:
 
     assert rpcs(gateway_pb2, "Gateway") == {"Generate", "GenerateStream", "GetModelInfo"}
     assert rpcs(coordinator_pb2, "Coordinator") == {
-        "Register", "Heartbeat", "Deregister", "WatchTopology", "GetTopology"
+        "Register", "Heartbeat", "Deregister", "WatchTopology", "GetTopology", "ReportFailure", "Drain"
     }  # fmt: skip
     assert rpcs(worker_pb2, "StageWorker") == {"Step", "Release", "GetShardInfo", "Calibrate"}
     assert coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name == "shardmesh.v1.Coordinator"
