@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--heartbeat-timeout", type=float, help="seconds of silence before a worker is UNHEALTHY (default 3×interval)")
     flag("--recovery-grace", type=float, help="seconds a (re)started coordinator keeps slots for the workers "
          "that held them to claim them back, telling watchers nothing meanwhile (default 2×timeout)")  # fmt: skip
+    flag("--replan-after", 10.0, type=float, help="seconds a lost worker's slot may wait (no spare) before the model "
+         "is re-planned onto fewer stages of the healthy workers, memory allowing; a drain re-plans at once; "
+         "negative: never (default 10)")  # fmt: skip
     flag("--store-host", help="host workers reach the rendezvous store at (default: the --listen host)")
     flag("--store-port", 0, type=int, help="port of the rendezvous TCPStore; 0 picks a free one (default)")
     flag("--kv-slots", 8, type=int, help="KV-cache slots per shard: sequences in flight (default 8)")
@@ -201,6 +204,7 @@ def build_config(args: argparse.Namespace) -> Any:
         listen=args.listen, model=model, pp=args.pp, tp=args.tp,
         limits=ServingLimits(args.kv_slots, max_context, max_batch), heartbeat_interval=interval,
         heartbeat_timeout=timeout, store_host=store_host, store_port=args.store_port, recovery_grace=grace,
+        replan_after=args.replan_after,
         max_message_bytes=args.max_message_mb * 1024 * 1024, metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, split=split, requires=requires, calibration=calibration,
     )  # fmt: skip

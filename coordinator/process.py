@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2
 from coordinator.calibration import CalibrationConfig, Calibrator, memory_caps
 from coordinator.placement import Labels, Split
 from coordinator.registry import Registry
+from coordinator.replan import planner_check
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
 from shardmesh.core.topology import ModelSpec, ServingLimits, Topology
 from shardmesh.proto.v1 import coordinator_pb2_grpc
@@ -44,6 +45,9 @@ class CoordinatorConfig:
     # How long a (re)started coordinator waits for workers to claim back the slots they hold before it
     # places anyone else there; the first established placement ends it early.
     recovery_grace: float = 0.0
+    # Seconds a slot may have nobody serving it (a lost worker, no spare) before the model is re-planned onto
+    # the healthy workers; a drain without a spare re-plans at once. Negative: never re-plan.
+    replan_after: float = 10.0
 
     @property
     def thread_pool_size(self) -> int:
@@ -81,6 +85,8 @@ class CoordinatorServer:
             model=cfg.model, pp=cfg.pp, tp=cfg.tp, limits=cfg.limits, store_host=cfg.store_host,
             store_port=self._store.port, heartbeat_timeout=cfg.heartbeat_timeout, split=cfg.split,
             requires=cfg.requires, logger=self._log, recovery_grace=cfg.recovery_grace,
+            memory_check=planner_check(cfg.model, cfg.limits, cfg.tp) if cfg.replan_after >= 0 else None,
+            replan_after=max(0.0, cfg.replan_after),
         )  # fmt: skip
         server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size, self._log)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(

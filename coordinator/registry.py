@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from coordinator import placement
+from coordinator.replan import MemoryCheck
 from shardmesh.core.errors import InvalidArgument, NotFound
 from shardmesh.core.layout import check_split, split_layers
 from shardmesh.core.topology import (
@@ -179,6 +180,9 @@ class Registry:
         clock: Callable[[], float] = time.monotonic,
         logger: Any = None,
         recovery_grace: float = 0.0,
+        memory_check: MemoryCheck | None = None,
+        replan_after: float = 10.0,
+        regrow_interval: float = 10.0,
     ) -> None:
         self._model, self._pp, self._tp, self._limits = model, pp, tp, limits
         self._split: placement.Split = tuple(split or split_layers(model.num_layers, pp))
@@ -209,6 +213,13 @@ class Registry:
         # claim what they hold. Until a placement is established or `recovery_grace` has passed, claimed slots
         # wait for their claimants and watchers are told nothing (they keep serving the last topology they had).
         self._recovery_ends = clock() + recovery_grace
+        # Re-planning (coordinator/replan.py): off without a memory check, and when a plan pins ranks to nodes.
+        self._memory_check = memory_check if requires is None else None
+        self._target = (pp, self._split)  # the planned pipeline, which the mesh grows back to
+        self._replan_after, self._regrow_interval = replan_after, regrow_interval
+        self._stuck_since: float | None = None  # since when a slot has had no holder that serves
+        self._last_replan = float("-inf")
+        self._replan_blocked = ""  # why the survivors cannot take the model over, for status
         self.settled = threading.Event()
         if recovery_grace <= 0:
             self.settled.set()
@@ -305,9 +316,8 @@ class Registry:
             if settling:
                 self._emit("recovery_window_over", placed=sum(w is not None for w in self._slots))
                 self.settled.set()
-            if expired or stale or settling:
-                self._refill()
-                self._publish_if_changed("lost")
+            self._refill()  # also where a re-plan falls due (`_maybe_replan`)
+            self._publish_if_changed("lost" if expired or stale or settling else "replan")
             return [w.worker_id for w in expired]
 
     def report_lost(self, worker_ids: Sequence[str], why: str) -> tuple[list[str], int]:
@@ -439,6 +449,7 @@ class Registry:
             why = "draining" if views[old].draining else "lost"
             self._emit("slot_handed_over", rank=rank, stage=rank // self._tp, tp_rank=rank % self._tp, old=old,
                        new=new, reason=why)  # fmt: skip
+        self._maybe_replan()
         for worker_id, record in self._workers.items():  # what each drain waits for
             if record.draining:
                 detail = self._drain_detail(worker_id)
@@ -449,8 +460,57 @@ class Registry:
         if worker_id not in self._slots:
             return "slot handed over; exiting"
         rank = self._slots.index(worker_id)
+        blocked = self._replan_blocked and f"; the other workers cannot take the model over: {self._replan_blocked}"
         return (f"waiting for a spare to take stage {rank // self._tp} tp rank {rank % self._tp} "
-                "(start one with `shardmesh worker --coordinator ...`)")  # fmt: skip
+                f"(start one with `shardmesh worker --coordinator ...`){blocked}")  # fmt: skip
+
+    def _maybe_replan(self) -> None:
+        """Move the model onto the healthy workers when a slot has nobody to serve it (fewer stages), and back
+        onto the planned number of stages once enough workers are there again."""
+        if self._memory_check is None or self._recovering():
+            return
+        now = self._clock()
+        views = {k: w.view() for k, w in self._workers.items()}
+        stuck = [r for r, h in enumerate(self._slots) if h is None or placement.leaving(views[h])]
+        if not stuck:
+            self._stuck_since, self._replan_blocked = None, ""
+        elif self._stuck_since is None:
+            self._stuck_since = now
+        # Workers that can serve: today's holders that stay (in rank order, so most keep their rank), then spares.
+        staying = [h for h in self._slots if h is not None and not placement.leaving(views[h])]
+        spares = [w.worker_id for w in sorted(self._workers.values(), key=lambda w: w.seq)
+                  if placement.is_spare(views[w.worker_id], self._slots)]  # fmt: skip
+        usable = staying + spares
+        target_pp = self._target[0]
+        if stuck:
+            draining = any(h is not None and views[h].draining for h in self._slots)
+            if not draining and now - (self._stuck_since or now) < self._replan_after:
+                return  # a lost worker may come back (`up` restarts it): give it the time
+            why = []
+            for pp in range(min(target_pp, len(usable) // self._tp, self._pp - 1), 0, -1):
+                reason = self._replan(pp, usable, "shrink")
+                if not reason:
+                    return
+                why.append(reason)
+            self._replan_blocked = why[-1] if why else f"{len(usable)} healthy worker(s) for tp={self._tp}"
+        elif self._pp < target_pp and now - self._last_replan >= self._regrow_interval:
+            pp = min(target_pp, len(usable) // self._tp)
+            if pp > self._pp:
+                self._replan(pp, usable, "grow")
+
+    def _replan(self, pp: int, usable: Sequence[str], reason: str) -> str:
+        """Serve on `pp` stages of the first workers of `usable`, if their memory holds it; else say why not."""
+        split = self._target[1] if pp == self._target[0] else tuple(split_layers(self._model.num_layers, pp))
+        slots = tuple(usable[: pp * self._tp])
+        devices = [self._workers[w].device for w in slots]
+        why = self._memory_check(pp, split, [d.memory_bytes for d in devices], [d.type for d in devices])  # type: ignore[misc]
+        if why:
+            return why
+        self._emit("replanned", reason=reason, old_pp=self._pp, new_pp=pp, old=[list(r) for r in self._split],
+                   new=[list(r) for r in split], slots=list(slots))  # fmt: skip
+        self._pp, self._split, self._slots = pp, split, slots
+        self._last_replan, self._stuck_since, self._replan_blocked = self._clock(), None, ""
+        return ""
 
     def _build(self, version: int, epoch: int | None) -> Topology:
         ordered = sorted(self._workers.values(), key=lambda w: w.seq)

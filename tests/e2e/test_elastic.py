@@ -218,3 +218,34 @@ def test_a_seeded_mix_of_kills_drains_and_joins(
     finally:
         thread.join(timeout=200)
         spawner.close()
+
+
+def test_without_a_spare_a_drain_re_plans_onto_the_survivor_and_a_join_grows_back(
+    model: Path, reference: dict[str, list[int]], tmp_path: Path
+) -> None:  # fmt: skip
+    """`up --pp 2` and no spare: draining a stage's worker moves the whole model onto the other worker (the
+    planner says it fits), with no failed request; a worker that joins later brings the mesh back to 2 stages."""
+    bare = Mesh(model, 2, 1, tmp_path / "logs")
+    spawner = Spawner(tmp_path)
+    try:
+        victim = bare.holder(1, 0)
+        drained: list[int] = []
+
+        def drain() -> None:
+            done = bare.command("drain", victim, "--timeout", "120", timeout=150)
+            assert done.returncode == 0, done.stderr
+            drained.append(done.returncode)
+
+        assert during_streams(bare, drain) == reference
+        one = [w for w in bare.status()["workers"] if w["stage"] is not None]
+        assert drained == [0] and [(w["stage"], w["layer_start"], w["layer_end"]) for w in one] == [(0, 0, 4)]
+        assert '"event": "replanned"' in bare.log("coordinator")
+
+        spawner.worker(bare.coordinator, "newcomer")
+        wait_until(lambda: sorted((w["stage"], w["layer_start"], w["layer_end"]) for w in bare.status()["workers"]
+                                  if w["stage"] is not None and w["state"] == "serving") == [(0, 0, 2), (1, 2, 4)],
+                   timeout=MESH_WAIT_S)  # fmt: skip
+        assert stream_all(bare.stub) == reference
+    finally:
+        spawner.close()
+        bare.close()

@@ -342,3 +342,68 @@ def test_a_passed_check_carries_over_to_a_spare_on_the_same_kind_of_device() -> 
     reg.register(other)
     reg.report_lost([ids[0]], "killed")
     assert reg.store.current().calibration.status is CalibrationStatus.PENDING  # another device: measured again
+
+
+# -- re-planning onto the workers there are ------------------------------------------------------------------
+
+
+def _replanning(clock: Clock, fits: bool = True) -> tuple[Registry, list]:
+    asked: list = []
+
+    def check(pp: int, split: tuple, memory: list[int], kinds: list[str]) -> str:
+        asked.append((pp, split))
+        return "" if fits else f"at pp={pp}, stage 0 needs layers 0-3 but its devices (1 GiB) hold 2"
+
+    reg = Registry(model=MODEL, pp=2, tp=1, limits=LIMITS, store_host="127.0.0.1", store_port=29500,
+                   heartbeat_timeout=3.0, clock=clock, memory_check=check, replan_after=10.0,
+                   regrow_interval=10.0)  # fmt: skip
+    for i in range(2):
+        reg.register(_reg(f"10.0.0.{i}:7000", f"w{i}"))
+    return reg, asked
+
+
+def test_a_drain_without_a_spare_re_plans_onto_the_survivor_and_a_join_grows_back() -> None:
+    clock = Clock()
+    reg, asked = _replanning(clock)
+    _, detail, _ = reg.drain("w1")
+    t = reg.store.current()
+    assert (t.pp, [(s.layer_start, s.layer_end) for s in t.stages]) == (1, [(0, 4)]) and asked == [(1, ((0, 4),))]
+    assert t.find("w0") is not None and t.find("w1") is None and "exiting" in detail
+    assert reg.changes["drain"] == 1
+    reg.deregister("w1")
+
+    clock.now += 2.0
+    reg.register(_reg("10.0.0.5:7000", "w5"))  # joins: the plan wants 2 stages, but not twice in 10 s
+    assert reg.store.current().pp == 1 and reg.store.current().worker("w5").state is WorkerState.SPARE  # type: ignore[union-attr]
+    clock.now += 8.5
+    for w in ("w0", "w5"):
+        _beat(reg, w, PENDING, applied=0)
+    reg.expire()
+    grown = reg.store.current()
+    assert grown.pp == 2 and [sh.worker_id for _, sh in grown.shards()] == ["w0", "w5"]
+    assert [(s.layer_start, s.layer_end) for s in grown.stages] == [(0, 2), (2, 4)]
+
+
+def test_a_lost_worker_gets_replan_after_seconds_to_come_back() -> None:
+    clock = Clock()
+    reg, _ = _replanning(clock)
+    clock.now += 2.0
+    _beat(reg, "w0", PENDING, applied=0)
+    clock.now += 2.0
+    assert reg.expire() == ["w1"]
+    assert reg.store.current().pp == 2  # `up` may restart it: not yet
+    for _ in range(4):
+        clock.now += 3.0
+        _beat(reg, "w0", PENDING, applied=0)
+        reg.expire()
+    t = reg.store.current()
+    assert t.pp == 1 and t.find("w0") is not None and t.worker("w1").state is WorkerState.LOST  # type: ignore[union-attr]
+    assert reg.changes["replan"] == 1
+
+
+def test_a_drain_waits_when_the_survivors_memory_cannot_hold_the_model() -> None:
+    reg, asked = _replanning(Clock(), fits=False)
+    state, detail, _ = reg.drain("w1")
+    assert state is WorkerState.DRAINING and asked == [(1, ((0, 4),))]
+    assert "waiting for a spare" in detail and "hold 2" in detail
+    assert reg.store.current().pp == 2 and reg.store.current().find("w1") is not None
