@@ -15,6 +15,7 @@ every step's `Step.future()` found no call open, so every step started a thread;
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -30,10 +31,12 @@ WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["StageWorker"].full_name
 class _HealthWatch:
     """`Health.Watch` on one worker's channel, re-opened with backoff while the worker is unreachable."""
 
-    def __init__(self, address: str, channel: grpc.Channel, logger: Any, backoff: tuple[float, float]) -> None:
+    def __init__(self, address: str, channel: grpc.Channel, logger: Any, backoff: tuple[float, float],
+                 on_lost: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
         self.address = address
         self.status = "UNKNOWN"  # the worker's last reported status, or UNREACHABLE
         self._log = logger
+        self._on_lost = on_lost
         stub = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest(service=WORKER_SERVICE)
         self._stream = ReopeningStream(
@@ -49,17 +52,22 @@ class _HealthWatch:
     def _report(self, status: str, error: str) -> None:
         if status == self.status:
             return
-        self.status = status
+        was, self.status = self.status, status
         fields = {"error": error} if error else {}
         self._log.info("worker_health", address=self.address, status=status, **fields)
+        if status == "UNREACHABLE" and was != "UNKNOWN" and self._on_lost is not None:
+            self._on_lost(self.address, error)  # it answered before: gone now, maybe while no step ran
 
 
 class WorkerLinks:
     """One channel per worker address, kept for the gateway's life: a worker that comes back at the same
     address reuses its channel, and a view the scheduler still steps on is never closed under it."""
 
-    def __init__(self, logger: Any, max_message_bytes: int, backoff: tuple[float, float] = (0.1, 2.0)) -> None:
+    def __init__(self, logger: Any, max_message_bytes: int, backoff: tuple[float, float] = (0.1, 2.0),
+                 on_lost: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
+        """`on_lost(address, error)`: a worker that had answered its health watch became unreachable."""
         self._log = logger
+        self._on_lost = on_lost
         self._options = rpc.message_options(max_message_bytes)
         self._backoff = backoff
         self._lock = threading.Lock()
@@ -74,7 +82,7 @@ class WorkerLinks:
             if address not in self._channels:
                 channel = grpc.insecure_channel(address, options=self._options)
                 self._channels[address] = channel
-                self._watches[address] = _HealthWatch(address, channel, self._log, self._backoff)
+                self._watches[address] = _HealthWatch(address, channel, self._log, self._backoff, self._on_lost)
             return self._channels[address]
 
     def health(self) -> dict[str, str]:

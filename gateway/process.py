@@ -73,9 +73,12 @@ class GatewayServer:
             observer.metrics = GatewayMetrics(self.scheduler.load)
         self._metrics_server: Any = None
         self.metrics_port = 0
-        self.mesh_source: MeshSource = mesh_source or TopologyWatcher(
-            cfg.coordinator, logger=logger, max_message_bytes=cfg.max_message_bytes, model_dir=cfg.model_dir
-        )
+        if mesh_source is None:
+            watcher = TopologyWatcher(cfg.coordinator, logger=logger, max_message_bytes=cfg.max_message_bytes,
+                                      model_dir=cfg.model_dir)  # fmt: skip
+            watcher.report_failure = self.reporter.report
+            mesh_source = watcher
+        self.mesh_source: MeshSource = mesh_source
         self._health = health.HealthServicer(
             experimental_non_blocking=True, experimental_thread_pool=futures.ThreadPoolExecutor(max_workers=2)
         )

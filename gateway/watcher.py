@@ -113,7 +113,9 @@ class TopologyWatcher:
         self._lock = threading.Lock()
         self._state = MeshState(reason=f"waiting for the first topology from the coordinator at {coordinator}")
         self._subscribers: list[Callable[[MeshState], None]] = []
-        self._links = WorkerLinks(logger, max_message_bytes, backoff)  # a channel per worker, with a health watch
+        # A channel per worker, with a health watch; a worker that vanishes is reported even while no step runs.
+        self._links = WorkerLinks(logger, max_message_bytes, backoff, on_lost=self._worker_lost)
+        self.report_failure: Callable[[list[str], str], None] | None = None  # set by the gateway process
         self._last_problem = ""
         self._channel: grpc.Channel | None = None
         self._stream: ReopeningStream | None = None
@@ -154,6 +156,15 @@ class TopologyWatcher:
             self._apply(Topology.from_pb(pb))
         except ValueError as e:  # a topology we cannot parse: keep the last good one
             raise ValueError(f"bad topology from the coordinator: {e}") from None
+
+    def _worker_lost(self, address: str, error: str) -> None:
+        """Tell the coordinator (through `report_failure`) about a worker of the current topology that vanished."""
+        topology, report = self.state().topology, self.report_failure
+        if topology is None or report is None:
+            return
+        ids = [sh.worker_id for _, sh in topology.shards() if sh.address == address and sh.worker_id]
+        if ids:
+            report(ids, f"health watch on {address}: {error or 'unreachable'}")
 
     def _lost(self, problem: str, retry_s: float) -> None:
         if problem != self._last_problem:

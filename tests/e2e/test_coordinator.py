@@ -228,5 +228,5 @@ def test_coordinator_process_end_to_end(coordinator: CoordinatorProcess) -> None
     assert time.monotonic() - signalled < 5
     assert watcher.ended.wait(timeout=5)
     events = [json.loads(line).get("event") for line in coordinator.lines if line.startswith("{")]
-    assert "shutdown_started" in events and "worker_unhealthy" in events
+    assert "shutdown_started" in events and "worker_lost" in events
     channel.close()

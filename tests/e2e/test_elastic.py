@@ -88,9 +88,9 @@ def wait_for_spare(mesh: Mesh) -> str:
 
 
 def wait_serving(mesh: Mesh) -> None:
-    """Until both stages are held by a serving worker (a draining one serves until its slot moves)."""
-    wait_until(lambda: sum(w["state"] in ("serving", "draining") and w["stage"] is not None
-                           for w in workers(mesh).values()) == 2, timeout=MESH_WAIT_S)  # fmt: skip
+    """Until the coordinator's topology serves: every slot READY, balance check passed (a draining worker serves
+    until its slot moves; after a re-plan there may be fewer stages)."""
+    wait_until(lambda: mesh.status()["serving"], timeout=MESH_WAIT_S)
 
 
 def test_status_lists_the_spare(mesh: Mesh, reference: dict[str, list[int]]) -> None:
@@ -147,7 +147,7 @@ def test_the_mesh_serves_through_a_killed_coordinator(mesh: Mesh, reference: dic
         import json
 
         after[:] = [json.loads(done.stdout)]
-        return sum(w["state"] == "serving" for w in after[0]["workers"]) == 2
+        return bool(after[0]["serving"])
 
     wait_until(back, timeout=MESH_WAIT_S)
     assert after[0]["epoch"] == before["epoch"]  # the placement was taken back, not formed again

@@ -66,7 +66,8 @@ def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
 
 def test_a_workers_health_changes_are_followed_and_logged(worker: HealthOnly) -> None:
     logs = LogLines()
-    links = WorkerLinks(logs.logger, 4 * 2**20, backoff=(0.05, 0.2))
+    lost: list[tuple[str, str]] = []
+    links = WorkerLinks(logs.logger, 4 * 2**20, backoff=(0.05, 0.2), on_lost=lambda a, e: lost.append((a, e)))
     try:
         worker.set(NOT_SERVING)
         channel = links.channel(worker.address)
@@ -82,6 +83,23 @@ def test_a_workers_health_changes_are_followed_and_logged(worker: HealthOnly) ->
     assert seen == [(worker.address, s) for s in ("NOT_SERVING", "SERVING", "UNREACHABLE")]
     unreachable = next(e for e in logs.events() if e.get("status") == "UNREACHABLE")
     assert unreachable["error"].startswith("UNAVAILABLE")
+    assert [a for a, _ in lost] == [worker.address]  # once, when it went away (what the gateway reports)
+
+
+def test_a_worker_never_reached_is_not_reported_lost() -> None:
+    import socket
+
+    with socket.socket() as s:  # bound, never listening
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        lost: list[str] = []
+        links = WorkerLinks(LogLines().logger, 4 * 2**20, backoff=(0.05, 0.2), on_lost=lambda a, e: lost.append(a))
+        try:
+            links.channel(address)
+            wait_for(lambda: links.health()[address] == "UNREACHABLE")
+        finally:
+            links.close()
+        assert lost == []  # still starting, maybe: only a worker that answered and then vanished is reported
 
 
 def test_close_ends_every_watch_and_refuses_new_channels(worker: HealthOnly) -> None:
