@@ -112,6 +112,7 @@ class Scheduler:
         self._wakeup = threading.Event()
         # Shared with RPC threads, guarded by _lock:
         self._mesh = MeshState()
+        self._served: MeshState | None = None  # the last mesh state that could serve
         self._admission = Admission(cfg.max_queue)
         self._failed_seq = -1  # MeshState.seq at the last step failure
         self._failure = ""
@@ -138,6 +139,8 @@ class Scheduler:
     def update_mesh(self, state: MeshState) -> None:
         with self._lock:
             self._mesh = state
+            if state.view is not None and state.model is not None:
+                self._served = state  # what requests are validated against while the mesh is changing
         self._wakeup.set()
         self._publish_ready()
 
@@ -155,10 +158,13 @@ class Scheduler:
             return self._mesh, self._ready_locked()
 
     def serving_context(self) -> ModelContext:
-        """The model as requests are validated against now; Unavailable when nothing can be served."""
+        """The model as requests are validated against now: the current mesh's, or while it changes (see
+        `submit`) the last one served; Unavailable when nothing can be served."""
         with self._lock:
             state, ready, reason = self._mesh, self._ready_locked(), self._not_ready_reason()
-        if not ready or state.view is None or state.model is None:
+            if not ready and self._changing_locked():
+                state, ready = self._served, True
+        if not ready or state is None or state.view is None or state.model is None:
             raise Unavailable(reason)
         return ModelContext(
             vocab_size=state.view.vocab_size, max_context=state.view.max_context, tokenizer=state.model.tokenizer,
@@ -178,10 +184,13 @@ class Scheduler:
         """Queue a request; its events arrive on the returned handle. `trace`: its spans (tracing on);
         `trace_id`: what the scheduler's log lines about it carry."""
         with self._lock:
-            if not self._ready_locked():
+            ready = self._ready_locked()
+            if not ready and not self._changing_locked():
                 raise Unavailable(self._not_ready_reason())
             handle = RequestHandle(req.request_id, self._wakeup.set)
-            self._admission.enqueue(req, handle, self._free_slots_locked(), trace, trace_id)
+            s = self._admission.enqueue(req, handle, self._free_slots_locked(), trace, trace_id)
+            if not ready:  # the mesh is changing under running requests: this one waits with them
+                s.wait_for_mesh(self._clock(), self.cfg.resume_timeout, self._not_ready_reason())
             if trace is not None:
                 trace.queued()
         self._wakeup.set()
@@ -211,6 +220,12 @@ class Scheduler:
 
     def _ready_locked(self) -> bool:
         return not self._closing and self._usable_locked()
+
+    def _changing_locked(self) -> bool:
+        """Served before and not shutting down, but no usable mesh now: a worker was lost, drained or replaced,
+        and the coordinator is putting a mesh together. New requests wait for it, as the running ones do, for
+        at most `resume_timeout`; health says NOT_SERVING meanwhile, so a load balancer sends them elsewhere."""
+        return not self._closing and self._served is not None and not self._usable_locked()
 
     def _free_slots_locked(self) -> int:
         # tuple() copies the scheduler thread's list in one step under the GIL; only a count is needed.
@@ -270,7 +285,8 @@ class Scheduler:
         for s in dropped:  # waiting for a slot: none to release
             self._end_cancelled(s, by="client" if s.handle.cancelled else "shutdown")
         for s in late:
-            self._end_failed(s, Unavailable(f"could not resume within {self.cfg.resume_timeout:g} s "
+            what = "resume" if s.resumes else "start"
+            self._end_failed(s, Unavailable(f"could not {what} within {self.cfg.resume_timeout:g} s "
                                             f"(--resume-timeout): {s.resume_reason}"))  # fmt: skip
         for s in [s for s in self._running if not s.in_flight and (s.handle.cancelled or expired)]:
             self._end_cancelled(s, by="client" if s.handle.cancelled else "shutdown")
@@ -328,6 +344,10 @@ class Scheduler:
             s.slot, s.view, s.ready_at = slot, view, next(self._ready_clock)
             if s.sampling is None:  # once: a resumed sequence keeps its seed
                 s.sampling = wire.token_sampling(s.req.sampling)
+            if s.resume_deadline is not None and not s.resumes:  # arrived while the mesh was changing
+                s.resume_deadline = None
+                self._log.info("request_waited_for_mesh", request_id=s.req.request_id, trace_id=s.trace_id,
+                               waited_ms=round((self._clock() - s.lost_at) * 1000, 3))  # fmt: skip
             if s.resume_deadline is not None:
                 s.resume_deadline = None
                 waited = self._clock() - s.lost_at

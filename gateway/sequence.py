@@ -91,6 +91,11 @@ class Sequence:
         self.lost_at, self.resume_deadline, self.resume_reason = now, now + timeout, reason
         self.gap_open = True
 
+    def wait_for_mesh(self, now: float, timeout: float, reason: str) -> None:
+        """A new request that arrived while the mesh was changing: it waits (until `now + timeout`) like one
+        that resumes, with nothing to replay."""
+        self.lost_at, self.resume_deadline, self.resume_reason = now, now + timeout, reason
+
     def add_token(self, token_id: int, logprob: float, now: float) -> tuple[str, FinishReason | None]:
         """Append a sampled token; returns the text now safe to send and why generation ends with this
         token (None: it goes on). A stop string or an end-of-sequence id is STOP, `max_new_tokens` LENGTH;

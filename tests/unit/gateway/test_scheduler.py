@@ -216,8 +216,8 @@ def test_a_worker_failure_resumes_running_requests_on_the_next_topology(
     for shard in mesh.shards:  # its slot is released everywhere (the fake "dead" shard answers Release too)
         wait_until(lambda shard=shard: shard.released_ids() == ["running"])
     wait_until(lambda: ready == [False, True, False])
-    with pytest.raises(Unavailable, match=r"^no ready topology: worker 127.0.0.1:7011 .* lost: .*waiting for"):
-        scheduler.submit(request(model_files, "refused"))
+    # A request that arrives meanwhile is not refused: it waits for the mesh, as the running ones do.
+    waiting = scheduler.submit(request(model_files, "arrived", max_new=2))
     while not running.events.empty():
         sent.append(running.events.get())
     assert not any(isinstance(e, EndEvent) for e in sent)  # no error: it waits to resume
@@ -229,6 +229,7 @@ def test_a_worker_failure_resumes_running_requests_on_the_next_topology(
     assert [e.token_id for e in events if isinstance(e, TokenEvent)] == list(range(30, 50))  # none lost or twice
     assert [e.index for e in events if isinstance(e, TokenEvent)] == list(range(20))
     assert finish(collect(queued)) is FinishReason.LENGTH
+    assert finish(collect(waiting)) is FinishReason.LENGTH
     after = collect(scheduler.submit(request(model_files, "after", max_new=2)))
     assert finish(after) is FinishReason.LENGTH and ready[-1] is True
     assert mesh.shards[0].steps[-1].topology_version == 2
@@ -238,7 +239,7 @@ def test_a_worker_failure_resumes_running_requests_on_the_next_topology(
     assert [(e.num_tokens, e.skip_sampling) for e in replays] == [(prompt + before - 1, True)]  # the log but its last
     assert list(replays[0].token_ids)[prompt:] == list(range(30, 30 + before - 1))  # the last one is fed next
     value = metrics.registry.get_sample_value
-    assert value("shardmesh_resumed_requests_total") == 1
+    assert value("shardmesh_resumed_requests_total") == 1  # the one that arrived meanwhile did not resume
     assert value("shardmesh_replayed_tokens_total") == prompt + before - 1
     assert value("shardmesh_resume_gap_seconds_count") == 1  # one pause, measured at its first token after
     assert value("shardmesh_resume_gap_seconds_sum") > 0
@@ -335,3 +336,31 @@ def test_shutdown_lets_running_finish_then_cancels(logger: Any, model_files: Mod
     events = collect(endless)
     assert finish(events) is FinishReason.CANCELLED and events[-1].summary.completion_tokens < 60
     assert "endless" in mesh.shards[1].released_ids()
+
+
+def test_requests_wait_for_a_changing_mesh_but_not_for_one_never_served(model_files: ModelFiles, logger: Any) -> None:
+    now = [0.0]
+    scheduler = Scheduler(SchedulerConfig(max_queue=8, resume_timeout=30.0), logger, clock=lambda: now[0])
+    scheduler.start()
+    try:
+        mesh = FakeMesh(pp=1, tp=1)
+        scheduler.update_mesh(mesh_state(mesh, model_files, seq=1, complete=False))
+        with pytest.raises(Unavailable, match=r"^no ready topology: topology v1 is not complete"):
+            scheduler.serving_context()  # never served: nothing to wait for
+        scheduler.update_mesh(mesh_state(mesh, model_files, seq=2, version=2))
+        assert finish(collect(scheduler.submit(request(model_files, "first", max_new=2)))) is FinishReason.LENGTH
+        scheduler.update_mesh(mesh_state(mesh, model_files, seq=3, version=3, complete=False))  # a worker left
+        assert scheduler.serving_context().vocab_size == mesh.view(2, "epoch-1").vocab_size  # the last one served
+        late = scheduler.submit(request(model_files, "late", max_new=2))
+        later = scheduler.submit(request(model_files, "later", max_new=2))
+        now[0] = 31.0
+        scheduler.update_mesh(mesh_state(mesh, model_files, seq=4, version=4, complete=False))  # a wake-up
+        for handle in (late, later):
+            end = collect(handle)[-1]
+            assert isinstance(end, EndEvent) and isinstance(end.error, Unavailable)
+            assert str(end.error).startswith("could not start within 30 s (--resume-timeout): no ready topology")
+        waits = scheduler.submit(request(model_files, "waits", max_new=2))
+        scheduler.update_mesh(mesh_state(mesh, model_files, seq=5, version=5, placement="epoch-5"))
+        assert finish(collect(waits)) is FinishReason.LENGTH
+    finally:
+        scheduler.shutdown(grace=0.0)
