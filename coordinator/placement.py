@@ -58,6 +58,8 @@ class WorkerView:
     pid: int = 0
     draining: bool = False  # asked to leave: its slot goes to a spare, then it exits
     detail: str = ""  # why it is lost, or what its drain waits for
+    prepared_rank: int | None = None  # a spare that says it has loaded this rank's weights
+    preparing_rank: int | None = None  # a spare asked to load this rank's weights (make-before-break)
 
 
 def empty_slots(pp: int, tp: int) -> Slots:
@@ -103,25 +105,39 @@ def leaving(w: WorkerView) -> bool:
 
 
 def hand_over(
-    slots: Slots, workers: Mapping[str, WorkerView], spares: Sequence[str], requires: Sequence[Labels] | None = None
-) -> tuple[Slots, list[tuple[int, str, str]]]:
-    """Give the slot of every leaving holder (lowest rank first) to the first of `spares` whose labels fit.
+    slots: Slots, workers: Mapping[str, WorkerView], spares: Sequence[str], requires: Sequence[Labels] | None = None,
+    prepared: Mapping[str, int] | None = None,
+) -> tuple[Slots, list[tuple[int, str, str]], list[tuple[int, str]]]:  # fmt: skip
+    """Give the slot of every leaving holder (lost ones first, then by rank) to one of `spares` whose labels fit.
 
-    Returns the new slots and the moves made as (rank, old holder, new holder). A leaving holder with no
-    spare to take over keeps its slot: a lost worker may come back, a draining one keeps serving.
+    A lost holder's slot moves at once (to a spare that prepared it, if any). A draining holder keeps serving
+    until its spare has loaded the slot's weights (make-before-break): `prepared` maps a spare to the rank it
+    has loaded (or may take without, e.g. after a deadline). Returns the new slots, the moves made as (rank, old
+    holder, new holder) and the spares to prepare as (rank, spare). A leaving holder with no spare keeps its
+    slot: a lost worker may come back, a draining one keeps serving.
     """
-    out, moves = list(slots), []
+    prepared = prepared or {}
+    out, moves, prepares = list(slots), [], []
     queue = [s for s in spares if s not in slots]
-    for rank, holder in enumerate(slots):
-        if holder is None or holder not in workers or not leaving(workers[holder]):
-            continue
+    leavers = [(r, h) for r, h in enumerate(slots) if h is not None and h in workers and leaving(workers[h])]
+    leavers.sort(key=lambda rh: workers[rh[1]].draining)  # lost slots first: they serve nobody now
+    for rank, holder in leavers:
         need = requires[rank] if requires else ()
-        spare = next((c for c in queue if fits(workers[c].labels, need)), None)
-        if spare is not None:
-            queue.remove(spare)
-            out[rank] = spare
-            moves.append((rank, holder, spare))
-    return tuple(out), moves
+        fitting = [c for c in queue if fits(workers[c].labels, need)]
+        spare = next((c for c in fitting if prepared.get(c) == rank), None)
+        spare = spare or next((c for c in fitting if workers[c].preparing_rank == rank), None)
+        spare = spare or next((c for c in fitting if workers[c].preparing_rank is None), None)
+        if spare is None and not workers[holder].draining:  # a lost slot is more urgent than another's drain
+            spare = next(iter(fitting), None)
+        if spare is None:
+            continue
+        queue.remove(spare)
+        if workers[holder].draining and prepared.get(spare) != rank:
+            prepares.append((rank, spare))
+            continue
+        out[rank] = spare
+        moves.append((rank, holder, spare))
+    return tuple(out), moves, prepares
 
 
 def claimed_rank(held: HeldShard | None, pp: int, tp: int, split: Split) -> int | None:
@@ -233,7 +249,8 @@ def build_topology(
         calibration = pending_calibration(epoch, calibration)
     listed = tuple(
         MeshWorker(w.worker_id, w.address, w.pid, worker_state(w, slot_states.get(w.worker_id, (0, None))[1]),
-                   slot_states[w.worker_id][0] if w.worker_id in slot_states else None, w.detail)
+                   slot_states[w.worker_id][0] if w.worker_id in slot_states else None, w.detail,
+                   None if w.worker_id in slot_states else w.preparing_rank)
         for w in workers.values()
     )  # fmt: skip
     return Topology(version, model, pp, tp, tuple(stages), rendezvous, complete, limits, calibration, listed)

@@ -37,6 +37,7 @@ _WORKER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9._/-]{1,63}")
 MAX_LABELS, MAX_LABEL_VALUE = 32, 256
 MAX_REPORTED = 1024  # worker ids in one ReportFailure
+PREPARE_TIMEOUT_S = 60.0  # a drain hands the slot over after this even if the spare never said it was prepared
 LOST_RETENTION = 20  # heartbeat timeouts a lost worker without a slot stays listed (as LOST) before it is forgotten
 
 
@@ -124,6 +125,7 @@ class HeartbeatReport:
     applied_version: int
     load: Load
     detail: str = ""
+    prepared_rank: int | None = None
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.HeartbeatRequest) -> HeartbeatReport:
@@ -132,7 +134,9 @@ class HeartbeatReport:
             state = ShardState.from_pb(pb.state)
         except ValueError as e:
             raise InvalidArgument("state", str(e)) from None
-        return cls(pb.worker_id, state, pb.applied_topology_version, Load.from_pb(pb.load), pb.detail[:1024])
+        prepared = pb.prepared_rank if pb.HasField("prepared_rank") else None
+        return cls(pb.worker_id, state, pb.applied_topology_version, Load.from_pb(pb.load), pb.detail[:1024],
+                   prepared)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -155,11 +159,14 @@ class WorkerRecord:
     draining: bool = False
     detail: str = ""  # why it is lost, or what its drain waits for
     lost_at: float = 0.0
+    prepared_rank: int | None = None  # a spare: the rank whose weights it reports loaded
+    preparing: tuple[int, float] | None = None  # a spare asked to load this rank's weights, since when
 
     def view(self) -> placement.WorkerView:
         return placement.WorkerView(self.worker_id, self.address, self.incarnation, self.reported,
                                     self.applied_version, self.timed_out, self.labels, self.pid, self.draining,
-                                    self.detail)  # fmt: skip
+                                    self.detail, self.prepared_rank,
+                                    self.preparing[0] if self.preparing else None)  # fmt: skip
 
 
 class Registry:
@@ -283,9 +290,9 @@ class Registry:
             detail = report.detail if broken else ("" if record.timed_out else record.detail)
             self._workers[report.worker_id] = replace(
                 record, last_seen=self._clock(), reported=report.state, applied_version=report.applied_version,
-                timed_out=False, load=report.load, detail=detail,
+                timed_out=False, load=report.load, detail=detail, prepared_rank=report.prepared_rank,
             )  # fmt: skip
-            if broken or record.timed_out:
+            if broken or record.timed_out or report.prepared_rank != record.prepared_rank:
                 self._refill()
             return True, self._publish_if_changed("lost" if broken else "join").version
 
@@ -443,8 +450,21 @@ class Registry:
         for rank, (old, new) in enumerate(zip(before, self._slots, strict=True)):
             if old is None and new is not None:
                 self._emit("slot_assigned", worker_id=new, rank=rank, stage=rank // self._tp, tp_rank=rank % self._tp)
-        self._slots, moves = placement.hand_over(self._slots, views, [s for s in spares if s not in self._slots],
-                                                 self._requires)  # fmt: skip
+        now = self._clock()
+        prepared = {w: r.preparing[0] for w, r in self._workers.items()  # asked long ago: hand over regardless
+                    if r.preparing and now - r.preparing[1] >= PREPARE_TIMEOUT_S}  # fmt: skip
+        prepared |= {w: r.prepared_rank for w, r in self._workers.items() if r.prepared_rank is not None}
+        free = [s for s in spares if s not in self._slots]
+        self._slots, moves, prepares = placement.hand_over(self._slots, views, free, self._requires, prepared)
+        asked = dict((spare, rank) for rank, spare in prepares)
+        for worker_id, record in self._workers.items():
+            rank = asked.get(worker_id)
+            if rank is None and record.preparing is not None:
+                self._workers[worker_id] = replace(record, preparing=None)
+            elif rank is not None and (record.preparing is None or record.preparing[0] != rank):
+                self._workers[worker_id] = replace(record, preparing=(rank, now))
+                self._emit("spare_preparing", worker_id=worker_id, rank=rank, stage=rank // self._tp,
+                           tp_rank=rank % self._tp)  # fmt: skip
         for rank, old, new in moves:
             why = "draining" if views[old].draining else "lost"
             self._emit("slot_handed_over", rank=rank, stage=rank // self._tp, tp_rank=rank % self._tp, old=old,
@@ -460,6 +480,9 @@ class Registry:
         if worker_id not in self._slots:
             return "slot handed over; exiting"
         rank = self._slots.index(worker_id)
+        preparing = next((w for w, r in self._workers.items() if r.preparing and r.preparing[0] == rank), None)
+        if preparing is not None:
+            return f"serving until {preparing} has loaded stage {rank // self._tp} tp rank {rank % self._tp}"
         blocked = self._replan_blocked and f"; the other workers cannot take the model over: {self._replan_blocked}"
         return (f"waiting for a spare to take stage {rank // self._tp} tp rank {rank % self._tp} "
                 f"(start one with `shardmesh worker --coordinator ...`){blocked}")  # fmt: skip
@@ -471,7 +494,9 @@ class Registry:
             return
         now = self._clock()
         views = {k: w.view() for k, w in self._workers.items()}
-        stuck = [r for r, h in enumerate(self._slots) if h is None or placement.leaving(views[h])]
+        handing_over = {w.preparing[0] for w in self._workers.values() if w.preparing}  # a spare is on its way
+        stuck = [r for r, h in enumerate(self._slots)
+                 if h is None or (placement.leaving(views[h]) and r not in handing_over)]  # fmt: skip
         if not stuck:
             self._stuck_since, self._replan_blocked = None, ""
         elif self._stuck_since is None:

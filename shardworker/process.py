@@ -184,6 +184,7 @@ class WorkerProcess:
                 return
             assert self.core is not None
             self.core.apply(topology)
+            self.core.prepare(topology)  # a spare asked to load a draining worker's slot ahead of the hand-over
             self._heartbeat_once()  # report the new state at once rather than at the next tick
 
     def _watch_loop(self) -> None:
@@ -220,6 +221,8 @@ class WorkerProcess:
         req = coordinator_pb2.HeartbeatRequest(worker_id=self.worker_id, state=i["state"].to_pb(),
                                                applied_topology_version=i["applied_version"], load=load,
                                                detail=i["detail"])  # fmt: skip
+        if core.prepared_rank is not None:
+            req.prepared_rank = core.prepared_rank
         self._set_health(i["state"] is ShardState.READY)
         try:
             resp = self._coord.Heartbeat(req, timeout=max(1.0, self.heartbeat_s))

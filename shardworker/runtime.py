@@ -140,6 +140,7 @@ class StageWorkerCore:
         self.state = ShardState.PENDING
         self.applied_version = 0
         self.detail = ""
+        self.prepared_rank: int | None = None  # a spare: the slot whose weights it loaded ahead (`prepare`)
         self.stats = StepStats()
         self._model: Transformer | None = None
         self._loaded_spec: tuple[Any, ...] | None = None  # what _model was built for
@@ -202,7 +203,7 @@ class StageWorkerCore:
                 self.state, self.detail = ShardState.UNHEALTHY, f"{type(e).__name__}: {e}"
                 self.log.error("placement_failed", epoch=placement.rendezvous.epoch, error=self.detail)
                 return
-            self._runtime = runtime
+            self._runtime, self.prepared_rank = runtime, None
             self.state, self.detail = ShardState.READY, ""
             self.applied_version = max(topology.version, placement.rendezvous.epoch)
         spec = placement.spec
@@ -210,17 +211,41 @@ class StageWorkerCore:
                       layers=[spec.layer_start, spec.layer_end], tp_rank=spec.tp_rank)  # fmt: skip
 
     def _load(self, p: Placement) -> Transformer:
+        return self._load_shard(p.spec, p.model_path, p.dtype, p.limits.max_context)
+
+    def _load_shard(self, spec: ShardSpec, model_path: str, dtype: str, max_context: int) -> Transformer:
         m = self._model
-        if m is not None and self._loaded_spec == (p.spec, p.model_path, p.dtype, p.limits.max_context):
+        if m is not None and self._loaded_spec == (spec, model_path, dtype, max_context):
             return m
         self._model = None  # drop the old shard before reading the new one
-        cfg = ModelConfig.from_dir(p.model_path)
+        cfg = ModelConfig.from_dir(model_path)
         t0 = time.perf_counter()
-        m = build_shard(p.model_path, p.spec, dtype=parse_dtype(p.dtype), device=self.device,
-                        max_len=p.limits.max_context, cfg=cfg)  # fmt: skip
+        m = build_shard(model_path, spec, dtype=parse_dtype(dtype), device=self.device, max_len=max_context, cfg=cfg)
         self.log.info("shard_loaded", seconds=round(time.perf_counter() - t0, 2), weights_bytes=_nbytes(m))
-        self._model, self._loaded_spec = m, (p.spec, p.model_path, p.dtype, p.limits.max_context)
+        self._model, self._loaded_spec = m, (spec, model_path, dtype, max_context)
         return m
+
+    def prepare(self, topology: Topology) -> None:
+        """Load the weights of the slot this spare is asked to prepare (`MeshWorker.preparing_rank`: a drain
+        waiting to hand its slot over), so that taking the slot costs no load: make-before-break. Sets
+        `prepared_rank`, which the heartbeat reports."""
+        me = topology.worker(self.worker_id)
+        rank = me.preparing_rank if me is not None else None
+        if rank is None or self._runtime is not None or rank == self.prepared_rank:
+            return
+        stage = topology.stages[rank // topology.tp]
+        spec = ShardSpec(stage.layer_start, stage.layer_end, topology.model.num_layers, rank % topology.tp,
+                         topology.tp)  # fmt: skip
+        model = topology.model
+        with self._lock:
+            try:
+                with heap.loading():
+                    self._on_compute(self._load_shard, spec, model.path, model.dtype, topology.limits.max_context)
+            except Exception as e:  # the drain then hands over after its deadline; the load is tried again there
+                self.log.error("prepare_failed", rank=rank, error=f"{type(e).__name__}: {e}")
+                return
+            self.prepared_rank = rank
+        self.log.info("prepared", rank=rank, stage=stage.index, layers=[spec.layer_start, spec.layer_end])
 
     def _join(self, p: Placement, model: Transformer) -> _Runtime:
         r = p.rendezvous

@@ -301,18 +301,22 @@ class MeshWorker:
     state: WorkerState
     rank: int | None = None  # the global rank of the slot it holds
     detail: str = ""
+    preparing_rank: int | None = None  # a spare loading this rank's weights before a drain hands the slot over
 
     def to_pb(self) -> coordinator_pb2.MeshWorker:
         pb = coordinator_pb2.MeshWorker(worker_id=self.worker_id, address=self.address, pid=self.pid,
                                         state=self.state.to_pb(), detail=self.detail)  # fmt: skip
         if self.rank is not None:
             pb.rank = self.rank
+        if self.preparing_rank is not None:
+            pb.preparing_rank = self.preparing_rank
         return pb
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.MeshWorker) -> MeshWorker:
         return cls(pb.worker_id, pb.address, pb.pid, WorkerState.from_pb(pb.state),
-                   pb.rank if pb.HasField("rank") else None, pb.detail)  # fmt: skip
+                   pb.rank if pb.HasField("rank") else None, pb.detail,
+                   pb.preparing_rank if pb.HasField("preparing_rank") else None)  # fmt: skip
 
 
 @dataclass(frozen=True)

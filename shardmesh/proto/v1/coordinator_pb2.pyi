@@ -341,6 +341,7 @@ class HeartbeatRequest(_message.Message):
     APPLIED_TOPOLOGY_VERSION_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    PREPARED_RANK_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """The id Register returned."""
     state: _common_pb2.ShardState.ValueType
@@ -353,6 +354,10 @@ class HeartbeatRequest(_message.Message):
     """
     detail: _builtins.str
     """Human-readable note for logs, e.g. why the worker is UNHEALTHY; not interpreted."""
+    prepared_rank: _builtins.int
+    """A spare asked to prepare a slot (MeshWorker.preparing_rank) sets this once that slot's weights are
+    loaded: the coordinator then hands the slot over (make-before-break).
+    """
     @_builtins.property
     def load(self) -> Global___LoadStats:
         """Current load, for placement and monitoring."""
@@ -365,12 +370,15 @@ class HeartbeatRequest(_message.Message):
         applied_topology_version: _builtins.int = ...,
         load: Global___LoadStats | None = ...,
         detail: _builtins.str = ...,
+        prepared_rank: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prepared_rank", b"_prepared_rank", "load", b"load", "prepared_rank", b"prepared_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_topology_version", b"applied_topology_version", "detail", b"detail", "load", b"load", "state", b"state", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prepared_rank", b"_prepared_rank", "applied_topology_version", b"applied_topology_version", "detail", b"detail", "load", b"load", "prepared_rank", b"prepared_rank", "state", b"state", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__prepared_rank: _TypeAlias = _typing.Literal["prepared_rank"]  # noqa: Y015
+    _WhichOneofArgType__prepared_rank: _TypeAlias = _typing.Literal["_prepared_rank", b"_prepared_rank"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prepared_rank) -> _WhichOneofReturnType__prepared_rank | None: ...
 
 Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
 
@@ -609,6 +617,7 @@ class MeshWorker(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    PREPARING_RANK_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """The worker's id."""
     address: _builtins.str
@@ -621,6 +630,10 @@ class MeshWorker(_message.Message):
     """Global rank of the slot it holds; unset for a worker that holds none."""
     detail: _builtins.str
     """Why it is in that state when that is not obvious (e.g. what a drain waits for)."""
+    preparing_rank: _builtins.int
+    """Set on a spare that should load the weights of this global rank's slot now, while the slot's holder
+    (draining) keeps serving: the slot is handed over once the spare reports it prepared.
+    """
     def __init__(
         self,
         *,
@@ -630,13 +643,19 @@ class MeshWorker(_message.Message):
         state: Global___WorkerState.ValueType = ...,
         rank: _builtins.int | None = ...,
         detail: _builtins.str = ...,
+        preparing_rank: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_rank", b"_rank", "rank", b"rank"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_preparing_rank", b"_preparing_rank", "_rank", b"_rank", "preparing_rank", b"preparing_rank", "rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_rank", b"_rank", "address", b"address", "detail", b"detail", "pid", b"pid", "rank", b"rank", "state", b"state", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_preparing_rank", b"_preparing_rank", "_rank", b"_rank", "address", b"address", "detail", b"detail", "pid", b"pid", "preparing_rank", b"preparing_rank", "rank", b"rank", "state", b"state", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__preparing_rank: _TypeAlias = _typing.Literal["preparing_rank"]  # noqa: Y015
+    _WhichOneofArgType__preparing_rank: _TypeAlias = _typing.Literal["_preparing_rank", b"_preparing_rank"]  # noqa: Y015
     _WhichOneofReturnType__rank: _TypeAlias = _typing.Literal["rank"]  # noqa: Y015
     _WhichOneofArgType__rank: _TypeAlias = _typing.Literal["_rank", b"_rank"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__preparing_rank) -> _WhichOneofReturnType__preparing_rank | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__rank) -> _WhichOneofReturnType__rank | None: ...
 
 Global___MeshWorker: _TypeAlias = MeshWorker  # noqa: Y015

@@ -154,7 +154,11 @@ def test_drain_hands_the_slot_to_a_spare_or_waits_for_one(registry: tuple[Regist
     assert state is WorkerState.DRAINING and "waiting for a spare to take stage 1 tp rank 0" in detail
     assert reg.store.current().find("w2") is not None  # no spare: it keeps serving
 
-    reg.register(_reg("10.0.0.9:7000", "spare"))  # a spare arrives: the drain goes ahead
+    reg.register(_reg("10.0.0.9:7000", "spare"))  # a spare arrives: it loads the slot's weights first
+    t = reg.store.current()
+    assert t.worker("spare").preparing_rank == 2 and t.find("w2") is not None  # type: ignore[union-attr]
+    assert "serving until spare has loaded stage 1 tp rank 0" in t.worker("w2").detail  # type: ignore[union-attr]
+    reg.heartbeat(HeartbeatReport("spare", PENDING, 0, Load(), prepared_rank=2))  # loaded: make, then break
     t = reg.store.current()
     assert t.find("spare")[1].rank == 2 and t.find("w2") is None  # type: ignore[index]
     assert t.worker("w2").state is WorkerState.DRAINING and "exiting" in t.worker("w2").detail  # type: ignore[union-attr]
@@ -401,9 +405,39 @@ def test_a_lost_worker_gets_replan_after_seconds_to_come_back() -> None:
     assert reg.changes["replan"] == 1
 
 
+def test_a_drain_with_a_spare_preparing_does_not_re_plan() -> None:
+    clock = Clock()
+    reg, asked = _replanning(clock)
+    reg.register(_reg("10.0.0.5:7000", "spare"))
+    reg.drain("w1")
+    t = reg.store.current()
+    assert t.pp == 2 and asked == [] and t.worker("spare").preparing_rank == 1  # type: ignore[union-attr]
+
+
 def test_a_drain_waits_when_the_survivors_memory_cannot_hold_the_model() -> None:
     reg, asked = _replanning(Clock(), fits=False)
     state, detail, _ = reg.drain("w1")
     assert state is WorkerState.DRAINING and asked == [(1, ((0, 4),))]
     assert "waiting for a spare" in detail and "hold 2" in detail
     assert reg.store.current().pp == 2 and reg.store.current().find("w1") is not None
+
+
+def test_a_drain_hands_over_without_the_spare_saying_so_after_a_deadline_and_lost_slots_go_first(
+    registry: tuple[Registry, Clock],
+) -> None:  # fmt: skip
+    reg, clock = registry
+    for i in range(4):
+        reg.register(_reg(f"10.0.0.{i}:7000", f"w{i}"))
+    reg.register(_reg("10.0.0.9:7000", "spare"))
+    reg.drain("w0")
+    assert reg.store.current().worker("spare").preparing_rank == 0  # type: ignore[union-attr]
+    lost, _ = reg.report_lost(["w3"], "killed")  # more urgent than the drain: the preparing spare takes it
+    t = reg.store.current()
+    assert lost == ["w3"] and t.find("spare")[1].rank == 3 and t.find("w0") is not None  # type: ignore[index]
+    reg.register(_reg("10.0.0.8:7000", "s2"))
+    assert reg.store.current().worker("s2").preparing_rank == 0  # type: ignore[union-attr]
+    clock.now += 61.0
+    for w in ("w0", "w1", "w2", "spare", "s2"):
+        _beat(reg, w, PENDING, applied=0)
+    reg.expire()
+    assert reg.store.current().find("s2")[1].rank == 0  # type: ignore[index]  # never said so: handed over anyway

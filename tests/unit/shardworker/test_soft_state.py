@@ -160,3 +160,22 @@ def test_registering_again_claims_the_held_shard_with_the_pid_and_newest_version
     finally:
         proc.stop()
     assert coordinator.deregistered == ["w0"]
+
+
+def test_a_spare_asked_to_prepare_a_slot_loads_it_ahead_and_takes_it_over_without_loading_again(
+    model: Path, store: dist.TCPStore
+) -> None:
+    from shardmesh.core.topology import MeshWorker, WorkerState
+
+    events = Events()
+    spare = StageWorkerCore("w2", torch.device("cpu"), events, 30.0)
+    asked = MeshWorker("w2", "127.0.0.1:1", 0, WorkerState.SPARE, preparing_rank=1)
+    spare.prepare(mesh(model, 3, ("w0", "w1"), epoch=3, store_port=store.port, workers=(asked,)))
+    assert spare.prepared_rank == 1 and spare.state is ShardState.PENDING  # loaded, in no group: still a spare
+    assert events.events().count("shard_loaded") == 1
+    survivor = new_core("w0")
+    apply_all([survivor, spare], mesh(model, 4, ("w0", "w2"), epoch=4, store_port=store.port))  # the hand-over
+    assert events.events().count("shard_loaded") == 1  # the prepared weights, not a second load
+    assert spare.prepared_rank is None and spare.held() == HeldShard(4, 1, 2, 1, 2, 4)
+    last = step_all([survivor, spare], 4)[-1]
+    assert last.sampled[0].token_id == reference_greedy(model, list(PROMPT), 1)[0][0]
