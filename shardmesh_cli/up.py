@@ -34,6 +34,9 @@ from shardmesh.rpc import procs
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 PIPELINES = ("auto", "full", "turns")
+# A dead worker's restart waits this long when spares cover its slot: SmolLM2 pp=2 on 2 cores, 16 streams, last
+# stage killed, longest pause p99 3.0 s when restarted at once, 2.1 s with this delay (bench/failover.py).
+SPARE_RESTART_DELAY_S = 3.0
 # libgomp's spin count for workers that take turns on the same cores: an idle stage's OpenMP threads
 # then sleep after ~10k spins instead of the default 300k, which kept the other stage's cores busy
 # (pp=2 on 2 cores, one stream: 36.3 ms/token with the default, 22.2 with 10k; 2k and 50k were no better).
@@ -121,6 +124,8 @@ class LocalMesh:
     _files: list = field(default_factory=list)
 
     commands: dict[str, tuple[list[str], dict[str, str] | None]] = field(default_factory=dict)
+    worker_restart_delay: float = 0.0  # seconds; set when spares cover a dead worker's slot (`supervise_once`)
+    restart_due: dict[str, float] = field(default_factory=dict)  # dead worker -> when it is restarted
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Popen:
         f = (self.log_dir / f"{name}.log").open("ab")
@@ -196,7 +201,8 @@ def worker_commands(args: argparse.Namespace, coordinator: str) -> list[tuple[st
 def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="shardmesh-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    mesh = LocalMesh(log_dir)
+    # With a spare to take a dead worker's slot, its restart need not compete with the recovery for the cores.
+    mesh = LocalMesh(log_dir, worker_restart_delay=SPARE_RESTART_DELAY_S if getattr(args, "spares", 0) else 0.0)
     try:
         mesh.coordinator = getattr(args, "coordinator_listen", None) or f"127.0.0.1:{free_port()}"
         # A fixed store port (the manifest's services.coordinator.store_port, or one chosen now), like the fixed
@@ -279,14 +285,20 @@ def metrics_lines(coordinator: str, endpoints: Sequence[tuple[str, str]]) -> lis
     return [*lines, f"watch the mesh: {watch}"]
 
 
-def supervise_once(mesh: LocalMesh, restarts: dict[str, int], max_restarts: int) -> int | None:
+def supervise_once(mesh: LocalMesh, restarts: dict[str, int], max_restarts: int,
+                   now: float | None = None) -> int | None:  # fmt: skip
     """One look at the children: None while the mesh goes on, else `up`'s exit status.
 
     A worker that exited with status 0 was drained (`shardmesh drain`): its slot has moved, so it stays gone.
     A worker or the coordinator that died otherwise is started again with the same command (a worker keeps its
     id and takes its slot back; the coordinator keeps its address and store port, and the workers register with
     it again), up to `max_restarts` times each. Any other death, the gateway's included, ends the mesh.
+
+    With spares, a dead worker is restarted `mesh.worker_restart_delay` seconds after its death was noticed: a
+    spare has its slot by then, and a process starting (imports, its registration) on the cores the recovering
+    mesh shares would slow the replay every running request is waiting for.
     """
+    now = time.monotonic() if now is None else now
     for name, p in list(mesh.children):
         if p.poll() is None:
             continue
@@ -296,6 +308,11 @@ def supervise_once(mesh: LocalMesh, restarts: dict[str, int], max_restarts: int)
             mesh.children.remove((name, p))
             continue
         if (is_worker or name == "coordinator") and restarts.get(name, 0) < max_restarts:
+            if is_worker and mesh.worker_restart_delay > 0:
+                due = mesh.restart_due.setdefault(name, now + mesh.worker_restart_delay)
+                if now < due:
+                    continue
+                del mesh.restart_due[name]
             restarts[name] = restarts.get(name, 0) + 1
             print(f"{name} exited with code {p.returncode}; restarting it ({restarts[name]}/{max_restarts})",
                   file=sys.stderr, flush=True)  # fmt: skip

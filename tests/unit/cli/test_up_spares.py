@@ -167,3 +167,20 @@ def test_a_dead_gateway_ends_the_mesh(
     assert naps == [0.5] and spawned.processes == []
     assert f"error: gateway exited with code {returncode}; logs in {tmp_path}" in capsys.readouterr().err
     mesh.stop()
+
+
+def test_with_spares_a_dead_worker_is_restarted_once_the_spare_has_had_the_cores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], spawned: Spawned
+) -> None:
+    mesh = _mesh(tmp_path, spawned)
+    mesh.worker_restart_delay = 3.0
+    restarts: dict[str, int] = {}
+    _die(mesh, "worker1", -9)
+    assert up.supervise_once(mesh, restarts, 3, now=100.0) is None and spawned.processes == []  # noticed
+    assert up.supervise_once(mesh, restarts, 3, now=102.9) is None and spawned.processes == []
+    _die(mesh, "coordinator", 1)  # the coordinator is never held back
+    assert up.supervise_once(mesh, restarts, 3, now=103.0) is None
+    assert spawned.services() == ["coordinator", "worker"] and restarts == {"coordinator": 1, "worker1": 1}
+    assert "worker1 exited with code -9; restarting it (1/3)" in capsys.readouterr().err
+    _die(mesh, "coordinator", None)
+    mesh.stop()
