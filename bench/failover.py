@@ -44,13 +44,10 @@ def topology(coordinator: str) -> Any:
     """The coordinator's topology now (None while it is down)."""
     import grpc
 
-    from shardmesh.core.topology import Topology
-    from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from shardmesh_cli.status import fetch
 
     try:
-        with grpc.insecure_channel(coordinator) as ch:
-            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
-            return Topology.from_pb(stub.GetTopology(coordinator_pb2.GetTopologyRequest(), timeout=5))
+        return fetch(coordinator, 5.0)
     except grpc.RpcError:
         return None
 

@@ -469,7 +469,7 @@ class Registry:
             why = "draining" if views[old].draining else "lost"
             self._emit("slot_handed_over", rank=rank, stage=rank // self._tp, tp_rank=rank % self._tp, old=old,
                        new=new, reason=why)  # fmt: skip
-        self._maybe_replan()
+        self._maybe_replan(views, by_seq)
         for worker_id, record in self._workers.items():  # what each drain waits for
             if record.draining:
                 detail = self._drain_detail(worker_id)
@@ -487,13 +487,13 @@ class Registry:
         return (f"waiting for a spare to take stage {rank // self._tp} tp rank {rank % self._tp} "
                 f"(start one with `shardmesh worker --coordinator ...`){blocked}")  # fmt: skip
 
-    def _maybe_replan(self) -> None:
+    def _maybe_replan(self, views: Mapping[str, placement.WorkerView], by_seq: Sequence[WorkerRecord]) -> None:
         """Move the model onto the healthy workers when a slot has nobody to serve it (fewer stages), and back
-        onto the planned number of stages once enough workers are there again."""
+        onto the planned number of stages once enough workers are there again. `views` and `by_seq`: `_refill`'s
+        (what they say of health and drains has not changed since)."""
         if self._memory_check is None or self._recovering():
             return
         now = self._clock()
-        views = {k: w.view() for k, w in self._workers.items()}
         handing_over = {w.preparing[0] for w in self._workers.values() if w.preparing}  # a spare is on its way
         stuck = [r for r, h in enumerate(self._slots)
                  if h is None or (placement.leaving(views[h]) and r not in handing_over)]  # fmt: skip
@@ -503,8 +503,7 @@ class Registry:
             self._stuck_since = now
         # Workers that can serve: today's holders that stay (in rank order, so most keep their rank), then spares.
         staying = [h for h in self._slots if h is not None and not placement.leaving(views[h])]
-        spares = [w.worker_id for w in sorted(self._workers.values(), key=lambda w: w.seq)
-                  if placement.is_spare(views[w.worker_id], self._slots)]  # fmt: skip
+        spares = [w.worker_id for w in by_seq if placement.is_spare(views[w.worker_id], self._slots)]
         usable = staying + spares
         target_pp = self._target[0]
         if stuck:

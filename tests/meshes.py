@@ -59,6 +59,10 @@ class Mesh:
         return subprocess.run([sys.executable, "-m", "shardmesh_cli", *args, "--coordinator", self.coordinator],
                               capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
+    def drain(self, worker_id: str) -> subprocess.CompletedProcess[str]:
+        """`shardmesh drain WORKER_ID`, waiting (up to 120 s) until the worker has left."""
+        return self.command("drain", worker_id, "--timeout", "120", timeout=150)
+
     def status(self) -> dict[str, Any]:
         """`shardmesh status --json` (which exits 1 while the mesh does not serve, e.g. during a hand-over)."""
         done = self.command("status", "--json", timeout=30)

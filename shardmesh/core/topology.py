@@ -13,9 +13,22 @@ import enum
 import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, TypeVar
 
 from shardmesh.core.dtypes import DType
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _member_of(cls: type[E], pb_enum: Any, prefix: str, value: int) -> E:
+    """The member of `cls` that the protobuf enum value `value` names (`prefix` + the member's name); ValueError
+    listing the members for UNSPECIFIED and unknown values."""
+    name = pb_enum.Name(value) if value in pb_enum.values() else str(value)
+    member = name.removeprefix(prefix)
+    if not name.startswith(prefix) or member not in cls.__members__:
+        raise ValueError(f"must be one of {', '.join(cls.__members__)}, got {name}")
+    return cls[member]
 
 
 class ShardState(enum.Enum):
@@ -32,10 +45,7 @@ class ShardState(enum.Enum):
     @classmethod
     def from_pb(cls, value: int) -> ShardState:
         """Raises ValueError for UNSPECIFIED and unknown values."""
-        name = common_pb2.ShardState.Name(value) if value in common_pb2.ShardState.values() else str(value)
-        if not name.startswith("SHARD_STATE_") or name == "SHARD_STATE_UNSPECIFIED":
-            raise ValueError(f"must be one of PENDING, LOADING, READY, UNHEALTHY, got {name}")
-        return cls[name.removeprefix("SHARD_STATE_")]
+        return _member_of(cls, common_pb2.ShardState, "SHARD_STATE_", value)
 
 
 @dataclass(frozen=True)
@@ -285,10 +295,8 @@ class WorkerState(enum.Enum):
 
     @classmethod
     def from_pb(cls, value: int) -> WorkerState:
-        name = coordinator_pb2.WorkerState.Name(value) if value in coordinator_pb2.WorkerState.values() else ""
-        if not name.startswith("WORKER_STATE_") or name == "WORKER_STATE_UNSPECIFIED":
-            raise ValueError(f"unknown worker state {value}")
-        return cls[name.removeprefix("WORKER_STATE_")]
+        """Raises ValueError for UNSPECIFIED and unknown values."""
+        return _member_of(cls, coordinator_pb2.WorkerState, "WORKER_STATE_", value)
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ def test_a_drained_worker_hands_over_and_exits_0(mesh: Mesh, reference: dict[str
     drained: list[int] = []
 
     def drain() -> None:
-        done = mesh.command("drain", victim, "--timeout", "120", timeout=150)
+        done = mesh.drain(victim)
         assert done.returncode == 0, done.stderr
         drained.append(done.returncode)
 
@@ -180,7 +180,7 @@ def test_a_seeded_mix_of_kills_drains_and_joins(
     progress = Progress()
 
     def drain(worker_id: str) -> None:  # waits for a spare when there is none yet: in the background
-        done = mesh.command("drain", worker_id, "--timeout", "120", timeout=150)
+        done = mesh.drain(worker_id)
         if done.returncode != 0:
             failures.append(AssertionError(done.stderr))
 
@@ -237,7 +237,7 @@ def test_without_a_spare_a_drain_re_plans_onto_the_survivor_and_a_join_grows_bac
         drained: list[int] = []
 
         def drain() -> None:
-            done = bare.command("drain", victim, "--timeout", "120", timeout=150)
+            done = bare.drain(victim)
             assert done.returncode == 0, done.stderr
             drained.append(done.returncode)
 
