@@ -292,9 +292,10 @@ class Registry:
                 record, last_seen=self._clock(), reported=report.state, applied_version=report.applied_version,
                 timed_out=False, load=report.load, detail=detail, prepared_rank=report.prepared_rank,
             )  # fmt: skip
-            if broken or record.timed_out or report.prepared_rank != record.prepared_rank:
+            prepared = report.prepared_rank != record.prepared_rank  # a drain's spare is ready: the hand-over
+            if broken or record.timed_out or prepared:
                 self._refill()
-            return True, self._publish_if_changed("lost" if broken else "join").version
+            return True, self._publish_if_changed("lost" if broken else "drain" if prepared else "join").version
 
     def deregister(self, worker_id: str) -> int:
         """Remove a worker for good; its slot goes to the next standby. Returns the new version."""

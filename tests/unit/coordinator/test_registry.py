@@ -161,6 +161,7 @@ def test_drain_hands_the_slot_to_a_spare_or_waits_for_one(registry: tuple[Regist
     reg.heartbeat(HeartbeatReport("spare", PENDING, 0, Load(), prepared_rank=2))  # loaded: make, then break
     t = reg.store.current()
     assert t.find("spare")[1].rank == 2 and t.find("w2") is None  # type: ignore[index]
+    assert reg.changes["drain"] == 1  # the new epoch is counted as the drain's
     assert t.worker("w2").state is WorkerState.DRAINING and "exiting" in t.worker("w2").detail  # type: ignore[union-attr]
     reg.deregister("w2")  # what the drained worker does on its way out
     assert reg.store.current().worker("w2") is None
