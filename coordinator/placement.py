@@ -60,6 +60,7 @@ class WorkerView:
     detail: str = ""  # why it is lost, or what its drain waits for
     prepared_rank: int | None = None  # a spare that says it has loaded this rank's weights
     preparing_rank: int | None = None  # a spare asked to load this rank's weights (make-before-break)
+    kv_cache_id: str = ""  # its KV cache as it last reported it (ShardAssignment.kv_cache_id)
 
 
 def empty_slots(pp: int, tp: int) -> Slots:
@@ -241,7 +242,8 @@ def build_topology(
                 slot_states[worker.worker_id] = (rank, shard_state(worker, epoch))
             shards.append(ShardAssignment(t, rank, worker.worker_id if worker else "", worker.address if worker else "",
                                           shard_state(worker, epoch), worker.labels if worker else (),
-                                          requires[rank] if requires else ()))  # fmt: skip
+                                          requires[rank] if requires else (),
+                                          worker.kv_cache_id if worker else ""))  # fmt: skip
         stages.append(Stage(s, start, end, tuple(shards)))
     rendezvous = Rendezvous.for_epoch(store_host, store_port, epoch, pp * tp) if epoch is not None else None
     complete = rendezvous is not None and all(sh.state is ShardState.READY for st in stages for sh in st.shards)

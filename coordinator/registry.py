@@ -126,6 +126,7 @@ class HeartbeatReport:
     load: Load
     detail: str = ""
     prepared_rank: int | None = None
+    kv_cache_id: str = ""
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.HeartbeatRequest) -> HeartbeatReport:
@@ -136,7 +137,7 @@ class HeartbeatReport:
             raise InvalidArgument("state", str(e)) from None
         prepared = pb.prepared_rank if pb.HasField("prepared_rank") else None
         return cls(pb.worker_id, state, pb.applied_topology_version, Load.from_pb(pb.load), pb.detail[:1024],
-                   prepared)  # fmt: skip
+                   prepared, pb.kv_cache_id[:64])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -161,12 +162,13 @@ class WorkerRecord:
     lost_at: float = 0.0
     prepared_rank: int | None = None  # a spare: the rank whose weights it reports loaded
     preparing: tuple[int, float] | None = None  # a spare asked to load this rank's weights, since when
+    kv_cache_id: str = ""  # as last reported: published with the slot it holds
 
     def view(self) -> placement.WorkerView:
         return placement.WorkerView(self.worker_id, self.address, self.incarnation, self.reported,
                                     self.applied_version, self.timed_out, self.labels, self.pid, self.draining,
                                     self.detail, self.prepared_rank,
-                                    self.preparing[0] if self.preparing else None)  # fmt: skip
+                                    self.preparing[0] if self.preparing else None, self.kv_cache_id)  # fmt: skip
 
 
 class Registry:
@@ -291,6 +293,7 @@ class Registry:
             self._workers[report.worker_id] = replace(
                 record, last_seen=self._clock(), reported=report.state, applied_version=report.applied_version,
                 timed_out=False, load=report.load, detail=detail, prepared_rank=report.prepared_rank,
+                kv_cache_id=report.kv_cache_id,
             )  # fmt: skip
             prepared = report.prepared_rank != record.prepared_rank  # a drain's spare is ready: the hand-over
             if broken or record.timed_out or prepared:

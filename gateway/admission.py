@@ -57,10 +57,12 @@ class Admission:
         return dropped
 
     def next_admitted(self, slots: SlotPool) -> tuple[Sequence, int] | None:
-        """The oldest waiting request with the lowest free slot, or None when either is missing."""
+        """The oldest waiting request with the lowest free slot (a resuming one: its old slot if free, where
+        workers may have kept its cache), or None when either is missing."""
         if not slots or not self._waiting:
             return None
-        return self._waiting.popleft(), slots.take()
+        s = self._waiting.popleft()
+        return s, slots.take(s.kept.slot if s.kept is not None else None)
 
     def requeue(self, resuming: list[Sequence]) -> None:
         """Sequences whose workers were lost go back to the front of the queue, in their order, keeping

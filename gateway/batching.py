@@ -9,7 +9,8 @@ of them (new requests join whichever has room), and at most `max_batch_tokens` t
   2. then prompt entries, longest-waiting first, each the whole rest of its prompt or a chunk of what is
      left of the budget. Only a prompt's last chunk samples a token; earlier chunks only fill the cache.
      A sequence resuming after a lost worker prefills its log the same way (`prefill_len`), and its last
-     chunk samples nothing: the next token is known, its decode step comes next.
+     chunk samples nothing: the next token is known, its decode step comes next. A replay on some stages
+     only ends its chunks where that replay ends (`chunk_end`): the entries after it go to every stage.
 
 "Longest-waiting" is `ready_at`: a counter stamped when a sequence last became free for a step.
 """
@@ -28,6 +29,8 @@ class Schedulable(Protocol):
     def prefill_len(self) -> int: ...  # tokens to cache before decoding: the prompt (+ a replayed log)
     @property
     def samples_after_prefill(self) -> bool: ...  # whether the last prefill chunk draws a token
+    @property
+    def chunk_end(self) -> int: ...  # where the next prefill chunk ends at the latest (a replay on some stages)
     @property
     def cached(self) -> int: ...  # tokens already in its KV cache
     @property
@@ -71,7 +74,7 @@ def plan_micro_batch(running: Iterable[S], depth: int, max_batch_tokens: int) ->
         if len(planned) >= cap or budget <= 0:
             break
         if s.cached < s.prefill_len:
-            n = min(s.prefill_len - s.cached, budget)
+            n = min(s.chunk_end - s.cached, budget)
             planned.append(Planned(s, n, s.cached + n == s.prefill_len and s.samples_after_prefill))
             budget -= n
     return planned

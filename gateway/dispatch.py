@@ -94,7 +94,7 @@ class Dispatcher:
         for p in planned:
             if p.seq.first_step_at is None:
                 p.seq.first_step_at = started
-        request = wire.step_request(self._step_id, view.version, after, planned)
+        request = wire.step_request(self._step_id, view.version, after, planned, view.pp)
         obs, in_flight = self._obs, len(self.steps) + 1
         traced = obs.step_started(self._step_id, view, planned, in_flight, after) if obs is not None else None
         call = view.start_step(request, self._step_timeout, traced.metadata if traced is not None else None,

@@ -28,6 +28,8 @@ class ShardClient:
     address: str
     worker_id: str
     stub: Any  # worker_pb2_grpc.StageWorkerStub, or a test double with the same `.Step.future`
+    layers: tuple[int, int] = (0, 0)  # the stage's [layer_start, layer_end)
+    kv_cache_id: str = ""  # the holder's KV cache as the topology names it (gateway/retention.py)
 
     def describe(self) -> str:
         return f"worker {self.address} (stage {self.stage}, tp rank {self.tp_rank})"
@@ -58,7 +60,8 @@ class MeshView:
 
     `placement` identifies the processes behind the ranks (rendezvous and worker per slot): while it
     is unchanged, a newer topology version keeps the workers' KV caches, so running requests go on;
-    when it changes, their cached prompts are gone.
+    when it changes, running requests resume on the new one, replaying their logs on the stages whose
+    caches are gone (`gateway/retention.py`).
     """
 
     version: int

@@ -61,7 +61,8 @@ from gateway.fanout import MeshView, ShardFailure
 from gateway.observe import GatewayObserver, RequestTrace
 from gateway.requests import ModelContext, PreparedRequest
 from gateway.results import EndEvent, FinishReason, RequestHandle, Summary, TokenEvent
-from gateway.sequence import Sequence
+from gateway.retention import lost_stages
+from gateway.sequence import Kept, Sequence
 from gateway.slots import SlotPool
 from gateway.watcher import MeshState
 from shardmesh.core.errors import Internal, MeshError, Unavailable
@@ -94,6 +95,11 @@ class Vacated:
     def of(cls, s: Sequence, keeps_key: bool = False) -> Vacated:
         return cls(s.view, s.slot, s.key, s.req.request_id, s.trace_id, keeps_key)
 
+    @classmethod
+    def kept_by(cls, s: Sequence, kept: Kept, keeps_key: bool) -> Vacated:
+        """The slot a resuming sequence had on the mesh it was lost on."""
+        return cls(kept.view, kept.slot, s.key, s.req.request_id, s.trace_id, keeps_key)
+
 
 class Scheduler:
     """Owns request admission and the step loop. Thread-safe entry points: `submit`,
@@ -125,7 +131,6 @@ class Scheduler:
         # Owned by the scheduler thread:
         self._running: list[Sequence] = []
         self._to_release: list[Vacated] = []
-        self._vacate_after_step: dict[Sequence, Vacated] = {}  # resumed while a step of theirs was in flight
         self._dispatch = Dispatcher(cfg.step_timeout, observer, self._wakeup.set)
         self._ready_clock = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -290,8 +295,8 @@ class Scheduler:
                                             f"(--resume-timeout): {s.resume_reason}"))  # fmt: skip
         for s in [s for s in self._running if not s.in_flight and (s.handle.cancelled or expired)]:
             self._end_cancelled(s, by="client" if s.handle.cancelled else "shutdown")
-        if view is not None:
-            self._drop_moved(view)
+        if view is not None and self._drop_moved(view):
+            has_waiting = True  # back in the queue, to resume on `view` now (not after the next wake-up)
         self._release_ended()
         if closing and not self._running and not has_waiting and not self._dispatch.steps:
             return False
@@ -312,13 +317,16 @@ class Scheduler:
             timeout = min(timeout, deadline - now)
         return timeout
 
-    def _drop_moved(self, view: MeshView) -> None:
-        """Resume the running requests elsewhere when the mesh moved to other workers: their KV cache is gone."""
+    def _drop_moved(self, view: MeshView) -> bool:
+        """Resume the running requests on `view` when the mesh moved to other workers or a new epoch (where the
+        stages that kept their caches keep them). Whether any did."""
         held_by = self._running[0].view if self._running else None
-        if held_by is not None and held_by.placement != view.placement:
+        moved = held_by is not None and held_by.placement != view.placement
+        if moved:
             self._resume([s for s in self._running if s.view is held_by],
                          f"topology changed to v{view.version} with other workers")  # fmt: skip
         self._dispatch.settle(keep=view)  # the old placement's steps serve nobody now; the new chain waits for them
+        return moved
 
     # -- admission and the pipeline ---------------------------------------------------------------
 
@@ -341,7 +349,11 @@ class Scheduler:
                     self._slots.put_back(slot)
                 self._end_failed(s, refusal)
                 continue
-            s.slot, s.view, s.ready_at = slot, view, next(self._ready_clock)
+            kept = s.kept
+            replayed = s.resumed_on(view, slot, lost_stages(kept.view, view) if kept is not None else None)
+            if kept is not None and kept.slot != slot:  # its cache is not taken back: free the old slot there
+                self._to_release.append(Vacated.kept_by(s, kept, keeps_key=True))
+            s.ready_at = next(self._ready_clock)
             if s.sampling is None:  # once: a resumed sequence keeps its seed
                 s.sampling = wire.token_sampling(s.req.sampling)
             if s.resume_deadline is not None and not s.resumes:  # arrived while the mesh was changing
@@ -351,11 +363,13 @@ class Scheduler:
             if s.resume_deadline is not None:
                 s.resume_deadline = None
                 waited = self._clock() - s.lost_at
+                stages = s.replay.stages if s.replay is not None else None
                 self._log.info("request_resuming", request_id=s.req.request_id, trace_id=s.trace_id, slot=slot,
-                               version=view.version, replay_tokens=s.prefill_len, reason=s.resume_reason,
+                               version=view.version, replay_tokens=replayed, reason=s.resume_reason,
+                               replay_stages=[stages.first, stages.end] if stages else None if s.cached else "all",
                                waited_ms=round(waited * 1000, 3))  # fmt: skip
                 if self._obs is not None:
-                    self._obs.request_resumed(s.trace, s.resume_reason, s.prefill_len, waited)
+                    self._obs.request_resumed(s.trace, s.resume_reason, replayed, waited)
             if s.trace is not None:
                 s.trace.admitted(slot)
             self._running.append(s)
@@ -382,8 +396,6 @@ class Scheduler:
             p.seq.in_flight, p.seq.ready_at = False, next(self._ready_clock)
             if p.seq.retired:
                 self._to_release.append(Vacated.of(p.seq))
-            elif p.seq in self._vacate_after_step:
-                self._to_release.append(self._vacate_after_step.pop(p.seq))
         obs = self._obs
         try:
             response = step.response()
@@ -428,19 +440,17 @@ class Scheduler:
         self._resume(doomed, str(e))  # their KV cache lived on the broken mesh
 
     def _resume(self, sequences: list[Sequence], reason: str) -> None:
-        """Back to the front of the queue, to replay their token logs on the next complete mesh. Their slots
-        on the lost mesh are released there (best effort: its workers may be gone)."""
+        """Back to the front of the queue, to replay their token logs on the next complete mesh. Nothing is released
+        now: the workers that survive keep their caches, which the sequence takes back on the next mesh when they
+        are in it (the same slot); its old slot is released only once it resumes in another one, or ends."""
         resuming = []
         for s in sequences:
             if s.handle.cancelled:  # nobody to resume for: it ends as any cancelled request does
                 self._end_cancelled(s, by="client")
                 continue
             self._running.remove(s)
-            vacated = Vacated.of(s, keeps_key=True)
-            if s.in_flight:  # never a Release racing a Step into the same slot: after that step
-                self._vacate_after_step[s] = vacated
-            else:
-                self._to_release.append(vacated)
+            with self._lock:  # free in the pool (no Release): it takes it back first when it resumes on this mesh
+                self._slots.release([(s.view, s.slot)] if s.view is not None else [])
             s.resume(self._clock(), self.cfg.resume_timeout, reason)
             resuming.append(s)
         if resuming:
@@ -477,7 +487,11 @@ class Scheduler:
                 self._to_release.append(Vacated.of(s))
             else:
                 s.retired = True
-        elif s.view is None:  # waiting for a slot (a first one, or one to resume in): nothing to release
+        elif s.view is None:  # waiting for a slot (a first one, or one to resume in)
+            if s.kept is not None:  # the slot it had where it was lost (best effort: those workers may be gone)
+                self._to_release.append(Vacated.kept_by(s, s.kept, keeps_key=False))
+                s.kept = None
+                return
             with self._lock:
                 self._admission.forget(s.key)
 

@@ -2,10 +2,13 @@
 
 Its token log is the prompt followed by the generated ids (`req.prompt_ids` + `tokens`); `cached` says
 how much of the log the workers' KV slot holds, so the next input is always the log from `cached` on
-(a prompt chunk while prefilling, the last sampled token after). When the workers holding its cache are
-lost, `resume` forgets the cache and the sequence waits for a mesh again; there it prefills its whole log
-but the last token (a replay: those tokens were sent to the client already, nothing is sampled), and then
-decodes on from the last token as if nothing had happened. The stop conditions are checked here,
+(a prompt chunk while prefilling, the last sampled token after). When a worker holding its cache is
+lost (or the mesh moves), `resume` notes where its cache was (`Kept`) and the sequence waits for a mesh
+again. There it takes the same slot back when the stages that kept their caches allow it
+(`gateway/retention.py`) and replays the cached part of its log on the other stages only (`Replay`);
+otherwise it prefills its whole log but the last token on every stage. Either way nothing is sampled
+during a replay (those tokens were sent to the client already), and then it decodes on from the last
+token as if nothing had happened. The stop conditions are checked here,
 token by token: a stop string in the text, an end-of-sequence id, or `max_new_tokens`.
 """
 
@@ -17,12 +20,32 @@ from typing import TYPE_CHECKING
 
 from gateway.requests import PreparedRequest
 from gateway.results import FinishReason, RequestHandle, Summary, Timings
+from gateway.retention import StageRange
 from gateway.text import CompletionText
 
 if TYPE_CHECKING:
     from gateway.fanout import MeshView
     from gateway.observe import RequestTrace
     from shardmesh.proto.v1 import worker_pb2
+
+
+@dataclass(frozen=True)
+class Kept:
+    """Where a resuming sequence's cache was: `cached` positions in `slot` of `view`'s workers, all of them but
+    the stages of `short` (a replay interrupted there: they hold less)."""
+
+    view: MeshView
+    slot: int
+    cached: int
+    short: StageRange | None = None
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Positions [0, until) go through `stages` only: the other stages still hold them."""
+
+    stages: StageRange
+    until: int
 
 
 @dataclass(eq=False)
@@ -51,6 +74,8 @@ class Sequence:
     resume_reason: str = ""  # why it is waiting to resume
     lost_at: float = 0.0  # when its cache was last lost (clock of the scheduler)
     gap_open: bool = False  # resumed, and no token sent since: the next one closes the pause the client saw
+    kept: Kept | None = None  # while waiting to resume: where its cache was
+    replay: Replay | None = None  # resumed on a mesh where some stages kept its cache
 
     def __post_init__(self) -> None:
         self.text = CompletionText(self.req.tokenizer, self.req.stop)
@@ -75,6 +100,17 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.cached < self.prefill_len
 
+    @property
+    def chunk_end(self) -> int:
+        """Where the next prefill chunk must end at the latest: a replay on some stages stops at its end."""
+        replay = self.replay
+        return replay.until if replay is not None and self.cached < replay.until else self.prefill_len
+
+    def entry_stages(self, pp: int) -> tuple[int, int]:
+        """(first_stage, end_stage) of its next entry: (0, 0), every stage, unless replaying on some."""
+        replay = self.replay
+        return replay.stages.entry_fields(pp) if replay is not None and self.cached < replay.until else (0, 0)
+
     def inputs(self, num_tokens: int) -> tuple[int, ...]:
         """Log positions [cached, cached + num_tokens): a prompt (or replay) chunk, or the last sampled token
         (while decoding, `cached` is one short of the log: the last token has been sampled, not yet fed)."""
@@ -84,12 +120,37 @@ class Sequence:
         return (self.tokens[-1],)
 
     def resume(self, now: float, timeout: float, reason: str) -> None:
-        """Its KV cache is gone with the workers that held it: wait (until `now + timeout`) for a mesh, then
-        replay the log."""
-        self.slot, self.view, self.cached = -1, None, 0
+        """Workers holding its KV cache are gone, or the mesh moved: wait (until `now + timeout`) for a mesh,
+        then replay the log where the cache did not survive (`resumed_on`)."""
+        if self.view is not None and self.slot >= 0:
+            replay, short = self.replay, None
+            if replay is not None and self.cached < replay.until:  # a replay cut short: those stages hold less
+                short = replay.stages
+            cached = max(self.cached, replay.until) if replay is not None else self.cached
+            self.kept = Kept(self.view, self.slot, cached, short)
+        self.slot, self.view, self.cached, self.replay = -1, None, 0, None
         self.resumes += 1
         self.lost_at, self.resume_deadline, self.resume_reason = now, now + timeout, reason
         self.gap_open = True
+
+    def resumed_on(self, view: MeshView, slot: int, lost: StageRange | None) -> int:
+        """Admitted again, in `slot` of `view`; `lost`: the stages of `view` that no longer hold its cache (see
+        `gateway/retention.py`), when that slot is the one it had. Returns the tokens it replays."""
+        kept, self.kept = self.kept, None
+        self.slot, self.view, self.cached, self.replay = slot, view, 0, None
+        if kept is None or kept.slot != slot:
+            return kept.cached if kept is not None else 0  # everything it had cached, on every stage
+        if lost is None and kept.short is None:
+            self.cached = kept.cached  # every stage kept it: nothing to replay
+            return 0
+        stages = lost.union(kept.short) if lost is not None else kept.short
+        assert stages is not None
+        until = kept.cached
+        if stages.end < view.pp and self.samples_after_prefill:  # the prompt's last token must reach the sampler
+            until = min(until, self.prefill_len - 1)
+        if until > 0:
+            self.replay = Replay(stages, until)
+        return until
 
     def wait_for_mesh(self, now: float, timeout: float, reason: str) -> None:
         """A new request that arrived while the mesh was changing: it waits (until `now + timeout`) like one

@@ -46,8 +46,11 @@ class SlotPool:
     def __bool__(self) -> bool:
         return bool(self._free)
 
-    def take(self) -> int:
-        """The lowest free slot."""
+    def take(self, wanted: int | None = None) -> int:
+        """`wanted` when it is free (a resuming sequence whose cache some workers kept there), else the lowest."""
+        if wanted is not None and wanted in self._free:
+            self._free.remove(wanted)
+            return wanted
         return self._free.pop(0)
 
     def put_back(self, slot: int) -> None:

@@ -202,7 +202,8 @@ class TopologyWatcher:
             if not shard.address:
                 return None, incompleteness(topology)
             shards.append(ShardClient(stage.index, shard.tp_rank, shard.address, shard.worker_id,
-                                      worker_pb2_grpc.StageWorkerStub(self._links.channel(shard.address))))  # fmt: skip
+                                      worker_pb2_grpc.StageWorkerStub(self._links.channel(shard.address)),
+                                      (stage.layer_start, stage.layer_end), shard.kv_cache_id))  # fmt: skip
         if len(shards) != topology.pp * topology.tp or topology.pp < 1:
             return None, f"topology v{topology.version} has {len(shards)} shards for pp={topology.pp} tp={topology.tp}"
         limits = topology.limits

@@ -23,18 +23,20 @@ def token_sampling(sampling: Sampling) -> worker_pb2.TokenSampling:
                                     seed=seed)  # fmt: skip
 
 
-def batch_entry(p: Planned[Sequence]) -> worker_pb2.BatchEntry:
-    """`p.num_tokens` of the sequence's log from its cached position, in its slot."""
+def batch_entry(p: Planned[Sequence], pp: int) -> worker_pb2.BatchEntry:
+    """`p.num_tokens` of the sequence's log from its cached position, in its slot, on the stages that need it
+    (a replay where some kept its cache: `Sequence.entry_stages`)."""
     s = p.seq
+    first, end = s.entry_stages(pp)
     return worker_pb2.BatchEntry(request_id=s.key, slot=s.slot, start_pos=s.cached, num_tokens=p.num_tokens,
                                  token_ids=s.inputs(p.num_tokens), sampling=s.sampling,
-                                 skip_sampling=not p.sample)  # fmt: skip
+                                 skip_sampling=not p.sample, first_stage=first, end_stage=end)  # fmt: skip
 
 
-def step_request(step_id: int, topology_version: int, after_step_id: int,
-                 planned: list[Planned[Sequence]]) -> worker_pb2.StepRequest:  # fmt: skip
+def step_request(step_id: int, topology_version: int, after_step_id: int, planned: list[Planned[Sequence]],
+                 pp: int) -> worker_pb2.StepRequest:  # fmt: skip
     return worker_pb2.StepRequest(step_id=step_id, topology_version=topology_version, after_step_id=after_step_id,
-                                  entries=[batch_entry(p) for p in planned])  # fmt: skip
+                                  entries=[batch_entry(p, pp) for p in planned])  # fmt: skip
 
 
 def released_slot(key: str, slot: int) -> worker_pb2.ReleasedSequence:

@@ -154,6 +154,7 @@ class WorkerProcess:
         log.bind_identity(worker_id=self.worker_id)
         if self.core is None:
             self.core = StageWorkerCore(self.worker_id, self.device, self.log, self.cfg.group_timeout_s)
+            self.core.on_cache_reset = self._heartbeat_once  # the coordinator must know before the calibration ends
         self.log.info("registered", heartbeat_s=self.heartbeat_s)
         self._offer(Topology.from_pb(resp.topology))
 
@@ -220,7 +221,7 @@ class WorkerProcess:
         )  # fmt: skip
         req = coordinator_pb2.HeartbeatRequest(worker_id=self.worker_id, state=i["state"].to_pb(),
                                                applied_topology_version=i["applied_version"], load=load,
-                                               detail=i["detail"])  # fmt: skip
+                                               detail=i["detail"], kv_cache_id=i["kv_cache_id"])  # fmt: skip
         if core.prepared_rank is not None:
             req.prepared_rank = core.prepared_rank
         self._set_health(i["state"] is ShardState.READY)

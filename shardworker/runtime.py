@@ -2,14 +2,18 @@
 
 Life cycle of one assignment (driven by topology versions from the coordinator):
   PENDING ──(assigned a shard)──► LOADING ──(weights read, groups formed, KV cache reserved)──► READY
-A new rendezvous epoch (someone joined, restarted or left) re-forms the groups; the weights are
-kept when the shard is the same. A step that fails on a broken link leaves the worker PENDING until
-the coordinator publishes a new epoch; the gateway fails that step's requests and waits.
+A new rendezvous epoch (someone joined, restarted or left) re-forms the groups; the weights, the KV
+cache and the activation log are kept when the shard is the same, and so is the cache's id
+(`kv_cache_id`, in every heartbeat): a gateway that sees the same id before and after the change knows
+that this shard still holds every running sequence's keys and values, and replays their logs only on the
+stages that lost them. A step that fails on a broken link leaves the worker PENDING (its cache kept
+aside) until the coordinator publishes a new epoch; the gateway resumes that step's requests there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,10 +32,11 @@ from shardmesh.core.step import Sampled, SamplingParams, Segment, StepEntry
 from shardmesh.core.topology import HeldShard, Rendezvous, ServingLimits, ShardState, Topology
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.groups import Backend, ShardGroups, form_groups
+from shardmesh.engine.kv_cache import ActivationLog, KVCache
 from shardmesh.engine.loader import build_shard, parse_dtype
 from shardmesh.engine.model import Transformer
 from shardmesh.engine.sampling import random_seed, sample
-from shardmesh.engine.stage import StageEngine
+from shardmesh.engine.stage import Relay, StageEngine
 from shardmesh.engine.timing import calibrate_shard
 from shardmesh.engine.tp import bind_group
 from shardworker import heap
@@ -118,16 +123,43 @@ class StepResult:
 
 
 @dataclass
+class _Caches:
+    """A shard's per-sequence state, kept from one epoch to the next while the shard is unchanged."""
+
+    key: tuple[Any, ...]  # what it was sized for (`_cache_key`)
+    kv: KVCache
+    log: ActivationLog | None  # what this stage sent on (not on the last stage)
+    cache_id: str  # names this KV cache: a new one whenever its contents are not the old ones
+    seeds: dict[str, int] = field(default_factory=dict)  # for sampled requests that came without a seed
+    slots: dict[int, str] = field(default_factory=dict)  # occupied KV slot -> request id
+
+
+def _cache_key(p: Placement) -> tuple[Any, ...]:
+    return p.spec, p.num_stages, p.model_path, p.dtype, p.limits.kv_slots, p.limits.max_context
+
+
+def _new_cache_id() -> str:
+    return secrets.token_hex(8)
+
+
+@dataclass
 class _Runtime:
     """A loaded shard joined to one rendezvous epoch."""
 
     placement: Placement
     engine: StageEngine
     groups_epoch: int
-    seeds: dict[str, int] = field(default_factory=dict)  # for sampled requests that came without a seed
-    slots: dict[int, str] = field(default_factory=dict)  # occupied KV slot -> request id
+    caches: _Caches
     order: StepOrder = field(default_factory=StepOrder)  # this epoch's steps take turns in the gateway's order
     steps: int = 0  # requests' steps run in this epoch (calibration passes are not steps)
+
+    @property
+    def seeds(self) -> dict[str, int]:
+        return self.caches.seeds
+
+    @property
+    def slots(self) -> dict[int, str]:
+        return self.caches.slots
 
 
 class StageWorkerCore:
@@ -145,6 +177,8 @@ class StageWorkerCore:
         self._model: Transformer | None = None
         self._loaded_spec: tuple[Any, ...] | None = None  # what _model was built for
         self._runtime: _Runtime | None = None
+        self._kept: _Caches | None = None  # the caches of the last runtime, while no runtime holds them
+        self.on_cache_reset: Callable[[], None] = lambda: None  # the id changed outside an epoch change: report it
         self._lock = threading.Lock()  # one step at a time; topology changes wait for the step
         # Guards the runtime's slot and sampler bookkeeping, so that a Release (of sequences in no
         # running step) need not wait for another micro-batch's step to finish.
@@ -189,11 +223,18 @@ class StageWorkerCore:
             return  # same placement, same groups: a state-only update
         if placement.rendezvous.epoch in self._broken_epochs:
             return  # wait for the coordinator to start a new epoch
+        t0 = time.perf_counter()
         with self._lock:
+            waited = time.perf_counter() - t0  # for a step of the old epoch to end
             if current is not None:  # steps waiting for a turn in the old epoch will not get one
                 current.order.close(f"this worker left epoch {current.groups_epoch}")
             # Drop every reference to the old runtime before loading: it holds the KV cache (and the old
-            # model, if the shard changes), which would otherwise stay alive beside the new ones.
+            # model, if the shard changes), which would otherwise stay alive beside the new ones. The caches
+            # stay when the shard does: the running sequences' keys and values are still good.
+            if current is not None:
+                self._kept = current.caches
+            if self._kept is not None and self._kept.key != _cache_key(placement):
+                self._kept = None
             self._runtime = current = None
             self.state = ShardState.LOADING
             try:
@@ -208,7 +249,8 @@ class StageWorkerCore:
             self.applied_version = max(topology.version, placement.rendezvous.epoch)
         spec = placement.spec
         self.log.info("ready", epoch=placement.rendezvous.epoch, stage=placement.stage,
-                      layers=[spec.layer_start, spec.layer_end], tp_rank=spec.tp_rank)  # fmt: skip
+                      layers=[spec.layer_start, spec.layer_end], tp_rank=spec.tp_rank,
+                      waited_s=round(waited, 3), seconds=round(time.perf_counter() - t0 - waited, 3))  # fmt: skip
 
     def _load(self, p: Placement) -> Transformer:
         return self._load_shard(p.spec, p.model_path, p.dtype, p.limits.max_context)
@@ -260,10 +302,19 @@ class StageWorkerCore:
         store = dist.TCPStore(r.host, r.port, None, False, timeout=self.backend.timeout)
         groups = form_groups(store, r.prefix, p.spec, p.stage, p.num_stages, self.backend)
         bind_group(model, groups.tp)
+        caches, self._kept = self._kept, None
+        if caches is None or caches.key != _cache_key(p):
+            caches = self._new_caches(p, model)
+        engine = StageEngine(model, groups, caches.kv, self.device, caches.log)
+        return _Runtime(p, engine, r.epoch, caches, order=StepOrder(self.order_timeout_s))
+
+    def _new_caches(self, p: Placement, model: Transformer) -> _Caches:
         dtype = next(model.parameters()).dtype
-        cache = model.make_cache(p.limits.kv_slots, dtype, self.device)
-        return _Runtime(p, StageEngine(model, groups, cache, self.device), r.epoch,
-                        order=StepOrder(self.order_timeout_s))  # fmt: skip
+        kv = model.make_cache(p.limits.kv_slots, dtype, self.device)
+        log = None
+        if p.stage < p.num_stages - 1:
+            log = ActivationLog(p.limits.kv_slots, p.limits.max_context, model.cfg.hidden_size, dtype, self.device)
+        return _Caches(_cache_key(p), kv, log, _new_cache_id())
 
     # ---- steps ---------------------------------------------------------------------------------------
 
@@ -301,12 +352,16 @@ class StageWorkerCore:
                 ):
                     rt.seeds[e.request_id] = random_seed()  # a gateway sends seeds; this covers clients that do not
                 rt.slots[e.slot] = e.request_id
-        batch = BatchLayout.build([Segment(e.slot, e.start_pos, e.num_tokens) for e in entries], self.device)
-        ids = torch.tensor([t for e in entries for t in e.token_ids]) if rt.engine.is_first else None
+        p = rt.placement
+        computed = [e for e in entries if e.computed_by(p.stage, p.num_stages)]
+        batch = BatchLayout.build([Segment(e.slot, e.start_pos, e.num_tokens) for e in computed], self.device) \
+            if computed else None  # fmt: skip
+        ids = torch.tensor([t for e in computed for t in e.token_ids]) if rt.engine.is_first and computed else None
+        relay = _relay(entries, computed, p.stage, p.num_stages)
         before = CommCounters.of(rt.engine.groups)
         t0 = time.perf_counter()
         try:
-            logits = rt.engine.step(batch, ids)
+            logits = rt.engine.step(batch, ids, relay=relay)
         except RuntimeError as e:  # a collective or link failed: a peer is gone
             # The step's requests (the gateway's `step_failed` line has their trace ids and the step id).
             raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
@@ -317,14 +372,14 @@ class StageWorkerCore:
         self.stats.compute_s += elapsed - comm.recv_wait_s
         self.stats.recv_wait_s += comm.recv_wait_s
         sampled: list[Sampled] = []
-        if logits is not None:
-            keep = [i for i, e in enumerate(entries) if not e.skip_sampling]
+        if logits is not None:  # one row per computed entry (every entry that samples is computed here)
+            keep = [i for i, e in enumerate(computed) if not e.skip_sampling]
             with self._slots_lock:
-                params = [self._seeded(rt, entries[i]) for i in keep]
-            positions = [entries[i].start_pos + entries[i].num_tokens for i in keep]  # where each drawn token goes
-            rows = logits if len(keep) == len(entries) else logits[keep]  # no copy when every row samples
+                params = [self._seeded(rt, computed[i]) for i in keep]
+            positions = [computed[i].start_pos + computed[i].num_tokens for i in keep]  # where each drawn token goes
+            rows = logits if len(keep) == len(computed) else logits[keep]  # no copy when every row samples
             ids_out, lps = sample(rows, params, positions) if keep else ([], [])
-            sampled = [Sampled(entries[i].request_id, t, lp) for i, t, lp in zip(keep, ids_out, lps, strict=True)]
+            sampled = [Sampled(computed[i].request_id, t, lp) for i, t, lp in zip(keep, ids_out, lps, strict=True)]
         return StepResult(sampled, elapsed, comm, rt.placement)
 
     @staticmethod
@@ -351,6 +406,9 @@ class StageWorkerCore:
         it), the steps waiting for their turn in it are failed, and the caller raises what this returns.
         Lock held."""
         self._broken_epochs.add(rt.groups_epoch)
+        # The cache stays good up to the positions every step before this one wrote (this step's partial writes
+        # lie past what the gateway counts as cached, and are written again): the next epoch may keep it.
+        self._kept = rt.caches
         self._runtime, self.state = None, ShardState.PENDING
         self.detail = f"process group broken: {error}"
         rt.order.close(self.detail)
@@ -358,7 +416,7 @@ class StageWorkerCore:
         return Unavailable(f"a peer of stage {rt.placement.stage} was lost: {error}")
 
     def _validate(self, rt: _Runtime, entries: list[StepEntry]) -> None:
-        limits, cfg = rt.placement.limits, rt.engine.model.cfg
+        limits, cfg, stages = rt.placement.limits, rt.engine.model.cfg, rt.placement.num_stages
         if not entries:
             raise InvalidArgument("entries", "a step needs at least one entry")
         total = sum(e.num_tokens for e in entries)
@@ -377,7 +435,14 @@ class StageWorkerCore:
             if e.start_pos + e.num_tokens > limits.max_context:
                 raise ResourceExhausted(f"{where}.start_pos: {e.start_pos} + num_tokens {e.num_tokens} "
                                         f"exceeds max_context={limits.max_context}")  # fmt: skip
-            if rt.engine.is_first:
+            end = e.end_stage or stages
+            if not e.first_stage < end <= stages:
+                raise InvalidArgument(f"{where}.first_stage", f"stages [{e.first_stage}, {e.end_stage}) are not a "
+                                      f"range of the {stages} stages (end_stage 0: through the last)")  # fmt: skip
+            if end < stages and not e.skip_sampling:
+                raise InvalidArgument(f"{where}.skip_sampling", f"must be set: end_stage {end} stops before the "
+                                      f"last stage, which samples")  # fmt: skip
+            if rt.engine.is_first and e.first_stage == 0:
                 if len(e.token_ids) != e.num_tokens:
                     msg = f"{len(e.token_ids)} ids for num_tokens={e.num_tokens}"
                     raise InvalidArgument(f"{where}.token_ids", msg)
@@ -419,12 +484,13 @@ class StageWorkerCore:
             "state": self.state, "applied_version": self.applied_version, "detail": self.detail,
             "weights_bytes": _nbytes(model) if model is not None else 0, "kv_cache_bytes": 0,
             "total_slots": 0, "free_slots": 0, "active_sequences": 0, "placement": None, "max_context": 0,
+            "kv_cache_id": "",
         }  # fmt: skip
         if rt is not None:
             kv = rt.placement.limits.kv_slots
             out.update(kv_cache_bytes=rt.engine.cache.nbytes, total_slots=kv, free_slots=kv - len(rt.slots),
                        active_sequences=len(rt.slots), placement=rt.placement,
-                       max_context=rt.placement.limits.max_context)  # fmt: skip
+                       max_context=rt.placement.limits.max_context, kv_cache_id=rt.caches.cache_id)  # fmt: skip
         return out
 
     # ---- calibration -----------------------------------------------------------------------------
@@ -442,7 +508,15 @@ class StageWorkerCore:
         rt = self._ready(topology_version)
         limits = rt.placement.limits
         if rt.slots:  # the passes write into KV slots: never while a sequence holds one
-            raise FailedPrecondition(f"{len(rt.slots)} sequences hold KV slots; calibrate before serving")
+            if rt.steps:
+                raise FailedPrecondition(f"{len(rt.slots)} sequences hold KV slots; calibrate before serving")
+            # Slots kept from the epoch before, that nothing has used in this one: the passes overwrite them, so
+            # the cache gets a new id, reported before this answer, and the gateway replays those sequences.
+            with self._slots_lock:
+                rt.caches.slots.clear()
+                rt.caches.seeds.clear()
+                rt.caches.cache_id = _new_cache_id()
+            self.on_cache_reset()
         longest = min(limits.max_batch_tokens, limits.max_context)
         bounds = (("decode_batch", decode_batch, limits.kv_slots), ("prefill_tokens", prefill_tokens, longest),
                   ("iterations", iterations, 100))  # fmt: skip
@@ -459,6 +533,26 @@ class StageWorkerCore:
         model = rt.engine.model
         return {"timing": timing, "weights_bytes": _nbytes(model), "kv_cache_bytes": rt.engine.cache.nbytes,
                 "num_layers": len(model.layer_range)}  # fmt: skip
+
+
+def _relay(entries: list[StepEntry], computed: list[StepEntry], stage: int, num_stages: int) -> Relay | None:
+    """What `stage` sends the next stage, when that is not its whole output: for each entry the next stage
+    computes, in order, this step's output rows, or (an entry replayed from the next stage on) the rows
+    this stage recorded for those positions. None: its whole output, as for any step without a replay."""
+    if stage == num_stages - 1 or all(e.first_stage == 0 and e.end_stage == 0 for e in entries):
+        return None
+    parts: list[tuple[int, int] | Segment] = []
+    row, rows = 0, {}
+    for e in computed:
+        rows[id(e)], row = row, row + e.num_tokens
+    for e in entries:
+        if not e.computed_by(stage + 1, num_stages):
+            continue
+        if id(e) in rows:
+            parts.append((rows[id(e)], e.num_tokens))
+        else:  # first_stage == stage + 1: recorded when this stage first computed these positions
+            parts.append(Segment(e.slot, e.start_pos, e.num_tokens))
+    return Relay(tuple(parts))
 
 
 def _nbytes(model: Transformer) -> int:

@@ -30,7 +30,7 @@ def entry_from_pb(pb: worker_pb2.BatchEntry) -> StepEntry:
     except ValueError as e:
         raise InvalidArgument("entries.sampling", str(e)) from None
     return StepEntry(pb.request_id, pb.slot, pb.start_pos, pb.num_tokens, tuple(pb.token_ids), sampling,
-                     pb.skip_sampling)  # fmt: skip
+                     pb.skip_sampling, pb.first_stage, pb.end_stage)  # fmt: skip
 
 
 def entries_of(request: worker_pb2.StepRequest) -> tuple[list[StepEntry], InvalidArgument | None]:

@@ -56,6 +56,12 @@ class StepEntry:
     token_ids: tuple[int, ...]
     sampling: SamplingParams
     skip_sampling: bool = False
+    first_stage: int = 0  # a replay on stages [first_stage, end_stage) only (0, 0: every stage); see worker.proto
+    end_stage: int = 0  # 0: through the last stage
+
+    def computed_by(self, stage: int, num_stages: int) -> bool:
+        """Whether `stage` runs its layers over this entry."""
+        return self.first_stage <= stage < (self.end_stage or num_stages)
 
 
 @dataclass(frozen=True)

@@ -2,25 +2,41 @@
 
 The same engine serves the offline launcher (`shardmesh generate`) and the stage-worker service:
 whoever drives it decides the batch (`BatchLayout`), and every stage of one step must be given the
-same layout, because the layout is what tells a stage the shape of the activations it receives.
+same layout, because the layout is what tells a stage the shape of the activations it receives. A replay
+after a lost worker runs on some stages only: then each stage is given the segments it computes, and
+what it sends on (`Relay`) is what the next stage's segments need, in their order.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
+from shardmesh.core.step import Segment
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.groups import ShardGroups
-from shardmesh.engine.kv_cache import KVCache
+from shardmesh.engine.kv_cache import ActivationLog, KVCache
 from shardmesh.engine.model import Transformer
 
 
+@dataclass(frozen=True)
+class Relay:
+    """What a stage sends the next one when that is not simply its whole output (a replay on some stages
+    only, `BatchEntry.first_stage`): in the next stage's entry order, runs of this step's output rows
+    (`(first row, count)`) and rows of the activation log (a `Segment`: slot and positions)."""
+
+    parts: tuple[tuple[int, int] | Segment, ...]
+
+
 class StageEngine:
-    def __init__(self, model: Transformer, groups: ShardGroups, cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: Transformer, groups: ShardGroups, cache: KVCache, device: torch.device,
+                 log: ActivationLog | None = None) -> None:  # fmt: skip
         if model.is_first != (groups.prev is None) or model.is_last != (groups.next is None):
             raise ValueError("model layer range and pipeline position disagree")
         self.model, self.groups, self.cache, self.device = model, groups, cache, device
+        self.log = log  # what this stage sent on, kept for replays (`ActivationLog`); never on the last stage
         self.dtype = next(model.parameters()).dtype
 
     @property
@@ -32,19 +48,48 @@ class StageEngine:
         return self.model.is_last
 
     @torch.inference_mode()
-    def step(self, batch: BatchLayout, token_ids: Tensor | None = None, all_logits: bool = False) -> Tensor | None:
-        """Run one step. The first stage takes `token_ids` (T,); the last returns logits (B, vocab),
-        or (T, vocab) with `all_logits`."""
-        if self.is_first:
-            if token_ids is None or token_ids.shape != (batch.num_tokens,):
-                raise ValueError(f"first stage needs {batch.num_tokens} token ids for this batch")
-            x = token_ids.to(self.device)
-        else:
-            assert self.groups.prev is not None
-            x = self.groups.prev.recv((batch.num_tokens, self.model.cfg.hidden_size), self.dtype, self.device)
-        out = self.model(x, batch, self.cache, all_logits=all_logits)
+    def step(self, batch: BatchLayout | None, token_ids: Tensor | None = None, all_logits: bool = False,
+             relay: Relay | None = None) -> Tensor | None:  # fmt: skip
+        """Run one step over the segments this stage computes (`batch`; None: none). The first stage takes
+        `token_ids` (T,); the last returns logits (B, vocab), or (T, vocab) with `all_logits`. The others send
+        the next stage their output, or what `relay` says."""
+        out = None
+        if batch is not None:
+            if self.is_first:
+                if token_ids is None or token_ids.shape != (batch.num_tokens,):
+                    raise ValueError(f"first stage needs {batch.num_tokens} token ids for this batch")
+                x = token_ids.to(self.device)
+            else:
+                assert self.groups.prev is not None
+                x = self.groups.prev.recv((batch.num_tokens, self.model.cfg.hidden_size), self.dtype, self.device)
+            out = self.model(x, batch, self.cache, all_logits=all_logits)
+            if self.is_last:
+                return out
+            if self.log is not None:
+                self._record(batch, out)
         if self.is_last:
-            return out
-        assert self.groups.next is not None
-        self.groups.next.send(out)
+            return None
+        send = out if relay is None else self._relayed(relay, out)
+        if send is not None and send.shape[0]:
+            assert self.groups.next is not None
+            self.groups.next.send(send)
         return None
+
+    def _record(self, batch: BatchLayout, out: Tensor) -> None:
+        assert self.log is not None
+        slots = torch.tensor([s.slot for s in batch.segments], device=out.device)
+        lengths = torch.tensor([s.length for s in batch.segments], device=out.device)
+        self.log.record(torch.repeat_interleave(slots, lengths), batch.positions.to(out.device), out)
+
+    def _relayed(self, relay: Relay, out: Tensor | None) -> Tensor | None:
+        parts = []
+        for part in relay.parts:
+            if isinstance(part, Segment):
+                if self.log is None:
+                    raise ValueError("a replay asks for recorded activations, but this stage keeps no log")
+                parts.append(self.log.rows(part.slot, part.start, part.length))
+            else:
+                assert out is not None
+                row, count = part
+                parts.append(out[row : row + count])
+        return torch.cat(parts) if parts else None

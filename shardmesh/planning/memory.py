@@ -10,6 +10,9 @@ Notation, per shard (stage `s` × tensor rank `r` of `tp`); `b` is the bytes of 
                 n × (one layer) + embedding (first stage) + norm and LM head (last stage).
   kv_cache    = n × 2 × kv_slots × kv_heads_local × max_context × head_dim × b
                 (the `KVCache` tensor: layers × {k, v} × slots × kv heads × positions × head_dim)
+                + on every stage but the last: kv_slots × max_context × H × b (the `ActivationLog`: what the
+                stage sent on, kept so that a replacement of the next stage replays without recomputing it;
+                allocated untouched, so it is resident only as far as sequences reach, but planned in full)
   buffers     = 2 × max_context × head_dim × 4        (rope cos and sin tables, always float32)
   activations = T × ( b × (2H + max(3F, 4Q + 3K)) + 8H + 8·head_dim )  +  T × max_context
                 + on the last stage: B × V × (2b + 16)
@@ -170,6 +173,8 @@ def stage_memory(
     split = HeadSplit.of(cfg, rank, tp)
     hd = cfg.head_dim
     kv = n * 2 * limits.kv_slots * split.kv_count * limits.max_context * hd * b
+    if not last:
+        kv += limits.kv_slots * limits.max_context * cfg.hidden_size * b
     buffers = 2 * limits.max_context * hd * 4
     ffn_start, ffn_end = mlp_range(cfg, rank, tp)
     t, h, f = limits.max_batch_tokens, cfg.hidden_size, ffn_end - ffn_start

@@ -188,11 +188,11 @@ def test_watcher_fan_out_worker_loss_and_recovery(cluster: FakeCluster, model_di
         resuming = stub.Generate.future(request, timeout=60)  # its step fails: it waits to replay, no error
         _wait_health(channel, NOT_SERVING)
         arrived = stub.Generate.future(request, timeout=60)  # not refused: it waits for the mesh
-        deadline = time.monotonic() + WAIT_S  # the resuming request's slot is released on the lost mesh
-        while len(cluster.mesh.shards[0].released_ids()) < 2:
+        deadline = time.monotonic() + WAIT_S  # back in the gateway's queue, its slot kept (nothing released)
+        while "requests_resuming" not in [e["event"] for e in logs.events()]:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        assert not resuming.done()
+        assert not resuming.done() and len(cluster.mesh.shards[0].released_ids()) == 1  # the first request's
 
         cluster.publish(complete=False)  # the coordinator notices the silence
         cluster.start_worker(1)  # the worker restarts on another port and rejoins

@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from shardmesh.proto.v1 import common_pb2 as shardmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eshardmesh/v1/coordinator.proto\x12\x0cshardmesh.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x19shardmesh/v1/common.proto\"\xab\x02\n\x0fRegisterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x06\x64\x65vice\x18\x02 \x01(\x0b\x32\x14.shardmesh.v1.Device\x12\x39\n\x06labels\x18\x03 \x03(\x0b\x32).shardmesh.v1.RegisterRequest.LabelsEntry\x12\x16\n\tworker_id\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x1d\n\x15last_topology_version\x18\x06 \x01(\x04\x12%\n\x04held\x18\x07 \x01(\x0b\x32\x17.shardmesh.v1.HeldShard\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0c\n\n_worker_id\"x\n\tHeldShard\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\n\n\x02pp\x18\x03 \x01(\r\x12\n\n\x02tp\x18\x04 \x01(\r\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12\x0e\n\x06served\x18\x07 \x01(\x08\"\xbc\x01\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x35\n\x12heartbeat_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x34\n\x11heartbeat_timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x08topology\x18\x04 \x01(\x0b\x32\x16.shardmesh.v1.Topology\"\xa8\x01\n\tLoadStats\x12\x18\n\x10\x61\x63tive_sequences\x18\x01 \x01(\r\x12\x12\n\nfree_slots\x18\x02 \x01(\r\x12\x13\n\x0btotal_slots\x18\x03 \x01(\r\x12\x15\n\rweights_bytes\x18\x04 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cmean_step_ms\x18\x06 \x01(\x01\x12\x13\n\x0bsteps_total\x18\x07 \x01(\x04\"\xd5\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.shardmesh.v1.ShardState\x12 \n\x18\x61pplied_topology_version\x18\x03 \x01(\x04\x12%\n\x04load\x18\x04 \x01(\x0b\x32\x17.shardmesh.v1.LoadStats\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\x1a\n\rprepared_rank\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_prepared_rank\"<\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x18\n\x10topology_version\x18\x02 \x01(\x04\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\".\n\x12\x44\x65registerResponse\x12\x18\n\x10topology_version\x18\x01 \x01(\x04\"-\n\x14WatchTopologyRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x04\"\x14\n\x12GetTopologyRequest\"L\n\x14ReportFailureRequest\x12\x12\n\nworker_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08reporter\x18\x03 \x01(\t\"?\n\x15ReportFailureResponse\x12\x0c\n\x04lost\x18\x01 \x03(\t\x12\x18\n\x10topology_version\x18\x02 \x01(\x04\"!\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"d\n\rDrainResponse\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.shardmesh.v1.WorkerState\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x18\n\x10topology_version\x18\x03 \x01(\x04\"\xc3\x01\n\nMeshWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12(\n\x05state\x18\x04 \x01(\x0e\x32\x19.shardmesh.v1.WorkerState\x12\x11\n\x04rank\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\x1b\n\x0epreparing_rank\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_rankB\x11\n\x0f_preparing_rank\"\xd7\x02\n\x0fShardAssignment\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\'\n\x05state\x18\x05 \x01(\x0e\x32\x18.shardmesh.v1.ShardState\x12\x39\n\x06labels\x18\x06 \x03(\x0b\x32).shardmesh.v1.ShardAssignment.LabelsEntry\x12=\n\x08requires\x18\x07 \x03(\x0b\x32+.shardmesh.v1.ShardAssignment.RequiresEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a/\n\rRequiresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"m\n\x05Stage\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12-\n\x06shards\x18\x04 \x03(\x0b\x32\x1d.shardmesh.v1.ShardAssignment\"[\n\nRendezvous\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x12\n\nworld_size\x18\x05 \x01(\r\"P\n\rServingLimits\x12\x10\n\x08kv_slots\x18\x01 \x01(\r\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x03 \x01(\r\"\xc8\x02\n\x08Topology\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12&\n\x05model\x18\x02 \x01(\x0b\x32\x17.shardmesh.v1.ModelSpec\x12\n\n\x02pp\x18\x03 \x01(\r\x12\n\n\x02tp\x18\x04 \x01(\r\x12#\n\x06stages\x18\x05 \x03(\x0b\x32\x13.shardmesh.v1.Stage\x12,\n\nrendezvous\x18\x06 \x01(\x0b\x32\x18.shardmesh.v1.Rendezvous\x12\x10\n\x08\x63omplete\x18\x07 \x01(\x08\x12+\n\x06limits\x18\x08 \x01(\x0b\x32\x1b.shardmesh.v1.ServingLimits\x12.\n\x0b\x63\x61libration\x18\t \x01(\x0b\x32\x19.shardmesh.v1.Calibration\x12)\n\x07workers\x18\n \x03(\x0b\x32\x18.shardmesh.v1.MeshWorker\"\xd7\x01\n\x10ShardCalibration\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\tdecode_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x04\x12\x19\n\x11peak_memory_bytes\x18\x06 \x01(\x04\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x07 \x01(\x04\x12\x15\n\rweights_bytes\x18\x08 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\t \x01(\x04\"\xba\x01\n\x10StageCalibration\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x18\n\x10\x64\x65\x63ode_layers_ms\x18\x05 \x01(\x01\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12.\n\x06shards\x18\x07 \x03(\x0b\x32\x1e.shardmesh.v1.ShardCalibration\"\xa3\x02\n\x0b\x43\x61libration\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.shardmesh.v1.CalibrationStatus\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06passed\x18\x03 \x01(\x08\x12.\n\x06stages\x18\x04 \x03(\x0b\x32\x1e.shardmesh.v1.StageCalibration\x12\x13\n\x0bstage_ratio\x18\x05 \x01(\x01\x12\x17\n\x0fmax_stage_ratio\x18\x06 \x01(\x01\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_batch\x18\x08 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\t \x01(\r\x12\x13\n\x0bspeed_split\x18\n \x03(\r\x12\x12\n\nrebalances\x18\x0b \x01(\r*\xa9\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_SERVING\x10\x01\x12\x16\n\x12WORKER_STATE_SPARE\x10\x02\x12\x18\n\x14WORKER_STATE_LOADING\x10\x03\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x04\x12\x15\n\x11WORKER_STATE_LOST\x10\x05*\xa3\x02\n\x11\x43\x61librationStatus\x12\"\n\x1e\x43\x41LIBRATION_STATUS_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x43\x41LIBRATION_STATUS_PENDING\x10\x01\x12\x1e\n\x1a\x43\x41LIBRATION_STATUS_RUNNING\x10\x02\x12\x1f\n\x1b\x43\x41LIBRATION_STATUS_BALANCED\x10\x03\x12!\n\x1d\x43\x41LIBRATION_STATUS_IMBALANCED\x10\x04\x12\"\n\x1e\x43\x41LIBRATION_STATUS_REBALANCING\x10\x05\x12\x1d\n\x19\x43\x41LIBRATION_STATUS_FAILED\x10\x06\x12#\n\x1f\x43\x41LIBRATION_STATUS_CARRIED_OVER\x10\x07\x32\xab\x04\n\x0b\x43oordinator\x12I\n\x08Register\x12\x1d.shardmesh.v1.RegisterRequest\x1a\x1e.shardmesh.v1.RegisterResponse\x12L\n\tHeartbeat\x12\x1e.shardmesh.v1.HeartbeatRequest\x1a\x1f.shardmesh.v1.HeartbeatResponse\x12O\n\nDeregister\x12\x1f.shardmesh.v1.DeregisterRequest\x1a .shardmesh.v1.DeregisterResponse\x12M\n\rWatchTopology\x12\".shardmesh.v1.WatchTopologyRequest\x1a\x16.shardmesh.v1.Topology0\x01\x12G\n\x0bGetTopology\x12 .shardmesh.v1.GetTopologyRequest\x1a\x16.shardmesh.v1.Topology\x12X\n\rReportFailure\x12\".shardmesh.v1.ReportFailureRequest\x1a#.shardmesh.v1.ReportFailureResponse\x12@\n\x05\x44rain\x12\x1a.shardmesh.v1.DrainRequest\x1a\x1b.shardmesh.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eshardmesh/v1/coordinator.proto\x12\x0cshardmesh.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x19shardmesh/v1/common.proto\"\xab\x02\n\x0fRegisterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x06\x64\x65vice\x18\x02 \x01(\x0b\x32\x14.shardmesh.v1.Device\x12\x39\n\x06labels\x18\x03 \x03(\x0b\x32).shardmesh.v1.RegisterRequest.LabelsEntry\x12\x16\n\tworker_id\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x1d\n\x15last_topology_version\x18\x06 \x01(\x04\x12%\n\x04held\x18\x07 \x01(\x0b\x32\x17.shardmesh.v1.HeldShard\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0c\n\n_worker_id\"x\n\tHeldShard\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\n\n\x02pp\x18\x03 \x01(\r\x12\n\n\x02tp\x18\x04 \x01(\r\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12\x0e\n\x06served\x18\x07 \x01(\x08\"\xbc\x01\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x35\n\x12heartbeat_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x34\n\x11heartbeat_timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x08topology\x18\x04 \x01(\x0b\x32\x16.shardmesh.v1.Topology\"\xa8\x01\n\tLoadStats\x12\x18\n\x10\x61\x63tive_sequences\x18\x01 \x01(\r\x12\x12\n\nfree_slots\x18\x02 \x01(\r\x12\x13\n\x0btotal_slots\x18\x03 \x01(\r\x12\x15\n\rweights_bytes\x18\x04 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cmean_step_ms\x18\x06 \x01(\x01\x12\x13\n\x0bsteps_total\x18\x07 \x01(\x04\"\xea\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.shardmesh.v1.ShardState\x12 \n\x18\x61pplied_topology_version\x18\x03 \x01(\x04\x12%\n\x04load\x18\x04 \x01(\x0b\x32\x17.shardmesh.v1.LoadStats\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\x1a\n\rprepared_rank\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bkv_cache_id\x18\x07 \x01(\tB\x10\n\x0e_prepared_rank\"<\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x18\n\x10topology_version\x18\x02 \x01(\x04\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\".\n\x12\x44\x65registerResponse\x12\x18\n\x10topology_version\x18\x01 \x01(\x04\"-\n\x14WatchTopologyRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x04\"\x14\n\x12GetTopologyRequest\"L\n\x14ReportFailureRequest\x12\x12\n\nworker_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08reporter\x18\x03 \x01(\t\"?\n\x15ReportFailureResponse\x12\x0c\n\x04lost\x18\x01 \x03(\t\x12\x18\n\x10topology_version\x18\x02 \x01(\x04\"!\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"d\n\rDrainResponse\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.shardmesh.v1.WorkerState\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x18\n\x10topology_version\x18\x03 \x01(\x04\"\xc3\x01\n\nMeshWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12(\n\x05state\x18\x04 \x01(\x0e\x32\x19.shardmesh.v1.WorkerState\x12\x11\n\x04rank\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\x1b\n\x0epreparing_rank\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_rankB\x11\n\x0f_preparing_rank\"\xec\x02\n\x0fShardAssignment\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\'\n\x05state\x18\x05 \x01(\x0e\x32\x18.shardmesh.v1.ShardState\x12\x39\n\x06labels\x18\x06 \x03(\x0b\x32).shardmesh.v1.ShardAssignment.LabelsEntry\x12=\n\x08requires\x18\x07 \x03(\x0b\x32+.shardmesh.v1.ShardAssignment.RequiresEntry\x12\x13\n\x0bkv_cache_id\x18\x08 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a/\n\rRequiresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"m\n\x05Stage\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12-\n\x06shards\x18\x04 \x03(\x0b\x32\x1d.shardmesh.v1.ShardAssignment\"[\n\nRendezvous\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x12\n\nworld_size\x18\x05 \x01(\r\"P\n\rServingLimits\x12\x10\n\x08kv_slots\x18\x01 \x01(\r\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x03 \x01(\r\"\xc8\x02\n\x08Topology\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12&\n\x05model\x18\x02 \x01(\x0b\x32\x17.shardmesh.v1.ModelSpec\x12\n\n\x02pp\x18\x03 \x01(\r\x12\n\n\x02tp\x18\x04 \x01(\r\x12#\n\x06stages\x18\x05 \x03(\x0b\x32\x13.shardmesh.v1.Stage\x12,\n\nrendezvous\x18\x06 \x01(\x0b\x32\x18.shardmesh.v1.Rendezvous\x12\x10\n\x08\x63omplete\x18\x07 \x01(\x08\x12+\n\x06limits\x18\x08 \x01(\x0b\x32\x1b.shardmesh.v1.ServingLimits\x12.\n\x0b\x63\x61libration\x18\t \x01(\x0b\x32\x19.shardmesh.v1.Calibration\x12)\n\x07workers\x18\n \x03(\x0b\x32\x18.shardmesh.v1.MeshWorker\"\xd7\x01\n\x10ShardCalibration\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\tdecode_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x04\x12\x19\n\x11peak_memory_bytes\x18\x06 \x01(\x04\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x07 \x01(\x04\x12\x15\n\rweights_bytes\x18\x08 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\t \x01(\x04\"\xba\x01\n\x10StageCalibration\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x18\n\x10\x64\x65\x63ode_layers_ms\x18\x05 \x01(\x01\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12.\n\x06shards\x18\x07 \x03(\x0b\x32\x1e.shardmesh.v1.ShardCalibration\"\xa3\x02\n\x0b\x43\x61libration\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.shardmesh.v1.CalibrationStatus\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06passed\x18\x03 \x01(\x08\x12.\n\x06stages\x18\x04 \x03(\x0b\x32\x1e.shardmesh.v1.StageCalibration\x12\x13\n\x0bstage_ratio\x18\x05 \x01(\x01\x12\x17\n\x0fmax_stage_ratio\x18\x06 \x01(\x01\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_batch\x18\x08 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\t \x01(\r\x12\x13\n\x0bspeed_split\x18\n \x03(\r\x12\x12\n\nrebalances\x18\x0b \x01(\r*\xa9\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_SERVING\x10\x01\x12\x16\n\x12WORKER_STATE_SPARE\x10\x02\x12\x18\n\x14WORKER_STATE_LOADING\x10\x03\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x04\x12\x15\n\x11WORKER_STATE_LOST\x10\x05*\xa3\x02\n\x11\x43\x61librationStatus\x12\"\n\x1e\x43\x41LIBRATION_STATUS_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x43\x41LIBRATION_STATUS_PENDING\x10\x01\x12\x1e\n\x1a\x43\x41LIBRATION_STATUS_RUNNING\x10\x02\x12\x1f\n\x1b\x43\x41LIBRATION_STATUS_BALANCED\x10\x03\x12!\n\x1d\x43\x41LIBRATION_STATUS_IMBALANCED\x10\x04\x12\"\n\x1e\x43\x41LIBRATION_STATUS_REBALANCING\x10\x05\x12\x1d\n\x19\x43\x41LIBRATION_STATUS_FAILED\x10\x06\x12#\n\x1f\x43\x41LIBRATION_STATUS_CARRIED_OVER\x10\x07\x32\xab\x04\n\x0b\x43oordinator\x12I\n\x08Register\x12\x1d.shardmesh.v1.RegisterRequest\x1a\x1e.shardmesh.v1.RegisterResponse\x12L\n\tHeartbeat\x12\x1e.shardmesh.v1.HeartbeatRequest\x1a\x1f.shardmesh.v1.HeartbeatResponse\x12O\n\nDeregister\x12\x1f.shardmesh.v1.DeregisterRequest\x1a .shardmesh.v1.DeregisterResponse\x12M\n\rWatchTopology\x12\".shardmesh.v1.WatchTopologyRequest\x1a\x16.shardmesh.v1.Topology0\x01\x12G\n\x0bGetTopology\x12 .shardmesh.v1.GetTopologyRequest\x1a\x16.shardmesh.v1.Topology\x12X\n\rReportFailure\x12\".shardmesh.v1.ReportFailureRequest\x1a#.shardmesh.v1.ReportFailureResponse\x12@\n\x05\x44rain\x12\x1a.shardmesh.v1.DrainRequest\x1a\x1b.shardmesh.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,10 +39,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDASSIGNMENT_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_SHARDASSIGNMENT_REQUIRESENTRY']._loaded_options = None
   _globals['_SHARDASSIGNMENT_REQUIRESENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERSTATE']._serialized_start=3471
-  _globals['_WORKERSTATE']._serialized_end=3640
-  _globals['_CALIBRATIONSTATUS']._serialized_start=3643
-  _globals['_CALIBRATIONSTATUS']._serialized_end=3934
+  _globals['_WORKERSTATE']._serialized_start=3513
+  _globals['_WORKERSTATE']._serialized_end=3682
+  _globals['_CALIBRATIONSTATUS']._serialized_start=3685
+  _globals['_CALIBRATIONSTATUS']._serialized_end=3976
   _globals['_REGISTERREQUEST']._serialized_start=108
   _globals['_REGISTERREQUEST']._serialized_end=407
   _globals['_REGISTERREQUEST_LABELSENTRY']._serialized_start=348
@@ -54,47 +54,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADSTATS']._serialized_start=723
   _globals['_LOADSTATS']._serialized_end=891
   _globals['_HEARTBEATREQUEST']._serialized_start=894
-  _globals['_HEARTBEATREQUEST']._serialized_end=1107
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1109
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1169
-  _globals['_DEREGISTERREQUEST']._serialized_start=1171
-  _globals['_DEREGISTERREQUEST']._serialized_end=1209
-  _globals['_DEREGISTERRESPONSE']._serialized_start=1211
-  _globals['_DEREGISTERRESPONSE']._serialized_end=1257
-  _globals['_WATCHTOPOLOGYREQUEST']._serialized_start=1259
-  _globals['_WATCHTOPOLOGYREQUEST']._serialized_end=1304
-  _globals['_GETTOPOLOGYREQUEST']._serialized_start=1306
-  _globals['_GETTOPOLOGYREQUEST']._serialized_end=1326
-  _globals['_REPORTFAILUREREQUEST']._serialized_start=1328
-  _globals['_REPORTFAILUREREQUEST']._serialized_end=1404
-  _globals['_REPORTFAILURERESPONSE']._serialized_start=1406
-  _globals['_REPORTFAILURERESPONSE']._serialized_end=1469
-  _globals['_DRAINREQUEST']._serialized_start=1471
-  _globals['_DRAINREQUEST']._serialized_end=1504
-  _globals['_DRAINRESPONSE']._serialized_start=1506
-  _globals['_DRAINRESPONSE']._serialized_end=1606
-  _globals['_MESHWORKER']._serialized_start=1609
-  _globals['_MESHWORKER']._serialized_end=1804
-  _globals['_SHARDASSIGNMENT']._serialized_start=1807
-  _globals['_SHARDASSIGNMENT']._serialized_end=2150
+  _globals['_HEARTBEATREQUEST']._serialized_end=1128
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1130
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1190
+  _globals['_DEREGISTERREQUEST']._serialized_start=1192
+  _globals['_DEREGISTERREQUEST']._serialized_end=1230
+  _globals['_DEREGISTERRESPONSE']._serialized_start=1232
+  _globals['_DEREGISTERRESPONSE']._serialized_end=1278
+  _globals['_WATCHTOPOLOGYREQUEST']._serialized_start=1280
+  _globals['_WATCHTOPOLOGYREQUEST']._serialized_end=1325
+  _globals['_GETTOPOLOGYREQUEST']._serialized_start=1327
+  _globals['_GETTOPOLOGYREQUEST']._serialized_end=1347
+  _globals['_REPORTFAILUREREQUEST']._serialized_start=1349
+  _globals['_REPORTFAILUREREQUEST']._serialized_end=1425
+  _globals['_REPORTFAILURERESPONSE']._serialized_start=1427
+  _globals['_REPORTFAILURERESPONSE']._serialized_end=1490
+  _globals['_DRAINREQUEST']._serialized_start=1492
+  _globals['_DRAINREQUEST']._serialized_end=1525
+  _globals['_DRAINRESPONSE']._serialized_start=1527
+  _globals['_DRAINRESPONSE']._serialized_end=1627
+  _globals['_MESHWORKER']._serialized_start=1630
+  _globals['_MESHWORKER']._serialized_end=1825
+  _globals['_SHARDASSIGNMENT']._serialized_start=1828
+  _globals['_SHARDASSIGNMENT']._serialized_end=2192
   _globals['_SHARDASSIGNMENT_LABELSENTRY']._serialized_start=348
   _globals['_SHARDASSIGNMENT_LABELSENTRY']._serialized_end=393
-  _globals['_SHARDASSIGNMENT_REQUIRESENTRY']._serialized_start=2103
-  _globals['_SHARDASSIGNMENT_REQUIRESENTRY']._serialized_end=2150
-  _globals['_STAGE']._serialized_start=2152
-  _globals['_STAGE']._serialized_end=2261
-  _globals['_RENDEZVOUS']._serialized_start=2263
-  _globals['_RENDEZVOUS']._serialized_end=2354
-  _globals['_SERVINGLIMITS']._serialized_start=2356
-  _globals['_SERVINGLIMITS']._serialized_end=2436
-  _globals['_TOPOLOGY']._serialized_start=2439
-  _globals['_TOPOLOGY']._serialized_end=2767
-  _globals['_SHARDCALIBRATION']._serialized_start=2770
-  _globals['_SHARDCALIBRATION']._serialized_end=2985
-  _globals['_STAGECALIBRATION']._serialized_start=2988
-  _globals['_STAGECALIBRATION']._serialized_end=3174
-  _globals['_CALIBRATION']._serialized_start=3177
-  _globals['_CALIBRATION']._serialized_end=3468
-  _globals['_COORDINATOR']._serialized_start=3937
-  _globals['_COORDINATOR']._serialized_end=4492
+  _globals['_SHARDASSIGNMENT_REQUIRESENTRY']._serialized_start=2145
+  _globals['_SHARDASSIGNMENT_REQUIRESENTRY']._serialized_end=2192
+  _globals['_STAGE']._serialized_start=2194
+  _globals['_STAGE']._serialized_end=2303
+  _globals['_RENDEZVOUS']._serialized_start=2305
+  _globals['_RENDEZVOUS']._serialized_end=2396
+  _globals['_SERVINGLIMITS']._serialized_start=2398
+  _globals['_SERVINGLIMITS']._serialized_end=2478
+  _globals['_TOPOLOGY']._serialized_start=2481
+  _globals['_TOPOLOGY']._serialized_end=2809
+  _globals['_SHARDCALIBRATION']._serialized_start=2812
+  _globals['_SHARDCALIBRATION']._serialized_end=3027
+  _globals['_STAGECALIBRATION']._serialized_start=3030
+  _globals['_STAGECALIBRATION']._serialized_end=3216
+  _globals['_CALIBRATION']._serialized_start=3219
+  _globals['_CALIBRATION']._serialized_end=3510
+  _globals['_COORDINATOR']._serialized_start=3979
+  _globals['_COORDINATOR']._serialized_end=4534
 # @@protoc_insertion_point(module_scope)

@@ -342,6 +342,7 @@ class HeartbeatRequest(_message.Message):
     LOAD_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
     PREPARED_RANK_FIELD_NUMBER: _builtins.int
+    KV_CACHE_ID_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """The id Register returned."""
     state: _common_pb2.ShardState.ValueType
@@ -358,6 +359,8 @@ class HeartbeatRequest(_message.Message):
     """A spare asked to prepare a slot (MeshWorker.preparing_rank) sets this once that slot's weights are
     loaded: the coordinator then hands the slot over (make-before-break).
     """
+    kv_cache_id: _builtins.str
+    """The identity of the worker's KV cache (ShardAssignment.kv_cache_id); empty while it holds none."""
     @_builtins.property
     def load(self) -> Global___LoadStats:
         """Current load, for placement and monitoring."""
@@ -371,10 +374,11 @@ class HeartbeatRequest(_message.Message):
         load: Global___LoadStats | None = ...,
         detail: _builtins.str = ...,
         prepared_rank: _builtins.int | None = ...,
+        kv_cache_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_prepared_rank", b"_prepared_rank", "load", b"load", "prepared_rank", b"prepared_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prepared_rank", b"_prepared_rank", "applied_topology_version", b"applied_topology_version", "detail", b"detail", "load", b"load", "prepared_rank", b"prepared_rank", "state", b"state", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prepared_rank", b"_prepared_rank", "applied_topology_version", b"applied_topology_version", "detail", b"detail", "kv_cache_id", b"kv_cache_id", "load", b"load", "prepared_rank", b"prepared_rank", "state", b"state", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prepared_rank: _TypeAlias = _typing.Literal["prepared_rank"]  # noqa: Y015
     _WhichOneofArgType__prepared_rank: _TypeAlias = _typing.Literal["_prepared_rank", b"_prepared_rank"]  # noqa: Y015
@@ -713,6 +717,7 @@ class ShardAssignment(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     REQUIRES_FIELD_NUMBER: _builtins.int
+    KV_CACHE_ID_FIELD_NUMBER: _builtins.int
     tp_rank: _builtins.int
     """Tensor-parallel rank within the stage, in [0, tp)."""
     rank: _builtins.int
@@ -723,6 +728,13 @@ class ShardAssignment(_message.Message):
     """host:port of that worker's StageWorker server; empty while vacant."""
     state: _common_pb2.ShardState.ValueType
     """The slot's state (PENDING while vacant)."""
+    kv_cache_id: _builtins.str
+    """Names the holder's KV cache (random, chosen when the worker allocated it), as the holder last reported
+    it; empty while unknown. A worker keeps its cache, and its id, across rendezvous epochs while its shard
+    (layers, tp rank, slots, context) is unchanged, so a gateway that finds the same id for every shard of a
+    stage before and after a change knows the stage still holds every running sequence's keys and values:
+    it replays a lost sequence's log only on the stages whose id changed (BatchEntry.first_stage).
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """The holder's labels as it registered them (RegisterRequest.labels), e.g. "metrics" ->
@@ -745,10 +757,11 @@ class ShardAssignment(_message.Message):
         state: _common_pb2.ShardState.ValueType = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         requires: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        kv_cache_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "labels", b"labels", "rank", b"rank", "requires", b"requires", "state", b"state", "tp_rank", b"tp_rank", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "kv_cache_id", b"kv_cache_id", "labels", b"labels", "rank", b"rank", "requires", b"requires", "state", b"state", "tp_rank", b"tp_rank", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -74,6 +74,8 @@ class BatchEntry(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     SKIP_SAMPLING_FIELD_NUMBER: _builtins.int
+    FIRST_STAGE_FIELD_NUMBER: _builtins.int
+    END_STAGE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request this sequence belongs to; keys per-request state such as the sampler stream."""
     slot: _builtins.int
@@ -84,6 +86,16 @@ class BatchEntry(_message.Message):
     """Number of new tokens in this step (the prompt, a chunk of it, or 1 when decoding)."""
     skip_sampling: _builtins.bool
     """True to skip sampling after this entry, e.g. for a prompt chunk that is not the last one."""
+    first_stage: _builtins.int
+    """A replay after a lost worker, on the stages [first_stage, end_stage) only (end_stage 0: through the
+    last stage): the stages that lost the sequence's KV cache, and any between them. Stages before
+    first_stage skip the entry, except stage first_stage - 1, which sends the activations it recorded for
+    those positions when it first computed them (its activation log) instead of computing them again;
+    stages from end_stage on skip it (their cache holds these positions). Both 0: every stage computes
+    it, as any entry. An entry that does not reach the last stage must set skip_sampling.
+    """
+    end_stage: _builtins.int
+    """One past the last stage of that replay; 0: through the last stage."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The new tokens; sent to the first stage only (len == num_tokens), empty for the others."""
@@ -102,10 +114,12 @@ class BatchEntry(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: Global___TokenSampling | None = ...,
         skip_sampling: _builtins.bool = ...,
+        first_stage: _builtins.int = ...,
+        end_stage: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "request_id", b"request_id", "sampling", b"sampling", "skip_sampling", b"skip_sampling", "slot", b"slot", "start_pos", b"start_pos", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_stage", b"end_stage", "first_stage", b"first_stage", "num_tokens", b"num_tokens", "request_id", b"request_id", "sampling", b"sampling", "skip_sampling", b"skip_sampling", "slot", b"slot", "start_pos", b"start_pos", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

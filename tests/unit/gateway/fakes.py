@@ -92,7 +92,8 @@ class FakeRpcError(grpc.RpcError):
 
 class FakeShard:
     """One shard's bookkeeping, checked like a real worker would: the slot is in range and not held by
-    another request, start_pos equals what that slot has cached, token_ids match num_tokens."""
+    another request, start_pos is at most what that slot has cached (a real worker writes those positions again),
+    token_ids match num_tokens. An entry for other stages only (a replay) leaves it alone."""
 
     def __init__(self, mesh: FakeMesh, stage: int, tp_rank: int) -> None:
         self.mesh, self.stage, self.tp_rank = mesh, stage, tp_rank
@@ -123,12 +124,14 @@ class FakeShard:
             for e in req.entries:
                 if not 0 <= e.slot < mesh.kv_slots:
                     raise FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"slot {e.slot} out of range")
+                if not e.first_stage <= self.stage < (e.end_stage or mesh.pp):
+                    continue
                 owner = self.slots.get(e.slot)
-                expected = (e.request_id, e.start_pos) if e.start_pos else None
                 if e.start_pos == 0 and owner is not None and owner[0] != e.request_id:
                     raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"slot {e.slot} held by {owner[0]}")
-                if expected is not None and owner != expected:
-                    raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"slot {e.slot} has {owner}, not {expected}")
+                if e.start_pos and (owner is None or owner[0] != e.request_id or owner[1] < e.start_pos):
+                    wanted = f"{e.request_id} up to {e.start_pos}"
+                    raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"slot {e.slot} has {owner}, not {wanted}")
                 if len(e.token_ids) != e.num_tokens or e.start_pos + e.num_tokens > mesh.max_context:
                     raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"bad entry {e}")
                 self.slots[e.slot] = (e.request_id, e.start_pos + e.num_tokens)
@@ -184,6 +187,7 @@ class FakeMesh:
         self.versions = {1}
         self.pool = futures.ThreadPoolExecutor(max_workers=4 * pp * tp)
         self.shards = [FakeShard(self, s, t) for s in range(pp) for t in range(tp)]
+        self.cache_ids = [""] * len(self.shards)  # each shard's kv_cache_id in the views from now on ("": unknown)
 
     def draw(self, e: worker_pb2.BatchEntry) -> worker_pb2.SampledToken:
         position = e.start_pos + e.num_tokens
@@ -194,7 +198,8 @@ class FakeMesh:
 
     def view(self, version: int = 1, placement: str = "epoch-1") -> MeshView:
         self.versions.add(version)
-        shards = tuple(ShardClient(sh.stage, sh.tp_rank, sh.address, f"w{i}", _FakeStub(sh, self.pool))
+        shards = tuple(ShardClient(sh.stage, sh.tp_rank, sh.address, f"w{i}", _FakeStub(sh, self.pool),
+                                   (sh.stage, sh.stage + 1), self.cache_ids[i])
                        for i, sh in enumerate(self.shards))  # fmt: skip
         return MeshView(version, (placement,), self.pp, self.tp, self.kv_slots, self.max_context,
                         self.max_batch_tokens, VOCAB, shards)  # fmt: skip

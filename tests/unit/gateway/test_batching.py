@@ -15,6 +15,11 @@ class Seq:
     ready_at: int = 0
     in_flight: bool = False
     samples_after_prefill: bool = True  # False: a replay after a lost worker, its next token known
+    replay_until: int = 0  # a replay on some stages only ends its chunks here
+
+    @property
+    def chunk_end(self) -> int:
+        return self.replay_until if self.cached < self.replay_until else self.prefill_len
 
 
 def prefill(name: str, prompt_len: int, cached: int = 0, ready_at: int = 0) -> Seq:
@@ -95,3 +100,13 @@ def test_a_replay_is_prefilled_like_a_prompt_and_its_last_chunk_samples_nothing(
     assert rows(last) == [("r", 3, False)]  # the whole log is cached now, and nothing was drawn
     after = plan_micro_batch([replace(replay, cached=7)], depth=1, max_batch_tokens=4)
     assert rows(after) == [("r", 1, True)]  # then it decodes its last token, which draws the next
+
+
+def test_a_replay_on_some_stages_ends_its_chunk_where_the_replay_ends() -> None:
+    """The entries past a partial replay go to every stage: they never share a chunk with it."""
+    s = Seq("r", prefill_len=10, samples_after_prefill=False, replay_until=6)
+    assert rows(plan_micro_batch([s], 1, 64)) == [("r", 6, False)]
+    after = Seq("r", prefill_len=10, cached=6, samples_after_prefill=False, replay_until=6)
+    assert rows(plan_micro_batch([after], 1, 64)) == [("r", 4, False)]
+    within = Seq("r", prefill_len=10, cached=2, samples_after_prefill=False, replay_until=6)
+    assert rows(plan_micro_batch([within], 1, 3)) == [("r", 3, False)]  # the budget still bounds it

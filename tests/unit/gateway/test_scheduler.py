@@ -15,10 +15,11 @@ import grpc
 import pytest
 
 from gateway.observe import GatewayMetrics, GatewayObserver
-from gateway.results import EndEvent, FinishReason, TokenEvent
+from gateway.results import EndEvent, Event, FinishReason, RequestHandle, TokenEvent
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.watcher import ModelFiles
 from shardmesh.core.errors import ResourceExhausted, Unavailable
+from shardmesh.proto.v1 import worker_pb2
 from tests.unit.gateway.fakes import FakeMesh, collect, eos_of, finish, ids_of, mesh_state, request, text, tokens
 from tests.waiting import WAIT_S, wait_until
 
@@ -213,8 +214,6 @@ def test_a_worker_failure_resumes_running_requests_on_the_next_topology(
     queued = scheduler.submit(request(model_files, "queued", max_new=2))  # no slot: waits through the failure
     sent = [running.events.get(timeout=WAIT_S) for _ in range(3)]
     mesh.failures[(1, 1)] = (grpc.StatusCode.UNAVAILABLE, "Connection refused")  # after 3 tokens or more
-    for shard in mesh.shards:  # its slot is released everywhere (the fake "dead" shard answers Release too)
-        wait_until(lambda shard=shard: shard.released_ids() == ["running"])
     wait_until(lambda: ready == [False, True, False])
     # A request that arrives meanwhile is not refused: it waits for the mesh, as the running ones do.
     waiting = scheduler.submit(request(model_files, "arrived", max_new=2))
@@ -258,15 +257,17 @@ def test_a_request_that_cannot_resume_in_time_fails_saying_why(model_files: Mode
         assert mesh.entered.wait(WAIT_S)
         mesh.failures[(0, 0)] = (grpc.StatusCode.UNAVAILABLE, "Connection refused")
         mesh.gate.set()
-        # The pass that resumed it also checked the deadlines (before releasing its slot): nothing ended it.
-        wait_until(lambda: mesh.shards[0].released_ids() == ["r"])
-        assert handle.events.empty()
+        # Back in the queue to resume, its deadline 30 s on: nothing ended it (and nothing is released yet: the
+        # workers that survive may keep its cache).
+        wait_until(lambda: scheduler.load()[0] == 1)
+        assert handle.events.empty() and mesh.shards[0].released_ids() == []
         now[0] = 30.0
         scheduler.update_mesh(mesh_state(mesh, model_files, seq=1))  # a wake-up, no new topology
         end = collect(handle)[-1]
         assert isinstance(end, EndEvent) and isinstance(end.error, Unavailable)
         assert str(end.error) == ("could not resume within 30 s (--resume-timeout): worker 127.0.0.1:7000 "
                                   "(stage 0, tp rank 0) lost: UNAVAILABLE: Connection refused")  # fmt: skip
+        wait_until(lambda: mesh.shards[0].released_ids() == ["r"])  # its slot where it was lost, once it ended
     finally:
         scheduler.shutdown(grace=0.0)
 
@@ -284,7 +285,7 @@ def test_topology_versions_keep_running_requests_or_replay_them_elsewhere(
     mesh.gate.set()
     assert finish(collect(handle)) is FinishReason.LENGTH
     assert [s.topology_version for s in mesh.shards[0].steps] == [1, 2, 2]
-    # Another placement while a request runs: its cache is gone; it is released there and replays on the new one.
+    # Another placement while a request runs (workers that do not say they kept their caches): it replays there.
     mesh.gate.clear()
     mesh.entered.clear()
     handle = scheduler.submit(request(model_files, "moved", max_new=30))
@@ -292,7 +293,8 @@ def test_topology_versions_keep_running_requests_or_replay_them_elsewhere(
     scheduler.update_mesh(mesh_state(mesh, model_files, seq=3, version=3, placement="epoch-3"))
     mesh.gate.set()
     assert finish(collect(handle)) is FinishReason.LENGTH
-    assert "moved" in mesh.shards[1].released_ids()
+    moved = [e for s in mesh.shards[0].steps if s.topology_version == 3 for e in s.entries if e.request_id == "moved"]
+    assert moved[0].start_pos == 0
     assert {s.topology_version for s in mesh.shards[0].steps if any(e.request_id == "moved" for e in s.entries)} \
         == {2, 3}  # fmt: skip
 
@@ -364,3 +366,70 @@ def test_requests_wait_for_a_changing_mesh_but_not_for_one_never_served(model_fi
         assert finish(collect(waits)) is FinishReason.LENGTH
     finally:
         scheduler.shutdown(grace=0.0)
+
+
+def lose_stage_one_after_three_tokens(scheduler: Scheduler, mesh: FakeMesh, model_files: ModelFiles,
+                                      cache_ids: list[str]) -> tuple[RequestHandle, list[Event]]:  # fmt: skip
+    """A request runs on a pp=2 mesh whose workers name their caches, until stage 1's worker fails a step; then
+    the coordinator publishes a new epoch whose shards name `cache_ids`."""
+    mesh.default_script = list(range(30, 50))
+    mesh.cache_ids = ["c0", "c1"]
+    scheduler.update_mesh(mesh_state(mesh, model_files, seq=1))
+    mesh.step_delay = 0.01
+    handle = scheduler.submit(request(model_files, "running", max_new=20))
+    sent = [handle.events.get(timeout=WAIT_S) for _ in range(3)]
+    mesh.failures[(1, 0)] = (grpc.StatusCode.UNAVAILABLE, "Connection refused")
+    wait_until(lambda: scheduler.load()[0] == 1)  # back in the queue, to resume
+    mesh.failures.clear()
+    mesh.cache_ids = cache_ids
+    scheduler.update_mesh(mesh_state(mesh, model_files, seq=2, version=2, placement="epoch-2"))
+    return handle, sent
+
+
+def entries_of(mesh: FakeMesh, version: int, request_id: str) -> list[worker_pb2.BatchEntry]:
+    return [e for s in mesh.shards[0].steps if s.topology_version == version for e in s.entries
+            if e.request_id == request_id]  # fmt: skip
+
+
+def test_a_lost_last_stage_replays_there_only_in_the_same_slot(
+    observed: tuple[Scheduler, GatewayMetrics], model_files: ModelFiles
+) -> None:
+    scheduler, metrics = observed
+    mesh = FakeMesh(pp=2, tp=1, kv_slots=2)
+    handle, sent = lose_stage_one_after_three_tokens(scheduler, mesh, model_files, ["c0", "c1-new"])
+    events = sent + collect(handle)
+    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == list(range(30, 50))
+    before = [e for s in mesh.shards[0].steps if s.topology_version == 1 for e in s.entries]
+    replay, after = entries_of(mesh, 2, "running")[0], entries_of(mesh, 2, "running")[1]
+    # Stage 0 kept its cache: the cached positions go through stage 1 only (stage 0 resends what it recorded).
+    assert (replay.first_stage, replay.end_stage, replay.start_pos, replay.skip_sampling) == (1, 0, 0, True)
+    assert replay.slot == before[0].slot
+    assert (after.first_stage, after.end_stage, after.start_pos) == (0, 0, replay.num_tokens)
+    assert metrics.registry.get_sample_value("shardmesh_replayed_tokens_total") == replay.num_tokens
+
+
+def test_a_lost_first_stage_replays_there_only(scheduler: Scheduler, model_files: ModelFiles) -> None:
+    mesh = FakeMesh(pp=2, tp=1, kv_slots=2)
+    handle, sent = lose_stage_one_after_three_tokens(scheduler, mesh, model_files, ["c0-new", "c1"])
+    events = sent + collect(handle)
+    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == list(range(30, 50))
+    replay = entries_of(mesh, 2, "running")[0]
+    assert (replay.first_stage, replay.end_stage, replay.skip_sampling) == (0, 1, True)
+
+
+def test_a_new_epoch_that_kept_every_cache_replays_nothing(scheduler: Scheduler, model_files: ModelFiles) -> None:
+    mesh = FakeMesh(pp=2, tp=1, kv_slots=2)
+    handle, sent = lose_stage_one_after_three_tokens(scheduler, mesh, model_files, ["c0", "c1"])
+    events = sent + collect(handle)
+    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == list(range(30, 50))
+    first = entries_of(mesh, 2, "running")[0]
+    assert first.num_tokens == 1 and first.start_pos > 0 and (first.first_stage, first.end_stage) == (0, 0)
+
+
+def test_unknown_cache_ids_replay_on_every_stage(scheduler: Scheduler, model_files: ModelFiles) -> None:
+    mesh = FakeMesh(pp=2, tp=1, kv_slots=2)
+    handle, sent = lose_stage_one_after_three_tokens(scheduler, mesh, model_files, ["", ""])
+    events = sent + collect(handle)
+    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == list(range(30, 50))
+    replay = entries_of(mesh, 2, "running")[0]
+    assert (replay.first_stage, replay.end_stage, replay.start_pos) == (0, 0, 0)

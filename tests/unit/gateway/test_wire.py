@@ -22,13 +22,14 @@ def test_a_step_request_carries_prompt_chunks_and_decode_rows() -> None:
     a, b = running("a", (1, 2, 3, 4, 5), slot=1), running("b", (9, 8), slot=0)
     b.cached = 2
     b.tokens.append(40)
-    request = wire.step_request(7, 3, 6, [Planned(a, 3, False), Planned(b, 1, True)])
+    request = wire.step_request(7, 3, 6, [Planned(a, 3, False), Planned(b, 1, True)], 2)
     assert (request.step_id, request.topology_version, request.after_step_id) == (7, 3, 6)
     first, second = request.entries
     assert (first.request_id, first.slot, first.start_pos, first.num_tokens, list(first.token_ids)) == (
         "a", 1, 0, 3, [1, 2, 3]
     )  # fmt: skip
     assert first.skip_sampling and not second.skip_sampling
+    assert (first.first_stage, first.end_stage, second.first_stage, second.end_stage) == (0, 0, 0, 0)
     assert (second.request_id, second.slot, second.start_pos, list(second.token_ids)) == ("b", 0, 2, [40])
     assert second.sampling == worker_pb2.TokenSampling(temperature=0.5, top_p=0.9, top_k=4, seed=7)
     released = wire.released_slot("a", 1)

@@ -12,6 +12,7 @@ import torch
 from shardmesh.core.heads import valid_tp_degrees
 from shardmesh.core.layout import ShardSpec, split_layers
 from shardmesh.core.topology import ServingLimits
+from shardmesh.engine.kv_cache import ActivationLog
 from shardmesh.engine.loader import build_shard
 from shardmesh.engine.synthetic import write_checkpoint
 from shardmesh.models.checkpoint import CheckpointError
@@ -53,8 +54,11 @@ def test_weights_and_kv_equal_what_build_shard_holds(family: str, tmp_path: Path
                                             max_len=limits.max_context, progress=False)  # fmt: skip
                         held = sum(p.numel() * p.element_size() for p in shard.parameters())
                         cache = shard.make_cache(limits.kv_slots, getattr(torch, dtype), "cpu")
+                        log = ActivationLog(limits.kv_slots, limits.max_context, model.cfg.hidden_size,
+                                            getattr(torch, dtype))  # fmt: skip
+                        kv = cache.nbytes + (0 if shard.is_last else log.nbytes)
                         est = shard_memory(model, (start, end), tp, rank, dtype, limits)
-                        assert (est.weights, est.kv_cache) == (held, cache.nbytes), (family, dtype, pp, tp, rank)
+                        assert (est.weights, est.kv_cache) == (held, kv), (family, dtype, pp, tp, rank)
                         assert est.buffers == sum(t.numel() * 4 for t in (shard.rope_cos, shard.rope_sin))
 
 

@@ -101,8 +101,9 @@ def test_infeasible_names_missing_bytes_and_each_kind_of_option() -> None:
     with pytest.raises(Infeasible) as e:
         plan(model, parse_devices("4x80GiB"), opts)
     text = str(e.value)
-    # 4 × 80 GiB against 262.8 GiB of float32 weights and 80 GiB of KV cache: tens of GiB short.
-    assert 10 * GiB < e.value.missing < 60 * GiB and f"{format_bytes(e.value.missing)} missing" in text
+    # 4 × 80 GiB against 262.8 GiB of float32 weights, 80 GiB of KV cache and, at pp=4, three 4 GiB activation
+    # logs: tens of GiB short (counted as the closest layout leaves them: its stages hold 67 of 80 layers).
+    assert 10 * GiB < e.value.missing < 120 * GiB and f"{format_bytes(e.value.missing)} missing" in text
     kinds = {next(iter(s.changes)) for s in e.value.suggestions}
     assert kinds == {"dtype", "devices", "max_context", "kv_slots"}, text
     assert "--dtype bfloat16 instead of float32" in text and "more 80GiB device" in text

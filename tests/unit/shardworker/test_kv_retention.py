@@ -1,0 +1,186 @@
+"""A worker keeps its KV cache (and its id) across rendezvous epochs while its shard is unchanged, and a replay
+runs on the stages that lost a sequence's cache only: on real stage cores over real Gloo links in this process.
+
+The gateway's half (which stages to replay, from the cache ids in the topology) is in
+tests/unit/gateway/test_retained_replay.py; the whole path over real processes in tests/e2e/test_elastic.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from shardmesh.core.errors import InvalidArgument
+from shardmesh.core.step import SamplingParams, StepEntry
+from shardworker.runtime import StageWorkerCore, StepResult
+from tests.checkpoints import make_checkpoint, reference_greedy
+from tests.unit.shardworker.fakes import mesh
+from tests.unit.shardworker.test_soft_state import apply_all, new_core, new_store
+from tests.waiting import WAIT_S
+
+PROMPT = (1, 17, 5, 42, 9, 3)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # eos 95 is rare under this seed, so the greedy continuation runs on for the tokens compared.
+    return make_checkpoint(tmp_path_factory.mktemp("retain"), "llama-gqa-tied", num_layers=4, seed=5, eos_token_id=95)
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return new_store()
+
+
+def step_all(cores: list[StageWorkerCore], version: int, entries: list[StepEntry]) -> list[StepResult]:
+    """One step on every core at once; the results in stage order."""
+    results: list[Any] = [None] * len(cores)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = cores[i].step(version, entries)
+        except BaseException as e:  # re-raised below, in the test's thread
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S * 3)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def entry(start: int, tokens: tuple[int, ...], sample: bool = True, first: int = 0, end: int = 0) -> StepEntry:
+    return StepEntry("r", 1, start, len(tokens), tokens, SamplingParams(), not sample, first, end)
+
+
+def count_forwards(core: StageWorkerCore) -> Callable[[], int]:
+    """How many times `core`'s shard runs its layers from now on."""
+    model = core._runtime.engine.model  # type: ignore[union-attr]
+    calls = [0]
+    forward = model.forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return forward(*args, **kwargs)
+
+    model.forward = counted  # type: ignore[method-assign]
+    return lambda: calls[0]
+
+
+def decode(cores: list[StageWorkerCore], version: int, log: list[int], n: int) -> list[int]:
+    """Greedy decoding of `n` tokens on from `log` (prompt + tokens, the last one not yet fed)."""
+    out = []
+    for _ in range(n):
+        token = step_all(cores, version, [entry(len(log) - 1, (log[-1],))])[-1].sampled[0].token_id
+        out.append(token)
+        log = [*log, token]
+    return out
+
+
+def prefill(cores: list[StageWorkerCore], version: int) -> list[int]:
+    """The prompt and two decoded tokens through the mesh: the log, its last token not fed yet."""
+    first = step_all(cores, version, [entry(0, PROMPT)])[-1].sampled[0].token_id
+    log = [*PROMPT, first]
+    return [*log, *decode(cores, version, log, 1)]
+
+
+def test_an_unchanged_mesh_keeps_every_cache_across_an_epoch(model: Path, store: dist.TCPStore) -> None:
+    cores = [new_core("w0"), new_core("w1")]
+    apply_all(cores, mesh(model, 5, ("w0", "w1"), epoch=5, store_port=store.port))
+    ids = [core.info()["kv_cache_id"] for core in cores]
+    assert all(ids) and ids[0] != ids[1]
+    log = prefill(cores, 5)
+    apply_all(cores, mesh(model, 6, ("w0", "w1"), epoch=6, store_port=store.port))
+    assert [core.info()["kv_cache_id"] for core in cores] == ids
+    # No replay: decoding goes on from the cached positions, and equals an undisturbed run.
+    reference = reference_greedy(model, list(PROMPT), 6)[0]
+    assert log[len(PROMPT) :] + decode(cores, 6, log, 4) == reference
+
+
+def test_a_replaced_last_stage_is_fed_from_the_first_stages_activation_log(model: Path, store: dist.TCPStore) -> None:
+    w0, w1, w2 = new_core("w0"), new_core("w1"), new_core("w2")
+    apply_all([w0, w1], mesh(model, 5, ("w0", "w1"), epoch=5, store_port=store.port))
+    kept = w0.info()["kv_cache_id"]
+    log = prefill([w0, w1], 5)
+    apply_all([w0, w2], mesh(model, 6, ("w0", "w2"), epoch=6, store_port=store.port))  # w1 is gone
+    assert w0.info()["kv_cache_id"] == kept and w2.info()["kv_cache_id"] not in ("", kept)
+    forwards = count_forwards(w0)
+    # Replay the cached positions on stage 1 only: stage 0 sends what it recorded, and computes nothing.
+    replay = entry(0, tuple(log[:-1]), sample=False, first=1)
+    results = step_all([w0, w2], 6, [replay])
+    assert forwards() == 0 and results[0].comm.send_messages == 1 and not results[-1].sampled
+    reference = reference_greedy(model, list(PROMPT), 6)[0]
+    assert log[len(PROMPT) :] + decode([w0, w2], 6, log, 4) == reference
+    assert forwards() == 4  # the decode steps
+
+
+def test_a_replaced_first_stage_replays_alone_and_the_last_stage_keeps_its_cache(
+    model: Path, store: dist.TCPStore
+) -> None:
+    w0, w1, w2 = new_core("w0"), new_core("w1"), new_core("w2")
+    apply_all([w0, w1], mesh(model, 5, ("w0", "w1"), epoch=5, store_port=store.port))
+    log = prefill([w0, w1], 5)
+    apply_all([w2, w1], mesh(model, 6, ("w2", "w1"), epoch=6, store_port=store.port))  # w0 drained
+    forwards = count_forwards(w1)
+    replay = entry(0, tuple(log[:-1]), sample=False, first=0, end=1)  # stage 0 only: it embeds the tokens
+    results = step_all([w2, w1], 6, [replay])
+    assert forwards() == 0 and results[0].comm.send_messages == 0
+    reference = reference_greedy(model, list(PROMPT), 6)[0]
+    assert log[len(PROMPT) :] + decode([w2, w1], 6, log, 4) == reference
+
+
+def test_a_replay_step_mixes_with_other_sequences_decoding(model: Path, store: dist.TCPStore) -> None:
+    """A relay puts computed rows and recorded rows in the next stage's entry order."""
+    w0, w1, w2 = new_core("w0"), new_core("w1"), new_core("w2")
+    apply_all([w0, w1], mesh(model, 5, ("w0", "w1"), epoch=5, store_port=store.port))
+    log = prefill([w0, w1], 5)
+    apply_all([w0, w2], mesh(model, 6, ("w0", "w2"), epoch=6, store_port=store.port))
+    other = StepEntry("s", 2, 0, 3, (7, 8, 9), SamplingParams())  # a new request, on every stage
+    replay = entry(0, tuple(log[:-1]), sample=False, first=1)
+    last = step_all([w0, w2], 6, [other, replay])[-1]
+    assert [s.request_id for s in last.sampled] == ["s"]
+    assert last.sampled[0].token_id == reference_greedy(model, [7, 8, 9], 1)[0][0]
+    assert log[len(PROMPT) :] + decode([w0, w2], 6, log, 4) == reference_greedy(model, list(PROMPT), 6)[0]
+
+
+def test_a_changed_shard_gets_a_new_cache(model: Path, store: dist.TCPStore) -> None:
+    w0, w1 = new_core("w0"), new_core("w1")
+    apply_all([w0, w1], mesh(model, 5, ("w0", "w1"), epoch=5, store_port=store.port))
+    first = w0.info()["kv_cache_id"]
+    apply_all([w1, w0], mesh(model, 6, ("w1", "w0"), epoch=6, store_port=store.port))  # the stages swap holders
+    assert w0.info()["kv_cache_id"] not in ("", first)
+
+
+def test_calibrating_over_kept_slots_renames_the_cache_and_reports_it(model: Path, store: dist.TCPStore) -> None:
+    core = new_core("w0")
+    apply_all([core], mesh(model, 2, ("w0",), epoch=2, store_port=store.port))
+    step_all([core], 2, [entry(0, PROMPT)])
+    apply_all([core], mesh(model, 3, ("w0",), epoch=3, store_port=store.port))
+    kept = core.info()["kv_cache_id"]
+    reported: list[str] = []
+    core.on_cache_reset = lambda: reported.append(core.info()["kv_cache_id"])
+    core.calibrate(3, decode_batch=2, prefill_tokens=4, iterations=1)  # its passes overwrite the kept slots
+    assert reported and reported[0] not in ("", kept) and core.info()["active_sequences"] == 0
+
+
+@pytest.mark.parametrize(
+    ("first", "end", "sample", "field"),
+    [(2, 0, False, "first_stage"), (1, 1, False, "first_stage"), (0, 1, True, "skip_sampling")],
+)
+def test_a_replay_range_outside_the_stages_is_refused_naming_the_field(
+    model: Path, store: dist.TCPStore, first: int, end: int, sample: bool, field: str
+) -> None:
+    cores = [new_core("w0"), new_core("w1")]
+    apply_all(cores, mesh(model, 5, ("w0", "w1"), epoch=5, store_port=store.port))
+    with pytest.raises(InvalidArgument) as e:
+        cores[0].step(5, [entry(0, PROMPT, sample=sample, first=first, end=end)])
+    assert e.value.field_name == f"entries[0].{field}"
