@@ -198,8 +198,9 @@ def build_config(args: argparse.Namespace) -> Any:
     except telemetry.TelemetryConfigError as e:
         raise UsageError(str(e)) from None
     store_host = args.store_host or (socket.gethostname() if host in _WILDCARD_HOSTS else host.strip("[]"))
+    # The name as given (a directory, or a model name) is what clients of the OpenAI-compatible API call the model.
     model = ModelSpec(str(model_dir.resolve()), args.dtype, cfg.architecture, cfg.num_layers, cfg.hidden_size,
-                      cfg.vocab_size, cfg.max_context)  # fmt: skip
+                      cfg.vocab_size, cfg.max_context, served_model_name=args.model)  # fmt: skip
     return CoordinatorConfig(
         listen=args.listen, model=model, pp=args.pp, tp=args.tp,
         limits=ServingLimits(args.kv_slots, max_context, max_batch), heartbeat_interval=interval,

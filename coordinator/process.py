@@ -107,7 +107,8 @@ class CoordinatorServer:
         self._log.info(
             "listening", address=f"{host}:{self.port}", port=self.port, store_host=cfg.store_host,
             store_port=self._store.port, pp=cfg.pp, tp=cfg.tp, model=cfg.model.path, dtype=cfg.model.dtype,
-            heartbeat_interval_s=cfg.heartbeat_interval, heartbeat_timeout_s=cfg.heartbeat_timeout,
+            served_model_name=cfg.model.name, heartbeat_interval_s=cfg.heartbeat_interval,
+            heartbeat_timeout_s=cfg.heartbeat_timeout,
             metrics_port=self.metrics_port or "off", layers=[list(r) for r in self.registry.split()],
             rank_nodes=[dict(r).get("node", "") for r in cfg.requires] if cfg.requires else None,
             rebalance=cfg.calibration.rebalance, max_stage_ratio=cfg.calibration.max_stage_ratio,

@@ -8,11 +8,13 @@ service (grpc, tokenizers) is imported when the command runs.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from shardmesh.rpc.flags import UsageError, env_flags
 
 ENV_PREFIX = "SHARDMESH_GATEWAY_"
+API_KEY_ENV = "SHARDMESH_API_KEY"  # also read by `shardmesh up`, which passes it on to its gateway
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
               "take turns, for stages that share the same cores)")  # fmt: skip
     flag("--shutdown-grace", 5.0, type=float, help="seconds running requests get to finish on SIGTERM (default 5)")
     flag("--model-dir", help="where to read the tokenizer (default: the model path in the coordinator's topology)")
+    flag("--http-listen", help="host:port for the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+         "/v1/models, /health); port 0 picks a free one (default: off)")  # fmt: skip
+    flag("--served-model-name", help="the model id the HTTP API answers to and reports (default: the coordinator's "
+         "--model as given)")  # fmt: skip
+    flag("--api-key", help="HTTP requests to /v1 must send 'Authorization: Bearer KEY' (default: $SHARDMESH_API_KEY; "
+         "unset: no key needed)")  # fmt: skip
     flag("--log-level", help="debug, info, warning or error (default: $SHARDMESH_LOG_LEVEL or info)")
     from shardmesh.rpc import telemetry  # standard library only at import time
 
@@ -57,6 +65,11 @@ def build_config(args: argparse.Namespace) -> Any:
 
     _check_address("--listen", args.listen)
     _check_address("--coordinator", args.coordinator, dial=True)
+    if args.http_listen is not None:
+        _check_address("--http-listen", args.http_listen)
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UsageError("--served-model-name: must not be empty")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     checks = [
         ("--max-queue", args.max_queue >= 1, ">= 1"),
         ("--max-message-bytes", args.max_message_bytes >= 1024, ">= 1024"),
@@ -82,6 +95,7 @@ def build_config(args: argparse.Namespace) -> Any:
         shutdown_grace=args.shutdown_grace,
         model_dir=args.model_dir,
         metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint, trace_decode_steps=args.trace_decode_steps,
+        http_listen=args.http_listen, served_model_name=args.served_model_name, api_key=api_key,
     )  # fmt: skip
 
 

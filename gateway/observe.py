@@ -24,6 +24,13 @@ see shardmesh/rpc/telemetry.py). Volume per request is bounded: prompt chunks + 
 steps, each with pp × tp worker spans; past that, decode steps are only aggregated on the request
 span (count, gateway round-trip time, the last stage's compute and receive-wait time).
 
+**GenAI conventions.** Beside our `shardmesh.*` attributes the request span carries OpenTelemetry's GenAI
+semantic-convention attributes, so generic LLM dashboards read it: `gen_ai.operation.name` ("chat" for a
+conversation, "text_completion" for a prompt or token ids), `gen_ai.request.model` (the name the model is
+served under), `gen_ai.request.max_tokens` / `temperature` / `top_p` (and `top_k`, `seed`,
+`stop_sequences` when set), and once it ends `gen_ai.response.finish_reasons` and `gen_ai.usage.input_tokens` /
+`output_tokens`; a failed one `error.type` (its status code).
+
 All of it runs only when tracing is on (`tracer is not None`); metrics only when `--metrics-port` is
 set. With both off the scheduler holds no observer at all.
 """
@@ -40,11 +47,41 @@ from shardmesh.rpc import telemetry
 
 if TYPE_CHECKING:
     from gateway.fanout import MeshView
+    from gateway.requests import PreparedRequest
     from gateway.results import Summary
+    from gateway.watcher import MeshState
     from shardmesh.proto.v1 import worker_pb2
 
 DEFAULT_TRACE_DECODE_STEPS = 8
 MAX_BATCH_IDS = 64  # request ids listed on a step span
+# gen_ai.operation.name by prompt form (`PromptInput.kind`): a conversation is a chat, the rest text completions.
+GENAI_OPERATIONS = {"chat": "chat", "prompt": "text_completion", "token_ids": "text_completion"}
+
+
+def genai_request(input_kind: str, req: PreparedRequest, model: str) -> dict[str, Any]:
+    """The GenAI semantic-convention attributes of a request as it will run (`max_tokens` is the budget it got,
+    the default length included). `input_kind` is the prompt's form (`PromptInput.kind`), `model` the name the
+    gateway serves the model under ("" when unknown: left out)."""
+    s = req.sampling
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": GENAI_OPERATIONS.get(input_kind, "text_completion"),
+        "gen_ai.request.max_tokens": req.max_new_tokens, "gen_ai.request.temperature": s.temperature,
+        "gen_ai.request.top_p": s.top_p,
+    }  # fmt: skip
+    if model:
+        attributes["gen_ai.request.model"] = model
+    if s.top_k:
+        attributes["gen_ai.request.top_k"] = s.top_k
+    if s.seed is not None:
+        attributes["gen_ai.request.seed"] = s.seed
+    if req.stop:
+        attributes["gen_ai.request.stop_sequences"] = list(req.stop)
+    return attributes
+
+
+def served_model(state: MeshState) -> str:
+    """The model's name for clients in a mesh state (the coordinator's `--model` as given), "" before any."""
+    return state.topology.model.name if state.topology is not None else ""
 
 
 class RequestTrace:
@@ -94,6 +131,11 @@ class RequestTrace:
             span = self.child("prepare", start_time=start_ns, attributes={"shardmesh.prompt_tokens": prompt_tokens})
             span.end()
 
+    def requested(self, input_kind: str, req: PreparedRequest, model: str) -> None:
+        """What was asked, in the GenAI conventions (`genai_request`); called once it is prepared."""
+        if self.recording:
+            self.span.set_attributes(genai_request(input_kind, req, model))
+
     def first_token(self) -> None:
         if self.recording:
             self.span.add_event("first_token")
@@ -108,6 +150,8 @@ class RequestTrace:
             "shardmesh.completion_tokens": summary.completion_tokens, "shardmesh.queue_ms": t.queue_ms,
             "shardmesh.time_to_first_token_ms": t.time_to_first_token_ms, "shardmesh.total_ms": t.total_ms,
             "shardmesh.mean_inter_token_ms": t.mean_inter_token_ms,
+            "gen_ai.response.finish_reasons": [summary.finish_reason.value],
+            "gen_ai.usage.input_tokens": summary.prompt_tokens, "gen_ai.usage.output_tokens": summary.completion_tokens,
         })  # fmt: skip
         self._steps(traced_decode_limit)
 
@@ -160,9 +204,14 @@ class StepTrace:
 
 
 class GatewayMetrics:
+    """The gateway's registry. `load` is the scheduler's (waiting, running, free KV slots, ready); `kv_slots`, the
+    serving mesh's KV slots, is set by the observer from the mesh each step runs on (the coordinator's
+    `--kv-slots`, the same for every mesh it publishes)."""
+
     def __init__(self, load: Callable[[], tuple[int, int, int, bool]]) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+        self.kv_slots = 0  # none known before the first step
         self.registry = r = CollectorRegistry(auto_describe=True)
         b = telemetry.REQUEST_BUCKETS
         self.request_seconds = Histogram("shardmesh_request_duration_seconds", "Arrival to last token, by outcome",
@@ -193,6 +242,15 @@ class GatewayMetrics:
                              ("shardmesh_free_kv_slots", "KV slots free for new requests", 2),
                              ("shardmesh_mesh_ready", "1 while a complete mesh serves requests", 3)):  # fmt: skip
             Gauge(name, doc, registry=r).set_function(lambda i=i: float(load()[i]))
+        Gauge("shardmesh_kv_cache_usage_ratio", "Share of the serving mesh's KV slots held by requests (0 to 1; 0 "
+              "while no mesh serves)", registry=r).set_function(lambda: self.kv_usage(load()))  # fmt: skip
+
+    def kv_usage(self, load: tuple[int, int, int, bool]) -> float:
+        """Used slots over the mesh's slots: those not free at the next step boundary (as `free_kv_slots`)."""
+        free, ready = load[2], load[3]
+        if not ready or self.kv_slots <= 0:
+            return 0.0
+        return min(1.0, max(0.0, (self.kv_slots - free) / self.kv_slots))
 
 
 class GatewayObserver:
@@ -224,6 +282,7 @@ class GatewayObserver:
             from opentelemetry.trace import Status, StatusCode
 
             trace.span.set_status(Status(StatusCode.ERROR, f"{code}: {error}" if code else str(error)))
+            trace.span.set_attribute("error.type", code or type(error).__qualname__)
             if code:
                 trace.span.set_attribute("rpc.grpc.status_code_name", code)
         trace.span.end()
@@ -240,6 +299,8 @@ class GatewayObserver:
                      after_step_id: int = 0) -> StepTrace | None:  # fmt: skip
         """Spans for the traced requests in this step (None when none is traced). `in_flight`: steps in
         flight once this one is sent (the pipeline's fill), `after_step_id`: the step it runs after."""
+        if self.metrics is not None:
+            self.metrics.kv_slots = view.kv_slots
         if self.tracer is None:
             return None
         chosen: list[tuple[RequestTrace, Any]] = []

@@ -1,9 +1,12 @@
 """The running gateway: `GatewayServer` owns everything with a life cycle: the topology watcher, the
-scheduler thread, the failure reporter (`gateway.reporter`), and the gRPC server (the servicer in
-`gateway.servicer`) with health (SERVING only while a complete mesh can take requests) and reflection.
+scheduler thread, the failure reporter (`gateway.reporter`), the gRPC server (the servicer in
+`gateway.servicer`) with health (SERVING only while a complete mesh can take requests) and reflection, and,
+with `http_listen`, the OpenAI-compatible HTTP server (`gateway.openai_api` on uvicorn, `gateway.http_server`)
+over the same scheduler.
 
-At shutdown it turns NOT_SERVING and refuses new RPCs at once; running requests get the grace period
-to finish, then are cancelled (`gateway.servicer` says what each RPC returns then).
+At shutdown it turns NOT_SERVING and refuses new RPCs and HTTP connections at once; running requests get the
+grace period to finish, then are cancelled (`gateway.servicer` and `gateway.openai_api` say what each returns
+then).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class GatewayConfig:
     metrics_port: int = 0  # 0: no metrics endpoint
     otlp_endpoint: str | None = None  # tracing is set up by the process (`app.run`); this is for the log line
     trace_decode_steps: int = DEFAULT_TRACE_DECODE_STEPS  # decode steps traced per request; later ones aggregated
+    http_listen: str | None = None  # host:port of the OpenAI-compatible HTTP API; None: off; port 0 picks one
+    served_model_name: str | None = None  # the model id over HTTP; default: the coordinator's name for the model
+    api_key: str | None = None  # HTTP requests to /v1 must carry `Authorization: Bearer <key>`; None: no key
 
     @property
     def thread_pool_size(self) -> int:
@@ -86,6 +92,9 @@ class GatewayServer:
         self._stopping = threading.Event()
         self._server: grpc.Server | None = None
         self.port = 0
+        self._openai: Any = None  # gateway.openai_api.OpenAIApi, with http_listen
+        self._http: Any = None  # gateway.http_server.HttpServer, with http_listen
+        self.http_port = 0
 
     def start(self) -> None:
         cfg = self.cfg
@@ -108,10 +117,30 @@ class GatewayServer:
         self.mesh_source.start()
         server.start()
         self._server = server
+        if cfg.http_listen is not None:
+            self._start_http(cfg.http_listen)
         self._log.info("listening", address=f"{host}:{self.port}", port=self.port, coordinator=cfg.coordinator,
                        max_queue=cfg.max_queue, max_message_bytes=cfg.max_message_bytes,
                        pipeline_depth=cfg.pipeline_depth or "one per stage", metrics_port=self.metrics_port or "off",
+                       http=self._http_url() or "off", api_key="set" if cfg.api_key else "none",
                        **telemetry.describe_tracing(cfg.otlp_endpoint))  # fmt: skip
+
+    def _start_http(self, listen: str) -> None:
+        """The OpenAI-compatible API on the same scheduler as gRPC (imported only when it is on)."""
+        from gateway.http_server import HttpServer
+        from gateway.openai_api import OpenAIApi
+
+        cfg = self.cfg
+        self._openai = OpenAIApi(self.scheduler, self._log, self.observer, cfg.served_model_name, cfg.api_key,
+                                 max_threads=cfg.thread_pool_size)  # fmt: skip
+        self._http = HttpServer(self._openai.app, listen, self._log, shutdown_timeout=cfg.shutdown_grace + 2.0)
+        self.http_port = self._http.start()
+
+    def _http_url(self) -> str:
+        if self._http is None or self.cfg.http_listen is None:
+            return ""
+        host = self.cfg.http_listen.rpartition(":")[0]
+        return f"http://{host or '0.0.0.0'}:{self.http_port}/v1"
 
     def _set_health(self, ready: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -132,11 +161,16 @@ class GatewayServer:
             self._health.enter_graceful_shutdown()
         self._log.info("shutdown_started", grace_s=grace)
         stopped = self._server.stop(grace + 2.0) if self._server is not None else None
+        if self._http is not None:
+            self._http.begin_stop()
         self.scheduler.shutdown(grace)
         self.reporter.stop()
         self.mesh_source.stop()
         if stopped is not None:
             stopped.wait(grace + 3.0)
+        if self._http is not None:
+            self._http.join(grace + 3.0)
+            self._openai.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self._log.info("shutdown_complete")

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import structlog
 
-from gateway.observe import GatewayObserver, RequestTrace
+from gateway.observe import GatewayObserver, RequestTrace, served_model
 from gateway.requests import GenerateCall, GenerateParams, PromptInput, prepare, request_id_of
 from gateway.results import EndEvent, Event, FinishReason, RequestHandle, Summary, TokenEvent, is_last
 from gateway.scheduler import Scheduler
@@ -118,6 +118,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         prepared = prepare(generate, self._scheduler.serving_context(), arrival)
         if call.trace is not None:
             call.trace.prepared(started_ns, len(prepared.prompt_ids))
+            call.trace.requested(generate.input.kind, prepared, served_model(self._scheduler.snapshot()[0]))
         return self._scheduler.submit(prepared, call.trace, call.trace_id)
 
     def _events(self, handle: RequestHandle, context: grpc.ServicerContext) -> Iterator[Event]:

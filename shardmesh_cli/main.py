@@ -129,6 +129,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise UsageError(f"--spares: must be >= 0, got {args.spares}")
     if args.worker_threads is not None and args.worker_threads < 1:
         raise UsageError(f"--worker-threads: must be >= 1, got {args.worker_threads}")
+    if args.http_listen is not None:
+        _, sep, port = args.http_listen.rpartition(":")
+        if not sep or not port.isdigit() or int(port) > 65535:
+            raise UsageError(f"--http-listen: expected host:port (port 0-65535), got {args.http_listen!r}")
+        if args.no_http:
+            raise UsageError("--http-listen and --no-http: give one or the other")
     model_dir = resolve_model(args.model)
     demo = None
     if args.demo is not None:
@@ -224,6 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--dtype", default="float32", choices=DType.names())
     u.add_argument("--device", default="cpu", help="cpu or cuda")
     u.add_argument("--listen", default=None, help="gateway host:port (default 127.0.0.1 and a free port)")
+    u.add_argument("--http-listen", default=None,
+                   help="host:port of the gateway's OpenAI-compatible HTTP API, printed as 'http: http://HOST:PORT/v1' "
+                        "(default 127.0.0.1 and a free port)")  # fmt: skip
+    u.add_argument("--no-http", action="store_true", help="no OpenAI-compatible HTTP API, gRPC only")
+    u.add_argument("--served-model-name", default=None,
+                   help="the model id of the HTTP API (default: --model as given)")  # fmt: skip
+    u.add_argument("--api-key", default=None,
+                   help="HTTP requests must send 'Authorization: Bearer KEY' (default: $SHARDMESH_API_KEY; unset: no "
+                        "key needed)")  # fmt: skip
     u.add_argument("--kv-slots", type=int, default=8, help="sequences in flight per shard (default 8)")
     u.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
     u.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step (default: --max-context)")

@@ -9,6 +9,7 @@ parser stays cheap.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -37,7 +38,8 @@ MANIFEST_FIELDS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        help="model directory (config.json; safetensors optional: a config alone plans too) or known model name",
+        help="model directory (config.json; safetensors optional: a config alone plans too), known model name, or "
+        "Hugging Face id ORG/NAME[@REVISION]",
     )
     p.add_argument("--devices", help="devices as [NODE:]COUNTxSIZE[@SPEED],...: 4x24GiB or nodeA:2x80GiB,nodeB:1x48GiB")
     p.add_argument("--manifest", metavar="FILE", help="plan the deployment a YAML manifest describes")
@@ -61,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _flag_options(args: argparse.Namespace) -> tuple[ModelInfo, tuple[Device, ...], PlanOptions]:
     from shardmesh.core.topology import ServingLimits
+    from shardmesh.models import hub
     from shardmesh.models.registry import resolve
     from shardmesh.planning.devices import parse_devices
     from shardmesh.planning.memory import RuntimeCosts, load_model
@@ -77,9 +80,12 @@ def _flag_options(args: argparse.Namespace) -> tuple[ModelInfo, tuple[Device, ..
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        model = load_model(resolve(args.model))
+        path = resolve(args.model)
+        model = load_model(path)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"--model: {e}") from None
+    if model.name == path.name:  # config.json has no `_name_or_path`: name it as `--model` did (not by a commit id)
+        model = dataclasses.replace(model, name=hub.model_name(path))
     ctx = args.max_context if args.max_context is not None else model.cfg.max_context
     if not 1 <= ctx <= model.cfg.max_context:
         raise UsageError(f"--max-context: must be in 1..{model.cfg.max_context} (the model's context), got {ctx}")

@@ -2,12 +2,14 @@
 
 Each service runs as its own process with exactly the flags compose would give it, so what runs
 here is what runs in a deployment. `up` waits until the gateway reports SERVING (which it does only
-for a complete topology), prints the gateway address (first: scripts read it), with `--metrics` every
-service's metrics address and the `shardmesh top` command that watches them, and on Ctrl-C or SIGTERM
-stops everything in reverse order; every child also dies with `up` itself (PR_SET_PDEATHSIG), so none is
-ever orphaned. `--spares N` starts N workers beyond the plan, which the coordinator keeps as hot spares.
-While the mesh runs, a worker or the coordinator that dies is started again (`--max-restarts` times each);
-a worker that exits with status 0 was drained (`shardmesh drain`) and stays gone; the gateway's death ends it.
+for a complete topology), prints the gateway address (first: scripts read it), the coordinator's, and the
+OpenAI-compatible HTTP API's URL (on by default, at a free loopback port unless `--http-listen` names one;
+`--no-http` turns it off), with `--metrics` every service's metrics address and the `shardmesh top` command
+that watches them, and on Ctrl-C or SIGTERM stops everything in reverse order; every child also dies with `up`
+itself (PR_SET_PDEATHSIG), so none is ever orphaned. `--spares N` starts N workers beyond the plan, which the
+coordinator keeps as hot spares. While the mesh runs, a worker or the coordinator that dies is started again
+(`--max-restarts` times each); a worker that exits with status 0 was drained (`shardmesh drain`) and stays gone;
+the gateway's death ends it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from subprocess import Popen
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.app import API_KEY_ENV
 from shardmesh.core.layout import layer_counts
 from shardmesh.core.topology import Topology
 from shardmesh.rpc import procs
@@ -117,6 +120,7 @@ class LocalMesh:
     log_dir: Path
     gateway: str = ""  # host:port
     coordinator: str = ""
+    http: str = ""  # host:port of the gateway's OpenAI-compatible HTTP API, as a client on this host reaches it
     share: CoreShare | None = None
     # host:port of the coordinator's and the gateway's /metrics (with --metrics); the workers' are in the topology
     metrics: dict[str, str] = field(default_factory=dict)
@@ -155,13 +159,38 @@ def _otlp_flags(args: argparse.Namespace) -> list[str]:
     return ["--otlp-endpoint", args.otlp_endpoint] if getattr(args, "otlp_endpoint", None) else []
 
 
+def _reachable(host: str) -> str:
+    """A host to print for a server bound to `host`: a wildcard address is reached on loopback here."""
+    host = host.strip("[]")
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
 def _metrics_flags(mesh: LocalMesh, service: str, listen: str) -> list[str]:
     """`--metrics-port` for the coordinator or the gateway under `up --metrics`: a port chosen here, so that
     `up` can print where it is (workers take any free port and publish it in the topology instead)."""
     port = free_port()
-    host = listen.rpartition(":")[0].strip("[]")
-    mesh.metrics[service] = f"{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
+    mesh.metrics[service] = f"{_reachable(listen.rpartition(':')[0])}:{port}"
     return ["--metrics-port", str(port)]
+
+
+def _http_flags(mesh: LocalMesh, args: argparse.Namespace) -> list[str]:
+    """The gateway's OpenAI-compatible API: on unless `--no-http`, at `--http-listen` or a free loopback port (a
+    port chosen here, like the gateway's own, so that `up` can print it), answering to `--served-model-name` or
+    the `--model` as given."""
+    if getattr(args, "no_http", False):
+        return []
+    listen = getattr(args, "http_listen", None) or "127.0.0.1:0"
+    host, _, port = listen.rpartition(":")
+    if int(port) == 0:
+        listen = f"{host}:{free_port()}"
+    mesh.http = f"{_reachable(host)}:{listen.rpartition(':')[2]}"
+    served = getattr(args, "served_model_name", None) or args.model
+    return ["--http-listen", listen, "--served-model-name", str(served)]
+
+
+def http_url(address: str) -> str:
+    """The base URL OpenAI clients take (`base_url`), for an HTTP API at host:port."""
+    return f"http://{address}/v1"
 
 
 def _balance_flags(args: argparse.Namespace) -> list[str]:
@@ -235,7 +264,10 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
             gateway += ["--max-queue", str(args.max_queue)]
         if metrics:
             gateway += _metrics_flags(mesh, "gateway", mesh.gateway)
-        mesh.spawn("gateway", gateway + telemetry)
+        gateway += _http_flags(mesh, args)
+        # The API key goes by environment, never on a command line that `ps` shows.
+        api_key = getattr(args, "api_key", None)
+        mesh.spawn("gateway", gateway + telemetry, env={**os.environ, API_KEY_ENV: api_key} if api_key else None)
         wait_serving(mesh.gateway, mesh.children, args.start_timeout, log_dir)
         return mesh
     except BaseException:
@@ -349,7 +381,8 @@ def run(args: argparse.Namespace, model_dir: Path, demo: object | None = None) -
             print(f"starting coordinator, {_workers_phrase(args)} and gateway for {model_dir} ...", file=sys.stderr,
                   flush=True)  # fmt: skip
             mesh = start_mesh(args, model_dir)
-            print(f"gateway listening on {mesh.gateway}, coordinator on {mesh.coordinator} (ready in "
+            http = f", OpenAI-compatible API at {http_url(mesh.http)}" if mesh.http else ""
+            print(f"gateway listening on {mesh.gateway}, coordinator on {mesh.coordinator}{http} (ready in "
                   f"{time.monotonic() - t0:.1f} s; logs in {mesh.log_dir})", file=sys.stderr, flush=True)  # fmt: skip
             topology = _topology(mesh.coordinator)
             if mesh.metrics:
@@ -362,6 +395,8 @@ def run(args: argparse.Namespace, model_dir: Path, demo: object | None = None) -
                 return int(demo(mesh.gateway) or 0)
             print(mesh.gateway, flush=True)  # stdout carries the addresses, for scripts: the gateway's first,
             print(f"coordinator: {mesh.coordinator}", flush=True)  # then the coordinator's (status, top, drain)
+            if mesh.http:  # then the OpenAI-compatible API's base URL
+                print(f"http: {http_url(mesh.http)}", flush=True)
             return _supervise(mesh, args.max_restarts)
         except KeyboardInterrupt:
             print("stopping the mesh ...", file=sys.stderr, flush=True)
@@ -379,7 +414,8 @@ MANIFEST_FLAGS = {
     "device": "services.worker.device", "listen": "services.gateway.listen", "kv_slots": "serving.kv_slots",
     "max_context": "serving.max_context", "max_batch_tokens": "serving.max_batch_tokens",
     "layers": "the plan (nodes)", "rebalance": "placement.rebalance", "max_stage_ratio": "placement.max_stage_ratio",
-    "require_balance": "placement.require_balance",
+    "require_balance": "placement.require_balance", "http_listen": "services.gateway.http_listen",
+    "no_http": "services.gateway.http_listen", "served_model_name": "model.served_model_name",
 }  # fmt: skip
 
 
@@ -403,4 +439,8 @@ def args_from_manifest(args: argparse.Namespace, defaults: dict[str, object]) ->
         notes.append(f"planned layer split {layer_counts(d.plan.layer_split)} (layers per stage), ranks on nodes "
                      f"{[d.node_of(r) for r in range(d.pp * d.tp)]}; tightest device keeps "
                      f"{d.plan.min_headroom / 2**30:.2f} GiB free")  # fmt: skip
-    return deploy.up_args(d, args), notes
+    out = deploy.up_args(d, args)
+    gateway = d.manifest.services.gateway
+    out.http_listen, out.no_http = gateway.http_listen, gateway.http_listen is None  # port 0: `up` picks a free one
+    out.served_model_name = d.manifest.model.served_model_name or d.manifest.model.path  # the name as written
+    return out, notes

@@ -54,6 +54,15 @@ class Mesh:
         self.channel = grpc.insecure_channel(self.address)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL: the third line on `up`'s stdout (`http: http://HOST:PORT/v1`), read
+        on first use (`up` prints it unless --no-http)."""
+        if not getattr(self, "_http_url", ""):
+            line = self.proc.stdout.readline().decode().strip()
+            assert line.startswith("http: "), line
+            self._http_url = line.removeprefix("http: ")
+        return self._http_url
+
     def command(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
         """`shardmesh ARGS` against this mesh's coordinator, as an operator runs it."""
         return subprocess.run([sys.executable, "-m", "shardmesh_cli", *args, "--coordinator", self.coordinator],

@@ -59,18 +59,24 @@ class ModelSpec:
     hidden_size: int
     vocab_size: int
     max_context: int
+    served_model_name: str = ""  # the coordinator's --model as given; "" when not known (then `name` is the path)
+
+    @property
+    def name(self) -> str:
+        """What clients call the model (the OpenAI-compatible API's model id, unless the gateway renames it)."""
+        return self.served_model_name or self.path
 
     def to_pb(self) -> common_pb2.ModelSpec:
         return common_pb2.ModelSpec(
             path=self.path, dtype=DType.parse(self.dtype).to_pb(), architecture=self.architecture,
             num_layers=self.num_layers, hidden_size=self.hidden_size, vocab_size=self.vocab_size,
-            max_context=self.max_context,
+            max_context=self.max_context, served_model_name=self.served_model_name,
         )  # fmt: skip
 
     @classmethod
     def from_pb(cls, pb: common_pb2.ModelSpec) -> ModelSpec:
         return cls(pb.path, DType.from_pb(pb.dtype), pb.architecture, pb.num_layers, pb.hidden_size,
-                   pb.vocab_size, pb.max_context)  # fmt: skip
+                   pb.vocab_size, pb.max_context, pb.served_model_name)  # fmt: skip
 
 
 @dataclass(frozen=True)

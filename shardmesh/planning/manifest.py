@@ -111,6 +111,10 @@ class ModelSection(_Section):
     dtype: Literal[DType.names()] = Field(  # type: ignore[valid-type]  # the enum's names: one JSON Schema "enum"
         "float32", description="dtype weights and KV cache are held in (the checkpoint is converted while loading)"
     )
+    served_model_name: str | None = Field(
+        None, min_length=1, max_length=256, description="the model id of the OpenAI-compatible HTTP API "
+                                                        "(default: path, as written here)",
+    )  # fmt: skip
 
 
 _HEADS = "query and key/value heads; q/k/v column-parallel, o_proj row-parallel"
@@ -209,6 +213,10 @@ class CoordinatorService(_Section):
 
 class GatewayService(_Section):
     listen: str = Field("127.0.0.1:0", pattern=_ADDRESS, description="host:port clients reach; 0 picks a free port")
+    http_listen: str | None = Field(
+        "127.0.0.1:0", pattern=_ADDRESS, description="host:port of the OpenAI-compatible HTTP API (/v1/...); 0 picks "
+                                                     "a free port; null: no HTTP API",
+    )  # fmt: skip
 
 
 class WorkerService(_Section):

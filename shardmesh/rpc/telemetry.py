@@ -25,7 +25,7 @@ parent (see README, "Observability").
 **Metrics** are Prometheus text exposition on `http://HOST:PORT/metrics` (`--metrics-port`, 0 = off,
 -1 = a free port the OS picks: workers publish theirs in the topology), one registry per process;
 the metric objects live next to the code they measure (gateway/observe.py, shardworker/metrics.py,
-coordinator/metrics.py).
+coordinator/metrics.py), and `serve_metrics` adds the standard `process_*` collector to each.
 """
 
 from __future__ import annotations
@@ -254,12 +254,24 @@ def now_ns() -> int:
 # -- metrics -----------------------------------------------------------------------------------------------
 
 
+def exposition(registry: Any) -> Any:
+    """What a service serves: its own metrics (`registry`) and Prometheus' standard `process_*` ones (CPU
+    seconds, resident and virtual memory, open file descriptors, start time), as every exporter has them."""
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    served = CollectorRegistry()
+    served.register(registry)  # a registry collects like any collector
+    ProcessCollector(registry=served)
+    return served
+
+
 def serve_metrics(registry: Any, host: str, port: int) -> Any:
-    """Serve `registry` at http://host:port/metrics on a daemon thread; returns the server (`.shutdown()`)."""
+    """Serve `registry` and the process metrics (`exposition`) at http://host:port/metrics on a daemon thread;
+    returns the server (`.shutdown()`)."""
     from prometheus_client import start_http_server
 
     try:
-        server, _ = start_http_server(max(port, 0), addr=host or "0.0.0.0", registry=registry)
+        server, _ = start_http_server(max(port, 0), addr=host or "0.0.0.0", registry=exposition(registry))
     except OSError as e:
         raise RuntimeError(f"--metrics-port: cannot listen on {host}:{port}: {e}") from None
     return server

@@ -30,6 +30,7 @@ from shardmesh_cli.up import free_port, wait_serving
 from tests.checkpoints import make_checkpoint
 from tests.otlp import Collector, GrpcReceiver, HttpReceiver, Span, waterfall
 from tests.stack import Stack
+from tests.waiting import wait_until
 
 TRACE_DECODE_STEPS = 3
 WORKERS = ("w0", "w1", "w2", "w3")
@@ -124,6 +125,13 @@ def test_one_connected_trace_per_request_across_services(mesh: Mesh) -> None:
     assert a["shardmesh.decode.steps"] == n - 1 and a["shardmesh.decode.traced_steps"] == TRACE_DECODE_STEPS
     assert a["shardmesh.decode.untraced_steps"] == n - 1 - TRACE_DECODE_STEPS and a["shardmesh.decode.untraced_ms"] > 0
     assert "first_token" in request.events
+    # Beside ours, OpenTelemetry's GenAI conventions (gateway/observe.py), for generic LLM dashboards.
+    assert {k: a[k] for k in a if k.startswith("gen_ai.")} == {
+        "gen_ai.operation.name": "text_completion", "gen_ai.request.model": mesh.stack.topology().model.name,
+        "gen_ai.request.max_tokens": n, "gen_ai.request.temperature": 0.0, "gen_ai.request.top_p": 1.0,
+        "gen_ai.response.finish_reasons": ["length"], "gen_ai.usage.input_tokens": len(prompt),
+        "gen_ai.usage.output_tokens": n,
+    }  # fmt: skip
     (prepare,) = [s for s in spans if s.name == "prepare"]
     (queue,) = [s for s in spans if s.name == "queue"]
     assert prepare.parent_id == request.span_id and prepare.attributes["shardmesh.prompt_tokens"] == len(prompt)
@@ -233,6 +241,8 @@ def test_metrics_move_with_traffic_and_memory_matches_rss(mesh: Mesh) -> None:
     assert grew("shardmesh_request_duration_seconds_count", after_gw, before_gw) == 1
     assert grew("shardmesh_batch_size_count", after_gw, before_gw) == 5  # 1 prefill + 4 decode steps, alone
     assert after_gw.value("shardmesh_queue_depth") == 0 and after_gw.value("shardmesh_mesh_ready") == 1
+    assert 0 <= after_gw.value("shardmesh_kv_cache_usage_ratio") <= 0.25  # 1 of 4 slots, until its release
+    wait_until(lambda: scrape(mesh.gateway_metrics).get("shardmesh_kv_cache_usage_ratio") == 0)
     assert quantile(0.5, after_gw.buckets("shardmesh_time_to_first_token_seconds")) > 0
 
     for w, m in after.items():
@@ -253,6 +263,8 @@ def test_metrics_move_with_traffic_and_memory_matches_rss(mesh: Mesh) -> None:
         assert abs(used - rss) / rss < 0.03, (w, used, rss)
 
     coord = scrape(mesh.coordinator_metrics)
+    for m in (after_gw, coord, *after.values()):  # every service has the standard process collector
+        assert m.value("process_cpu_seconds_total") > 0 and m.value("process_resident_memory_bytes") > 0
     assert coord.value("shardmesh_worker_healthy") == 4 and coord.value("shardmesh_topology_complete") == 1
     assert coord.value("shardmesh_balance_passed") == 1 and coord.value("shardmesh_balance_stage_ratio") >= 1
     assert coord.value("shardmesh_stage_decode_seconds", stage="1") > 0 and coord.value("shardmesh_stage_layers") > 1

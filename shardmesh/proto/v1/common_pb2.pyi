@@ -179,6 +179,7 @@ class ModelSpec(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     MAX_CONTEXT_FIELD_NUMBER: _builtins.int
+    SERVED_MODEL_NAME_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """Model directory (config.json + safetensors) as the workers see it on their file system."""
     dtype: Global___DType.ValueType
@@ -193,6 +194,11 @@ class ModelSpec(_message.Message):
     """Number of tokens in the vocabulary (the width of the LM head)."""
     max_context: _builtins.int
     """Longest sequence (prompt + completion) the model supports, in tokens."""
+    served_model_name: _builtins.str
+    """The model's name for clients (the OpenAI-compatible API's model id): the coordinator's --model as given,
+    a directory or a model name. Empty when not known (a coordinator older than this field); clients then
+    use `path`.
+    """
     def __init__(
         self,
         *,
@@ -203,10 +209,11 @@ class ModelSpec(_message.Message):
         hidden_size: _builtins.int = ...,
         vocab_size: _builtins.int = ...,
         max_context: _builtins.int = ...,
+        served_model_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "dtype", b"dtype", "hidden_size", b"hidden_size", "max_context", b"max_context", "num_layers", b"num_layers", "path", b"path", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "dtype", b"dtype", "hidden_size", b"hidden_size", "max_context", b"max_context", "num_layers", b"num_layers", "path", b"path", "served_model_name", b"served_model_name", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

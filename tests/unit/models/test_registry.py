@@ -19,7 +19,10 @@ from shardmesh_cli.main import main
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "compose" / "manifest.example.yaml"
-UNKNOWN = "'no-such-model' is neither a directory nor a known model name (smollm2-135m-instruct)"
+UNKNOWN = (
+    "'no-such-model' is neither a directory, a known model name (smollm2-135m-instruct), nor a Hugging Face "
+    "model id (ORG/NAME[@REVISION])"
+)
 
 
 def test_unknown_model_name_lists_known_names(tmp_path: Path) -> None:
@@ -60,7 +63,7 @@ def test_coordinator_refuses_an_unknown_name_like_generate(
     assert capsys.readouterr().err == f"error: --model: {UNKNOWN}\n"
     assert main(["generate", "--model", "no-such-model", "hi"]) == 2
     assert capsys.readouterr().err == f"error: --model: {UNKNOWN}\n"
-    with pytest.raises(UnknownModelError, match="neither a directory nor a known model name"):
+    with pytest.raises(UnknownModelError, match="neither a directory, a known model name"):
         resolve("no-such-model")
 
 

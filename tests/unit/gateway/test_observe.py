@@ -1,0 +1,150 @@
+"""The gateway's conventions of the ecosystem, through a real `GatewayServer` over a fake mesh: OpenTelemetry GenAI
+attributes on the request span (spans kept by an in-memory exporter), the KV-cache usage ratio and the standard
+`process_*` metrics in its `/metrics`."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.observe import GatewayMetrics, genai_request
+from gateway.process import GatewayConfig, GatewayServer
+from gateway.requests import PreparedRequest, Sampling
+from gateway.watcher import ModelFiles
+from shardmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
+from shardmesh.rpc import telemetry
+from tests.unit.gateway import fakes
+from tests.unit.gateway.fakes import FakeMesh, FakeSource, LogLines, ids_of, mesh_state
+from tests.waiting import WAIT_S, wait_until
+
+SERVED = "tiny-org/tiny-llama"
+
+
+@pytest.fixture
+def traced(model_files: ModelFiles, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, ...]]:
+    """A gateway with tracing (into memory) and metrics on, serving a 2 × 2 fake mesh of 2 KV slots."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(telemetry, "_tracer", provider.get_tracer("test"))
+    step = fakes._FutureMethod.future  # a real stub also takes the step's trace context as metadata
+    monkeypatch.setattr(fakes._FutureMethod, "future", lambda self, request, timeout=None, metadata=None: step(
+        self, request, timeout))  # fmt: skip
+    source, mesh = FakeSource(), FakeMesh(pp=2, tp=2, kv_slots=2, max_context=48)
+    state = mesh_state(mesh, model_files)
+    topology = state.topology
+    model = dataclasses.replace(topology.model, served_model_name=SERVED)  # the coordinator's --model as given
+    source.publish(dataclasses.replace(state, topology=dataclasses.replace(topology, model=model)))
+    cfg = GatewayConfig(listen="127.0.0.1:0", coordinator="unused:1", default_max_new_tokens=8, metrics_port=-1)
+    server = GatewayServer(cfg, LogLines().logger, mesh_source=source)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        yield gateway_pb2_grpc.GatewayStub(channel), mesh, exporter, server
+    finally:
+        channel.close()
+        server.stop(grace=0.0)
+        provider.shutdown()
+
+
+def _request_span(exporter: InMemorySpanExporter, request_id: str) -> Any:
+    def ended() -> list[Any]:
+        return [s for s in exporter.get_finished_spans() if s.name.startswith("shardmesh.v1.Gateway/")
+                and s.attributes.get("shardmesh.request_id") == request_id]  # fmt: skip
+
+    wait_until(lambda: len(ended()) == 1)  # the span ends just after the response is sent
+    return ended()[0]
+
+
+def _genai(span: Any) -> dict[str, Any]:
+    return {k: (tuple(v) if isinstance(v, tuple | list) else v) for k, v in span.attributes.items()
+            if k.startswith("gen_ai.")}  # fmt: skip
+
+
+def test_request_spans_carry_the_genai_attributes(traced: tuple[Any, ...], model_files: ModelFiles) -> None:
+    stub, mesh, exporter, _ = traced
+    mesh.script["text"] = ids_of(model_files, "abc")
+    params = gateway_pb2.SamplingParams(max_new_tokens=3, temperature=0.5, top_p=0.9, top_k=40, seed=7, stop=["zz"])
+    r = stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", request_id="text", params=params), timeout=WAIT_S)
+    assert _genai(_request_span(exporter, "text")) == {
+        "gen_ai.operation.name": "text_completion", "gen_ai.request.model": SERVED,
+        "gen_ai.request.max_tokens": 3, "gen_ai.request.temperature": 0.5, "gen_ai.request.top_p": pytest.approx(0.9),
+        "gen_ai.request.top_k": 40, "gen_ai.request.seed": 7, "gen_ai.request.stop_sequences": ("zz",),
+        "gen_ai.response.finish_reasons": ("length",),
+        "gen_ai.usage.input_tokens": r.usage.prompt_tokens, "gen_ai.usage.output_tokens": 3,
+    }  # fmt: skip
+
+    # A conversation, streamed, with the defaults: a chat of the gateway's default length, greedy.
+    mesh.script["chat"] = [*ids_of(model_files, "ok"), *model_files.eos_token_ids]
+    chat = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="hi")])
+    stream = list(stub.GenerateStream(gateway_pb2.GenerateRequest(chat=chat, request_id="chat"), timeout=WAIT_S))
+    usage = stream[-1].summary.usage
+    assert _genai(_request_span(exporter, "chat")) == {
+        "gen_ai.operation.name": "chat", "gen_ai.request.model": SERVED, "gen_ai.request.max_tokens": 8,
+        "gen_ai.request.temperature": 0.0, "gen_ai.request.top_p": 1.0, "gen_ai.response.finish_reasons": ("stop",),
+        "gen_ai.usage.input_tokens": usage.prompt_tokens, "gen_ai.usage.output_tokens": usage.completion_tokens,
+    }  # fmt: skip
+    assert usage.completion_tokens == len(ids_of(model_files, "ok")) + 1
+
+    # A refused request: the error's type (its status code) and nothing about a response.
+    with pytest.raises(grpc.RpcError):
+        stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", request_id="bad", params=gateway_pb2.SamplingParams(
+            max_new_tokens=1, top_p=2.0)), timeout=WAIT_S)  # fmt: skip
+    span = _request_span(exporter, "bad")
+    assert span.attributes["error.type"] == "INVALID_ARGUMENT" and _genai(span) == {}
+
+
+def _metrics(server: GatewayServer) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=WAIT_S) as r:
+        text = r.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+def test_kv_cache_usage_ratio_and_process_metrics(traced: tuple[Any, ...], model_files: ModelFiles) -> None:
+    stub, mesh, _, server = traced
+    before = _metrics(server)
+    assert before["shardmesh_kv_cache_usage_ratio"] == 0.0 and before["process_cpu_seconds_total"] > 0
+    assert before["process_resident_memory_bytes"] > 0 and before["process_open_fds"] > 0
+    mesh.gate = threading.Event()  # hold the first step: the request holds one of the 2 slots meanwhile
+    mesh.script["held"] = ids_of(model_files, "abc")
+    params = gateway_pb2.SamplingParams(max_new_tokens=3)
+    call = stub.Generate.future(gateway_pb2.GenerateRequest(prompt="hi", request_id="held", params=params),
+                                timeout=WAIT_S)  # fmt: skip
+    assert mesh.entered.wait(WAIT_S)
+    held = _metrics(server)
+    assert held["shardmesh_kv_cache_usage_ratio"] == 0.5 and held["shardmesh_free_kv_slots"] == 1
+    mesh.gate.set()
+    assert len(call.result().token_ids) == 3
+    wait_until(lambda: _metrics(server)["shardmesh_free_kv_slots"] == 2)  # released after the response
+    assert _metrics(server)["shardmesh_kv_cache_usage_ratio"] == 0.0
+
+
+def test_kv_usage_is_zero_while_no_mesh_serves() -> None:
+    load = [(0, 0, 0, False)]
+    metrics = GatewayMetrics(lambda: load[0])
+    value = lambda: metrics.registry.get_sample_value("shardmesh_kv_cache_usage_ratio")  # noqa: E731
+    assert value() == 0.0  # no step yet: the mesh's slots are not known
+    metrics.kv_slots = 4
+    assert value() == 0.0  # not ready: no mesh serves (free slots read 0 then)
+    load[0] = (2, 3, 1, True)
+    assert value() == 0.75
+    load[0] = (0, 0, 4, True)
+    assert value() == 0.0
+
+
+def test_genai_attributes_leave_out_what_was_not_asked() -> None:
+    req = PreparedRequest("r", (1, 2), 5, Sampling(), (), frozenset(), None, 0.0)
+    assert genai_request("token_ids", req, "") == {
+        "gen_ai.operation.name": "text_completion", "gen_ai.request.max_tokens": 5,
+        "gen_ai.request.temperature": 0.0, "gen_ai.request.top_p": 1.0,
+    }  # fmt: skip
