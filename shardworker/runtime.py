@@ -302,9 +302,8 @@ class StageWorkerCore:
         store = dist.TCPStore(r.host, r.port, None, False, timeout=self.backend.timeout)
         groups = form_groups(store, r.prefix, p.spec, p.stage, p.num_stages, self.backend)
         bind_group(model, groups.tp)
-        caches, self._kept = self._kept, None
-        if caches is None or caches.key != _cache_key(p):
-            caches = self._new_caches(p, model)
+        caches, self._kept = self._kept, None  # `apply` kept them only if they fit `p`
+        caches = caches or self._new_caches(p, model)
         engine = StageEngine(model, groups, caches.kv, self.device, caches.log)
         return _Runtime(p, engine, r.epoch, caches, order=StepOrder(self.order_timeout_s))
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from gateway.observe import GatewayMetrics, GatewayObserver
-from gateway.results import EndEvent, Event, FinishReason, RequestHandle, TokenEvent
+from gateway.results import EndEvent, FinishReason, TokenEvent
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.watcher import ModelFiles
 from shardmesh.core.errors import ResourceExhausted, Unavailable
@@ -368,10 +368,11 @@ def test_requests_wait_for_a_changing_mesh_but_not_for_one_never_served(model_fi
         scheduler.shutdown(grace=0.0)
 
 
-def lose_stage_one_after_three_tokens(scheduler: Scheduler, mesh: FakeMesh, model_files: ModelFiles,
-                                      cache_ids: list[str]) -> tuple[RequestHandle, list[Event]]:  # fmt: skip
+def resumed_entries(scheduler: Scheduler, mesh: FakeMesh, model_files: ModelFiles,
+                    cache_ids: list[str]) -> list[worker_pb2.BatchEntry]:  # fmt: skip
     """A request runs on a pp=2 mesh whose workers name their caches, until stage 1's worker fails a step; then
-    the coordinator publishes a new epoch whose shards name `cache_ids`."""
+    the coordinator publishes a new epoch whose shards name `cache_ids`. The request finishes with every token
+    once (none lost or twice); returns its entries in the new epoch."""
     mesh.default_script = list(range(30, 50))
     mesh.cache_ids = ["c0", "c1"]
     scheduler.update_mesh(mesh_state(mesh, model_files, seq=1))
@@ -383,12 +384,9 @@ def lose_stage_one_after_three_tokens(scheduler: Scheduler, mesh: FakeMesh, mode
     mesh.failures.clear()
     mesh.cache_ids = cache_ids
     scheduler.update_mesh(mesh_state(mesh, model_files, seq=2, version=2, placement="epoch-2"))
-    return handle, sent
-
-
-def entries_of(mesh: FakeMesh, version: int, request_id: str) -> list[worker_pb2.BatchEntry]:
-    return [e for s in mesh.shards[0].steps if s.topology_version == version for e in s.entries
-            if e.request_id == request_id]  # fmt: skip
+    assert tokens(sent + collect(handle)) == list(range(30, 50))
+    return [e for s in mesh.shards[0].steps if s.topology_version == 2 for e in s.entries
+            if e.request_id == "running"]  # fmt: skip
 
 
 def test_a_lost_last_stage_replays_there_only_in_the_same_slot(
@@ -396,11 +394,8 @@ def test_a_lost_last_stage_replays_there_only_in_the_same_slot(
 ) -> None:
     scheduler, metrics = observed
     mesh = FakeMesh(pp=2, tp=1, kv_slots=2)
-    handle, sent = lose_stage_one_after_three_tokens(scheduler, mesh, model_files, ["c0", "c1-new"])
-    events = sent + collect(handle)
-    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == list(range(30, 50))
+    replay, after = resumed_entries(scheduler, mesh, model_files, ["c0", "c1-new"])[:2]
     before = [e for s in mesh.shards[0].steps if s.topology_version == 1 for e in s.entries]
-    replay, after = entries_of(mesh, 2, "running")[0], entries_of(mesh, 2, "running")[1]
     # Stage 0 kept its cache: the cached positions go through stage 1 only (stage 0 resends what it recorded).
     assert (replay.first_stage, replay.end_stage, replay.start_pos, replay.skip_sampling) == (1, 0, 0, True)
     assert replay.slot == before[0].slot
@@ -409,27 +404,15 @@ def test_a_lost_last_stage_replays_there_only_in_the_same_slot(
 
 
 def test_a_lost_first_stage_replays_there_only(scheduler: Scheduler, model_files: ModelFiles) -> None:
-    mesh = FakeMesh(pp=2, tp=1, kv_slots=2)
-    handle, sent = lose_stage_one_after_three_tokens(scheduler, mesh, model_files, ["c0-new", "c1"])
-    events = sent + collect(handle)
-    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == list(range(30, 50))
-    replay = entries_of(mesh, 2, "running")[0]
+    replay = resumed_entries(scheduler, FakeMesh(pp=2, tp=1, kv_slots=2), model_files, ["c0-new", "c1"])[0]
     assert (replay.first_stage, replay.end_stage, replay.skip_sampling) == (0, 1, True)
 
 
 def test_a_new_epoch_that_kept_every_cache_replays_nothing(scheduler: Scheduler, model_files: ModelFiles) -> None:
-    mesh = FakeMesh(pp=2, tp=1, kv_slots=2)
-    handle, sent = lose_stage_one_after_three_tokens(scheduler, mesh, model_files, ["c0", "c1"])
-    events = sent + collect(handle)
-    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == list(range(30, 50))
-    first = entries_of(mesh, 2, "running")[0]
+    first = resumed_entries(scheduler, FakeMesh(pp=2, tp=1, kv_slots=2), model_files, ["c0", "c1"])[0]
     assert first.num_tokens == 1 and first.start_pos > 0 and (first.first_stage, first.end_stage) == (0, 0)
 
 
 def test_unknown_cache_ids_replay_on_every_stage(scheduler: Scheduler, model_files: ModelFiles) -> None:
-    mesh = FakeMesh(pp=2, tp=1, kv_slots=2)
-    handle, sent = lose_stage_one_after_three_tokens(scheduler, mesh, model_files, ["", ""])
-    events = sent + collect(handle)
-    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == list(range(30, 50))
-    replay = entries_of(mesh, 2, "running")[0]
+    replay = resumed_entries(scheduler, FakeMesh(pp=2, tp=1, kv_slots=2), model_files, ["", ""])[0]
     assert (replay.first_stage, replay.end_stage, replay.start_pos) == (0, 0, 0)

@@ -7,7 +7,6 @@ tests/unit/gateway/test_retained_replay.py; the whole path over real processes i
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,11 +16,10 @@ import torch.distributed as dist
 
 from shardmesh.core.errors import InvalidArgument
 from shardmesh.core.step import SamplingParams, StepEntry
-from shardworker.runtime import StageWorkerCore, StepResult
+from shardworker.runtime import StageWorkerCore
 from tests.checkpoints import make_checkpoint, reference_greedy
+from tests.unit.shardworker.cores import apply_all, new_core, new_store, run_step
 from tests.unit.shardworker.fakes import mesh
-from tests.unit.shardworker.test_soft_state import apply_all, new_core, new_store
-from tests.waiting import WAIT_S
 
 PROMPT = (1, 17, 5, 42, 9, 3)
 
@@ -35,27 +33,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def store() -> dist.TCPStore:
     return new_store()
-
-
-def step_all(cores: list[StageWorkerCore], version: int, entries: list[StepEntry]) -> list[StepResult]:
-    """One step on every core at once; the results in stage order."""
-    results: list[Any] = [None] * len(cores)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = cores[i].step(version, entries)
-        except BaseException as e:  # re-raised below, in the test's thread
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cores))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S * 3)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results
 
 
 def entry(start: int, tokens: tuple[int, ...], sample: bool = True, first: int = 0, end: int = 0) -> StepEntry:
@@ -80,7 +57,7 @@ def decode(cores: list[StageWorkerCore], version: int, log: list[int], n: int) -
     """Greedy decoding of `n` tokens on from `log` (prompt + tokens, the last one not yet fed)."""
     out = []
     for _ in range(n):
-        token = step_all(cores, version, [entry(len(log) - 1, (log[-1],))])[-1].sampled[0].token_id
+        token = run_step(cores, version, [entry(len(log) - 1, (log[-1],))])[-1].sampled[0].token_id
         out.append(token)
         log = [*log, token]
     return out
@@ -88,7 +65,7 @@ def decode(cores: list[StageWorkerCore], version: int, log: list[int], n: int) -
 
 def prefill(cores: list[StageWorkerCore], version: int) -> list[int]:
     """The prompt and two decoded tokens through the mesh: the log, its last token not fed yet."""
-    first = step_all(cores, version, [entry(0, PROMPT)])[-1].sampled[0].token_id
+    first = run_step(cores, version, [entry(0, PROMPT)])[-1].sampled[0].token_id
     log = [*PROMPT, first]
     return [*log, *decode(cores, version, log, 1)]
 
@@ -116,7 +93,7 @@ def test_a_replaced_last_stage_is_fed_from_the_first_stages_activation_log(model
     forwards = count_forwards(w0)
     # Replay the cached positions on stage 1 only: stage 0 sends what it recorded, and computes nothing.
     replay = entry(0, tuple(log[:-1]), sample=False, first=1)
-    results = step_all([w0, w2], 6, [replay])
+    results = run_step([w0, w2], 6, [replay])
     assert forwards() == 0 and results[0].comm.send_messages == 1 and not results[-1].sampled
     reference = reference_greedy(model, list(PROMPT), 6)[0]
     assert log[len(PROMPT) :] + decode([w0, w2], 6, log, 4) == reference
@@ -132,7 +109,7 @@ def test_a_replaced_first_stage_replays_alone_and_the_last_stage_keeps_its_cache
     apply_all([w2, w1], mesh(model, 6, ("w2", "w1"), epoch=6, store_port=store.port))  # w0 drained
     forwards = count_forwards(w1)
     replay = entry(0, tuple(log[:-1]), sample=False, first=0, end=1)  # stage 0 only: it embeds the tokens
-    results = step_all([w2, w1], 6, [replay])
+    results = run_step([w2, w1], 6, [replay])
     assert forwards() == 0 and results[0].comm.send_messages == 0
     reference = reference_greedy(model, list(PROMPT), 6)[0]
     assert log[len(PROMPT) :] + decode([w2, w1], 6, log, 4) == reference
@@ -146,7 +123,7 @@ def test_a_replay_step_mixes_with_other_sequences_decoding(model: Path, store: d
     apply_all([w0, w2], mesh(model, 6, ("w0", "w2"), epoch=6, store_port=store.port))
     other = StepEntry("s", 2, 0, 3, (7, 8, 9), SamplingParams())  # a new request, on every stage
     replay = entry(0, tuple(log[:-1]), sample=False, first=1)
-    last = step_all([w0, w2], 6, [other, replay])[-1]
+    last = run_step([w0, w2], 6, [other, replay])[-1]
     assert [s.request_id for s in last.sampled] == ["s"]
     assert last.sampled[0].token_id == reference_greedy(model, [7, 8, 9], 1)[0][0]
     assert log[len(PROMPT) :] + decode([w0, w2], 6, log, 4) == reference_greedy(model, list(PROMPT), 6)[0]
@@ -163,7 +140,7 @@ def test_a_changed_shard_gets_a_new_cache(model: Path, store: dist.TCPStore) -> 
 def test_calibrating_over_kept_slots_renames_the_cache_and_reports_it(model: Path, store: dist.TCPStore) -> None:
     core = new_core("w0")
     apply_all([core], mesh(model, 2, ("w0",), epoch=2, store_port=store.port))
-    step_all([core], 2, [entry(0, PROMPT)])
+    run_step([core], 2, [entry(0, PROMPT)])
     apply_all([core], mesh(model, 3, ("w0",), epoch=3, store_port=store.port))
     kept = core.info()["kv_cache_id"]
     reported: list[str] = []

@@ -8,23 +8,21 @@ the old groups keep stepping without one.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import structlog
 import torch
 import torch.distributed as dist
 
 from shardmesh.core.step import SamplingParams, StepEntry
-from shardmesh.core.topology import HeldShard, ShardState, Topology
+from shardmesh.core.topology import HeldShard, ShardState
 from shardworker.process import WorkerProcess
 from shardworker.runtime import StageWorkerCore, StepResult
 from tests.checkpoints import make_checkpoint, reference_greedy
+from tests.unit.shardworker.cores import apply_all, new_core, new_store, run_step
 from tests.unit.shardworker.fakes import Events, FakeCoordinator, mesh
-from tests.waiting import WAIT_S, wait_until
+from tests.waiting import wait_until
 
 PROMPT = (1, 17, 5, 42)
 
@@ -34,53 +32,17 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("soft"), "llama-gqa-tied", num_layers=4, seed=3)
 
 
-def new_store(port: int = 0) -> dist.TCPStore:
-    """The rendezvous store, as a coordinator serves it."""
-    return dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
-
-
 @pytest.fixture
 def store() -> dist.TCPStore:
     return new_store()
 
 
-def new_core(worker_id: str) -> StageWorkerCore:
-    return StageWorkerCore(worker_id, torch.device("cpu"), structlog.wrap_logger(structlog.ReturnLogger()), 30.0)
-
-
-def apply_all(cores: list[StageWorkerCore], topology: Topology) -> None:
-    """Every core applies `topology` at once (forming groups needs all of them)."""
-    threads = [threading.Thread(target=core.apply, args=(topology,)) for core in cores]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S * 3)
-    assert all(core.state is ShardState.READY for core in cores), [core.detail for core in cores]
-
-
 def step_all(cores: list[StageWorkerCore], version: int, request_id: str = "r") -> list[StepResult]:
     """One prefill step of PROMPT through every stage at once; the results in stage order."""
-    entry = StepEntry(request_id, 0, 0, len(PROMPT), PROMPT, SamplingParams())
-    results: list[StepResult | BaseException | None] = [None] * len(cores)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = cores[i].step(version, [entry])
-        except BaseException as e:  # re-raised below, in the test's thread
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cores))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S * 3)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    assert all(isinstance(r, StepResult) for r in results), results
+    results = run_step(cores, version, [StepEntry(request_id, 0, 0, len(PROMPT), PROMPT, SamplingParams())])
     for core in cores:
         core.release([(request_id, 0)])
-    return results  # type: ignore[return-value]
+    return results
 
 
 def test_a_core_without_a_runtime_holds_nothing(model: Path, store: dist.TCPStore) -> None:
