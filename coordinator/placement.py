@@ -59,8 +59,9 @@ class WorkerView:
     draining: bool = False  # asked to leave: its slot goes to a spare, then it exits
     detail: str = ""  # why it is lost, or what its drain waits for
     prepared_rank: int | None = None  # a spare that says it has loaded this rank's weights
-    preparing_rank: int | None = None  # a spare asked to load this rank's weights (make-before-break)
+    preparing_rank: int | None = None  # a spare asked to load this rank's weights (make-before-break, or ahead)
     kv_cache_id: str = ""  # its KV cache as it last reported it (ShardAssignment.kv_cache_id)
+    ahead: bool = False  # preparing_rank is a hot spare's guess (`ahead_of_time`), not a drain's hand-over
 
 
 def empty_slots(pp: int, tp: int) -> Slots:
@@ -127,7 +128,9 @@ def hand_over(
         fitting = [c for c in queue if fits(workers[c].labels, need)]
         spare = next((c for c in fitting if prepared.get(c) == rank), None)
         spare = spare or next((c for c in fitting if workers[c].preparing_rank == rank), None)
-        spare = spare or next((c for c in fitting if workers[c].preparing_rank is None), None)
+        # A hot spare that loaded another rank ahead of time is still free for this one; one that prepares
+        # another drain's slot is not.
+        spare = spare or next((c for c in fitting if workers[c].preparing_rank is None or workers[c].ahead), None)
         if spare is None and not workers[holder].draining:  # a lost slot is more urgent than another's drain
             spare = next(iter(fitting), None)
         if spare is None:
@@ -139,6 +142,43 @@ def hand_over(
         out[rank] = spare
         moves.append((rank, holder, spare))
     return tuple(out), moves, prepares
+
+
+def ahead_of_time(
+    num_ranks: int, spares: Sequence[str], workers: Mapping[str, WorkerView], busy: Mapping[str, int],
+    requires: Sequence[Labels] | None = None,
+) -> dict[str, int]:  # fmt: skip
+    """The rank each idle spare should load ahead of time (a hot spare), so that taking a lost slot of that rank
+    costs no load: the spare joins the next epoch with the weights and an empty KV cache already in memory.
+
+    `busy` maps spares already preparing a drain's slot to that rank; they are not idle, but their rank counts as
+    covered. A spare keeps the rank it has while that rank still exists and fits its labels (reloading would only
+    cost memory bandwidth); the others take, round-robin, the ranks the fewest spares cover (lowest rank first),
+    so that n spares cover n different ranks."""
+    cover = [0] * num_ranks
+    for rank in busy.values():
+        if 0 <= rank < num_ranks:
+            cover[rank] += 1
+    out: dict[str, int] = {}
+    idle = [s for s in spares if s not in busy]
+
+    def allowed(spare: str, rank: int) -> bool:
+        return fits(workers[spare].labels, requires[rank] if requires else ())
+
+    for spare in idle:  # first, the spares whose earlier guess still holds
+        rank = workers[spare].preparing_rank
+        if workers[spare].ahead and rank is not None and rank < num_ranks and allowed(spare, rank):
+            out[spare] = rank
+            cover[rank] += 1
+    for spare in idle:
+        if spare in out:
+            continue
+        options = [r for r in range(num_ranks) if allowed(spare, r)]
+        if options:
+            rank = min(options, key=lambda r: (cover[r], r))
+            out[spare] = rank
+            cover[rank] += 1
+    return out
 
 
 def claimed_rank(held: HeldShard | None, pp: int, tp: int, split: Split) -> int | None:
@@ -226,8 +266,10 @@ def build_topology(
     split: Split | None = None,
     requires: Sequence[Labels] | None = None,
     calibration: Calibration | None = None,
+    kv_from: Mapping[int, str] | None = None,
 ) -> Topology:
-    """The topology that `slots` and the workers' reports describe; `split` defaults to an even one."""
+    """The topology that `slots` and the workers' reports describe; `split` defaults to an even one. `kv_from`
+    maps a rank just handed over from a serving worker to that worker (ShardAssignment.kv_from)."""
     if len(slots) != pp * tp:
         raise ValueError(f"expected {pp * tp} slots for pp={pp} tp={tp}, got {len(slots)}")
     split = split or tuple(split_layers(model.num_layers, pp))
@@ -243,7 +285,8 @@ def build_topology(
             shards.append(ShardAssignment(t, rank, worker.worker_id if worker else "", worker.address if worker else "",
                                           shard_state(worker, epoch), worker.labels if worker else (),
                                           requires[rank] if requires else (),
-                                          worker.kv_cache_id if worker else ""))  # fmt: skip
+                                          worker.kv_cache_id if worker else "",
+                                          (kv_from or {}).get(rank, "") if worker else ""))  # fmt: skip
         stages.append(Stage(s, start, end, tuple(shards)))
     rendezvous = Rendezvous.for_epoch(store_host, store_port, epoch, pp * tp) if epoch is not None else None
     complete = rendezvous is not None and all(sh.state is ShardState.READY for st in stages for sh in st.shards)

@@ -141,6 +141,15 @@ class HeartbeatReport:
 
 
 @dataclass(frozen=True)
+class Preparing:
+    """A spare asked to load the weights of `rank`: for a drain's hand-over, or `ahead` of any need (a hot spare)."""
+
+    rank: int
+    since: float  # monotonic seconds: a drain hands over after PREPARE_TIMEOUT_S regardless
+    ahead: bool = False
+
+
+@dataclass(frozen=True)
 class WorkerRecord:
     """Everything the coordinator remembers about one worker. Replaced, never mutated."""
 
@@ -161,14 +170,15 @@ class WorkerRecord:
     detail: str = ""  # why it is lost, or what its drain waits for
     lost_at: float = 0.0
     prepared_rank: int | None = None  # a spare: the rank whose weights it reports loaded
-    preparing: tuple[int, float] | None = None  # a spare asked to load this rank's weights, since when
+    preparing: Preparing | None = None  # a spare asked to load a rank's weights
     kv_cache_id: str = ""  # as last reported: published with the slot it holds
 
     def view(self) -> placement.WorkerView:
         return placement.WorkerView(self.worker_id, self.address, self.incarnation, self.reported,
                                     self.applied_version, self.timed_out, self.labels, self.pid, self.draining,
                                     self.detail, self.prepared_rank,
-                                    self.preparing[0] if self.preparing else None, self.kv_cache_id)  # fmt: skip
+                                    self.preparing.rank if self.preparing else None, self.kv_cache_id,
+                                    self.preparing.ahead if self.preparing else False)  # fmt: skip
 
 
 class Registry:
@@ -226,6 +236,9 @@ class Registry:
         self._memory_check = memory_check if requires is None else None
         self._target = (pp, self._split)  # the planned pipeline, which the mesh grows back to
         self._replan_after, self._regrow_interval = replan_after, regrow_interval
+        # A rank handed over from a serving worker -> (that worker, the new holder): the new holder copies its KV
+        # cache at the next rendezvous (ShardAssignment.kv_from), so the gateway replays nothing on that stage.
+        self._kv_from: dict[int, tuple[str, str]] = {}
         self._stuck_since: float | None = None  # since when a slot has had no holder that serves
         self._last_replan = float("-inf")
         self._replan_blocked = ""  # why the survivors cannot take the model over, for status
@@ -455,24 +468,35 @@ class Registry:
             if old is None and new is not None:
                 self._emit("slot_assigned", worker_id=new, rank=rank, stage=rank // self._tp, tp_rank=rank % self._tp)
         now = self._clock()
-        prepared = {w: r.preparing[0] for w, r in self._workers.items()  # asked long ago: hand over regardless
-                    if r.preparing and now - r.preparing[1] >= PREPARE_TIMEOUT_S}  # fmt: skip
+        prepared = {w: r.preparing.rank for w, r in self._workers.items()  # asked long ago: hand over regardless
+                    if r.preparing and not r.preparing.ahead
+                    and now - r.preparing.since >= PREPARE_TIMEOUT_S}  # fmt: skip
         prepared |= {w: r.prepared_rank for w, r in self._workers.items() if r.prepared_rank is not None}
         free = [s for s in spares if s not in self._slots]
         self._slots, moves, prepares = placement.hand_over(self._slots, views, free, self._requires, prepared)
-        asked = dict((spare, rank) for rank, spare in prepares)
+        asked = {spare: (rank, False) for rank, spare in prepares}
+        idle = [s for s in free if s not in self._slots]
+        ahead = placement.ahead_of_time(len(self._slots), idle, views, {s: r for s, (r, _) in asked.items()},
+                                        self._requires)  # fmt: skip
+        asked |= {spare: (rank, True) for spare, rank in ahead.items() if spare not in asked}
         for worker_id, record in self._workers.items():
-            rank = asked.get(worker_id)
-            if rank is None and record.preparing is not None:
-                self._workers[worker_id] = replace(record, preparing=None)
-            elif rank is not None and (record.preparing is None or record.preparing[0] != rank):
-                self._workers[worker_id] = replace(record, preparing=(rank, now))
-                self._emit("spare_preparing", worker_id=worker_id, rank=rank, stage=rank // self._tp,
-                           tp_rank=rank % self._tp)  # fmt: skip
+            want, was = asked.get(worker_id), record.preparing
+            if want is None:
+                if was is not None:
+                    self._workers[worker_id] = replace(record, preparing=None)
+            elif was is None or (was.rank, was.ahead) != want:
+                # A drain's deadline counts from when the drain asked, even if the spare loaded the rank ahead.
+                self._workers[worker_id] = replace(record, preparing=Preparing(want[0], now, want[1]))
+                self._emit("spare_preparing", worker_id=worker_id, rank=want[0], stage=want[0] // self._tp,
+                           tp_rank=want[0] % self._tp, ahead=want[1])  # fmt: skip
         for rank, old, new in moves:
             why = "draining" if views[old].draining else "lost"
             self._emit("slot_handed_over", rank=rank, stage=rank // self._tp, tp_rank=rank % self._tp, old=old,
-                       new=new, reason=why)  # fmt: skip
+                       new=new, reason=why, kv_from=old if self._can_send_kv(views[old]) else None)  # fmt: skip
+            if self._can_send_kv(views[old]):
+                self._kv_from[rank] = (old, new)
+            else:
+                self._kv_from.pop(rank, None)
         self._maybe_replan(views, by_seq)
         for worker_id, record in self._workers.items():  # what each drain waits for
             if record.draining:
@@ -484,7 +508,8 @@ class Registry:
         if worker_id not in self._slots:
             return "slot handed over; exiting"
         rank = self._slots.index(worker_id)
-        preparing = next((w for w, r in self._workers.items() if r.preparing and r.preparing[0] == rank), None)
+        preparing = next((w for w, r in self._workers.items()
+                          if r.preparing and not r.preparing.ahead and r.preparing.rank == rank), None)  # fmt: skip
         if preparing is not None:
             return f"serving until {preparing} has loaded stage {rank // self._tp} tp rank {rank % self._tp}"
         blocked = self._replan_blocked and f"; the other workers cannot take the model over: {self._replan_blocked}"
@@ -498,7 +523,8 @@ class Registry:
         if self._memory_check is None or self._recovering():
             return
         now = self._clock()
-        handing_over = {w.preparing[0] for w in self._workers.values() if w.preparing}  # a spare is on its way
+        handing_over = {w.preparing.rank for w in self._workers.values()  # a spare is on its way
+                        if w.preparing and not w.preparing.ahead}  # fmt: skip
         stuck = [r for r, h in enumerate(self._slots)
                  if h is None or (placement.leaving(views[h]) and r not in handing_over)]  # fmt: skip
         if not stuck:
@@ -547,6 +573,7 @@ class Registry:
             store_host=self._store_host, store_port=self._store_port, slots=self._slots,
             workers={w.worker_id: w.view() for w in ordered}, epoch=epoch, split=self._split,
             requires=self._requires, calibration=self._calibration,
+            kv_from={rank: old for rank, (old, _) in self._kv_from.items()},
         )  # fmt: skip
 
     def _devices(self) -> tuple[tuple[str, str], ...]:
@@ -584,7 +611,25 @@ class Registry:
         self._emit("placement_adopted", epoch=epoch, carried_over=self._calibration is not None)
         return epoch
 
+    @staticmethod
+    def _can_send_kv(old: placement.WorkerView) -> bool:
+        """Whether a slot's old holder can still send its KV cache to the new one: it is leaving in order (a drain),
+        alive and was serving. A lost holder's cache is gone with it: the gateway replays instead."""
+        return old.draining and not old.timed_out and old.reported is ShardState.READY
+
+    def _prune_kv_from(self) -> None:
+        """Forget a hand-over's KV source once it can no longer matter: the new holder left the slot or reported
+        READY in the current epoch (it received the cache, or gave up and replays), or the old holder is gone."""
+        for rank, (old, new) in list(self._kv_from.items()):
+            holder, sender = self._workers.get(new), self._workers.get(old)
+            moved_on = rank >= len(self._slots) or self._slots[rank] != new or holder is None
+            ready = holder is not None and holder.reported is ShardState.READY and self._epoch is not None \
+                and holder.applied_version >= self._epoch  # fmt: skip
+            if moved_on or ready or sender is None or sender.timed_out:
+                del self._kv_from[rank]
+
     def _publish_if_changed(self, reason: str) -> Topology:
+        self._prune_kv_from()
         current = self.store.current()
         key = placement.placement_key(self._split, self._slots, {k: w.view() for k, w in self._workers.items()})
         version = max(current.version, self._floor) + 1

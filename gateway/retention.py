@@ -1,9 +1,11 @@
 """Which stages of a new mesh still hold a resuming sequence's KV cache, and so what its replay must cover.
 
 A worker keeps its KV cache across rendezvous epochs while its shard is unchanged, and publishes the cache's
-id in the topology (`ShardAssignment.kv_cache_id`; a new id whenever the contents are not the old ones). So a
-stage whose every tensor-parallel shard shows the same worker and the same id in the new mesh as in the mesh
-the sequence ran on still holds the sequence's keys and values, in the same slot, up to what was cached. The
+id in the topology (`ShardAssignment.kv_cache_id`; a new id whenever the contents are not the old ones). A slot
+handed over from a serving worker takes the cache with it (`ShardAssignment.kv_from`): the new holder receives
+the contents and adopts the id. So a stage whose every tensor-parallel shard shows the same id in the new mesh as
+in the mesh the sequence ran on, on whichever worker, still holds the sequence's keys and values, in the same
+slot, up to what was cached. The
 other stages lost them: the sequence replays its cached positions on the smallest range of stages covering
 them (`BatchEntry.first_stage`, `end_stage`); the stage before that range resends what it recorded (its
 activation log), and the stages after it skip the replay. No stage lost: nothing is replayed at all.
@@ -48,6 +50,6 @@ def lost_stages(old: MeshView, new: MeshView) -> StageRange | None:
     lost = {
         b.stage
         for a, b in zip(old.shards, new.shards, strict=True)
-        if not a.kv_cache_id or (a.worker_id, a.kv_cache_id) != (b.worker_id, b.kv_cache_id)
+        if not a.kv_cache_id or a.kv_cache_id != b.kv_cache_id
     }
     return StageRange(min(lost), max(lost) + 1) if lost else None

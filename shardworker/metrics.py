@@ -90,7 +90,7 @@ class _ShardCollector:
 
     def collect(self) -> Iterator[Any]:
         import psutil
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         i = self._info()
         rss = self._process.memory_info().rss
@@ -124,6 +124,11 @@ class _ShardCollector:
         )  # fmt: skip
         info.add_metric([self._worker_id(), i["state"].value, *where], 1)
         yield info
+        moved = CounterMetricFamily("shardmesh_kv_moved_bytes", "KV-cache bytes moved to or from another worker when "
+                                    "a slot was handed over (instead of replaying)", labels=["direction"])  # fmt: skip
+        for direction, value in sorted(i.get("kv_moved_bytes", {}).items()):
+            moved.add_metric([direction], value)
+        yield moved
 
 
 def record_step_spans(

@@ -179,11 +179,12 @@ class WorkerProcess:
             if topology is None or topology.version <= applied or self.stopping.is_set():
                 continue
             applied = topology.version
+            assert self.core is not None
+            self.core.hand_off(topology)  # our slot went to another worker: our KV cache goes with it
             if should_exit(topology, self.worker_id):
                 self.log.info("drained", worker_id=self.worker_id, version=topology.version)
                 self.exit_requested.set()
                 return
-            assert self.core is not None
             self.core.apply(topology)
             self.core.prepare(topology)  # a spare asked to load a draining worker's slot ahead of the hand-over
             self._heartbeat_once()  # report the new state at once rather than at the next tick

@@ -24,12 +24,14 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from shardmesh.core.config import ModelConfig
 from shardmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.step import Sampled, SamplingParams, Segment, StepEntry
 from shardmesh.core.topology import HeldShard, Rendezvous, ServingLimits, ShardState, Topology
+from shardmesh.engine import kv_transfer
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.groups import Backend, ShardGroups, form_groups
 from shardmesh.engine.kv_cache import ActivationLog, KVCache
@@ -56,6 +58,7 @@ class Placement:
     limits: ServingLimits
     model_path: str
     dtype: str
+    kv_from: str = ""  # the serving worker this slot was handed over from: its KV cache is copied at the join
 
     @classmethod
     def of(cls, topology: Topology, worker_id: str) -> Placement | None:
@@ -65,7 +68,11 @@ class Placement:
         stage, shard = found
         spec = ShardSpec(stage.layer_start, stage.layer_end, topology.model.num_layers, shard.tp_rank, topology.tp)
         return cls(spec, stage.index, topology.pp, topology.rendezvous, topology.limits, topology.model.path,
-                   topology.model.dtype)  # fmt: skip
+                   topology.model.dtype, shard.kv_from)  # fmt: skip
+
+    @property
+    def rank(self) -> int:
+        return self.stage * self.spec.tp_size + self.spec.tp_rank
 
 
 @dataclass
@@ -132,10 +139,29 @@ class _Caches:
     cache_id: str  # names this KV cache: a new one whenever its contents are not the old ones
     seeds: dict[str, int] = field(default_factory=dict)  # for sampled requests that came without a seed
     slots: dict[int, str] = field(default_factory=dict)  # occupied KV slot -> request id
+    lengths: dict[int, int] = field(default_factory=dict)  # occupied slot -> positions written (a hand-over sends them)
+
+    def rows(self, slot: int, length: int) -> list[Tensor]:
+        """Views of what this shard holds for positions [0, length) of `slot` (`engine.kv_transfer.SlotRows`)."""
+        out = [self.kv.data[:, :, slot, :, :length]]
+        if self.log is not None:
+            out.append(self.log.data[slot, :length])
+        return out
+
+    def header(self) -> kv_transfer.Header:
+        slots = tuple((slot, request_id, self.lengths.get(slot, 0)) for slot, request_id in sorted(self.slots.items()))
+        return kv_transfer.Header(kv_transfer.key_digest(self.key), self.cache_id, slots, dict(self.seeds))
 
 
 def _cache_key(p: Placement) -> tuple[Any, ...]:
-    return p.spec, p.num_stages, p.model_path, p.dtype, p.limits.kv_slots, p.limits.max_context
+    return _key_of(p.spec, p.num_stages, p.model_path, p.dtype, p.limits)
+
+
+def _key_of(spec: ShardSpec, num_stages: int, model_path: str, dtype: str, limits: ServingLimits) -> tuple[Any, ...]:
+    return spec, num_stages, model_path, dtype, limits.kv_slots, limits.max_context
+
+
+KV_TRANSFER_TIMEOUT_S = 10.0  # connecting to the other side of a hand-over, and each message after that
 
 
 def _new_cache_id() -> str:
@@ -173,6 +199,9 @@ class StageWorkerCore:
         self.applied_version = 0
         self.detail = ""
         self.prepared_rank: int | None = None  # a spare: the slot whose weights it loaded ahead (`prepare`)
+        self._prepared_key: tuple[Any, ...] | None = None  # and the cache key it allocated for
+        self.kv_moved = {"sent": 0, "received": 0}  # KV-cache bytes moved in hand-overs (`hand_off`, `_receive`)
+        self._transfers: set[tuple[str, str, int]] = set()  # (sender, receiver, rank) tried: each happens once
         self.stats = StepStats()
         self._model: Transformer | None = None
         self._loaded_spec: tuple[Any, ...] | None = None  # what _model was built for
@@ -269,25 +298,33 @@ class StageWorkerCore:
 
     def prepare(self, topology: Topology) -> None:
         """Load the weights of the slot this spare is asked to prepare (`MeshWorker.preparing_rank`: a drain
-        waiting to hand its slot over), so that taking the slot costs no load: make-before-break. Sets
-        `prepared_rank`, which the heartbeat reports."""
+        waiting to hand its slot over, or a hot spare's rank) and allocate its KV cache, so that taking the slot
+        costs neither: make-before-break. Sets `prepared_rank`, which the heartbeat reports."""
         me = topology.worker(self.worker_id)
         rank = me.preparing_rank if me is not None else None
-        if rank is None or self._runtime is not None or rank == self.prepared_rank:
+        if rank is None or self._runtime is not None or rank >= topology.pp * topology.tp:
             return
         stage = topology.stages[rank // topology.tp]
         spec = ShardSpec(stage.layer_start, stage.layer_end, topology.model.num_layers, rank % topology.tp,
                          topology.tp)  # fmt: skip
-        model = topology.model
+        model, limits = topology.model, topology.limits
+        key = _key_of(spec, topology.pp, model.path, model.dtype, limits)
+        if (rank, key) == (self.prepared_rank, self._prepared_key):
+            return
+        t0 = time.perf_counter()
         with self._lock:
+            self._kept = None  # another rank's cache, if any: free it before allocating this one
             try:
                 with heap.loading():
-                    self._on_compute(self._load_shard, spec, model.path, model.dtype, topology.limits.max_context)
+                    loaded = self._on_compute(self._load_shard, spec, model.path, model.dtype, limits.max_context)
+                    self._kept = self._on_compute(self._new_caches, key, stage.index == topology.pp - 1, limits,
+                                                  loaded)  # fmt: skip
             except Exception as e:  # the drain then hands over after its deadline; the load is tried again there
                 self.log.error("prepare_failed", rank=rank, error=f"{type(e).__name__}: {e}")
                 return
-            self.prepared_rank = rank
-        self.log.info("prepared", rank=rank, stage=stage.index, layers=[spec.layer_start, spec.layer_end])
+            self.prepared_rank, self._prepared_key = rank, key
+        self.log.info("prepared", rank=rank, stage=stage.index, layers=[spec.layer_start, spec.layer_end],
+                      kv_cache_bytes=self._kept.kv.nbytes, seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
 
     def _join(self, p: Placement, model: Transformer) -> _Runtime:
         r = p.rendezvous
@@ -300,20 +337,92 @@ class StageWorkerCore:
         # communicator at a group's first use, through the store: one first used after the restart fails like a
         # lost peer, and the next epoch heals it.)
         store = dist.TCPStore(r.host, r.port, None, False, timeout=self.backend.timeout)
+        caches, self._kept = self._kept, None  # `apply` kept them only if they fit `p`
+        fresh = caches is None or not (caches.slots or caches.lengths)
+        caches = caches or self._new_caches(_cache_key(p), p.stage == p.num_stages - 1, p.limits, model)
+        transfer = (p.kv_from, self.worker_id, p.rank)
+        if p.kv_from and p.kv_from != self.worker_id and fresh and transfer not in self._transfers:
+            self._transfers.add(transfer)
+            self._receive(store, caches, p)
         groups = form_groups(store, r.prefix, p.spec, p.stage, p.num_stages, self.backend)
         bind_group(model, groups.tp)
-        caches, self._kept = self._kept, None  # `apply` kept them only if they fit `p`
-        caches = caches or self._new_caches(p, model)
         engine = StageEngine(model, groups, caches.kv, self.device, caches.log)
         return _Runtime(p, engine, r.epoch, caches, order=StepOrder(self.order_timeout_s))
 
-    def _new_caches(self, p: Placement, model: Transformer) -> _Caches:
+    def _new_caches(self, key: tuple[Any, ...], last_stage: bool, limits: ServingLimits,
+                    model: Transformer) -> _Caches:  # fmt: skip
         dtype = next(model.parameters()).dtype
-        kv = model.make_cache(p.limits.kv_slots, dtype, self.device)
+        kv = model.make_cache(limits.kv_slots, dtype, self.device)
         log = None
-        if p.stage < p.num_stages - 1:
-            log = ActivationLog(p.limits.kv_slots, p.limits.max_context, model.cfg.hidden_size, dtype, self.device)
-        return _Caches(_cache_key(p), kv, log, _new_cache_id())
+        if not last_stage:
+            log = ActivationLog(limits.kv_slots, limits.max_context, model.cfg.hidden_size, dtype, self.device)
+        return _Caches(key, kv, log, _new_cache_id())
+
+    # ---- hand-overs: the KV cache goes with the slot ----------------------------------------------------
+
+    def _pair(self, store: dist.Store, sender: str, receiver: str, rank: int, me: int) -> dist.ProcessGroup:
+        """The two-rank group of one hand-over: named after both workers and the slot, which are paired once."""
+        backend = Backend(self.backend.name, timedelta(seconds=KV_TRANSFER_TIMEOUT_S))
+        return backend.group(store, f"kv/{sender}/{receiver}/rank{rank}", me, 2)
+
+    def _receive(self, store: dist.Store, caches: _Caches, p: Placement) -> None:
+        """Take the KV cache (and activation log) of the worker this slot was handed over from, and its id, so
+        the gateway finds this stage's cache kept and replays nothing here. On failure the cache stays empty
+        under a new id, and the gateway replays this stage instead. Compute thread."""
+        t0 = time.perf_counter()
+        try:
+            pg = self._pair(store, p.kv_from, self.worker_id, p.rank, 1)
+            header, received = kv_transfer.receive(pg, kv_transfer.key_digest(caches.key), caches.rows, self.device)
+        except (RuntimeError, ValueError) as e:  # the sender died, or its cache was sized for another shard
+            self.log.warning("kv_receive_failed", source=p.kv_from, rank=p.rank, error=f"{type(e).__name__}: {e}")
+            return
+        caches.cache_id, caches.seeds = header.cache_id, dict(header.seeds)
+        caches.slots = {slot: request_id for slot, request_id, _ in header.slots}
+        caches.lengths = {slot: length for slot, _, length in header.slots}
+        self.kv_moved["received"] += received
+        self.log.info("kv_received", source=p.kv_from, rank=p.rank, sequences=len(header.slots), bytes=received,
+                      tokens=sum(n for _, _, n in header.slots), kv_cache_id=header.cache_id,
+                      seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+
+    def hand_off(self, topology: Topology) -> None:
+        """Send this worker's KV cache to the worker its slot was handed to (ShardAssignment.kv_from names us),
+        then hold no shard: a step that still reaches this worker is refused, so nothing is computed here that
+        the new holder would lack. Blocks until sent, or until the receiver is given up on."""
+        r = topology.rendezvous
+        if r is None:
+            return
+        for stage in topology.stages:
+            for shard in stage.shards:
+                transfer = (self.worker_id, shard.worker_id, shard.rank)
+                if shard.kv_from != self.worker_id or shard.vacant or transfer in self._transfers:
+                    continue
+                self._transfers.add(transfer)
+                with self._lock:  # after the step running now: its positions are then in the cache we send
+                    rt = self._runtime
+                    caches = rt.caches if rt is not None else self._kept
+                    if rt is not None:
+                        rt.order.close(f"this worker handed its shard over to {shard.worker_id}")
+                    self._runtime, self._kept = None, None
+                    self.state, self.detail = ShardState.PENDING, f"shard handed over to {shard.worker_id}"
+                if caches is None:
+                    self.log.warning("kv_send_skipped", target=shard.worker_id, rank=shard.rank, why="no cache held")
+                    continue
+                self._send(r, caches, shard.worker_id, shard.rank)
+
+    def _send(self, r: Rendezvous, caches: _Caches, receiver: str, rank: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            store = dist.TCPStore(r.host, r.port, None, False, timeout=timedelta(seconds=KV_TRANSFER_TIMEOUT_S))
+            pg = self._pair(store, self.worker_id, receiver, rank, 0)
+            with self._slots_lock:
+                header = caches.header()
+            sent = self._on_compute(kv_transfer.send, pg, header, caches.rows, self.device)
+        except RuntimeError as e:  # the receiver never came, or died: it replays instead
+            self.log.warning("kv_send_failed", target=receiver, rank=rank, error=f"{type(e).__name__}: {e}")
+            return
+        self.kv_moved["sent"] += sent
+        self.log.info("kv_sent", target=receiver, rank=rank, sequences=len(header.slots), bytes=sent,
+                      seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
 
     # ---- steps ---------------------------------------------------------------------------------------
 
@@ -353,6 +462,10 @@ class StageWorkerCore:
                 rt.slots[e.slot] = e.request_id
         p = rt.placement
         computed = [e for e in entries if e.computed_by(p.stage, p.num_stages)]
+        with self._slots_lock:  # how far each slot's cache is written here: what a hand-over sends
+            for e in computed:
+                end, held = e.start_pos + e.num_tokens, rt.caches.lengths.get(e.slot, 0)
+                rt.caches.lengths[e.slot] = end if e.start_pos == 0 else max(end, held)
         batch = BatchLayout.build([Segment(e.slot, e.start_pos, e.num_tokens) for e in computed], self.device) \
             if computed else None  # fmt: skip
         ids = torch.tensor([t for e in computed for t in e.token_ids]) if rt.engine.is_first and computed else None
@@ -461,6 +574,7 @@ class StageWorkerCore:
                 rt.seeds.pop(request_id, None)
                 if rt.slots.get(slot) == request_id:
                     del rt.slots[slot]
+                    rt.caches.lengths.pop(slot, None)
             return rt.placement.limits.kv_slots - len(rt.slots)
 
     # ---- reporting -----------------------------------------------------------------------------------
@@ -483,7 +597,7 @@ class StageWorkerCore:
             "state": self.state, "applied_version": self.applied_version, "detail": self.detail,
             "weights_bytes": _nbytes(model) if model is not None else 0, "kv_cache_bytes": 0,
             "total_slots": 0, "free_slots": 0, "active_sequences": 0, "placement": None, "max_context": 0,
-            "kv_cache_id": "",
+            "kv_cache_id": "", "kv_moved_bytes": dict(self.kv_moved),
         }  # fmt: skip
         if rt is not None:
             kv = rt.placement.limits.kv_slots

@@ -91,6 +91,7 @@ class ShardAssignment:
     labels: tuple[tuple[str, str], ...] = ()  # the holder's registration labels, sorted by key
     requires: tuple[tuple[str, str], ...] = ()  # labels a worker needs to hold this slot (from the plan)
     kv_cache_id: str = ""  # the holder's KV cache as it last reported it (kept across epochs): see the proto
+    kv_from: str = ""  # the serving worker this slot was handed over from, whose KV cache the holder copies
 
     @property
     def vacant(self) -> bool:
@@ -103,13 +104,14 @@ class ShardAssignment:
         return coordinator_pb2.ShardAssignment(
             tp_rank=self.tp_rank, rank=self.rank, worker_id=self.worker_id, address=self.address,
             state=self.state.to_pb(), labels=dict(self.labels), requires=dict(self.requires),
-            kv_cache_id=self.kv_cache_id,
+            kv_cache_id=self.kv_cache_id, kv_from=self.kv_from,
         )  # fmt: skip
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.ShardAssignment) -> ShardAssignment:
         return cls(pb.tp_rank, pb.rank, pb.worker_id, pb.address, ShardState.from_pb(pb.state),
-                   tuple(sorted(pb.labels.items())), tuple(sorted(pb.requires.items())), pb.kv_cache_id)  # fmt: skip
+                   tuple(sorted(pb.labels.items())), tuple(sorted(pb.requires.items())), pb.kv_cache_id,
+                   pb.kv_from)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ purpose: a fail-over path that no test exercises rots.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -126,11 +127,17 @@ def test_a_drained_worker_hands_over_and_exits_0(mesh: Mesh, reference: dict[str
         assert done.returncode == 0, done.stderr
         drained.append(done.returncode)
 
+    seen = len(mesh.log("gateway"))
     assert during_streams(mesh, drain) == reference
     assert drained == [0] and mesh.holder(0, 0) == spare
     process.wait(timeout=MESH_WAIT_S)  # it exits (its status is `up`'s to see: `up` does not restart a status-0 exit)
     assert victim not in workers(mesh)
-    assert '"event": "drained"' in mesh.log(f"worker{victim.removeprefix('worker-')}")
+    victim_log = mesh.log(f"worker{victim.removeprefix('worker-')}")
+    assert '"event": "drained"' in victim_log and '"event": "kv_sent"' in victim_log
+    # The KV cache went with the slot, under its id: the requests that were running resume replaying nothing.
+    assert '"event": "kv_received"' in mesh.log(f"worker{spare.removeprefix('worker-')}")
+    resumed = [json.loads(line) for line in mesh.log("gateway")[seen:].splitlines() if '"request_resuming"' in line]
+    assert all(r["replay_tokens"] == 0 for r in resumed), resumed
 
 
 def test_the_mesh_serves_through_a_killed_coordinator(mesh: Mesh, reference: dict[str, list[int]]) -> None:

@@ -357,7 +357,8 @@ class HeartbeatRequest(_message.Message):
     """Human-readable note for logs, e.g. why the worker is UNHEALTHY; not interpreted."""
     prepared_rank: _builtins.int
     """A spare asked to prepare a slot (MeshWorker.preparing_rank) sets this once that slot's weights are
-    loaded: the coordinator then hands the slot over (make-before-break).
+    loaded and its KV cache allocated: the coordinator then hands a draining holder's slot over
+    (make-before-break), and prefers this spare when the rank's holder is lost.
     """
     kv_cache_id: _builtins.str
     """The identity of the worker's KV cache (ShardAssignment.kv_cache_id); empty while it holds none."""
@@ -635,8 +636,10 @@ class MeshWorker(_message.Message):
     detail: _builtins.str
     """Why it is in that state when that is not obvious (e.g. what a drain waits for)."""
     preparing_rank: _builtins.int
-    """Set on a spare that should load the weights of this global rank's slot now, while the slot's holder
-    (draining) keeps serving: the slot is handed over once the spare reports it prepared.
+    """Set on a spare that should load the weights of this global rank's slot now (and allocate its KV cache):
+    either while the slot's holder (draining) keeps serving, and the slot is handed over once the spare
+    reports it prepared (make-before-break); or ahead of time, as a hot spare, so that taking over a lost
+    holder's slot of this rank costs no load. Idle spares are spread over the ranks round-robin.
     """
     def __init__(
         self,
@@ -718,6 +721,7 @@ class ShardAssignment(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     REQUIRES_FIELD_NUMBER: _builtins.int
     KV_CACHE_ID_FIELD_NUMBER: _builtins.int
+    KV_FROM_FIELD_NUMBER: _builtins.int
     tp_rank: _builtins.int
     """Tensor-parallel rank within the stage, in [0, tp)."""
     rank: _builtins.int
@@ -734,6 +738,13 @@ class ShardAssignment(_message.Message):
     (layers, tp rank, slots, context) is unchanged, so a gateway that finds the same id for every shard of a
     stage before and after a change knows the stage still holds every running sequence's keys and values:
     it replays a lost sequence's log only on the stages whose id changed (BatchEntry.first_stage).
+    """
+    kv_from: _builtins.str
+    """The worker this slot was handed over from while that worker was still serving (a drain, or a move onto a
+    faster worker): at the rendezvous of this epoch the new holder receives the old holder's KV cache (and
+    activation log) over a two-rank process group named `<rendezvous prefix>/kv/<rank>`, adopts its
+    kv_cache_id, and so nothing is replayed on this stage. Empty when the old holder is gone (a lost worker: the
+    gateway replays instead), and once the new holder has reported READY in this epoch.
     """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -758,10 +769,11 @@ class ShardAssignment(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         requires: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         kv_cache_id: _builtins.str = ...,
+        kv_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "kv_cache_id", b"kv_cache_id", "labels", b"labels", "rank", b"rank", "requires", b"requires", "state", b"state", "tp_rank", b"tp_rank", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "kv_cache_id", b"kv_cache_id", "kv_from", b"kv_from", "labels", b"labels", "rank", b"rank", "requires", b"requires", "state", b"state", "tp_rank", b"tp_rank", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -97,3 +97,15 @@ def test_build_topology_partial_and_unhealthy() -> None:
     sick = _build(("a", "b", "c", "d"), workers, epoch=7)
     assert sick.rendezvous is not None and not sick.complete
     assert sick.stages[1].shards[1].state is UNHEALTHY
+
+
+def test_hot_spares_spread_over_the_ranks_their_labels_allow() -> None:
+    workers = {w: view(w) for w in ("a", "b", "c", "d")}
+    workers["c"] = WorkerView("c", "10.0.0.1:1", 1, READY, 0, False, labels=(("node", "x"),))
+    workers["d"] = WorkerView("d", "10.0.0.1:2", 1, READY, 0, False, preparing_rank=2, ahead=True)
+    requires = ((), (("node", "x"),), (), ())
+    # "a" prepares a drain's rank 0; "d" keeps its earlier guess (2); "b" takes the first uncovered rank it may
+    # hold (3: rank 1 needs node x); "c", the only one allowed there, takes rank 1.
+    ahead = placement.ahead_of_time(4, ["a", "b", "c", "d"], workers, {"a": 0}, requires)
+    assert ahead == {"d": 2, "b": 3, "c": 1}
+    assert placement.ahead_of_time(2, ["b"], workers, {}, None) == {"b": 0}

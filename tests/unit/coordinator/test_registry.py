@@ -442,3 +442,42 @@ def test_a_drain_hands_over_without_the_spare_saying_so_after_a_deadline_and_los
         _beat(reg, w, PENDING, applied=0)
     reg.expire()
     assert reg.store.current().find("s2")[1].rank == 0  # type: ignore[index]  # never said so: handed over anyway
+
+
+def test_idle_spares_load_ranks_ahead_round_robin_and_a_prepared_one_takes_a_lost_slot(
+    registry: tuple[Registry, Clock],
+) -> None:  # fmt: skip
+    reg, _ = registry
+    for i in range(4):
+        reg.register(_reg(f"10.0.0.{i}:7000", f"w{i}"))
+    reg.register(_reg("10.0.0.8:7000", "s1"))
+    reg.register(_reg("10.0.0.9:7000", "s2"))
+    t = reg.store.current()
+    assert [t.worker(s).preparing_rank for s in ("s1", "s2")] == [0, 1]  # type: ignore[union-attr]
+    assert t.worker("s1").state is WorkerState.SPARE  # type: ignore[union-attr]
+    reg.heartbeat(HeartbeatReport("s2", PENDING, 0, Load(), prepared_rank=1))
+    reg.report_lost(["w1"], "killed")  # rank 1: the spare that loaded it takes it, not the one registered first
+    t = reg.store.current()
+    assert t.find("s2")[1].rank == 1 and t.find("s1") is None  # type: ignore[index]
+    assert t.worker("s1").preparing_rank == 0  # type: ignore[union-attr]  # keeps its guess
+    assert t.find("s2")[1].kv_from == ""  # type: ignore[index]  # a lost worker's cache is gone: replayed
+
+
+def test_a_drained_holder_is_named_as_its_successors_kv_source_until_the_successor_serves(
+    registry: tuple[Registry, Clock],
+) -> None:  # fmt: skip
+    reg, _ = registry
+    for i in range(4):
+        reg.register(_reg(f"10.0.0.{i}:7000", f"w{i}"))
+    for i in range(4):
+        _beat(reg, f"w{i}")
+    reg.register(_reg("10.0.0.9:7000", "spare"))
+    assert reg.store.current().worker("spare").preparing_rank == 0  # type: ignore[union-attr]  # ahead
+    reg.drain("w2")  # the drain's rank comes first: the hot spare loads that one instead
+    assert reg.store.current().worker("spare").preparing_rank == 2  # type: ignore[union-attr]
+    reg.heartbeat(HeartbeatReport("spare", PENDING, 0, Load(), prepared_rank=2))
+    t = reg.store.current()
+    assert t.find("spare")[1].rank == 2 and t.find("spare")[1].kv_from == "w2"  # type: ignore[index]
+    assert all(sh.kv_from == "" for _, sh in t.shards() if sh.rank != 2)
+    _beat(reg, "spare")  # it joined the new epoch, the cache received (or replayed): the source is forgotten
+    assert reg.store.current().find("spare")[1].kv_from == ""  # type: ignore[index]

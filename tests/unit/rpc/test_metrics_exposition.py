@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shardmesh.core.topology import ShardState
@@ -60,3 +60,15 @@ def test_the_process_metrics_leave_the_service_registry_as_it_is() -> None:
     telemetry.exposition(registry)
     assert registry.get_sample_value("process_cpu_seconds_total") is None  # the service's own registry stays its own
     assert telemetry.exposition(registry).get_sample_value("process_cpu_seconds_total") > 0  # and can be served twice
+
+
+def test_a_worker_counts_the_kv_bytes_it_moved_in_hand_overs() -> None:
+    from shardworker.metrics import WorkerMetrics
+
+    info = {"weights_bytes": 0, "kv_cache_bytes": 0, "total_slots": 0, "free_slots": 0, "placement": None,
+            "state": ShardState.PENDING, "kv_moved_bytes": {"sent": 0, "received": 74304}}  # fmt: skip
+    text = generate_latest(WorkerMetrics(lambda: info, lambda: "w0", "cpu").registry).decode()
+    samples = {(s.name, s.labels.get("direction")): s.value for f in text_string_to_metric_families(text)
+               for s in f.samples}  # fmt: skip
+    assert samples[("shardmesh_kv_moved_bytes_total", "received")] == 74304
+    assert samples[("shardmesh_kv_moved_bytes_total", "sent")] == 0

@@ -1,0 +1,114 @@
+"""Moving a shard's per-sequence state (KV cache rows, activation log rows) to the worker that takes its slot.
+
+Why: when a serving worker hands its slot over (a drain, a move onto a faster worker), the running sequences'
+keys and values for its layers exist only in its memory. Sending them costs a few milliseconds per thousand
+cached tokens over a link; replaying the sequences on the new holder costs a forward pass over every cached
+token. The old holder is still alive in a hand-over, so we send.
+
+Over one two-rank process group (`Backend.group`, Gloo or NCCL; rank 0 sends, rank 1 receives), four messages:
+  1. the header's length (int64), 2. the header (JSON, uint8): the sender's cache key digest, the cache id and
+  the occupied slots with how many positions each holds, 3. the receiver's answer (int64: 1 takes it, 0 refuses
+  a cache sized for another shard), 4. every slot's rows, flattened into one tensor per dtype.
+Both sides cut their own buffers into the same views (`SlotRows`), so only lengths travel in the header.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# The views of one slot's first `length` positions, in a fixed order, in every buffer a shard keeps per slot.
+SlotRows = Callable[[int, int], Sequence[Tensor]]
+
+
+@dataclass(frozen=True)
+class Header:
+    """What the receiver needs before the rows: whether they fit its buffers, and the bookkeeping that goes
+    with them."""
+
+    key_digest: str  # `key_digest` of the sender's cache key: the receiver's must be the same
+    cache_id: str  # the receiver adopts it: its cache now holds what the sender's held
+    slots: tuple[tuple[int, str, int], ...]  # (slot, request id, positions held)
+    seeds: dict[str, int]  # seeds picked for sampled requests that came without one
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"key": self.key_digest, "cache_id": self.cache_id, "slots": self.slots,
+                           "seeds": self.seeds}).encode()  # fmt: skip
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Header:
+        d = json.loads(raw)
+        return cls(d["key"], d["cache_id"], tuple((int(s), str(r), int(n)) for s, r, n in d["slots"]),
+                   {str(k): int(v) for k, v in d["seeds"].items()})  # fmt: skip
+
+
+def key_digest(key: Any) -> str:
+    """A stable digest of a cache key (the shard, the stage count, the model, dtype, slots, context)."""
+    return hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+
+
+def _flat(parts: Sequence[Tensor]) -> dict[torch.dtype, Tensor]:
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in parts:
+        by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
+    return {dtype: torch.cat(ts) for dtype, ts in by_dtype.items()}
+
+
+def _views(rows: SlotRows, header: Header) -> list[Tensor]:
+    return [v for slot, _, length in header.slots if length > 0 for v in rows(slot, length)]
+
+
+def send(pg: dist.ProcessGroup, header: Header, rows: SlotRows, device: torch.device) -> int:
+    """Send `header` and the rows it lists to rank 1 of `pg`; returns the bytes of rows sent (0: refused)."""
+    raw = torch.frombuffer(bytearray(header.to_bytes()), dtype=torch.uint8).to(device)
+    pg.send([torch.tensor([raw.numel()], dtype=torch.int64, device=device)], 1, 0).wait()
+    pg.send([raw], 1, 0).wait()
+    answer = torch.zeros(1, dtype=torch.int64, device=device)
+    pg.recv([answer], 1, 0).wait()
+    if int(answer.item()) != 1:
+        return 0
+    sent = 0
+    for _, flat in sorted(_flat(_views(rows, header)).items(), key=lambda kv: str(kv[0])):
+        pg.send([flat.contiguous()], 1, 0).wait()
+        sent += flat.numel() * flat.element_size()
+    return sent
+
+
+def receive(pg: dist.ProcessGroup, my_key_digest: str, rows: SlotRows, device: torch.device) -> tuple[Header, int]:
+    """Receive from rank 0 of `pg` into the views `rows` gives; returns the header and the bytes received.
+    Raises ValueError (after telling the sender) when the sender's cache was sized for another shard."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    pg.recv([size], 0, 0).wait()
+    raw = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    pg.recv([raw], 0, 0).wait()
+    header = Header.from_bytes(bytes(raw.cpu().numpy().tobytes()))
+    ok = header.key_digest == my_key_digest
+    pg.send([torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)], 0, 0).wait()
+    if not ok:
+        raise ValueError(f"the sender's cache was sized for another shard (key {header.key_digest}, "
+                         f"ours {my_key_digest})")  # fmt: skip
+    views = _views(rows, header)
+    received = 0
+    for dtype, numel in sorted(_sizes(views).items(), key=lambda kv: str(kv[0])):
+        flat = torch.empty(numel, dtype=dtype, device=device)
+        pg.recv([flat], 0, 0).wait()
+        offset = 0
+        for v in (v for v in views if v.dtype == dtype):
+            v.copy_(flat[offset : offset + v.numel()].view(v.shape))
+            offset += v.numel()
+        received += flat.numel() * flat.element_size()
+    return header, received
+
+
+def _sizes(views: Sequence[Tensor]) -> dict[torch.dtype, int]:
+    out: dict[torch.dtype, int] = {}
+    for v in views:
+        out[v.dtype] = out.get(v.dtype, 0) + v.numel()
+    return out
