@@ -4,10 +4,12 @@
 
 One `shardmesh up --spares 1` mesh serves every run: first N greedy streams undisturbed, then the same N streams
 with one change once every stream has 3 tokens:
-  - kill:        SIGKILL of the last stage's worker (the spare takes its slot; `up` restarts the killed one,
-                 which becomes the next spare);
-  - join:        a new `shardmesh worker` registers (it becomes a spare: nothing moves);
-  - drain:       `shardmesh drain` of the first stage's worker (a spare takes its slot, the worker exits 0);
+  - kill-prepared: SIGKILL of the worker holding the rank the idle spare loaded ahead of time (the spare takes
+                 its slot without a load; `up` restarts the killed one, which becomes the next spare);
+  - kill-other:  SIGKILL of a worker holding another rank (the spare loads that shard first);
+  - join:        a new `shardmesh worker` registers (it becomes a spare: as fast as the others, nothing moves);
+  - drain:       `shardmesh drain` of the first stage's worker (a spare takes its slot and the drained worker's KV
+                 cache, the worker exits 0);
   - coordinator: SIGKILL of the coordinator (`up` restarts it; it takes the placement back from the workers).
 For each run: requests completed, tokens identical to the undisturbed run, the longest pause between two tokens
 of a stream (p50 and p99 over the streams), and the aggregate tokens/s; the ratios against the undisturbed run.
@@ -83,6 +85,20 @@ def settle(coordinator: str, spares: int, timeout: float = 120.0) -> float:
     raise TimeoutError(f"the mesh did not serve with {spares} spare(s) within {timeout:.0f} s")
 
 
+SPARE_IDLE_S = 5.0  # a hot spare loads its rank in about 1 s here; in service it idles far longer
+
+
+def spare_rank(coordinator: str) -> int:
+    """The stage whose weights the (first) spare loaded ahead of time (pp stages, tp=1)."""
+    from shardmesh.core.topology import WorkerState
+
+    t = topology(coordinator)
+    ranks = [w.preparing_rank for w in t.workers if w.state is WorkerState.SPARE and w.preparing_rank is not None]
+    if not ranks:
+        raise RuntimeError("no spare is preparing a rank")
+    return ranks[0]
+
+
 def percentile(sorted_values: list[float], q: float) -> float:
     """The nearest-rank q-quantile of already sorted values."""
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
@@ -134,11 +150,12 @@ def run(address: str, prompt_ids: list[int], new_tokens: int, n: int, kill: Call
             "longest_gap_p99_ms": percentile(gaps, 0.99) * 1e3 if gaps else float("nan")}  # fmt: skip
 
 
-SCENARIOS = ("kill", "join", "drain", "coordinator")
+SCENARIOS = ("kill-prepared", "kill-other", "join", "drain", "coordinator")
 DESCRIBE = {
-    "kill": "last stage's worker killed (spare takes over)",
+    "kill-prepared": "worker of the rank the spare loaded ahead killed (spare takes over)",
+    "kill-other": "worker of another rank killed (spare loads it, takes over)",
     "join": "a worker joins (becomes a spare)",
-    "drain": "first stage's worker drained (to the spare)",
+    "drain": "first stage's worker drained (to the spare, KV cache sent along)",
     "coordinator": "coordinator killed (restarted by `up`)",
 }
 
@@ -172,7 +189,10 @@ def main() -> None:
             settle(coordinator, 1)
             runs["undisturbed"] = run(mesh.address, prompt_ids, a.new_tokens, a.streams)
             changes: dict[str, Callable[[], None]] = {
-                "kill": lambda: os.kill(worker_pid(mesh, holder(coordinator, a.pp - 1)), signal.SIGKILL),
+                "kill-prepared": lambda: os.kill(worker_pid(mesh, holder(coordinator, spare_rank(coordinator))),
+                                                 signal.SIGKILL),
+                "kill-other": lambda: os.kill(worker_pid(mesh, holder(coordinator, a.pp - 1 - spare_rank(coordinator))),
+                                              signal.SIGKILL),
                 "join": lambda: joined.append(subprocess.Popen(
                     [sys.executable, "-m", "shardmesh_cli", "worker", "--coordinator", coordinator, "--worker-id",
                      "joiner"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)),
@@ -182,7 +202,10 @@ def main() -> None:
                 "coordinator": lambda: os.kill(process_of(mesh, lambda cmd: "coordinator" in cmd), signal.SIGKILL),
             }  # fmt: skip
             for name in a.scenarios.split(","):
-                settle(coordinator, 1 if name in ("kill", "drain") else 0)  # these need a spare to hand over to
+                needs_spare = name.startswith("kill") or name == "drain"  # these need a spare to hand over to
+                settle(coordinator, 1 if needs_spare else 0)
+                if needs_spare:  # as a spare is between changes: idle long enough to have loaded its rank ahead
+                    time.sleep(SPARE_IDLE_S)
                 runs[name] = run(mesh.address, prompt_ids, a.new_tokens, a.streams, changes[name])
                 runs[name]["settle_s"] = settle(coordinator, 0)
                 print(f"{name}: { {k: v for k, v in runs[name].items() if k != 'tokens'} }", file=sys.stderr)

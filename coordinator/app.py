@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--replan-after", 10.0, type=float, help="seconds a lost worker's slot may wait (no spare) before the model "
          "is re-planned onto fewer stages of the healthy workers, memory allowing; a drain re-plans at once; "
          "negative: never (default 10)")  # fmt: skip
+    flag("--move-gain", 1.3, type=float, help="move a slot onto a faster spare when that makes the pipeline at "
+         "least this many times faster, by the workers' speeds (shardmesh worker --speed); 0 never moves "
+         "(default 1.3)")  # fmt: skip
+    flag("--move-interval", 30.0, type=float, help="seconds between two such moves, at least (default 30)")
     flag("--store-host", help="host workers reach the rendezvous store at (default: the --listen host)")
     flag("--store-port", 0, type=int, help="port of the rendezvous TCPStore; 0 picks a free one (default)")
     flag("--kv-slots", 8, type=int, help="KV-cache slots per shard: sequences in flight (default 8)")
@@ -159,6 +163,10 @@ def build_config(args: argparse.Namespace) -> Any:
     grace = args.recovery_grace if args.recovery_grace is not None else 2 * timeout
     if grace < 0:
         raise UsageError(f"--recovery-grace: must be >= 0 seconds, got {grace}")
+    if args.move_gain != 0 and not args.move_gain > 1:
+        raise UsageError(f"--move-gain: must be > 1 (a speed-up), or 0 to never move, got {args.move_gain}")
+    if not args.move_interval >= 0:
+        raise UsageError(f"--move-interval: must be >= 0 seconds, got {args.move_interval}")
     if not 0 <= args.store_port <= 65535:
         raise UsageError(f"--store-port: must be in 0..65535, got {args.store_port}")
     if args.kv_slots < 1:
@@ -205,7 +213,8 @@ def build_config(args: argparse.Namespace) -> Any:
         listen=args.listen, model=model, pp=args.pp, tp=args.tp,
         limits=ServingLimits(args.kv_slots, max_context, max_batch), heartbeat_interval=interval,
         heartbeat_timeout=timeout, store_host=store_host, store_port=args.store_port, recovery_grace=grace,
-        replan_after=args.replan_after,
+        replan_after=args.replan_after, rebalance_gain=args.move_gain,
+        rebalance_interval=args.move_interval,
         max_message_bytes=args.max_message_mb * 1024 * 1024, metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, split=split, requires=requires, calibration=calibration,
     )  # fmt: skip

@@ -57,7 +57,8 @@ class CoordinatorCollector:
         yield by_state
         yield GaugeMetricFamily("shardmesh_epoch", "Rendezvous epoch of the placement (0: none)", topology.epoch)
         changes = CounterMetricFamily("shardmesh_topology_changes", "New placements (rendezvous epochs), by what "
-                                      "caused them: join, lost, drain, leave, resplit", labels=["reason"])  # fmt: skip
+                                      "caused them: join, lost, drain, leave, replan, rebalance, resplit",
+                                      labels=["reason"])  # fmt: skip
         for reason, n in sorted(self._registry.change_counts().items()):
             changes.add_metric([reason], n)
         yield changes

@@ -48,6 +48,9 @@ class CoordinatorConfig:
     # Seconds a slot may have nobody serving it (a lost worker, no spare) before the model is re-planned onto
     # the healthy workers; a drain without a spare re-plans at once. Negative: never re-plan.
     replan_after: float = 10.0
+    # Moving a slot onto a faster spare: the least predicted speed-up (0: never), and seconds between two moves.
+    rebalance_gain: float = 1.3
+    rebalance_interval: float = 30.0
 
     @property
     def thread_pool_size(self) -> int:
@@ -86,7 +89,8 @@ class CoordinatorServer:
             store_port=self._store.port, heartbeat_timeout=cfg.heartbeat_timeout, split=cfg.split,
             requires=cfg.requires, logger=self._log, recovery_grace=cfg.recovery_grace,
             memory_check=planner_check(cfg.model, cfg.limits, cfg.tp) if cfg.replan_after >= 0 else None,
-            replan_after=max(0.0, cfg.replan_after),
+            replan_after=max(0.0, cfg.replan_after), rebalance_gain=cfg.rebalance_gain,
+            rebalance_interval=cfg.rebalance_interval,
         )  # fmt: skip
         server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size, self._log)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(

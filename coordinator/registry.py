@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from coordinator import placement
+from coordinator import placement, rebalance
 from coordinator.replan import MemoryCheck
 from shardmesh.core.errors import InvalidArgument, NotFound
 from shardmesh.core.layout import check_split, split_layers
@@ -97,10 +97,15 @@ class Registration:
     pid: int = 0
     last_version: int = 0  # the newest version it saw, maybe from an earlier coordinator
     held: HeldShard | None = None  # what it holds from an earlier coordinator
+    speed: rebalance.Speed = field(default_factory=rebalance.Speed)
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.RegisterRequest) -> Registration:
         parse_address(pb.address)
+        if not 0 <= pb.speed_gflops < 1e12:  # also refuses NaN
+            raise InvalidArgument("speed_gflops", f"must be a GFLOP/s figure >= 0, got {pb.speed_gflops}")
+        if len(pb.speed_class) > 256:
+            raise InvalidArgument("speed_class", f"at most 256 characters, got {len(pb.speed_class)}")
         if not pb.HasField("device"):
             raise InvalidArgument("device", "is required")
         if len(pb.labels) > MAX_LABELS:
@@ -115,7 +120,7 @@ class Registration:
         if held is not None and (held.epoch < 1 or held.layer_end <= held.layer_start):
             raise InvalidArgument("held", f"epoch must be >= 1 and layer_end > layer_start, got {held}")
         return cls(pb.address, Device.from_pb(pb.device), tuple(sorted(pb.labels.items())), requested, pb.pid,
-                   pb.last_topology_version, held)  # fmt: skip
+                   pb.last_topology_version, held, rebalance.Speed(pb.speed_gflops, pb.speed_class))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -172,6 +177,7 @@ class WorkerRecord:
     prepared_rank: int | None = None  # a spare: the rank whose weights it reports loaded
     preparing: Preparing | None = None  # a spare asked to load a rank's weights
     kv_cache_id: str = ""  # as last reported: published with the slot it holds
+    speed: rebalance.Speed = field(default_factory=rebalance.Speed)
 
     def view(self) -> placement.WorkerView:
         return placement.WorkerView(self.worker_id, self.address, self.incarnation, self.reported,
@@ -202,6 +208,8 @@ class Registry:
         memory_check: MemoryCheck | None = None,
         replan_after: float = 10.0,
         regrow_interval: float = 10.0,
+        rebalance_gain: float = 1.3,
+        rebalance_interval: float = 30.0,
     ) -> None:
         self._model, self._pp, self._tp, self._limits = model, pp, tp, limits
         self._split: placement.Split = tuple(split or split_layers(model.num_layers, pp))
@@ -239,6 +247,12 @@ class Registry:
         # A rank handed over from a serving worker -> (that worker, the new holder): the new holder copies its KV
         # cache at the next rendezvous (ShardAssignment.kv_from), so the gateway replays nothing on that stage.
         self._kv_from: dict[int, tuple[str, str]] = {}
+        # Moving a slot onto a faster spare (coordinator/rebalance.py): at least this predicted gain (0: never),
+        # at most one move per interval, one at a time, make-before-break.
+        self._rebalance_gain, self._rebalance_interval = rebalance_gain, rebalance_interval
+        self._move: tuple[rebalance.Move, float] | None = None  # planned, and since when its spare prepares
+        self._last_move = float("-inf")
+        self._reason_override = ""  # what the next new epoch is counted as, when not the caller's reason
         self._stuck_since: float | None = None  # since when a slot has had no holder that serves
         self._last_replan = float("-inf")
         self._replan_blocked = ""  # why the survivors cannot take the model over, for status
@@ -269,7 +283,7 @@ class Registry:
             reported, applied = (ShardState.READY, reg.held.epoch) if reg.held else (ShardState.PENDING, 0)
             self._workers[worker_id] = WorkerRecord(
                 worker_id, reg.address, reg.device, reg.labels, old.seq if old else self._seq, self._incarnations,
-                now, reported, applied, pid=reg.pid, held=reg.held,
+                now, reported, applied, pid=reg.pid, held=reg.held, speed=reg.speed,
             )  # fmt: skip
             self._emit("worker_registered", worker_id=worker_id, address=reg.address, device=reg.device.type,
                        returning=old is not None, labels=dict(reg.labels), pid=reg.pid,
@@ -475,7 +489,11 @@ class Registry:
         free = [s for s in spares if s not in self._slots]
         self._slots, moves, prepares = placement.hand_over(self._slots, views, free, self._requires, prepared)
         asked = {spare: (rank, False) for rank, spare in prepares}
-        idle = [s for s in free if s not in self._slots]
+        idle = [s for s in free if s not in self._slots and s not in asked]
+        busy = bool(prepares or moves) or any(h is not None and placement.leaving(views[h]) for h in self._slots)
+        target = self._maybe_rebalance(views, idle, now, busy)
+        if target is not None:
+            asked[target[0]] = (target[1], False)
         ahead = placement.ahead_of_time(len(self._slots), idle, views, {s: r for s, (r, _) in asked.items()},
                                         self._requires)  # fmt: skip
         asked |= {spare: (rank, True) for spare, rank in ahead.items() if spare not in asked}
@@ -503,6 +521,59 @@ class Registry:
                 detail = self._drain_detail(worker_id)
                 if detail != record.detail:
                     self._workers[worker_id] = replace(record, detail=detail)
+
+    def _maybe_rebalance(self, views: Mapping[str, placement.WorkerView], idle: Sequence[str], now: float,
+                         busy: bool) -> tuple[str, int] | None:  # fmt: skip
+        """Plan, advance or make a move of a slot onto a faster spare; returns (spare, rank) while its spare must
+        prepare. A move is made only once the spare has loaded the slot (make-before-break), with the KV cache
+        sent along (`kv_from`); it is given up when its spare or its slot's holder is needed elsewhere or gone."""
+        if self._move is not None:
+            move, since = self._move
+            if self._slots[move.rank] != move.old or placement.leaving(views[move.old]) or move.new not in idle \
+                    or now - since >= PREPARE_TIMEOUT_S:  # fmt: skip
+                self._emit("rebalance_abandoned", rank=move.rank, old=move.old, new=move.new)
+                self._set_detail(move.new, "")
+                self._move = None
+                return None
+            if views[move.new].prepared_rank != move.rank:
+                return move.new, move.rank
+            self._slots = (*self._slots[: move.rank], move.new, *self._slots[move.rank + 1 :])
+            if views[move.old].reported is ShardState.READY:
+                self._kv_from[move.rank] = (move.old, move.new)
+            self._emit("slot_moved", rank=move.rank, stage=move.rank // self._tp, tp_rank=move.rank % self._tp,
+                       old=move.old, new=move.new, reason="faster", gain=round(move.gain, 2))  # fmt: skip
+            self._set_detail(move.new, "")
+            self._move, self._last_move, self._reason_override = None, now, "rebalance"
+            return None
+        if self._rebalance_gain <= 0 or busy or now - self._last_move < self._rebalance_interval:
+            return None
+        if (
+            self._recovering()
+            or self._kv_from
+            or self._epoch is None
+            or any(
+                h is None or views[h].reported is not ShardState.READY or views[h].applied_version < self._epoch
+                for h in self._slots
+            )
+        ):  # only a mesh that serves is rebalanced, and one change at a time
+            return None
+        move = rebalance.best_move(self._split, self._slots, self._tp, {w: r.speed for w, r in self._workers.items()},
+                                   idle, self._requires, {w: v.labels for w, v in views.items()},
+                                   self._rebalance_gain)  # fmt: skip
+        if move is None:
+            return None
+        self._move = (move, now)
+        stage, tp_rank = move.rank // self._tp, move.rank % self._tp
+        self._emit("rebalance_planned", rank=move.rank, stage=stage, tp_rank=tp_rank, old=move.old, new=move.new,
+                   gain=round(move.gain, 2))  # fmt: skip
+        self._set_detail(move.new, f"loading stage {stage} tp rank {tp_rank} to take it over from {move.old}: "
+                                   f"a {move.gain:.2f}x faster pipeline")  # fmt: skip
+        return move.new, move.rank
+
+    def _set_detail(self, worker_id: str, detail: str) -> None:
+        record = self._workers.get(worker_id)
+        if record is not None and record.detail != detail:
+            self._workers[worker_id] = replace(record, detail=detail)
 
     def _drain_detail(self, worker_id: str) -> str:
         if worker_id not in self._slots:
@@ -629,6 +700,7 @@ class Registry:
                 del self._kv_from[rank]
 
     def _publish_if_changed(self, reason: str) -> Topology:
+        reason, self._reason_override = self._reason_override or reason, ""
         self._prune_kv_from()
         current = self.store.current()
         key = placement.placement_key(self._split, self._slots, {k: w.view() for k, w in self._workers.items()})

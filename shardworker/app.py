@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--group-timeout", 60.0, type=float, help="seconds a collective or stage link may wait (default 60)")
     flag("--max-message-mb", 64, type=int, help="gRPC max send/receive message size in MiB (default 64)")
     flag("--threads", type=int, help="torch intra-op threads (default: all cores, or $OMP_NUM_THREADS)")
+    flag("--speed", "auto", help="this worker's matrix-multiply throughput in GFLOP/s, or 'auto' to measure it at "
+         "start (default); the coordinator moves a slot onto a spare that makes the pipeline faster by its "
+         "--rebalance-gain")  # fmt: skip
     flag("--log-level", help="debug, info, warning or error")
     telemetry.add_flags(flag)
 
@@ -47,9 +50,17 @@ def build_config(args: argparse.Namespace) -> Any:
         telemetry.export_config(args.otlp_endpoint)
     except telemetry.TelemetryConfigError as e:
         raise UsageError(str(e)) from None
+    speed: float | None = None
+    if str(args.speed).strip().lower() != "auto":
+        try:
+            speed = float(args.speed)
+        except ValueError:
+            raise UsageError(f"--speed: expected 'auto' or GFLOP/s as a number, got {args.speed!r}") from None
+        if not speed > 0:
+            raise UsageError(f"--speed: must be > 0 GFLOP/s, got {args.speed}")
     return WorkerConfig(args.coordinator, args.listen, args.advertise, args.worker_id, args.device, labels,
                         args.group_timeout, args.max_message_mb * 1024 * 1024, args.metrics_port,
-                        args.otlp_endpoint)  # fmt: skip
+                        args.otlp_endpoint, speed)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,6 +41,7 @@ class WorkerConfig:
     max_message_bytes: int
     metrics_port: int = 0  # 0: no metrics endpoint
     otlp_endpoint: str | None = None
+    speed_gflops: float | None = None  # declared (`--speed`); None: measured at start
 
 
 def should_exit(topology: Topology, worker_id: str) -> bool:
@@ -77,6 +78,7 @@ class WorkerProcess:
         self._metrics_server: Any = None
         self.metrics: Any = None
         self.metrics_address = ""
+        self.speed: tuple[float, str] = (0.0, "")  # GFLOP/s and speed class, as registered
 
     # ---- start-up ------------------------------------------------------------------------------------
 
@@ -87,6 +89,7 @@ class WorkerProcess:
         self._set_health(False)
         if self.cfg.metrics_port:
             self._start_metrics(host)
+        self.speed = self._measure_speed()
         self._register()  # before serving Step, so the core exists
         assert self.core is not None
         worker_pb2_grpc.add_StageWorkerServicer_to_server(StageWorkerServicer(self.core, self.metrics), self._server)
@@ -119,6 +122,16 @@ class WorkerProcess:
             advertised = socket.gethostname()
         self.metrics_address = f"{advertised}:{self._metrics_server.server_port}"
 
+    def _measure_speed(self) -> tuple[float, str]:
+        """(GFLOP/s, speed class): as declared, or measured now, before any weights are loaded."""
+        if self.cfg.speed_gflops is not None:
+            return self.cfg.speed_gflops, ""
+        from shardmesh.engine.speed import measure_gflops, speed_class
+
+        gflops = measure_gflops(self.device)
+        self.log.info("speed_measured", gflops=round(gflops, 1))
+        return gflops, speed_class(self.device, device_pb(self.device.type).name)
+
     def _register(self) -> None:
         """Register, retrying while the coordinator starts; keeps our id so a restart takes its slot back.
 
@@ -131,7 +144,8 @@ class WorkerProcess:
         latest = self._latest
         req = coordinator_pb2.RegisterRequest(address=self.address, device=device_pb(self.device.type),
                                               labels=labels, pid=os.getpid(),
-                                              last_topology_version=latest.version if latest else 0)  # fmt: skip
+                                              last_topology_version=latest.version if latest else 0,
+                                              speed_gflops=self.speed[0], speed_class=self.speed[1])  # fmt: skip
         if self.worker_id:
             req.worker_id = self.worker_id
         held = self.core.held() if self.core is not None else None

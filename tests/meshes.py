@@ -38,11 +38,12 @@ def requests(n: int = 8, new_tokens: int = 160, prefix: str = "r") -> list[gatew
 class Mesh:
     """`shardmesh up`: the first line on its stdout is the gateway's address, the second the coordinator's."""
 
-    def __init__(self, model: Path, pp: int, tp: int, log_dir: Path, *extra: str) -> None:
+    def __init__(self, model: Path, pp: int, tp: int, log_dir: Path, *extra: str,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
         args = ["-m", "shardmesh_cli", "up", "--model", str(model), "--pp", str(pp), "--tp", str(tp),
                 "--kv-slots", "8", "--max-context", "256", "--log-dir", str(log_dir), *extra]  # fmt: skip
         # info: the tests read what the services did from their log lines
-        env = {**os.environ, "SHARDMESH_LOG_LEVEL": "info"}
+        env = {**os.environ, "SHARDMESH_LOG_LEVEL": "info", **(env or {})}
         self.proc = procs.spawn(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.log_dir = log_dir
         self.address = self.proc.stdout.readline().decode().strip()
@@ -172,10 +173,11 @@ class Spawner:
             log = (self.log_dir / f"{name}.log").open("ab")
             result.put(procs.spawn(["-m", "shardmesh_cli", *args], stdout=log, stderr=log))
 
-    def worker(self, coordinator: str, worker_id: str) -> subprocess.Popen:
-        """`shardmesh worker --coordinator C --worker-id ID`, logging to LOG_DIR/ID.log."""
+    def worker(self, coordinator: str, worker_id: str, *extra: str) -> subprocess.Popen:
+        """`shardmesh worker --coordinator C --worker-id ID [EXTRA...]`, logging to LOG_DIR/ID.log."""
         result: queue.Queue = queue.Queue()
-        self._queue.put((worker_id, ["worker", "--coordinator", coordinator, "--worker-id", worker_id], result))
+        self._queue.put((worker_id, ["worker", "--coordinator", coordinator, "--worker-id", worker_id, *extra],
+                         result))  # fmt: skip
         p = result.get(timeout=30)
         self.started.append(p)
         return p

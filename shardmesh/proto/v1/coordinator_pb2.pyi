@@ -142,6 +142,8 @@ class RegisterRequest(_message.Message):
     PID_FIELD_NUMBER: _builtins.int
     LAST_TOPOLOGY_VERSION_FIELD_NUMBER: _builtins.int
     HELD_FIELD_NUMBER: _builtins.int
+    SPEED_GFLOPS_FIELD_NUMBER: _builtins.int
+    SPEED_CLASS_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """host:port of the worker's StageWorker gRPC server, as gateways and peers can reach it."""
     worker_id: _builtins.str
@@ -154,6 +156,17 @@ class RegisterRequest(_message.Message):
     """The newest topology version the worker has seen, from this or an earlier coordinator: a
     restarted coordinator numbers its topologies after the highest one reported, so versions
     never go back.
+    """
+    speed_gflops: _builtins.float
+    """The worker's speed: its matrix-multiply throughput in GFLOP/s, measured at start (best of several runs of a
+    decode-shaped product, shardmesh/engine/speed.py) or declared by the operator (`shardmesh worker --speed`).
+    The coordinator moves a slot onto a spare that would make the pipeline at least `--rebalance-gain` times
+    faster. 0: unknown; such a worker is never moved onto for speed.
+    """
+    speed_class: _builtins.str
+    """Workers measured on the same kind of device with the same threads share a class: the coordinator takes their
+    speeds as equal (the best measurement in the class), so noise between identical machines moves nothing.
+    Empty for a declared speed, which is taken as given.
     """
     @_builtins.property
     def device(self) -> _common_pb2.Device:
@@ -183,10 +196,12 @@ class RegisterRequest(_message.Message):
         pid: _builtins.int = ...,
         last_topology_version: _builtins.int = ...,
         held: Global___HeldShard | None = ...,
+        speed_gflops: _builtins.float = ...,
+        speed_class: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_worker_id", b"_worker_id", "device", b"device", "held", b"held", "worker_id", b"worker_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_worker_id", b"_worker_id", "address", b"address", "device", b"device", "held", b"held", "labels", b"labels", "last_topology_version", b"last_topology_version", "pid", b"pid", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_worker_id", b"_worker_id", "address", b"address", "device", b"device", "held", b"held", "labels", b"labels", "last_topology_version", b"last_topology_version", "pid", b"pid", "speed_class", b"speed_class", "speed_gflops", b"speed_gflops", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__worker_id: _TypeAlias = _typing.Literal["worker_id"]  # noqa: Y015
     _WhichOneofArgType__worker_id: _TypeAlias = _typing.Literal["_worker_id", b"_worker_id"]  # noqa: Y015
