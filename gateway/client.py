@@ -15,7 +15,8 @@ import sys
 from typing import Any, TextIO
 
 EXIT_ERROR = 1
-_FINISH_NAMES = {1: "length", 2: "stop", 3: "cancelled"}
+# As the offline mode (and OpenAI) name them: an end-of-sequence token, a stop string or a stop token is "stop".
+_FINISH_NAMES = {1: "length", 2: "stop", 3: "cancelled", 4: "stop", 5: "stop"}
 
 
 def build_request(args: argparse.Namespace, token_ids: list[int] | None, has_chat_template: bool) -> Any:

@@ -27,9 +27,10 @@ span (count, gateway round-trip time, the last stage's compute and receive-wait 
 **GenAI conventions.** Beside our `shardmesh.*` attributes the request span carries OpenTelemetry's GenAI
 semantic-convention attributes, so generic LLM dashboards read it: `gen_ai.operation.name` ("chat" for a
 conversation, "text_completion" for a prompt or token ids), `gen_ai.request.model` (the name the model is
-served under), `gen_ai.request.max_tokens` / `temperature` / `top_p` (and `top_k`, `seed`,
-`stop_sequences` when set), and once it ends `gen_ai.response.finish_reasons` and `gen_ai.usage.input_tokens` /
-`output_tokens`; a failed one `error.type` (its status code).
+served under), `gen_ai.request.max_tokens` / `temperature` / `top_p` (and `top_k`, `seed`, `frequency_penalty`,
+`presence_penalty`, `stop_sequences` when set), and once it ends `gen_ai.response.finish_reasons` (OpenAI's names:
+"stop" or "length"; `shardmesh.finish_reason` tells "eos", "stop_string" and "stop_token" apart) and
+`gen_ai.usage.input_tokens` / `output_tokens`; a failed one `error.type` (its status code).
 
 All of it runs only when tracing is on (`tracer is not None`); metrics only when `--metrics-port` is
 set. With both off the scheduler holds no observer at all.
@@ -74,6 +75,10 @@ def genai_request(input_kind: str, req: PreparedRequest, model: str) -> dict[str
         attributes["gen_ai.request.top_k"] = s.top_k
     if s.seed is not None:
         attributes["gen_ai.request.seed"] = s.seed
+    if s.frequency_penalty:
+        attributes["gen_ai.request.frequency_penalty"] = s.frequency_penalty
+    if s.presence_penalty:
+        attributes["gen_ai.request.presence_penalty"] = s.presence_penalty
     if req.stop:
         attributes["gen_ai.request.stop_sequences"] = list(req.stop)
     return attributes
@@ -150,7 +155,7 @@ class RequestTrace:
             "shardmesh.completion_tokens": summary.completion_tokens, "shardmesh.queue_ms": t.queue_ms,
             "shardmesh.time_to_first_token_ms": t.time_to_first_token_ms, "shardmesh.total_ms": t.total_ms,
             "shardmesh.mean_inter_token_ms": t.mean_inter_token_ms,
-            "gen_ai.response.finish_reasons": [summary.finish_reason.value],
+            "gen_ai.response.finish_reasons": [summary.finish_reason.openai],
             "gen_ai.usage.input_tokens": summary.prompt_tokens, "gen_ai.usage.output_tokens": summary.completion_tokens,
         })  # fmt: skip
         self._steps(traced_decode_limit)

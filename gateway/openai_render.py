@@ -3,11 +3,15 @@
 One `Answer` per request follows its tokens as they arrive and renders either the whole response (`body`) or,
 when streaming, one chunk per token event (`chunk`), then the usage chunk. The text is the gateway's own
 (`TokenEvent.text_delta`: stop strings cut, multi-byte characters held back until complete), exactly what a
-gRPC client gets; the finish reason is the gateway's (`stop`: end-of-sequence or a stop string; `length`).
+gRPC client gets; the finish reason is the gateway's in OpenAI's words (`stop`: an end-of-sequence token, a stop
+string or a stop token; `length`).
 
-Logprobs are the sampled token's only, under the model's raw distribution (what the last stage returns), so
-`top_logprobs` is always empty in chat and lists just the sampled token in completions (as vLLM does for
-`logprobs: 0`). A token is shown as its text, or as `token_id:N` with vLLM's `return_tokens_as_token_ids`.
+Logprobs are under the model's raw distribution (what the last stage returns: before penalties, temperature,
+top-k, top-p and min-p), the alternatives too, in OpenAI's shapes: chat's `logprobs.content[i].top_logprobs` lists
+the `top_logprobs` most likely tokens at position i (empty when it is 0); completions' `logprobs.top_logprobs[i]`
+maps the `logprobs` most likely tokens' texts, and the sampled token's, to their logprobs (so up to logprobs + 1
+entries; just the sampled token for `logprobs: 0`), as vLLM does. A token is shown as its text, or as
+`token_id:N` with vLLM's `return_tokens_as_token_ids`.
 """
 
 from __future__ import annotations
@@ -21,12 +25,12 @@ from gateway.results import FinishReason, Summary, TokenEvent
 Kind = Literal["chat", "text"]
 MIN_LOGPROB = -9999.0  # JSON has no -inf; the floor vLLM uses too
 
-_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}  # CANCELLED ends as an error, never here
 _OBJECT = {"chat": ("chat.completion", "chat.completion.chunk"), "text": ("text_completion", "text_completion")}
 
 
 def finish_reason(reason: FinishReason) -> str:
-    return _FINISH[reason]
+    """OpenAI's name; CANCELLED never gets here (a cancelled request ends as an error)."""
+    return reason.openai
 
 
 def usage(summary: Summary) -> dict[str, int]:
@@ -45,6 +49,7 @@ class Answer:
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[tuple[tuple[int, float], ...]] = []  # the alternatives at each token's position
         self._offsets: list[int] = []  # where each token's text starts in `text` (completions' text_offset)
         self.summary: Summary | None = None
 
@@ -53,6 +58,7 @@ class Answer:
         self.text += event.text_delta
         self.token_ids.append(event.token_id)
         self.logprobs.append(max(event.logprob, MIN_LOGPROB))
+        self.top_logprobs.append(tuple((t, max(lp, MIN_LOGPROB)) for t, lp in event.top_logprobs))
         if event.summary is not None:
             self.summary = event.summary
 
@@ -69,21 +75,30 @@ class Answer:
         decoded = self._decoded(token_id)
         return f"token_id:{token_id}" if self.options.tokens_as_ids or decoded is None else decoded
 
+    def _chat_logprob(self, token_id: int, lp: float) -> dict[str, Any]:
+        decoded = self._decoded(token_id)
+        raw = list(decoded.encode("utf-8")) if decoded is not None else None
+        return {"token": self.token_text(token_id), "logprob": lp, "bytes": raw}
+
     def _logprobs(self, start: int) -> dict[str, Any] | None:
         """The logprobs object for tokens [start:], or None when the client did not ask for them."""
         if not self.options.logprobs:
             return None
-        ids, lps = self.token_ids[start:], self.logprobs[start:]
+        ids, lps, tops = self.token_ids[start:], self.logprobs[start:], self.top_logprobs[start:]
         if self.kind == "chat":
-            content = []
-            for token_id, lp in zip(ids, lps, strict=True):
-                decoded = self._decoded(token_id)
-                raw = list(decoded.encode("utf-8")) if decoded is not None else None
-                content.append({"token": self.token_text(token_id), "logprob": lp, "bytes": raw, "top_logprobs": []})
+            content = [{**self._chat_logprob(token_id, lp), "top_logprobs": [self._chat_logprob(*alt) for alt in top]}
+                       for token_id, lp, top in zip(ids, lps, tops, strict=True)]  # fmt: skip
             return {"content": content}
         tokens = [self.token_text(t) for t in ids]
+        top_logprobs = []
+        for token, lp, top in zip(tokens, lps, tops, strict=True):
+            alternatives: dict[str, float] = {}
+            for alt, alt_lp in top:  # most likely first: of two tokens that read the same, the likelier is shown
+                alternatives.setdefault(self.token_text(alt), alt_lp)
+            alternatives.setdefault(token, lp)
+            top_logprobs.append(alternatives)
         return {"tokens": tokens, "token_logprobs": lps, "text_offset": self._offsets[start:],
-                "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps, strict=True)]}  # fmt: skip
+                "top_logprobs": top_logprobs}  # fmt: skip
 
     # -- whole responses ----------------------------------------------------------------------------------------
 

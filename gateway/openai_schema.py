@@ -9,9 +9,12 @@ the same scheduler. What is OpenAI-specific stays here: field names and defaults
   `params.top_p`, `params.max_new_tokens`, `token_ids.ids[3]`, ...
 - **Defaults follow OpenAI, not the gRPC API**: `temperature` 1 and `top_p` 1 when left out (the gRPC API's unset
   params mean greedy); `max_tokens` left out means the gateway's `--default-max-new-tokens`, capped to the context.
+- **Sampling as vLLM's**: `frequency_penalty`, `presence_penalty`, and vLLM's extensions `repetition_penalty`,
+  `min_p`, `top_k`, `ignore_eos` and `stop_token_ids` map onto the same `GenerateParams` fields as gRPC's, checked
+  by the same code; `logprobs` with `top_logprobs` (chat) or `logprobs: N` (completions) onto `top_logprobs`.
 - **Unknown fields are ignored**, as vLLM and OpenAI's own server do, so clients that send newer fields still work.
-  Fields this gateway knows but cannot honour yet (penalties, top-n logprobs, n > 1, tools, ...) are refused
-  with 400 naming the field whenever they are set to anything but their neutral value: never silently dropped.
+  Fields this gateway knows but cannot honour yet (n > 1, logit_bias, tools, ...) are refused with 400 naming the
+  field whenever they are set to anything but their neutral value: never silently dropped.
 """
 
 from __future__ import annotations
@@ -26,13 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.openai_errors import NotSupportedYet
 from gateway.requests import ChatTurn, GenerateCall, GenerateParams, PromptInput, Sampling
 from shardmesh.core.errors import InvalidArgument, MeshError
+from shardmesh.core.step import MAX_TOP_LOGPROBS  # OpenAI's bound for chat's top_logprobs, vLLM's default max_logprobs
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs, vLLM's default for completions' logprobs
 MAX_SEED = 2**64 - 1  # the gateway's seeds are uint64
-PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for frequency_penalty and presence_penalty
-
-_PENALTIES_LATER = "the sampler applies no penalties so far; send 0 or leave it out"
-_TOP_LOGPROBS_LATER = "the last stage returns only the sampled token's logprob so far; send 0 or leave it out"
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class ResponseOptions:
 
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
-    logprobs: bool  # each generated token's logprob (the sampled token's only)
+    logprobs: bool  # each generated token's logprob, and its top_logprobs alternatives when asked for
     tokens_as_ids: bool  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
 
 
@@ -95,14 +94,14 @@ class _Generation(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted; not used
     return_tokens_as_token_ids: bool | None = False
+    frequency_penalty: float | None = None  # [-2, 2]
+    presence_penalty: float | None = None  # [-2, 2]
+    repetition_penalty: float | None = None  # vLLM's extension (transformers'): > 0; 1 means none
+    min_p: float | None = None  # vLLM's extension: [0, 1]
+    ignore_eos: bool | None = None  # vLLM's extension
+    stop_token_ids: list[int] | None = None  # vLLM's extension
     # Known, not implemented yet: refused unless neutral (see `_refuse_unsupported`).
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
     logit_bias: dict[str, float] | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
 
     @property
     def max_tokens_field(self) -> str:
@@ -116,23 +115,12 @@ class _Generation(_Body):
             raise InvalidArgument("n", f"must be >= 1, got {self.n}")
         if self.n is not None and self.n > 1:
             raise NotSupportedYet("n", f"one choice per request; send n=1 or leave it out (got {self.n})")
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if value is not None and not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
-                raise InvalidArgument(name, f"must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {value}")
-            if value:
-                raise NotSupportedYet(name, _PENALTIES_LATER)
-        if self.repetition_penalty is not None and self.repetition_penalty != 1:
-            raise NotSupportedYet("repetition_penalty", _PENALTIES_LATER.replace("send 0", "send 1"))
-        if self.min_p:
-            raise NotSupportedYet("min_p", "the sampler has no min_p filter so far; send 0 or leave it out")
         if self.logit_bias:
             raise NotSupportedYet("logit_bias", "logit biases are not applied; leave it out")
-        if self.ignore_eos:
-            raise NotSupportedYet("ignore_eos", "generation always ends at an end-of-sequence token so far")
-        if self.stop_token_ids:
-            raise NotSupportedYet("stop_token_ids", "only the model's end-of-sequence tokens stop generation so far; "
-                                                    "use stop strings")  # fmt: skip
+
+    def _top_logprobs(self) -> int:
+        """The alternatives to return per token (the subclasses' fields differ)."""
+        return 0
 
     def _params(self) -> GenerateParams:
         max_new = self._max_new_tokens()
@@ -143,11 +131,16 @@ class _Generation(_Body):
             top_k = 0
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise InvalidArgument("seed", f"must be in [0, 2^64), got {self.seed}")
-        temperature = self.temperature if self.temperature is not None else 1.0
-        top_p = self.top_p if self.top_p is not None else 1.0
-        sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=self.seed)
+        sampling = Sampling(
+            temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0), top_k=top_k, seed=self.seed,
+            repetition_penalty=_or(self.repetition_penalty, 1.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
+            presence_penalty=_or(self.presence_penalty, 0.0), min_p=_or(self.min_p, 0.0),
+            top_logprobs=self._top_logprobs(),
+        )  # fmt: skip
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return GenerateParams(max_new_tokens=max_new, sampling=sampling, stop=stop)
+        return GenerateParams(max_new_tokens=max_new, sampling=sampling, stop=stop,
+                              stop_token_ids=tuple(self.stop_token_ids or ()),
+                              ignore_eos=bool(self.ignore_eos))  # fmt: skip
 
     def _max_tokens_given(self) -> bool:
         return self.max_tokens is not None
@@ -209,8 +202,8 @@ class ChatCompletionRequest(_Generation):
         super()._refuse_unsupported()
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-        if self.top_logprobs:
-            raise NotSupportedYet("top_logprobs", _TOP_LOGPROBS_LATER)
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidArgument("top_logprobs", "needs logprobs: true")
         if self.tools or self.functions:
             raise NotSupportedYet("tools" if self.tools else "functions", "this gateway does not call tools")
         for name in ("tool_choice", "function_call"):
@@ -219,6 +212,9 @@ class ChatCompletionRequest(_Generation):
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise NotSupportedYet("response_format", "structured output is not supported; leave it out or send "
                                                      '{"type": "text"}')  # fmt: skip
+
+    def _top_logprobs(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
     def _prompt(self) -> PromptInput:
         turns = tuple(ChatTurn(m.role, m.text(f"messages[{i}]")) for i, m in enumerate(self.messages))
@@ -236,7 +232,7 @@ class CompletionRequest(_Generation):
     """`POST /v1/completions`: `prompt` is one string or one list of token ids (a batch of several is refused)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None  # legacy API: top-n alternatives per token besides the sampled one; only 0 here
+    logprobs: int | None = None  # legacy API: the top-n alternatives per token, the sampled one besides them
     # Known, not served: refused when set.
     echo: bool | None = False
     best_of: int | None = None
@@ -246,14 +242,15 @@ class CompletionRequest(_Generation):
         super()._refuse_unsupported()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        if self.logprobs:
-            raise NotSupportedYet("logprobs", _TOP_LOGPROBS_LATER)
         if self.echo:
             raise NotSupportedYet("echo", "the prompt is not echoed; leave it out")
         if self.best_of is not None and self.best_of != 1:
             raise NotSupportedYet("best_of", "one sequence is generated per request; send 1 or leave it out")
         if self.suffix:
             raise NotSupportedYet("suffix", "insertion (suffix) is not supported; leave it out")
+
+    def _top_logprobs(self) -> int:
+        return self.logprobs or 0
 
     def _prompt(self) -> PromptInput:
         prompt = self.prompt
@@ -276,6 +273,10 @@ class CompletionRequest(_Generation):
 
     def options(self) -> ResponseOptions:
         return self._options(self.logprobs is not None)
+
+
+def _or(value: float | None, default: float) -> float:
+    return value if value is not None else default
 
 
 # -- field names ------------------------------------------------------------------------------------------------

@@ -15,21 +15,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardmesh.core.errors import InvalidArgument
+from shardmesh.core.step import MAX_TOP_LOGPROBS, PENALTY_RANGE
 from shardmesh.proto.v1 import gateway_pb2
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """How the last stage draws tokens; mirrors the worker's `TokenSampling` (top_p always explicit)."""
+    """How the last stage draws tokens; mirrors the worker's `TokenSampling` (top_p and repetition_penalty
+    always explicit). The ranges are vLLM's."""
 
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0  # (0, 1]; 1 means no nucleus filtering
     top_k: int = 0  # 0 means no limit
     seed: int | None = None  # None: the gateway picks a random one (gateway/wire.py)
+    repetition_penalty: float = 1.0  # > 0; 1 means none
+    frequency_penalty: float = 0.0  # [-2, 2]
+    presence_penalty: float = 0.0  # [-2, 2]
+    min_p: float = 0.0  # [0, 1]; 0 means none
+    top_logprobs: int = 0  # alternatives returned per token, [0, 20]
 
     def __post_init__(self) -> None:
         # `not x >= 0` rather than `x < 0` so NaN is refused too.
@@ -39,17 +47,33 @@ class Sampling:
             raise InvalidArgument("params.top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidArgument("params.top_k", f"must be >= 0, got {self.top_k}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise InvalidArgument("params.repetition_penalty", f"must be a finite number > 0, got "
+                                                               f"{self.repetition_penalty}")  # fmt: skip
+        low, high = PENALTY_RANGE
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise InvalidArgument(f"params.{name}", f"must be in [{low:g}, {high:g}], got {value}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidArgument("params.min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument("params.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                                         f"{self.top_logprobs}")  # fmt: skip
 
 
 @dataclass(frozen=True)
 class GenerateParams:
     """Sampling plus stopping, as the client asked. `max_new_tokens == 0` (only reachable by leaving
     `params` unset) means the gateway's default length; explicit params must ask for at least one
-    token, so a client that forgot the field hears about it instead of getting a surprise length."""
+    token, so a client that forgot the field hears about it instead of getting a surprise length.
+    `stop_token_ids` are checked against the vocabulary in `prepare`."""
 
     max_new_tokens: int = 0
     sampling: Sampling = field(default_factory=Sampling)
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -61,6 +85,9 @@ class GenerateParams:
                 raise InvalidArgument(f"params.stop[{i}]", "must not be empty")
             if len(s) > MAX_STOP_CHARS:
                 raise InvalidArgument(f"params.stop[{i}]", f"at most {MAX_STOP_CHARS} characters, got {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument("params.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got "
+                                                           f"{len(self.stop_token_ids)}")  # fmt: skip
 
     @classmethod
     def of_request(cls, request: gateway_pb2.GenerateRequest) -> GenerateParams:
@@ -73,8 +100,14 @@ class GenerateParams:
             top_p=float(pb.top_p) if pb.HasField("top_p") else 1.0,
             top_k=int(pb.top_k),
             seed=int(pb.seed) if pb.HasField("seed") else None,
+            repetition_penalty=float(pb.repetition_penalty) if pb.HasField("repetition_penalty") else 1.0,
+            frequency_penalty=float(pb.frequency_penalty),
+            presence_penalty=float(pb.presence_penalty),
+            min_p=float(pb.min_p),
+            top_logprobs=int(pb.top_logprobs),
         )
-        params = cls(max_new_tokens=int(pb.max_new_tokens), sampling=sampling, stop=tuple(pb.stop))
+        params = cls(max_new_tokens=int(pb.max_new_tokens), sampling=sampling, stop=tuple(pb.stop),
+                     stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos)  # fmt: skip
         if params.max_new_tokens == 0:
             raise InvalidArgument("params.max_new_tokens", "must be > 0, got 0 (leave params unset for the default)")
         return params
@@ -156,16 +189,18 @@ class ModelContext:
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A request ready to schedule: prompt tokens, a definite length budget, and how to stop."""
+    """A request ready to schedule: prompt tokens, a definite length budget, and how to stop: a stop string,
+    an end-of-sequence id (none with ignore_eos), one of the request's stop token ids, or the length."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     sampling: Sampling
     stop: tuple[str, ...]
-    eos_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]  # the model's, unless the request ignores them
     tokenizer: Any | None
     arrival: float  # time.monotonic() when the RPC arrived; timings are measured from here
+    stop_token_ids: frozenset[int] = frozenset()
 
     @property
     def max_total_tokens(self) -> int:
@@ -203,8 +238,13 @@ def prepare(call: GenerateCall, model: ModelContext, arrival: float) -> Prepared
     if params.stop and model.tokenizer is None:
         raise InvalidArgument("params.stop", "the model has no tokenizer.json, so generated text (and stop strings) "
                                              "cannot be matched")  # fmt: skip
-    return PreparedRequest(call.request_id, tuple(ids), max_new, params.sampling, params.stop,
-                           model.eos_token_ids, model.tokenizer, arrival)  # fmt: skip
+    for i, token in enumerate(params.stop_token_ids):
+        if not 0 <= token < model.vocab_size:
+            raise InvalidArgument(f"params.stop_token_ids[{i}]", f"token id {token} is outside the vocabulary "
+                                                                 f"[0, {model.vocab_size})")  # fmt: skip
+    eos = frozenset() if params.ignore_eos else model.eos_token_ids
+    return PreparedRequest(call.request_id, tuple(ids), max_new, params.sampling, params.stop, eos, model.tokenizer,
+                           arrival, frozenset(params.stop_token_ids))  # fmt: skip
 
 
 def _prompt_ids(prompt: PromptInput, model: ModelContext) -> list[int]:

@@ -19,9 +19,18 @@ from shardmesh.core.errors import MeshError
 
 
 class FinishReason(enum.Enum):
+    """Why a request ended; the value is what logs, metrics and spans say (`shardmesh.finish_reason`)."""
+
     LENGTH = "length"  # max_new_tokens reached
-    STOP = "stop"  # an end-of-sequence token, or a stop string
+    EOS = "eos"  # the model's end-of-sequence token (not with ignore_eos)
+    STOP_STRING = "stop_string"  # a stop string in the text
+    STOP_TOKEN = "stop_token"  # one of the request's stop token ids
     CANCELLED = "cancelled"  # the client went away, or the server shut down
+
+    @property
+    def openai(self) -> str:
+        """OpenAI's name (the GenAI conventions' too): "stop" for every way a sequence ends by itself, "length"."""
+        return "stop" if self in (FinishReason.EOS, FinishReason.STOP_STRING, FinishReason.STOP_TOKEN) else self.value
 
 
 @dataclass(frozen=True)
@@ -48,13 +57,15 @@ class Summary:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One generated token; `summary` is set on the request's last token only."""
+    """One generated token; `summary` is set on the request's last token only. `top_logprobs`: the most likely
+    tokens at its position as (token id, log-probability), most likely first, when the request asked."""
 
     index: int
     token_id: int
     logprob: float
     text_delta: str
     summary: Summary | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ from gateway.sequence import Kept, Sequence
 from gateway.slots import SlotPool
 from gateway.watcher import MeshState
 from shardmesh.core.errors import Internal, MeshError, Unavailable
+from shardmesh.proto.v1 import worker_pb2
 
 IDLE_WAIT_S = 0.5  # longest sleep without a wake-up; bounds how late a shutdown deadline is noticed
 
@@ -355,7 +356,7 @@ class Scheduler:
                 self._to_release.append(Vacated.kept_by(s, kept, keeps_key=True))
             s.ready_at = next(self._ready_clock)
             if s.sampling is None:  # once: a resumed sequence keeps its seed
-                s.sampling = wire.token_sampling(s.req.sampling)
+                s.sampling = wire.token_sampling(s.req.sampling, s.prompt_len)
             if s.resume_deadline is not None and not s.resumes:  # arrived while the mesh was changing
                 s.resume_deadline = None
                 self._log.info("request_waited_for_mesh", request_id=s.req.request_id, trace_id=s.trace_id,
@@ -415,7 +416,7 @@ class Scheduler:
         sampled = [(p, ok) for p, ok in zip(step.planned, current, strict=True) if p.sample]
         for (p, ok), token in zip(sampled, response.tokens, strict=True):
             if ok and not p.seq.retired:
-                self._on_token(p.seq, token.token_id, token.logprob, now)
+                self._on_token(p.seq, token, now)
 
     def _on_step_failure(self, e: ShardFailure, step: StepInFlight) -> None:
         placement = step.view.placement
@@ -459,7 +460,8 @@ class Scheduler:
             with self._lock:
                 self._admission.requeue(resuming)
 
-    def _on_token(self, s: Sequence, token_id: int, logprob: float, now: float) -> None:
+    def _on_token(self, s: Sequence, token: worker_pb2.SampledToken, now: float) -> None:
+        token_id, logprob = token.token_id, token.logprob
         if s.gap_open:  # the first token after a resume: how long the client waited
             s.gap_open = False
             gap = now - (s.token_times[-1] if s.token_times else s.req.arrival)
@@ -474,7 +476,8 @@ class Scheduler:
         if reason is not None:
             summary = s.summary(reason, now)
             self._finish(s, summary)
-        s.handle.events.put(TokenEvent(len(s.tokens) - 1, int(token_id), float(logprob), delta, summary))
+        top = tuple((t.token_id, t.logprob) for t in token.top_logprobs)
+        s.handle.events.put(TokenEvent(len(s.tokens) - 1, int(token_id), float(logprob), delta, summary, top))
 
     # -- endings ----------------------------------------------------------------------------------
 

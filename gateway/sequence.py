@@ -9,7 +9,7 @@ again. There it takes the same slot back when the stages that kept their caches 
 otherwise it prefills its whole log but the last token on every stage. Either way nothing is sampled
 during a replay (those tokens were sent to the client already), and then it decodes on from the last
 token as if nothing had happened. The stop conditions are checked here,
-token by token: a stop string in the text, an end-of-sequence id, or `max_new_tokens`.
+token by token: an end-of-sequence id, a stop token id, a stop string in the text, or `max_new_tokens`.
 """
 
 from __future__ import annotations
@@ -159,18 +159,23 @@ class Sequence:
 
     def add_token(self, token_id: int, logprob: float, now: float) -> tuple[str, FinishReason | None]:
         """Append a sampled token; returns the text now safe to send and why generation ends with this
-        token (None: it goes on). A stop string or an end-of-sequence id is STOP, `max_new_tokens` LENGTH;
-        on an ending the text held back is flushed into the delta."""
+        token (None: it goes on), checked in this order: an end-of-sequence id (EOS; none with ignore_eos),
+        one of the request's stop token ids (STOP_TOKEN), a stop string in the text (STOP_STRING),
+        `max_new_tokens` (LENGTH). A token that ends it by its id adds no text (as in vLLM); on an ending
+        the text held back is flushed into the delta."""
         self.tokens.append(int(token_id))
         self.logprobs.append(float(logprob))
         self.token_times.append(now)
-        delta = self.text.add(token_id)
-        if self.text.stopped or token_id in self.req.eos_token_ids:
-            reason: FinishReason | None = FinishReason.STOP
-        elif len(self.tokens) >= self.req.max_new_tokens:
+        reason: FinishReason | None = None
+        if token_id in self.req.eos_token_ids:
+            reason = FinishReason.EOS
+        elif token_id in self.req.stop_token_ids:
+            reason = FinishReason.STOP_TOKEN
+        delta = self.text.add(token_id) if reason is None else ""
+        if reason is None and self.text.stopped:
+            reason = FinishReason.STOP_STRING
+        elif reason is None and len(self.tokens) >= self.req.max_new_tokens:
             reason = FinishReason.LENGTH
-        else:
-            reason = None
         if reason is not None:
             delta += self.text.finish()
         return delta, reason

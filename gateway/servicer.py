@@ -38,9 +38,15 @@ EVENT_POLL_S = 1.0  # how often a waiting RPC checks that the scheduler is still
 
 _FINISH = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
+    FinishReason.STOP_STRING: common_pb2.FINISH_REASON_STOP_STRING,
+    FinishReason.STOP_TOKEN: common_pb2.FINISH_REASON_STOP_TOKEN,
     FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
 }
+
+
+def _alternatives(event: TokenEvent) -> list[common_pb2.TokenLogprob]:
+    return [common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in event.top_logprobs]
 
 
 def _summary_pb(summary: Summary) -> gateway_pb2.StreamSummary:
@@ -148,6 +154,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if isinstance(event, TokenEvent):
                     response.token_ids.append(event.token_id)
                     response.logprobs.append(event.logprob)
+                    if event.top_logprobs:
+                        response.top_logprobs.add(alternatives=_alternatives(event))
                 text.append(event.text_delta)
                 if event.summary is not None:
                     summary = _summary_pb(event.summary)
@@ -171,7 +179,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     return
                 message = gateway_pb2.GenerateStreamResponse(
                     request_id=request_id, index=event.index, token_id=event.token_id, logprob=event.logprob,
-                    text_delta=event.text_delta,
+                    text_delta=event.text_delta, top_logprobs=_alternatives(event),
                 )  # fmt: skip
                 if event.summary is not None:
                     message.summary.CopyFrom(_summary_pb(event.summary))

@@ -13,14 +13,19 @@ if TYPE_CHECKING:
     from gateway.sequence import Sequence
 
 
-def token_sampling(sampling: Sampling) -> worker_pb2.TokenSampling:
+def token_sampling(sampling: Sampling, prompt_tokens: int) -> worker_pb2.TokenSampling:
     """Built once per request. A sampled request without a seed gets one here: the gateway owns its token
-    log, and with the seed a replay after a worker's loss draws the same tokens (`engine.sampling`)."""
+    log, and with the seed a replay after a worker's loss draws the same tokens (`engine.sampling`). The
+    prompt's length tells the last stage which positions the frequency and presence penalties skip."""
     seed = sampling.seed
     if seed is None and sampling.temperature > 0:
         seed = secrets.randbits(62)
-    return worker_pb2.TokenSampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                                    seed=seed)  # fmt: skip
+    s = sampling
+    return worker_pb2.TokenSampling(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=seed, repetition_penalty=s.repetition_penalty,
+        frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty, min_p=s.min_p,
+        top_logprobs=s.top_logprobs, prompt_tokens=prompt_tokens,
+    )  # fmt: skip
 
 
 def batch_entry(p: Planned[Sequence], pp: int) -> worker_pb2.BatchEntry:

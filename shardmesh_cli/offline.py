@@ -160,8 +160,8 @@ def _decode(
         msg = torch.zeros(2, dtype=torch.float64, device=device)
         if rank == sampler_rank:
             assert logits is not None
-            ids, lps = sample(logits, [sampling], [start + len(inputs)])
-            msg = torch.tensor([ids[0], lps[0]], dtype=torch.float64, device=device)
+            drawn = sample(logits, [sampling], [start + len(inputs)])
+            msg = torch.tensor([drawn.token_ids[0], drawn.logprobs[0]], dtype=torch.float64, device=device)
         world.pg.broadcast([msg], opts).wait()
         token = int(msg[0].item())
         token_ids.append(token)

@@ -37,6 +37,7 @@ from shardmesh.engine.groups import Backend, ShardGroups, form_groups
 from shardmesh.engine.kv_cache import ActivationLog, KVCache
 from shardmesh.engine.loader import build_shard, parse_dtype
 from shardmesh.engine.model import Transformer
+from shardmesh.engine.penalties import TokenHistory
 from shardmesh.engine.sampling import random_seed, sample
 from shardmesh.engine.stage import Relay, StageEngine
 from shardmesh.engine.timing import calibrate_shard
@@ -140,12 +141,15 @@ class _Caches:
     seeds: dict[str, int] = field(default_factory=dict)  # for sampled requests that came without a seed
     slots: dict[int, str] = field(default_factory=dict)  # occupied KV slot -> request id
     lengths: dict[int, int] = field(default_factory=dict)  # occupied slot -> positions written (a hand-over sends them)
+    tokens: TokenHistory | None = None  # the last stage's token ids by slot and position, for the penalties
 
     def rows(self, slot: int, length: int) -> list[Tensor]:
         """Views of what this shard holds for positions [0, length) of `slot` (`engine.kv_transfer.SlotRows`)."""
         out = [self.kv.data[:, :, slot, :, :length]]
         if self.log is not None:
             out.append(self.log.data[slot, :length])
+        if self.tokens is not None:  # the penalties count them: a cache that arrives without them would miscount
+            out.append(self.tokens.data[slot, :length])
         return out
 
     def header(self) -> kv_transfer.Header:
@@ -356,7 +360,8 @@ class StageWorkerCore:
         log = None
         if not last_stage:
             log = ActivationLog(limits.kv_slots, limits.max_context, model.cfg.hidden_size, dtype, self.device)
-        return _Caches(key, kv, log, _new_cache_id())
+        tokens = TokenHistory(limits.kv_slots, limits.max_context, self.device) if last_stage else None  # penalties
+        return _Caches(key, kv, log, _new_cache_id(), tokens=tokens)
 
     # ---- hand-overs: the KV cache goes with the slot ----------------------------------------------------
 
@@ -485,13 +490,18 @@ class StageWorkerCore:
         self.stats.recv_wait_s += comm.recv_wait_s
         sampled: list[Sampled] = []
         if logits is not None:  # one row per computed entry (every entry that samples is computed here)
+            history = rt.caches.tokens
+            if history is not None:  # the positions penalised entries write: what their penalties count, now and later
+                history.record_entries(e for e in computed if e.sampling.penalized)
             keep = [i for i, e in enumerate(computed) if not e.skip_sampling]
             with self._slots_lock:
                 params = [self._seeded(rt, computed[i]) for i in keep]
             positions = [computed[i].start_pos + computed[i].num_tokens for i in keep]  # where each drawn token goes
             rows = logits if len(keep) == len(computed) else logits[keep]  # no copy when every row samples
-            ids_out, lps = sample(rows, params, positions) if keep else ([], [])
-            sampled = [Sampled(computed[i].request_id, t, lp) for i, t, lp in zip(keep, ids_out, lps, strict=True)]
+            if keep:
+                d = sample(rows, params, positions, history, [computed[i].slot for i in keep])
+                sampled = [Sampled(computed[i].request_id, t, lp, top) for i, t, lp, top
+                           in zip(keep, d.token_ids, d.logprobs, d.top_logprobs, strict=True)]  # fmt: skip
         return StepResult(sampled, elapsed, comm, rt.placement)
 
     @staticmethod

@@ -14,7 +14,7 @@ import grpc
 
 from shardmesh.core.dtypes import DType
 from shardmesh.core.errors import InvalidArgument, MeshError
-from shardmesh.core.step import SamplingParams, StepEntry
+from shardmesh.core.step import Sampled, SamplingParams, StepEntry
 from shardmesh.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from shardmesh.rpc import telemetry
 from shardworker.runtime import StageWorkerCore, StepResult
@@ -25,12 +25,25 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["StageWorker"].full_name
 def entry_from_pb(pb: worker_pb2.BatchEntry) -> StepEntry:
     s = pb.sampling
     try:
-        sampling = SamplingParams(s.temperature, s.top_p if s.top_p else 1.0, s.top_k,
-                                  s.seed if s.HasField("seed") else None)  # fmt: skip
+        sampling = SamplingParams(
+            s.temperature, s.top_p if s.top_p else 1.0, s.top_k, s.seed if s.HasField("seed") else None,
+            repetition_penalty=s.repetition_penalty if s.repetition_penalty else 1.0,
+            frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty, min_p=s.min_p,
+            top_logprobs=s.top_logprobs, prompt_len=s.prompt_tokens,
+        )  # fmt: skip
     except ValueError as e:
         raise InvalidArgument("entries.sampling", str(e)) from None
-    return StepEntry(pb.request_id, pb.slot, pb.start_pos, pb.num_tokens, tuple(pb.token_ids), sampling,
-                     pb.skip_sampling, pb.first_stage, pb.end_stage)  # fmt: skip
+    try:
+        return StepEntry(pb.request_id, pb.slot, pb.start_pos, pb.num_tokens, tuple(pb.token_ids), sampling,
+                         pb.skip_sampling, pb.first_stage, pb.end_stage)  # fmt: skip
+    except ValueError as e:
+        raise InvalidArgument("entries.token_ids", str(e)) from None
+
+
+def sampled_pb(s: Sampled) -> worker_pb2.SampledToken:
+    return worker_pb2.SampledToken(request_id=s.request_id, token_id=s.token_id, logprob=s.logprob,
+                                   top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp)
+                                                 for t, lp in s.top_logprobs])  # fmt: skip
 
 
 def entries_of(request: worker_pb2.StepRequest) -> tuple[list[StepEntry], InvalidArgument | None]:
@@ -69,8 +82,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             self.metrics.observe(result, sum(e.num_tokens for e in entries))
         if parents:
             self._spans(parents, start_ns, request, entries, result, waited)
-        tokens = [worker_pb2.SampledToken(request_id=s.request_id, token_id=s.token_id, logprob=s.logprob)
-                  for s in result.sampled]  # fmt: skip
+        tokens = [sampled_pb(s) for s in result.sampled]
         return worker_pb2.StepResponse(step_id=request.step_id, tokens=tokens,
                                        compute_ms=(result.elapsed_s - result.comm.recv_wait_s) * 1e3,
                                        recv_wait_ms=result.comm.recv_wait_s * 1e3,

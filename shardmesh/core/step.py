@@ -8,6 +8,7 @@ live in `shardmesh.engine` (`batch.BatchLayout`, `sampling.sample`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -20,34 +21,64 @@ class Segment:
     length: int
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's and vLLM's bound)
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for frequency_penalty and presence_penalty
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How a request draws its tokens; the draw at each position depends on `seed` and that position only
-    (`engine.sampling.draw_seed`)."""
+    (`engine.sampling.draw_seed`), and on the sequence's tokens before it when a penalty is set
+    (`engine.penalties`). Order: penalties, then temperature, top-k, top-p, min-p (transformers' order)."""
 
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # 0 means no limit
     seed: int | None = None
+    repetition_penalty: float = 1.0  # transformers': over the prompt and the generated tokens; 1 means none
+    frequency_penalty: float = 0.0  # OpenAI's: logit -= frequency_penalty * count, generated tokens only
+    presence_penalty: float = 0.0  # OpenAI's: logit -= presence_penalty * (count > 0), generated tokens only
+    min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one; 0 means none
+    top_logprobs: int = 0  # also return this many most likely tokens (raw distribution) at each position
+    prompt_len: int = 0  # positions before it are the prompt (frequency and presence penalties skip them)
 
     def __post_init__(self) -> None:
+        # `not x >= 0` rather than `x < 0` so NaN is refused too.
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+                raise ValueError(f"{name} must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {value}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.prompt_len < 0:
+            raise ValueError(f"prompt_len must be >= 0, got {self.prompt_len}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is set: the draw then depends on the sequence's token history."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
 
 @dataclass(frozen=True)
 class StepEntry:
-    """One sequence's part of a step: `num_tokens` tokens from position `start_pos`, cached in KV slot `slot`
-    (`token_ids` on the first stage only); `skip_sampling` when its last token gets no next token (a prompt
-    chunk that is not the prompt's end)."""
+    """One sequence's part of a step: `num_tokens` tokens from position `start_pos`, cached in KV slot `slot`;
+    `skip_sampling` when its last token gets no next token (a prompt chunk that is not the prompt's end).
+    `token_ids` are what the first stage embeds and what the last stage records for the penalties, so an
+    entry with a penalty must carry them; other entries may leave them out on the stages after the first."""
 
     request_id: str
     slot: int
@@ -59,6 +90,11 @@ class StepEntry:
     first_stage: int = 0  # a replay on stages [first_stage, end_stage) only (0, 0: every stage); see worker.proto
     end_stage: int = 0  # 0: through the last stage
 
+    def __post_init__(self) -> None:
+        if self.sampling.penalized and len(self.token_ids) != self.num_tokens:
+            raise ValueError(f"{len(self.token_ids)} token_ids for num_tokens={self.num_tokens}: the last stage "
+                             f"records them for the sampling's penalties")  # fmt: skip
+
     def computed_by(self, stage: int, num_stages: int) -> bool:
         """Whether `stage` runs its layers over this entry."""
         return self.first_stage <= stage < (self.end_stage or num_stages)
@@ -66,8 +102,10 @@ class StepEntry:
 
 @dataclass(frozen=True)
 class Sampled:
-    """The last stage's answer for one entry: the token drawn and its log-probability under the model."""
+    """The last stage's answer for one entry: the token drawn and its log-probability under the model, and the
+    `top_logprobs` most likely tokens there as (token id, log-probability), most likely first, when asked."""
 
     request_id: str
     token_id: int
     logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()

@@ -3,19 +3,29 @@
 A random draw depends only on the request's seed and the position of the token drawn: each row gets a
 generator seeded from (seed, position) for that one draw, never a stream that advances step by step.
 So a sequence whose worker died, replayed on another one, draws exactly what it would have (the
-gateway gives every sampled request a seed), and batching cannot change a request's tokens.
+gateway gives every sampled request a seed), and batching cannot change a request's tokens. Penalties
+add the sequence's tokens before that position (`engine.penalties`), which a replay writes again.
+
+A row's logits go through, in transformers' order: the penalties (repetition, frequency, presence),
+then temperature, top-k, top-p and min-p; greedy takes the most likely token after the penalties.
+Greedy rows without a penalty skip all of it: one argmax over the batch.
 
 The reported log-probability is always that of the *model's* distribution (log-softmax of the raw
-logits, in float32), whatever temperature / top-k / top-p shaped the draw, so two requests that
-pick the same token report the same number.
+logits, in float32), whatever penalties / temperature / top-k / top-p / min-p shaped the draw, so two
+requests that pick the same token report the same number; the top-n alternatives come from that same
+distribution.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from shardmesh.core.step import SamplingParams
+from shardmesh.engine.penalties import TokenHistory, apply_penalties
 
 _MASK64 = (1 << 64) - 1
 
@@ -34,8 +44,18 @@ def random_seed() -> int:
     return int(torch.randint(0, 2**62, ()).item())
 
 
+@dataclass(frozen=True)
+class Draws:
+    """One step's draws, a row each: the token, its model log-probability, and the row's `top_logprobs` most
+    likely tokens as (token id, log-probability), most likely first (empty unless asked for)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[tuple[tuple[int, float], ...]]
+
+
 def _shape(logits: Tensor, p: SamplingParams) -> Tensor:
-    """Temperature, then top-k, then top-p, on one row of logits (V,)."""
+    """Temperature, then top-k, then top-p, then min-p, on one row of (penalised) logits (V,)."""
     x = logits / p.temperature
     if 0 < p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]
@@ -46,23 +66,65 @@ def _shape(logits: Tensor, p: SamplingParams) -> Tensor:
         # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
         drop = (cum - sorted_x.softmax(-1)) >= p.top_p
         x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0:  # the most likely token always stays: its probability is >= min_p times itself
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     return x
 
 
-def sample(logits: Tensor, params: list[SamplingParams], positions: list[int]) -> tuple[list[int], list[float]]:
-    """logits (B, V) float32 → one token id and its model log-probability per row; `positions[i]` is where
-    row i's token goes in its sequence (its last input's position + 1). A sampled row needs a seed."""
+def sample(logits: Tensor, params: list[SamplingParams], positions: list[int], history: TokenHistory | None = None,
+           slots: Sequence[int] | None = None) -> Draws:  # fmt: skip
+    """logits (B, V) → one token id, its model log-probability and the asked-for alternatives per row;
+    `positions[i]` is where row i's token goes in its sequence (its last input's position + 1). A sampled row
+    needs a seed; a row with a penalty needs `history` holding its sequence's tokens before that position, in
+    KV slot `slots[i]`."""
     if len(params) != len(positions) or len(params) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits, {len(params)} params, {len(positions)} positions")
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     # Greedy rows in one argmax: one op, not one per row (a per-row loop cost ~1 ms of a 16-row step).
     ids = logits.argmax(-1).tolist()
-    for i, (p, position) in enumerate(zip(params, positions, strict=True)):
-        if not p.greedy:
+    shaped = [i for i, p in enumerate(params) if not p.greedy or p.penalized]
+    if shaped:
+        x = _penalised(logits, params, positions, shaped, history, slots)
+        greedy = [j for j, i in enumerate(shaped) if params[i].greedy]  # greedy rows with a penalty
+        if greedy:
+            for j, token in zip(greedy, x[greedy].argmax(-1).tolist(), strict=True):
+                ids[shaped[j]] = token
+        for j, i in enumerate(shaped):
+            p = params[i]
+            if p.greedy:
+                continue
             if p.seed is None:
                 raise ValueError("a sampled row needs a seed (random_seed() when the request gave none)")
-            probs = _shape(logits[i].float().cpu(), p).softmax(-1)
-            g = torch.Generator().manual_seed(draw_seed(p.seed, position))
+            probs = _shape(x[j].cpu(), p).softmax(-1)
+            g = torch.Generator().manual_seed(draw_seed(p.seed, positions[i]))
             ids[i] = int(torch.multinomial(probs, 1, generator=g))
     chosen = logprobs.gather(1, torch.tensor(ids, device=logits.device)[:, None])[:, 0]
-    return ids, chosen.tolist()
+    return Draws(ids, chosen.tolist(), _top_logprobs(logprobs, [p.top_logprobs for p in params]))
+
+
+def _penalised(logits: Tensor, params: list[SamplingParams], positions: list[int], rows: list[int],
+               history: TokenHistory | None, slots: Sequence[int] | None) -> Tensor:  # fmt: skip
+    """logits[rows] in float32, with the penalties of the rows that have any applied."""
+    x = logits[rows].float()
+    penalised = [j for j, i in enumerate(rows) if params[i].penalized]
+    if penalised:
+        if history is None or slots is None:
+            raise ValueError("a row with a penalty needs the token history and its KV slot")
+        of = [rows[j] for j in penalised]
+        x[penalised] = apply_penalties(x[penalised], [params[i] for i in of], history, [slots[i] for i in of],
+                                       [positions[i] for i in of])  # fmt: skip
+    return x
+
+
+def _top_logprobs(logprobs: Tensor, counts: list[int]) -> list[tuple[tuple[int, float], ...]]:
+    """For each row, its `counts[i]` most likely tokens and their log-probabilities; one top-k for all rows."""
+    out: list[tuple[tuple[int, float], ...]] = [()] * len(counts)
+    rows = [i for i, n in enumerate(counts) if n > 0]
+    if not rows:
+        return out
+    k = min(max(counts[i] for i in rows), logprobs.shape[-1])
+    values, indices = torch.topk(logprobs[rows], k, dim=-1)
+    for i, ids, lps in zip(rows, indices.tolist(), values.tolist(), strict=True):
+        out[i] = tuple(zip(ids[: counts[i]], lps[: counts[i]], strict=True))
+    return out

@@ -2,8 +2,9 @@
 byte-level tokenizer and a chat template), driven by the official `openai` client and by raw HTTP.
 
 Every answer is compared with the same request sent through the gRPC API of the same gateway: the two front doors
-share the scheduler, so greedy and seeded answers must be the same tokens, text and finish reason. One mesh serves
-the whole module.
+share the scheduler, so greedy and seeded answers must be the same tokens, text and finish reason, penalties and
+top-n logprobs included. Greedy decoding with a repetition penalty is compared with `transformers`' `generate`. One
+mesh serves the whole module.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import openai
 import pytest
+import torch
 
 from shardmesh.models.tokenizer import Tokenizer
 from shardmesh.proto.v1 import common_pb2, gateway_pb2
@@ -27,7 +29,8 @@ from tests.unit.gateway.fakes import VOCAB, write_tokenizer
 from tests.waiting import wait_until
 
 EOS = VOCAB - 1  # "<|im_end|>" of the byte-level tokenizer
-FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+FINISH = {common_pb2.FINISH_REASON_EOS: "stop", common_pb2.FINISH_REASON_STOP_STRING: "stop",
+          common_pb2.FINISH_REASON_STOP_TOKEN: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}  # fmt: skip
 HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
 
 
@@ -148,6 +151,62 @@ def test_stop_strings_end_the_answer_as_on_grpc(mesh: Mesh, client: openai.OpenA
                                        temperature=0, stop=[stop])  # fmt: skip
     assert answer.choices[0].text == reference.text == full[: full.index(stop)]
     assert answer.choices[0].finish_reason == "stop" == FINISH[reference.finish_reason]
+    assert reference.finish_reason == common_pb2.FINISH_REASON_STOP_STRING
+
+
+PENALTIES = {"frequency_penalty": 0.75, "presence_penalty": 0.5, "repetition_penalty": 1.25, "min_p": 0.05}
+
+
+def test_penalties_and_top_logprobs_match_grpc(mesh: Mesh, client: openai.OpenAI, name: str) -> None:
+    """vLLM's sampling fields over HTTP are the gRPC fields: the same tokens, logprobs and alternatives."""
+    answer = client.chat.completions.create(
+        model=name, messages=HELLO, max_tokens=16, temperature=0.7, seed=3, logprobs=True, top_logprobs=4,
+        frequency_penalty=PENALTIES["frequency_penalty"], presence_penalty=PENALTIES["presence_penalty"],
+        extra_body={"repetition_penalty": PENALTIES["repetition_penalty"], "min_p": PENALTIES["min_p"],
+                    "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    chat = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(**m) for m in HELLO])
+    params = gateway_pb2.SamplingParams(max_new_tokens=16, temperature=0.7, seed=3, top_logprobs=4, **PENALTIES)
+    reference = _grpc(mesh, gateway_pb2.GenerateRequest(chat=chat, params=params))
+    content = answer.choices[0].logprobs.content
+    assert _ids([t.token for t in content]) == list(reference.token_ids)
+    assert [t.logprob for t in content] == pytest.approx(list(reference.logprobs), abs=1e-6)
+    assert [_ids([a.token for a in t.top_logprobs]) for t in content] == [
+        [a.token_id for a in top.alternatives] for top in reference.top_logprobs]  # fmt: skip
+    assert [[a.logprob for a in t.top_logprobs] for t in content] == [
+        pytest.approx([a.logprob for a in top.alternatives], abs=1e-6) for top in reference.top_logprobs]  # fmt: skip
+    assert all(len(t.top_logprobs) == 4 for t in content)
+    assert answer.choices[0].message.content == reference.text
+    # Streamed completions, greedy: `logprobs: 3` maps the 3 alternatives and the sampled token.
+    prompt = [1, 17, 5, 42, 33, 8]
+    stream = client.completions.create(
+        model=name, prompt=prompt, max_tokens=12, temperature=0, stream=True, logprobs=3,
+        frequency_penalty=0.5, extra_body={"repetition_penalty": 1.5, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    logprobs = [c.choices[0].logprobs for c in stream if c.choices]
+    params = gateway_pb2.SamplingParams(max_new_tokens=12, frequency_penalty=0.5, repetition_penalty=1.5,
+                                        top_logprobs=3)  # fmt: skip
+    reference = _grpc(mesh, gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt), params=params))
+    assert _ids([t for lp in logprobs for t in lp.tokens]) == list(reference.token_ids)
+    tops = [d for lp in logprobs for d in lp.top_logprobs]
+    for top, token, alternatives in zip(tops, reference.token_ids, reference.top_logprobs, strict=True):
+        assert set(_ids(list(top))) == {token, *(a.token_id for a in alternatives.alternatives)}
+
+
+def test_greedy_with_a_repetition_penalty_matches_transformers_generate(mesh: Mesh, model: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompt = [1, 17, 5, 42, 33, 8]
+    params = gateway_pb2.SamplingParams(max_new_tokens=24, temperature=0.0, repetition_penalty=1.3)
+    got = _grpc(mesh, gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt), params=params))
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, repetition_penalty=1.3, max_new_tokens=24,
+                          pad_token_id=EOS)  # fmt: skip
+    expected = out[0, len(prompt) :].tolist()
+    assert list(got.token_ids) == expected
+    # The penalty matters here: without it the answer is another one.
+    assert expected != reference_greedy(model, prompt, len(expected))[0]
 
 
 def test_server_sent_events_framing(mesh: Mesh, client: openai.OpenAI, name: str) -> None:
@@ -169,8 +228,10 @@ def test_server_sent_events_framing(mesh: Mesh, client: openai.OpenAI, name: str
 
 def test_errors_by_status_code(mesh: Mesh, client: openai.OpenAI, name: str) -> None:
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"top_p": 1.5}, "top_p"), ({"n": 2}, "n"), ({"extra_body": {"frequency_penalty": 0.5}}, "frequency_penalty"),
-        ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"), ({"max_tokens": 100_000}, "max_tokens"),
+        ({"top_p": 1.5}, "top_p"), ({"n": 2}, "n"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"max_tokens": 100_000}, "max_tokens"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+        ({"extra_body": {"stop_token_ids": [1, 10_000]}}, "stop_token_ids[1]"),
     ]  # fmt: skip
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as e:

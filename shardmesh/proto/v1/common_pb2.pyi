@@ -20,6 +20,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class _DType:
@@ -84,22 +89,51 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """Not finished, or not known."""
     FINISH_REASON_LENGTH: _FinishReason.ValueType  # 1
     """max_new_tokens was reached (or the model context was full)."""
-    FINISH_REASON_STOP: _FinishReason.ValueType  # 2
-    """The model produced an end-of-sequence token, or the text matched a stop string."""
+    FINISH_REASON_EOS: _FinishReason.ValueType  # 2
+    """The model produced one of its end-of-sequence tokens (and the request did not set ignore_eos). The token
+    is returned in token_ids; its text is not part of the completion.
+    """
+    @_builtins.property
+    @_deprecated("""This enum value has been marked as deprecated using proto enum value options.""")
+    def FINISH_REASON_STOP(self) -> _FinishReason.ValueType:   # 2
+        """The first name of FINISH_REASON_EOS, kept so that code written against it still builds."""
     FINISH_REASON_CANCELLED: _FinishReason.ValueType  # 3
     """The request was cancelled (client cancellation, deadline, or server shutdown)."""
+    FINISH_REASON_STOP_STRING: _FinishReason.ValueType  # 4
+    """The generated text contained one of the request's stop strings; the text is cut before it, and the
+    token that completed it is returned in token_ids.
+    """
+    FINISH_REASON_STOP_TOKEN: _FinishReason.ValueType  # 5
+    """The model produced one of the request's stop_token_ids. The token is returned in token_ids; its text
+    is not part of the completion.
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
-    """Why a generation ended."""
+    """Why a generation ended. The three ways a sequence ends by itself (EOS, STOP_STRING, STOP_TOKEN) are
+    OpenAI's "stop"; LENGTH is its "length". Values 4 and 5 were added after 2: a client built before them
+    reads them as unknown values, and before them 2 also stood for a stop string.
+    """
 
 FINISH_REASON_UNSPECIFIED: FinishReason.ValueType  # 0
 """Not finished, or not known."""
 FINISH_REASON_LENGTH: FinishReason.ValueType  # 1
 """max_new_tokens was reached (or the model context was full)."""
+FINISH_REASON_EOS: FinishReason.ValueType  # 2
+"""The model produced one of its end-of-sequence tokens (and the request did not set ignore_eos). The token
+is returned in token_ids; its text is not part of the completion.
+"""
 FINISH_REASON_STOP: FinishReason.ValueType  # 2
-"""The model produced an end-of-sequence token, or the text matched a stop string."""
+"""The first name of FINISH_REASON_EOS, kept so that code written against it still builds."""
 FINISH_REASON_CANCELLED: FinishReason.ValueType  # 3
 """The request was cancelled (client cancellation, deadline, or server shutdown)."""
+FINISH_REASON_STOP_STRING: FinishReason.ValueType  # 4
+"""The generated text contained one of the request's stop strings; the text is cut before it, and the
+token that completed it is returned in token_ids.
+"""
+FINISH_REASON_STOP_TOKEN: FinishReason.ValueType  # 5
+"""The model produced one of the request's stop_token_ids. The token is returned in token_ids; its text
+is not part of the completion.
+"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 class _ShardState:
@@ -218,3 +252,31 @@ class ModelSpec(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelSpec: _TypeAlias = ModelSpec  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """One token and its log-probability: an alternative the model considered at one position."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """The token id, in [0, vocab_size)."""
+    logprob: _builtins.float
+    """Its natural-log probability under the model's raw distribution (log-softmax of the raw logits, before
+    penalties, temperature, top-k, top-p and min_p).
+    """
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shardmesh.proto.v1 import common_pb2 as shardmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashardmesh/v1/gateway.proto\x12\x0cshardmesh.v1\x1a\x19shardmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.shardmesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x94\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x08\n\x06_top_pB\x07\n\x05_seed\"\xdb\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.shardmesh.v1.ChatMessagesH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.shardmesh.v1.TokenIdsH\x00\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.shardmesh.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_request_id\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x82\x01\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x02 \x01(\x01\x12\x16\n\x0einter_token_ms\x18\x03 \x03(\x01\x12\x1b\n\x13mean_inter_token_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\"\xd8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.shardmesh.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.shardmesh.v1.Usage\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.shardmesh.v1.Timings\"\x8e\x01\n\rStreamSummary\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.shardmesh.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.shardmesh.v1.Usage\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.shardmesh.v1.Timings\"\xa0\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12\x12\n\ntext_delta\x18\x05 \x01(\t\x12,\n\x07summary\x18\x06 \x01(\x0b\x32\x1b.shardmesh.v1.StreamSummary\"\x15\n\x13GetModelInfoRequest\"\xbb\x01\n\tModelInfo\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.shardmesh.v1.ModelSpec\x12\n\n\x02pp\x18\x02 \x01(\r\x12\n\n\x02tp\x18\x03 \x01(\r\x12\x18\n\x10topology_version\x18\x04 \x01(\x04\x12\r\n\x05ready\x18\x05 \x01(\x08\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x13\n\x0bmax_context\x18\x08 \x01(\r2\xf9\x01\n\x07Gateway\x12I\n\x08Generate\x12\x1d.shardmesh.v1.GenerateRequest\x1a\x1e.shardmesh.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.shardmesh.v1.GenerateRequest\x1a$.shardmesh.v1.GenerateStreamResponse0\x01\x12J\n\x0cGetModelInfo\x12!.shardmesh.v1.GetModelInfoRequest\x1a\x17.shardmesh.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashardmesh/v1/gateway.proto\x12\x0cshardmesh.v1\x1a\x19shardmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.shardmesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd2\x02\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\r\n\x05min_p\x18\n \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\rB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xdb\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.shardmesh.v1.ChatMessagesH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.shardmesh.v1.TokenIdsH\x00\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.shardmesh.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_request_id\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x82\x01\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x02 \x01(\x01\x12\x16\n\x0einter_token_ms\x18\x03 \x03(\x01\x12\x1b\n\x13mean_inter_token_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\"\x89\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.shardmesh.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.shardmesh.v1.Usage\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.shardmesh.v1.Timings\x12/\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x19.shardmesh.v1.TopLogprobs\"?\n\x0bTopLogprobs\x12\x30\n\x0c\x61lternatives\x18\x01 \x03(\x0b\x32\x1a.shardmesh.v1.TokenLogprob\"\x8e\x01\n\rStreamSummary\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.shardmesh.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.shardmesh.v1.Usage\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.shardmesh.v1.Timings\"\xd2\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12\x12\n\ntext_delta\x18\x05 \x01(\t\x12,\n\x07summary\x18\x06 \x01(\x0b\x32\x1b.shardmesh.v1.StreamSummary\x12\x30\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1a.shardmesh.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"\xbb\x01\n\tModelInfo\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.shardmesh.v1.ModelSpec\x12\n\n\x02pp\x18\x02 \x01(\r\x12\n\n\x02tp\x18\x03 \x01(\r\x12\x18\n\x10topology_version\x18\x04 \x01(\x04\x12\r\n\x05ready\x18\x05 \x01(\x08\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x13\n\x0bmax_context\x18\x08 \x01(\r2\xf9\x01\n\x07Gateway\x12I\n\x08Generate\x12\x1d.shardmesh.v1.GenerateRequest\x1a\x1e.shardmesh.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.shardmesh.v1.GenerateRequest\x1a$.shardmesh.v1.GenerateStreamResponse0\x01\x12J\n\x0cGetModelInfo\x12!.shardmesh.v1.GetModelInfoRequest\x1a\x17.shardmesh.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,23 +39,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=178
   _globals['_TOKENIDS']._serialized_end=201
   _globals['_SAMPLINGPARAMS']._serialized_start=204
-  _globals['_SAMPLINGPARAMS']._serialized_end=352
-  _globals['_GENERATEREQUEST']._serialized_start=355
-  _globals['_GENERATEREQUEST']._serialized_end=574
-  _globals['_USAGE']._serialized_start=576
-  _globals['_USAGE']._serialized_end=633
-  _globals['_TIMINGS']._serialized_start=636
-  _globals['_TIMINGS']._serialized_end=766
-  _globals['_GENERATERESPONSE']._serialized_start=769
-  _globals['_GENERATERESPONSE']._serialized_end=985
-  _globals['_STREAMSUMMARY']._serialized_start=988
-  _globals['_STREAMSUMMARY']._serialized_end=1130
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1133
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1293
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1295
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1316
-  _globals['_MODELINFO']._serialized_start=1319
-  _globals['_MODELINFO']._serialized_end=1506
-  _globals['_GATEWAY']._serialized_start=1509
-  _globals['_GATEWAY']._serialized_end=1758
+  _globals['_SAMPLINGPARAMS']._serialized_end=542
+  _globals['_GENERATEREQUEST']._serialized_start=545
+  _globals['_GENERATEREQUEST']._serialized_end=764
+  _globals['_USAGE']._serialized_start=766
+  _globals['_USAGE']._serialized_end=823
+  _globals['_TIMINGS']._serialized_start=826
+  _globals['_TIMINGS']._serialized_end=956
+  _globals['_GENERATERESPONSE']._serialized_start=959
+  _globals['_GENERATERESPONSE']._serialized_end=1224
+  _globals['_TOPLOGPROBS']._serialized_start=1226
+  _globals['_TOPLOGPROBS']._serialized_end=1289
+  _globals['_STREAMSUMMARY']._serialized_start=1292
+  _globals['_STREAMSUMMARY']._serialized_end=1434
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1437
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1647
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1649
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1670
+  _globals['_MODELINFO']._serialized_start=1673
+  _globals['_MODELINFO']._serialized_end=1860
+  _globals['_GATEWAY']._serialized_start=1863
+  _globals['_GATEWAY']._serialized_end=2112
 # @@protoc_insertion_point(module_scope)

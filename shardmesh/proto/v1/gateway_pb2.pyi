@@ -107,6 +107,13 @@ class SamplingParams(_message.Message):
     TOP_K_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Upper bound on generated tokens, > 0 (0 is INVALID_ARGUMENT; leave `params` unset altogether
     for the gateway's default length). Prompt + completion must fit the model context.
@@ -123,9 +130,43 @@ class SamplingParams(_message.Message):
     """Seed of the request's own random stream: the same seed gives the same tokens, however the
     request is batched with others. Unset means a random seed.
     """
+    repetition_penalty: _builtins.float
+    """Hugging Face's repetition penalty, > 0; unset means 1.0 (none). Every token of the prompt and of the
+    completion so far has its logit divided by it (when positive) or multiplied by it (when negative), once
+    however often it occurs: > 1 discourages repeating, < 1 encourages it. Applied first, before
+    frequency_penalty, presence_penalty, temperature, top_k, top_p and min_p (transformers' and vLLM's order).
+    """
+    frequency_penalty: _builtins.float
+    """OpenAI's frequency penalty, in [-2, 2]; 0 means none. Subtracted from a token's logit once per time it
+    occurs in the completion so far (the prompt does not count): logit -= frequency_penalty * count.
+    """
+    presence_penalty: _builtins.float
+    """OpenAI's presence penalty, in [-2, 2]; 0 means none. Subtracted once from the logit of every token that
+    occurs in the completion so far (the prompt does not count): logit -= presence_penalty * (count > 0).
+    """
+    min_p: _builtins.float
+    """Min-p filtering, in [0, 1]; 0 means none. After temperature, top_k and top_p, drop every token whose
+    probability is below min_p times the most likely token's.
+    """
+    ignore_eos: _builtins.bool
+    """Go on past the model's end-of-sequence tokens (they are returned like any other token) until
+    max_new_tokens, a stop string or a stop token.
+    """
+    top_logprobs: _builtins.int
+    """Return, for every generated token, the top_logprobs most likely tokens at its position with their
+    log-probabilities under the model's raw distribution (as `logprobs`), in [0, 20]; 0 means none.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Stop when the generated text contains any of these strings; the stop string is not returned."""
+        """Stop when the generated text contains any of these strings (at most 16, each 1 to 256 characters); the
+        stop string is not returned. finish_reason FINISH_REASON_STOP_STRING.
+        """
+
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids that end the generation, besides the model's end-of-sequence tokens; each in [0, vocab_size),
+        at most 256. The token is returned in token_ids, not in the text. finish_reason FINISH_REASON_STOP_TOKEN.
+        """
 
     def __init__(
         self,
@@ -136,15 +177,26 @@ class SamplingParams(_message.Message):
         top_k: _builtins.int = ...,
         seed: _builtins.int | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
+        repetition_penalty: _builtins.float | None = ...,
+        frequency_penalty: _builtins.float = ...,
+        presence_penalty: _builtins.float = ...,
+        min_p: _builtins.float = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ignore_eos: _builtins.bool = ...,
+        top_logprobs: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_p", b"_top_p", "seed", b"seed", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_p", b"_top_p", "max_new_tokens", b"max_new_tokens", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload
@@ -284,6 +336,7 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The client's request_id, or the one the gateway assigned."""
     text: _builtins.str
@@ -296,8 +349,8 @@ class GenerateResponse(_message.Message):
 
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """Log-probability of each generated token under the model's raw distribution (before
-        temperature, top-k and top-p), parallel to token_ids.
+        """Log-probability of each generated token under the model's raw distribution (log-softmax of the
+        logits before penalties, temperature, top-k, top-p and min_p), parallel to token_ids.
         """
 
     @_builtins.property
@@ -307,6 +360,12 @@ class GenerateResponse(_message.Message):
     @_builtins.property
     def timings(self) -> Global___Timings:
         """Latency breakdown."""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]:
+        """With params.top_logprobs > 0: the most likely tokens at each generated token's position, parallel to
+        token_ids; empty otherwise.
+        """
 
     def __init__(
         self,
@@ -318,14 +377,42 @@ class GenerateResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
         timings: Global___Timings | None = ...,
+        top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class TopLogprobs(_message.Message):
+    """The most likely tokens at one position of a completion."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ALTERNATIVES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def alternatives(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """params.top_logprobs tokens (fewer only if the vocabulary is smaller), most likely first, with their
+        log-probabilities under the model's raw distribution; the generated token is among them only when it
+        was that likely.
+        """
+
+    def __init__(
+        self,
+        *,
+        alternatives: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopLogprobs: _TypeAlias = TopLogprobs  # noqa: Y015
 
 @_typing.final
 class StreamSummary(_message.Message):
@@ -375,6 +462,7 @@ class GenerateStreamResponse(_message.Message):
     LOGPROB_FIELD_NUMBER: _builtins.int
     TEXT_DELTA_FIELD_NUMBER: _builtins.int
     SUMMARY_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The client's request_id, or the one the gateway assigned."""
     index: _builtins.int
@@ -382,7 +470,9 @@ class GenerateStreamResponse(_message.Message):
     token_id: _builtins.int
     """The generated token id."""
     logprob: _builtins.float
-    """Its log-probability under the model's raw distribution."""
+    """Its log-probability under the model's raw distribution (before penalties, temperature, top-k, top-p and
+    min_p).
+    """
     text_delta: _builtins.str
     """Text this token adds to the completion; may be empty (a partial UTF-8 character, or text held
     back while it could still become a stop string).
@@ -390,6 +480,12 @@ class GenerateStreamResponse(_message.Message):
     @_builtins.property
     def summary(self) -> Global___StreamSummary:
         """Set on the last message only."""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """With params.top_logprobs > 0: the most likely tokens at this token's position, most likely first (as
+        TopLogprobs.alternatives); empty otherwise.
+        """
 
     def __init__(
         self,
@@ -400,10 +496,11 @@ class GenerateStreamResponse(_message.Message):
         logprob: _builtins.float = ...,
         text_delta: _builtins.str = ...,
         summary: Global___StreamSummary | None = ...,
+        top_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprob", b"logprob", "request_id", b"request_id", "summary", b"summary", "text_delta", b"text_delta", "token_id", b"token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprob", b"logprob", "request_id", b"request_id", "summary", b"summary", "text_delta", b"text_delta", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -33,6 +33,12 @@ class TokenSampling(_message.Message):
     TOP_P_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature; 0 means greedy."""
     top_p: _builtins.float
@@ -43,6 +49,25 @@ class TokenSampling(_message.Message):
     """Seed of the sequence's random stream, created at its first step (start_pos 0) and kept until
     Release; unset means a random seed.
     """
+    repetition_penalty: _builtins.float
+    """Hugging Face's repetition penalty over the prompt and the tokens generated so far, > 0; 0 or 1 means
+    none (the gateway sends 1). See gateway.proto's SamplingParams for this and the other penalties; they are
+    applied in that order, before temperature, top_k, top_p and min_p, and greedy (temperature 0) takes the
+    most likely token after them.
+    """
+    frequency_penalty: _builtins.float
+    """OpenAI's frequency penalty over the generated tokens (positions from prompt_tokens on), in [-2, 2]."""
+    presence_penalty: _builtins.float
+    """OpenAI's presence penalty over the generated tokens (positions from prompt_tokens on), in [-2, 2]."""
+    min_p: _builtins.float
+    """Min-p filter, in [0, 1]; 0 means none."""
+    top_logprobs: _builtins.int
+    """Return the top_logprobs most likely tokens at each sampled position, in [0, 20]; 0 means none."""
+    prompt_tokens: _builtins.int
+    """The length of the sequence's prompt: positions before it are the prompt, which the repetition penalty
+    counts and the frequency and presence penalties do not (0: they count every position). The gateway always
+    sends it; the last stage reads it only when a penalty is set.
+    """
     def __init__(
         self,
         *,
@@ -50,10 +75,16 @@ class TokenSampling(_message.Message):
         top_p: _builtins.float = ...,
         top_k: _builtins.int = ...,
         seed: _builtins.int | None = ...,
+        repetition_penalty: _builtins.float = ...,
+        frequency_penalty: _builtins.float = ...,
+        presence_penalty: _builtins.float = ...,
+        min_p: _builtins.float = ...,
+        top_logprobs: _builtins.int = ...,
+        prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "prompt_tokens", b"prompt_tokens", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
@@ -98,7 +129,11 @@ class BatchEntry(_message.Message):
     """One past the last stage of that replay; 0: through the last stage."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The new tokens; sent to the first stage only (len == num_tokens), empty for the others."""
+        """The new tokens (len == num_tokens); the gateway sends them to every stage. The first stage embeds them;
+        the last stage keeps them, by position in the slot, as the sequence's token history, which the penalties
+        of TokenSampling count. So an entry whose sampling has a penalty must carry them on every stage
+        (INVALID_ARGUMENT otherwise); the stages between ignore them.
+        """
 
     @_builtins.property
     def sampling(self) -> Global___TokenSampling:
@@ -179,22 +214,32 @@ class SampledToken(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The sequence's request."""
     token_id: _builtins.int
     """The drawn token."""
     logprob: _builtins.float
-    """Its log-probability under the model's raw distribution."""
+    """Its log-probability under the model's raw distribution (log-softmax of the logits before penalties,
+    temperature, top-k, top-p and min_p), whatever shaped the draw.
+    """
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """With sampling.top_logprobs > 0: that many most likely tokens at this position under the same raw
+        distribution, most likely first; empty otherwise.
+        """
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         token_id: _builtins.int = ...,
         logprob: _builtins.float = ...,
+        top_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "request_id", b"request_id", "token_id", b"token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "request_id", b"request_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

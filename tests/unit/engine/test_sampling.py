@@ -6,14 +6,19 @@ import pytest
 import torch
 
 from shardmesh.core.step import SamplingParams
-from shardmesh.engine.sampling import draw_seed, sample
+from shardmesh.engine.sampling import Draws, draw_seed, sample
 
 GREEDY = SamplingParams()
 
 
+def _ids_lps(drawn: Draws) -> tuple[list[int], list[float]]:
+    return drawn.token_ids, drawn.logprobs
+
+
 def test_greedy_rows_take_the_argmax_and_report_its_model_logprob() -> None:
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1)) * 3
-    ids, lps = sample(logits, [GREEDY] * 5, [9] * 5)
+    drawn = sample(logits, [GREEDY] * 5, [9] * 5)
+    ids, lps = drawn.token_ids, drawn.logprobs
     assert ids == logits.argmax(-1).tolist()
     expected = torch.log_softmax(logits, -1)[torch.arange(5), torch.tensor(ids)]
     assert lps == pytest.approx(expected.tolist(), abs=1e-6)
@@ -22,9 +27,9 @@ def test_greedy_rows_take_the_argmax_and_report_its_model_logprob() -> None:
 def test_a_seeded_row_draws_the_same_token_whatever_rows_share_its_step() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
     seeded = SamplingParams(temperature=1.0, seed=7)
-    alone = sample(logits[2:3], [seeded], [12])
+    alone = _ids_lps(sample(logits[2:3], [seeded], [12]))
     params = [GREEDY, SamplingParams(temperature=0.8, top_k=5, seed=3), seeded, GREEDY]
-    together = sample(logits, params, [3, 40, 12, 5])
+    together = _ids_lps(sample(logits, params, [3, 40, 12, 5]))
     assert together[0][2] == alone[0][0] and together[1][2] == pytest.approx(alone[1][0])
     assert together[0][0] == int(logits[0].argmax()) and together[0][3] == int(logits[3].argmax())
     top5 = torch.topk(logits[1], 5).indices.tolist()
@@ -42,11 +47,11 @@ def test_a_draw_depends_on_the_seed_and_the_position_only() -> None:
     """What makes a replay after a worker's loss exact: no state carried from one step to the next."""
     flat = torch.zeros(1, 1000)  # every token equally likely: the draw is the generator's alone
     hot = SamplingParams(temperature=1.0, seed=11)
-    draws = [sample(flat, [hot], [pos])[0][0] for pos in range(6)]
-    again = [sample(flat, [hot], [pos])[0][0] for pos in reversed(range(6))][::-1]
+    draws = [sample(flat, [hot], [pos]).token_ids[0] for pos in range(6)]
+    again = [sample(flat, [hot], [pos]).token_ids[0] for pos in reversed(range(6))][::-1]
     assert draws == again  # the same (seed, position), in any order, the same token
     assert len(set(draws)) > 1  # but not one token for every position
-    other = [sample(flat, [SamplingParams(temperature=1.0, seed=12)], [pos])[0][0] for pos in range(6)]
+    other = [sample(flat, [SamplingParams(temperature=1.0, seed=12)], [pos]).token_ids[0] for pos in range(6)]
     assert other != draws
     assert draw_seed(11, 0) != draw_seed(11, 1) != draw_seed(12, 0)
 

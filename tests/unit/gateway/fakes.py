@@ -35,7 +35,7 @@ from shardmesh.core.topology import (
     Stage,
     Topology,
 )
-from shardmesh.proto.v1 import worker_pb2
+from shardmesh.proto.v1 import common_pb2, worker_pb2
 from tests.waiting import WAIT_S
 
 CHAT_TEMPLATE = (
@@ -171,7 +171,8 @@ class _FakeStub:
 class FakeMesh:
     """pp × tp fake shards; the sampler draws `script[request_id]` in order, then `filler` tokens. Like a real
     worker's, a draw depends on the log position it fills, not on the draws before it: a request that
-    replays its log after a lost worker draws the same tokens again."""
+    replays its log after a lost worker draws the same tokens again. Asked for top_logprobs, it answers the drawn
+    token and the ids after it, each one nat less likely."""
 
     def __init__(self, pp: int = 2, tp: int = 2, kv_slots: int = 4, max_context: int = 64,
                  max_batch_tokens: int = 64, filler: int = 72) -> None:  # fmt: skip
@@ -194,7 +195,10 @@ class FakeMesh:
         n = position - self.first_draw.setdefault(e.request_id, position)
         script = self.script.get(e.request_id, self.default_script)
         token = script[n] if n < len(script) else self.filler
-        return worker_pb2.SampledToken(request_id=e.request_id, token_id=token, logprob=-(n + 1) / 10)
+        logprob = -(n + 1) / 10
+        top = [common_pb2.TokenLogprob(token_id=(token + k) % VOCAB, logprob=logprob - k)
+               for k in range(e.sampling.top_logprobs)]  # fmt: skip
+        return worker_pb2.SampledToken(request_id=e.request_id, token_id=token, logprob=logprob, top_logprobs=top)
 
     def view(self, version: int = 1, placement: str = "epoch-1") -> MeshView:
         self.versions.add(version)

@@ -134,6 +134,31 @@ def test_answers_refusals_and_health(served: Served, model_files: ModelFiles) ->
     assert [(e["code"], e["api"]) for e in failed] == [("INVALID_ARGUMENT", "openai")]
 
 
+def test_vllm_sampling_fields_reach_the_worker_and_top_logprobs_come_back(served: Served,
+                                                                         model_files: ModelFiles) -> None:  # fmt: skip
+    served.publish()
+    eos, (h, i, bang) = eos_of(model_files), ids_of(model_files, "hi!")
+    served.mesh.script["pen"] = [h, eos, i, bang, h]
+    answer = served.client.chat.completions.create(
+        model=None, messages=HI, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2, frequency_penalty=0.5,
+        presence_penalty=-0.5, extra_headers={"X-Request-Id": "pen"},
+        extra_body={"repetition_penalty": 1.5, "min_p": 0.25, "ignore_eos": True, "stop_token_ids": [bang]},
+    )  # fmt: skip
+    choice = answer.choices[0]
+    assert choice.message.content == "hi" and choice.finish_reason == "stop"  # the stop token: neither eos nor text
+
+    def token(t: int) -> str:
+        return model_files.tokenizer.decode([t], skip_special_tokens=False)
+
+    assert [[a.token for a in t.top_logprobs] for t in choice.logprobs.content] == [
+        [token(t), token((t + 1) % fakes.VOCAB)] for t in (h, eos, i, bang)]  # fmt: skip
+    sent = next(e.sampling for step in served.mesh.shards[0].steps for e in step.entries if e.request_id == "pen")
+    assert (sent.temperature, sent.frequency_penalty, sent.presence_penalty, sent.repetition_penalty, sent.min_p,
+            sent.top_logprobs) == (0.0, 0.5, -0.5, 1.5, 0.25, 2)  # fmt: skip
+    status, body = served.post("/v1/completions", {"prompt": "x", "stop_token_ids": [fakes.VOCAB]})
+    assert status == 400 and body["error"]["param"] == "stop_token_ids[0]"
+
+
 def test_served_model_name_and_api_key(model_files: ModelFiles) -> None:
     s = Served(model_files, served_model_name="tiny-chat", api_key="sekret")
     try:

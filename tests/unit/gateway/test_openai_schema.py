@@ -13,10 +13,11 @@ from gateway.openai_api import invalid_body
 from gateway.openai_errors import ModelNotFound, NotSupportedYet, Unauthorized, error_body
 from gateway.openai_render import Answer
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, ResponseOptions, openai_field
-from gateway.requests import ChatTurn, ModelContext, Sampling, prepare
+from gateway.requests import ChatTurn, GenerateParams, ModelContext, Sampling, prepare
 from gateway.results import FinishReason, Summary, Timings, TokenEvent
 from gateway.watcher import ModelFiles
 from shardmesh.core.errors import Cancelled, Internal, InvalidArgument, MeshError, ResourceExhausted, Unavailable
+from shardmesh.proto.v1 import gateway_pb2
 from tests.unit.gateway.fakes import VOCAB, ids_of
 
 HI = [{"role": "user", "content": "hi"}]
@@ -75,11 +76,12 @@ def test_completion_prompts_as_text_or_token_ids() -> None:
         ({"seed": -1}, "seed", False), ({"seed": 2**64}, "seed", False), ({"stop": ""}, "stop", False),
         ({"stop": ["a", ""]}, "stop[1]", False), ({"stop": ["s"] * 17}, "stop", False), ({"n": 0}, "n", False),
         ({"n": 2}, "n", True), ({"frequency_penalty": 3}, "frequency_penalty", False),
-        ({"frequency_penalty": 0.5}, "frequency_penalty", True), ({"presence_penalty": -0.1}, "presence_penalty", True),
-        ({"repetition_penalty": 1.1}, "repetition_penalty", True), ({"min_p": 0.1}, "min_p", True),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias", True), ({"ignore_eos": True}, "ignore_eos", True),
-        ({"stop_token_ids": [5]}, "stop_token_ids", True), ({"top_logprobs": 21}, "top_logprobs", False),
-        ({"logprobs": True, "top_logprobs": 1}, "top_logprobs", True),
+        ({"presence_penalty": -2.5}, "presence_penalty", False),
+        ({"repetition_penalty": 0}, "repetition_penalty", False),
+        ({"min_p": 1.5}, "min_p", False), ({"min_p": -0.1}, "min_p", False),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias", True), ({"stop_token_ids": [1] * 257}, "stop_token_ids", False),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", False),
+        ({"top_logprobs": 2}, "top_logprobs", False),  # without logprobs: true, as OpenAI and vLLM refuse it
         ({"tools": [{"type": "function"}]}, "tools", True), ({"tool_choice": "required"}, "tool_choice", True),
         ({"response_format": {"type": "json_object"}}, "response_format", True),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type", True),
@@ -96,8 +98,8 @@ def test_chat_refusals_name_the_openai_field(fields: dict[str, Any], param: str,
 
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"logprobs": 1}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"echo": True}, "echo"),
-     ({"best_of": 2}, "best_of"), ({"suffix": "end"}, "suffix")],
+    [({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"echo": True}, "echo"),
+     ({"best_of": 2}, "best_of"), ({"suffix": "end"}, "suffix"), ({"frequency_penalty": -2.01}, "frequency_penalty")],
 )  # fmt: skip
 def test_completion_refusals_name_the_openai_field(fields: dict[str, Any], param: str) -> None:
     e = _refusal(lambda: CompletionRequest.model_validate({"prompt": "x", **fields}).generate_call("r"))
@@ -105,12 +107,32 @@ def test_completion_refusals_name_the_openai_field(fields: dict[str, Any], param
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted() -> None:
-    neutral = {"n": 1, "frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1, "min_p": 0,
-               "logit_bias": {}, "ignore_eos": False, "stop_token_ids": [], "logprobs": True, "top_logprobs": 0,
-               "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}  # fmt: skip
+    neutral = {"n": 1, "logit_bias": {}, "logprobs": True, "top_logprobs": 0, "tools": [], "tool_choice": "none",
+               "response_format": {"type": "text"}}  # fmt: skip
     assert _chat(**neutral).generate_call("r").params.max_new_tokens == 0
     completion = CompletionRequest.model_validate({"prompt": "x", "logprobs": 0, "echo": False, "best_of": 1})
     assert completion.generate_call("r").input.text == "x" and completion.options().logprobs
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_penalties_and_stopping_map_onto_the_grpc_params(kind: str) -> None:
+    """vLLM's sampling fields become the very `GenerateParams` the gRPC servicer builds from the same values."""
+    fields = {"temperature": 0.5, "top_p": 0.75, "seed": 9, "max_tokens": 6, "frequency_penalty": 0.5,
+              "presence_penalty": -0.25, "repetition_penalty": 1.25, "min_p": 0.125, "ignore_eos": True,
+              "stop_token_ids": [7, 11]}  # fmt: skip
+    if kind == "chat":
+        params = _chat(**fields, logprobs=True, top_logprobs=3).generate_call("r").params
+    else:
+        params = CompletionRequest.model_validate({"prompt": "x", **fields, "logprobs": 3}).generate_call("r").params
+    pb = gateway_pb2.SamplingParams(max_new_tokens=6, temperature=0.5, top_p=0.75, seed=9, frequency_penalty=0.5,
+                                    presence_penalty=-0.25, repetition_penalty=1.25, min_p=0.125, ignore_eos=True,
+                                    stop_token_ids=[7, 11], top_logprobs=3)  # fmt: skip
+    assert params == GenerateParams.of_request(gateway_pb2.GenerateRequest(prompt="x", params=pb))
+    assert params.sampling.top_logprobs == 3 and params.stop_token_ids == (7, 11) and params.ignore_eos
+    # logprobs without top_logprobs (chat), or logprobs: 0 (completions): the sampled token's only
+    assert _chat(logprobs=True).generate_call("r").params.sampling.top_logprobs == 0
+    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 0}).generate_call("r").params.sampling == (
+        Sampling(temperature=1.0))  # fmt: skip
 
 
 def test_response_options() -> None:
@@ -133,6 +155,8 @@ def test_prepare_refusals_are_renamed_too(model_files: ModelFiles) -> None:
     assert e.field_name == "max_completion_tokens" and "+ max_completion_tokens (40) exceeds the context" in str(e)
     e = _refusal(lambda: prepared(CompletionRequest.model_validate({"prompt": "x" * 60})))
     assert e.field_name == "prompt" and "do not fit the context of 48 tokens" in str(e)
+    e = _refusal(lambda: prepared(_chat(stop_token_ids=[3, VOCAB])))
+    assert str(e) == f"stop_token_ids[1]: token id {VOCAB} is outside the vocabulary [0, {VOCAB})"
     ok = prepared(_chat(max_tokens=3))
     assert ok.prompt_ids == tuple(model_files.tokenizer.encode_chat(HI)) and ok.max_new_tokens == 3
     assert prepared(_chat()).max_new_tokens == 8  # the gateway's default
@@ -196,7 +220,7 @@ def test_answers_and_chunks(model_files: ModelFiles) -> None:
     ids = ids_of(model_files, "Hé")  # "é" is two byte tokens: the first adds no text
     deltas = ["H", "", "é"]
     events = [TokenEvent(i, t, -0.5 * (i + 1), d) for i, (t, d) in enumerate(zip(ids, deltas, strict=True))]
-    events[-1] = TokenEvent(2, ids[2], float("-inf"), "é", _summary(FinishReason.STOP, 3))
+    events[-1] = TokenEvent(2, ids[2], float("-inf"), "é", _summary(FinishReason.EOS, 3))
 
     chat = Answer("chat", "chatcmpl-x", "m", ResponseOptions(False, False, True, False), model_files.tokenizer)
     for e in events:
@@ -226,3 +250,26 @@ def test_answers_and_chunks(model_files: ModelFiles) -> None:
     assert chunks[1] is None  # no text, no logprobs, not the last: nothing to send
     assert [c["choices"][0]["delta"] for c in (chunks[0], chunks[2])] == [{"content": "H"}, {"content": "é"}]
     assert "usage" not in chunks[0] and plain.usage_chunk() is None
+
+
+def test_top_logprobs_in_openai_shapes(model_files: ModelFiles) -> None:
+    """Chat: `content[i].top_logprobs`, the n alternatives; completions: a dict of the alternatives' texts and the
+    sampled token's, as vLLM renders them; `token_id:N` with return_tokens_as_token_ids."""
+    h, i, j = ids_of(model_files, "Hij")
+    top = ((i, -0.25), (h, -1.5), (j, float("-inf")))  # the sampled token (h) is not the most likely one
+    events = [TokenEvent(0, h, -1.5, "H", _summary(FinishReason.STOP_TOKEN, 1), top)]
+    chat = Answer("chat", "chatcmpl-x", "m", ResponseOptions(False, False, True, False), model_files.tokenizer)
+    chat.add(events[0])
+    (content,) = chat.body()["choices"][0]["logprobs"]["content"]
+    assert content == {"token": "H", "logprob": -1.5, "bytes": [72], "top_logprobs": [
+        {"token": "i", "logprob": -0.25, "bytes": [105]}, {"token": "H", "logprob": -1.5, "bytes": [72]},
+        {"token": "j", "logprob": -9999.0, "bytes": [106]}]}  # fmt: skip
+    assert chat.body()["choices"][0]["finish_reason"] == "stop"
+
+    text = Answer("text", "cmpl-x", "m", ResponseOptions(True, False, True, True), model_files.tokenizer)
+    chunk = text.chunk(TokenEvent(0, j, -3.0, "j", None, top[:2]))  # the sampled token is not among the top 2
+    assert chunk["choices"][0]["logprobs"]["top_logprobs"] == [
+        {f"token_id:{i}": -0.25, f"token_id:{h}": -1.5, f"token_id:{j}": -3.0}]  # fmt: skip
+    named = Answer("text", "cmpl-y", "m", ResponseOptions(False, False, True, False), model_files.tokenizer)
+    named.add(events[0])
+    assert named.body()["choices"][0]["logprobs"]["top_logprobs"] == [{"i": -0.25, "H": -1.5, "j": -9999.0}]

@@ -14,6 +14,10 @@ from shardmesh.proto.v1 import gateway_pb2
 from tests.unit.gateway.fakes import VOCAB, ids_of
 
 
+def _params(**fields: Any) -> gateway_pb2.SamplingParams:
+    return gateway_pb2.SamplingParams(max_new_tokens=2, **fields)
+
+
 def _context(files: ModelFiles | None, max_context: int = 32) -> ModelContext:
     tokenizer = files.tokenizer if files else None
     eos = files.eos_token_ids if files else frozenset()
@@ -42,6 +46,15 @@ def _context(files: ModelFiles | None, max_context: int = 32) -> ModelContext:
         ({"prompt": "hi", "params": gateway_pb2.SamplingParams(top_p=1.5)}, "params.top_p", "(0, 1]"),
         ({"prompt": "hi", "params": gateway_pb2.SamplingParams(stop=["a", ""])}, "params.stop[1]", "not be empty"),
         ({"prompt": "hi", "request_id": "r" * 129}, "request_id", "at most 128"),
+        ({"prompt": "hi", "params": _params(repetition_penalty=0.0)}, "params.repetition_penalty", "> 0, got 0"),
+        ({"prompt": "hi", "params": _params(repetition_penalty=float("inf"))}, "params.repetition_penalty", "> 0"),
+        ({"prompt": "hi", "params": _params(frequency_penalty=2.5)}, "params.frequency_penalty", "[-2, 2], got 2.5"),
+        ({"prompt": "hi", "params": _params(presence_penalty=-3)}, "params.presence_penalty", "[-2, 2], got -3"),
+        ({"prompt": "hi", "params": _params(min_p=1.5)}, "params.min_p", "[0, 1], got 1.5"),
+        ({"prompt": "hi", "params": _params(top_logprobs=21)}, "params.top_logprobs", "[0, 20], got 21"),
+        ({"prompt": "hi", "params": _params(stop_token_ids=[5, 259])}, "params.stop_token_ids[1]",
+         "token id 259 is outside the vocabulary [0, 259)"),
+        ({"prompt": "hi", "params": _params(stop_token_ids=[5] * 257)}, "params.stop_token_ids", "at most 256 ids"),
     ],
 )  # fmt: skip
 def test_validation_names_the_field(model_files: ModelFiles, fields: dict, field: str, message: str) -> None:
@@ -83,3 +96,21 @@ def test_prepare_chat_prompt_and_defaults(model_files: ModelFiles) -> None:
     assert explicit.max_new_tokens == 5 and len(explicit.request_id) == 32
     assert explicit.sampling == Sampling(temperature=explicit.sampling.temperature, top_p=1.0, top_k=3, seed=11)
     assert explicit.sampling.temperature == pytest.approx(0.7)
+
+
+def test_prepare_penalties_stop_token_ids_and_ignore_eos(model_files: ModelFiles) -> None:
+    ctx = _context(model_files, max_context=40)
+    eos = next(iter(model_files.eos_token_ids))
+    params = _params(repetition_penalty=1.25, frequency_penalty=-0.5, presence_penalty=2.0, min_p=0.25,
+                     top_logprobs=20, stop_token_ids=[7, eos])  # fmt: skip
+    prepared = prepare(GenerateCall.from_pb(gateway_pb2.GenerateRequest(prompt="hi", params=params)), ctx, 0.0)
+    assert prepared.sampling == Sampling(repetition_penalty=1.25, frequency_penalty=-0.5, presence_penalty=2.0,
+                                         min_p=0.25, top_logprobs=20)  # fmt: skip
+    assert prepared.stop_token_ids == {7, eos} and prepared.eos_token_ids == {eos}
+    # ignore_eos: the model's end-of-sequence tokens end nothing (a stop token id still does)
+    params = _params(ignore_eos=True, stop_token_ids=[7])
+    ignoring = prepare(GenerateCall.from_pb(gateway_pb2.GenerateRequest(prompt="hi", params=params)), ctx, 0.0)
+    assert ignoring.eos_token_ids == frozenset() and ignoring.stop_token_ids == {7}
+    # unset repetition_penalty is 1 (none), not proto3's 0
+    plain = prepare(GenerateCall.from_pb(gateway_pb2.GenerateRequest(prompt="hi", params=_params())), ctx, 0.0)
+    assert plain.sampling == Sampling() and plain.stop_token_ids == frozenset()

@@ -80,9 +80,9 @@ def test_eos_and_stop_strings_end_generation(scheduler: Scheduler, model_files: 
     mesh.script["stop"] = ids_of(model_files, "Hé, world!\nUser: more")
     eos_events = collect(scheduler.submit(request(model_files, "eos", max_new=10)))
     assert tokens(eos_events) == [*ids_of(model_files, "hi"), eos]  # the eos token is returned, its text is not
-    assert text(eos_events) == "hi" and finish(eos_events) is FinishReason.STOP
+    assert text(eos_events) == "hi" and finish(eos_events) is FinishReason.EOS
     stop_events = collect(scheduler.submit(request(model_files, "stop", max_new=40, stop=("\nUser:", "zz"))))
-    assert text(stop_events) == "Hé, world!" and finish(stop_events) is FinishReason.STOP
+    assert text(stop_events) == "Hé, world!" and finish(stop_events) is FinishReason.STOP_STRING
     assert tokens(stop_events) == ids_of(model_files, "Hé, world!\nUser:")  # up to the token completing it
     summary = stop_events[-1].summary
     assert summary is not None and summary.completion_tokens == len(tokens(stop_events))

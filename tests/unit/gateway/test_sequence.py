@@ -12,10 +12,11 @@ from tests.unit.gateway.fakes import ids_of
 
 
 def sequence(prompt: tuple[int, ...] = (5, 6, 7), max_new: int = 3, files: ModelFiles | None = None,
-             stop: tuple[str, ...] = (), arrival: float = 10.0) -> Sequence:  # fmt: skip
-    """A request with eos id 2; with `files`, their tokenizer."""
+             stop: tuple[str, ...] = (), arrival: float = 10.0, stop_token_ids: frozenset[int] = frozenset(),
+             eos: frozenset[int] = frozenset({2})) -> Sequence:  # fmt: skip
+    """A request with eos id 2 (unless `eos` says otherwise); with `files`, their tokenizer."""
     tokenizer = files.tokenizer if files is not None else None
-    req = PreparedRequest("r", prompt, max_new, Sampling(), stop, frozenset({2}), tokenizer, arrival)
+    req = PreparedRequest("r", prompt, max_new, Sampling(), stop, eos, tokenizer, arrival, stop_token_ids)
     return Sequence(req, RequestHandle("r", lambda: None), "r")
 
 
@@ -35,7 +36,7 @@ def test_inputs_are_prompt_chunks_then_the_last_sampled_token() -> None:
 def test_stop_conditions_eos_and_max_new_tokens() -> None:
     s = sequence(max_new=3)
     assert s.add_token(30, -0.1, 11.0) == ("", None)  # no tokenizer: no text
-    assert s.add_token(2, -0.2, 12.0) == ("", FinishReason.STOP)  # eos
+    assert s.add_token(2, -0.2, 12.0) == ("", FinishReason.EOS)
     s = sequence(max_new=2)
     assert [s.add_token(t, -0.1, 11.0)[1] for t in (30, 31)] == [None, FinishReason.LENGTH]
     assert s.tokens == [30, 31] and s.logprobs == pytest.approx([-0.1, -0.1])
@@ -44,11 +45,29 @@ def test_stop_conditions_eos_and_max_new_tokens() -> None:
 def test_a_stop_string_ends_with_the_token_completing_it_and_flushes_the_text(model_files: ModelFiles) -> None:
     s = sequence(max_new=40, files=model_files, stop=("END",))
     results = [s.add_token(t, 0.0, 11.0) for t in ids_of(model_files, "ab ENDx")[:6]]
-    assert [r[1] for r in results] == [None] * 5 + [FinishReason.STOP]
+    assert [r[1] for r in results] == [None] * 5 + [FinishReason.STOP_STRING]
     assert "".join(r[0] for r in results) == "ab " and s.text.text == "ab "
     s = sequence(max_new=4, files=model_files, stop=("ENDING",))
     results = [s.add_token(t, 0.0, 11.0) for t in ids_of(model_files, "a EN")]
     assert results[-1] == ("EN", FinishReason.LENGTH)  # held back as a possible stop string, flushed at the end
+
+
+def test_a_stop_token_ends_without_its_text_and_flushes_what_was_held_back(model_files: ModelFiles) -> None:
+    ids = ids_of(model_files, "ab;c")
+    s = sequence(max_new=40, files=model_files, stop=("b;x",), stop_token_ids=frozenset({ids[2]}))
+    results = [s.add_token(t, 0.0, 11.0) for t in ids[:3]]
+    assert [r[1] for r in results] == [None, None, FinishReason.STOP_TOKEN]
+    # "b" was held back as the start of a stop string; the stop token's own text (";") is not part of the answer
+    assert [r[0] for r in results] == ["a", "", "b"] and s.text.text == "ab" and s.tokens == ids[:3]
+
+
+def test_eos_comes_before_a_stop_token_and_ignore_eos_goes_on_past_it() -> None:
+    s = sequence(max_new=5, stop_token_ids=frozenset({2, 9}))
+    assert s.add_token(2, 0.0, 11.0)[1] is FinishReason.EOS  # the same id in both: the model's own ending wins
+    ignoring = sequence(max_new=5, stop_token_ids=frozenset({9}), eos=frozenset())  # as `prepare` makes ignore_eos
+    assert [ignoring.add_token(t, 0.0, 11.0)[1] for t in (2, 2, 9)] == [None, None, FinishReason.STOP_TOKEN]
+    ignoring = sequence(max_new=2, eos=frozenset())
+    assert [ignoring.add_token(t, 0.0, 11.0)[1] for t in (2, 2)] == [None, FinishReason.LENGTH]
 
 
 def test_summary_timings_from_the_arrival() -> None:

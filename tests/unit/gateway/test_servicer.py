@@ -75,7 +75,9 @@ def test_servicer_generate_stream_info_health_and_errors(served: Any, model_file
     long_enough = gateway_pb2.SamplingParams(max_new_tokens=20)
     r = stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", request_id="u", params=long_enough), timeout=5)
     assert r.request_id == "u" and r.text == "Olá 👋" and list(r.token_ids) == mesh.script["u"]
-    assert r.finish_reason == common_pb2.FINISH_REASON_STOP and len(r.logprobs) == len(r.token_ids)
+    assert r.finish_reason == common_pb2.FINISH_REASON_EOS and len(r.logprobs) == len(r.token_ids)
+    assert common_pb2.FINISH_REASON_STOP == common_pb2.FINISH_REASON_EOS  # its first name still builds
+    assert not r.top_logprobs  # not asked for
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (2, len(r.token_ids))
     assert len(r.timings.inter_token_ms) == len(r.token_ids) - 1 and r.timings.total_ms >= r.timings.queue_ms
 
@@ -111,6 +113,50 @@ def test_servicer_generate_stream_info_health_and_errors(served: Any, model_file
     source.publish(mesh_state(mesh, model_files, seq=2, version=2, complete=False))
     assert _health(channel) == [not_serving, not_serving]
     assert not stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5).ready
+
+
+def test_servicer_top_logprobs_stop_tokens_ignore_eos_and_finish_reasons(served: Any, model_files: ModelFiles) -> None:
+    _, source, mesh, channel, _ = served
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    source.publish(mesh_state(mesh, model_files))
+    eos, (h, i, bang) = eos_of(model_files), ids_of(model_files, "hi!")
+
+    def generate(request_id: str, **params: Any) -> gateway_pb2.GenerateResponse:
+        sampling = gateway_pb2.SamplingParams(max_new_tokens=6, **params)
+        request = gateway_pb2.GenerateRequest(prompt="hi", request_id=request_id, params=sampling)
+        return stub.Generate(request, timeout=5)
+
+    # A stop token: returned in token_ids, not in the text; the alternatives come per token, most likely first.
+    mesh.script["t"] = [h, i, bang, eos]
+    r = generate("t", stop_token_ids=[bang], top_logprobs=3)
+    assert (list(r.token_ids), r.text, r.finish_reason) == ([h, i, bang], "hi", common_pb2.FINISH_REASON_STOP_TOKEN)
+    assert [[a.token_id for a in t.alternatives] for t in r.top_logprobs] == [[t, t + 1, t + 2] for t in (h, i, bang)]
+    assert [t.alternatives[0].logprob for t in r.top_logprobs] == pytest.approx(list(r.logprobs))
+    # ignore_eos: the end-of-sequence token is just a token; the length ends it
+    mesh.script["i"] = [h, eos, i, eos, h, i]
+    r = generate("i", ignore_eos=True)
+    assert list(r.token_ids) == mesh.script["i"] and r.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    mesh.script["e"] = [h, eos, i]
+    assert generate("e", stop_token_ids=[i]).finish_reason == common_pb2.FINISH_REASON_EOS
+    mesh.script["s"] = [h, i, bang]
+    assert generate("s", stop=["i!"]).finish_reason == common_pb2.FINISH_REASON_STOP_STRING
+    # Streamed: each message carries its token's alternatives.
+    mesh.script["st"] = [h, i, eos]
+    request = gateway_pb2.GenerateRequest(prompt="hi", request_id="st", params=gateway_pb2.SamplingParams(
+        max_new_tokens=6, top_logprobs=2, repetition_penalty=1.2, frequency_penalty=0.5))  # fmt: skip
+    stream = list(stub.GenerateStream(request, timeout=5))
+    assert [[a.token_id for a in m.top_logprobs] for m in stream] == [[t, (t + 1) % VOCAB] for t in (h, i, eos)]
+    assert stream[-1].summary.finish_reason == common_pb2.FINISH_REASON_EOS
+    # The worker is told the penalties, the alternatives and where the prompt ends.
+    sent = next(e.sampling for step in mesh.shards[-1].steps for e in step.entries if e.request_id == "st")
+    assert (sent.top_logprobs, sent.frequency_penalty, sent.prompt_tokens) == (2, 0.5, 2)
+    assert sent.repetition_penalty == pytest.approx(1.2)
+    # Out of range: INVALID_ARGUMENT naming the field.
+    for params, field in (({"frequency_penalty": 2.5}, "params.frequency_penalty"),
+                          ({"min_p": -0.5}, "params.min_p"), ({"top_logprobs": 21}, "params.top_logprobs"),
+                          ({"stop_token_ids": [1, VOCAB]}, "params.stop_token_ids[1]")):  # fmt: skip
+        err = _rpc_error(lambda params=params: generate("bad", **params))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith(f"{field}: "), field
 
 
 def test_servicer_queue_full_and_client_cancel(served: Any, model_files: ModelFiles) -> None:

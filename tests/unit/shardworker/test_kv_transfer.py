@@ -98,9 +98,14 @@ def test_a_drained_last_stage_hands_over_to_a_spare_that_did_not_prepare(model: 
     apply_all([w0, w1], mesh(model, 5, ("w0", "w1"), epoch=5, store_port=store.port))
     log = prefill([w0, w1], 5)
     sent_id = w1.info()["kv_cache_id"]
+    history = w1._runtime.caches.tokens  # type: ignore[union-attr]  # the last stage's, for the penalties
+    assert history is not None
+    history.data[1, : len(log) - 1] = torch.tensor(log[:-1], dtype=history.data.dtype)
     moved = handed_over(mesh(model, 6, ("w0", "spare"), epoch=6, store_port=store.port), 1, "w1")
     on_every_core([w0, w1, spare], lambda core: core.hand_off(moved) if core is w1 else core.apply(moved))
     assert spare.info()["kv_cache_id"] == sent_id and w0.info()["kv_cache_id"] != sent_id
+    received = spare._runtime.caches.tokens  # type: ignore[union-attr]
+    assert received is not None and received.data[1, : len(log) - 1].tolist() == log[:-1]
     assert log[len(PROMPT) :] + decode([w0, spare], 6, log, 4) == reference_greedy(model, list(PROMPT), 6)[0]
 
 

@@ -1,0 +1,89 @@
+"""Repetition, frequency and presence penalties, from each sequence's token history on the last stage.
+
+A penalty depends on the tokens a sequence holds so far, which the last stage never sampled all of itself
+(the prompt; a sequence replayed onto a new last stage after a fail-over). So it keeps them: `TokenHistory` is a
+(KV slots, max context) table of token ids by position, filled from the `token_ids` every entry it computes
+carries, and kept and dropped with the KV cache. By position, not by counters: a position written again (a
+replay, a chunk re-sent after a failed step) overwrites what was there instead of counting twice, and the
+counts at position p are those of positions [0, p) only, whatever was written past them before.
+
+The math, per row of logits and over the tokens before the position drawn:
+
+    repetition (transformers' RepetitionPenaltyLogitsProcessor; vLLM's repetition_penalty): for every token
+        that occurs in the prompt or the completion, once however often, logit / r if logit >= 0 else logit * r
+    frequency, presence (OpenAI's; vLLM's): over the completion only (positions from the prompt's end),
+        logit -= frequency * count + presence * (count > 0)
+
+applied in that order, before temperature, top-k, top-p and min-p (`engine.sampling`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from shardmesh.core.step import SamplingParams, StepEntry
+
+
+class TokenHistory:
+    """The token ids of every KV slot by position: `data[slot, position]` (int32; what a slot held before its
+    sequence wrote a position is stale and never counted)."""
+
+    def __init__(self, num_slots: int, max_len: int, device: torch.device | str = "cpu") -> None:
+        self.data = torch.zeros((num_slots, max_len), dtype=torch.int32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def record(self, slots: Sequence[int], positions: Sequence[int], ids: Sequence[int]) -> None:
+        """Token `ids[i]` at `positions[i]` of slot `slots[i]`, overwriting what the position held."""
+        if not ids:
+            return
+        device = self.data.device
+        where = torch.tensor((slots, positions), dtype=torch.long).to(device)  # one copy to the device, not two
+        self.data[where[0], where[1]] = torch.tensor(ids, dtype=self.data.dtype).to(device)
+
+    def record_entries(self, entries: Iterable[StepEntry]) -> None:
+        """Every entry's `token_ids` at the positions it writes, [start_pos, start_pos + num_tokens)."""
+        slots: list[int] = []
+        positions: list[int] = []
+        ids: list[int] = []
+        for e in entries:
+            slots += [e.slot] * e.num_tokens
+            positions += range(e.start_pos, e.start_pos + e.num_tokens)
+            ids += e.token_ids
+        self.record(slots, positions, ids)
+
+    def counts(self, slots: Sequence[int], starts: Sequence[int], ends: Sequence[int], vocab_size: int) -> Tensor:
+        """(R, vocab_size) float32: how often each token occurs at positions [starts[r], ends[r]) of `slots[r]`."""
+        device = self.data.device
+        width = max(ends)
+        ids = self.data[torch.tensor(slots, device=device), :width].long()  # (R, W)
+        position = torch.arange(width, device=device)
+        inside = (position >= torch.tensor(starts, device=device)[:, None]) & (
+            position < torch.tensor(ends, device=device)[:, None])  # fmt: skip
+        # Ids past the vocabulary (never sent by a gateway, which checks them) land in one extra column, dropped.
+        out = torch.zeros(len(slots), vocab_size + 1, device=device)
+        out.scatter_add_(1, ids.clamp_(0, vocab_size), inside.float())
+        return out[:, :vocab_size]
+
+
+def apply_penalties(logits: Tensor, params: Sequence[SamplingParams], history: TokenHistory, slots: Sequence[int],
+                    positions: Sequence[int]) -> Tensor:  # fmt: skip
+    """logits (R, V) float32 with each row's penalties applied (a new tensor); row r draws the token at
+    `positions[r]` of `slots[r]`, whose positions before it `history` holds."""
+    device, vocab = logits.device, logits.shape[-1]
+    x = logits
+    if any(p.repetition_penalty != 1 for p in params):
+        seen = history.counts(slots, [0] * len(slots), positions, vocab) > 0  # prompt and completion
+        r = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        x = torch.where(seen, torch.where(x < 0, x * r, x / r), x)  # transformers' expression, for equal results
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        generated = history.counts(slots, [p.prompt_len for p in params], positions, vocab)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        x = x - frequency * generated - presence * (generated > 0)
+    return x
