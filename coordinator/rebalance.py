@@ -10,7 +10,7 @@ default, so a move never pays for less than it costs), at most a few per minute,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.placement import Labels, Slots, Split, fits
@@ -59,8 +59,10 @@ def bottleneck(split: Split, slots: Slots, tp: int, speed: Mapping[str, float]) 
 def best_move(
     split: Split, slots: Slots, tp: int, speeds: Mapping[str, Speed], spares: Sequence[str],
     requires: Sequence[Labels] | None, labels: Mapping[str, Labels], min_gain: float,
+    fits_memory: Callable[[Slots], bool] | None = None,
 ) -> Move | None:  # fmt: skip
-    """The move of one spare into one slot with the highest predicted gain, if it reaches `min_gain`."""
+    """The move of one spare into one slot with the highest predicted gain, if it reaches `min_gain` and the
+    spare's memory holds the slot's shard (`fits_memory` of the slots after the move, by the planner's model)."""
     speed = effective(speeds)
     before = bottleneck(split, slots, tp, speed)
     if before == float("inf"):
@@ -74,8 +76,8 @@ def best_move(
                 continue
             if not fits(labels.get(spare, ()), requires[rank] if requires else ()):
                 continue
-            after = bottleneck(split, (*slots[:rank], spare, *slots[rank + 1 :]), tp, speed)
-            gain = before / after
-            if gain >= min_gain and (best is None or gain > best.gain):
+            moved = (*slots[:rank], spare, *slots[rank + 1 :])
+            gain = before / bottleneck(split, moved, tp, speed)
+            if gain >= min_gain and (best is None or gain > best.gain) and (fits_memory is None or fits_memory(moved)):
                 best = Move(rank, holder, spare, gain)
     return best

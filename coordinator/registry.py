@@ -559,7 +559,7 @@ class Registry:
             return None
         move = rebalance.best_move(self._split, self._slots, self._tp, {w: r.speed for w, r in self._workers.items()},
                                    idle, self._requires, {w: v.labels for w, v in views.items()},
-                                   self._rebalance_gain)  # fmt: skip
+                                   self._rebalance_gain, self._fits_memory)  # fmt: skip
         if move is None:
             return None
         self._move = (move, now)
@@ -569,6 +569,14 @@ class Registry:
         self._set_detail(move.new, f"loading stage {stage} tp rank {tp_rank} to take it over from {move.old}: "
                                    f"a {move.gain:.2f}x faster pipeline")  # fmt: skip
         return move.new, move.rank
+
+    def _fits_memory(self, slots: placement.Slots) -> bool:
+        """Whether every holder in `slots` can hold its shard, by the planner's memory model (always, without one)."""
+        if self._memory_check is None:
+            return True
+        devices = [self._workers[w].device for w in slots if w is not None]
+        return not self._memory_check(self._pp, self._split, [d.memory_bytes for d in devices],
+                                      [d.type for d in devices])  # fmt: skip
 
     def _set_detail(self, worker_id: str, detail: str) -> None:
         record = self._workers.get(worker_id)

@@ -92,3 +92,29 @@ def test_a_move_is_given_up_when_its_spare_is_needed_for_a_lost_slot() -> None:
     t = reg.store.current()
     assert t.find("fast")[1].rank == 0 and t.find("w1")[1].rank == 1  # type: ignore[index]
     assert t.worker("fast").detail == "" and t.find("fast")[1].kv_from == ""  # type: ignore[union-attr,index]
+
+
+def test_a_faster_spare_without_the_memory_for_the_slot_is_not_moved_onto() -> None:
+    speeds = {"a": Speed(100), "b": Speed(50), "small": Speed(400)}
+    roomy = best_move(SPLIT, ("a", "b"), 1, speeds, ["small"], None, {}, 1.3, lambda slots: True)
+    assert roomy == Move(1, "b", "small", 2.0)
+    assert best_move(SPLIT, ("a", "b"), 1, speeds, ["small"], None, {}, 1.3, lambda slots: "small" not in slots) \
+        is None  # fmt: skip
+
+
+def test_the_registry_asks_the_planners_memory_model_before_a_move() -> None:
+    asked: list[tuple] = []
+
+    def check(pp: int, split: tuple, memory: list[int], kinds: list[str]) -> str:
+        asked.append((pp, split, memory))
+        return "stage 1 needs 2 GiB" if memory[1] < (1 << 30) else ""
+
+    reg = Registry(model=MODEL, pp=2, tp=1, limits=LIMITS, store_host="127.0.0.1", store_port=29500,
+                   heartbeat_timeout=3.0, clock=Clock(), memory_check=check, rebalance_gain=1.3)  # fmt: skip
+    _register(reg, "w0", 100)
+    _register(reg, "w1", 50)
+    for w in ("w0", "w1"):
+        _beat(reg, w)
+    reg.register(Registration("10.0.0.7:7000", Device("cpu", "cpu", 1 << 20), (), "tiny", speed=Speed(1000)))
+    assert asked and asked[-1][2] == [1 << 30, 1 << 20]  # the spare's memory in the slot it would take
+    assert reg.store.current().worker("tiny").detail == ""  # type: ignore[union-attr]  # too small: not moved onto
