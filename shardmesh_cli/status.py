@@ -92,8 +92,11 @@ def _other_workers(t: Topology) -> list[str]:
         return []
     lines = ["", f"{'state':<8}  {'worker':<16} {'pid':>7}  {'address':<21} detail"]
     for w in others:
+        detail = w.detail
+        if not detail and w.state is WorkerState.SPARE and w.preparing_rank is not None and t.tp:
+            detail = f"hot: holds stage {w.preparing_rank // t.tp} tp rank {w.preparing_rank % t.tp} ahead of need"
         lines.append(f"{w.state.value:<8}  {w.worker_id:<16} {w.pid or '-':>7}  {w.address or '-':<21} "
-                     f"{w.detail}".rstrip())  # fmt: skip
+                     f"{detail}".rstrip())  # fmt: skip
     return lines
 
 
@@ -105,7 +108,7 @@ def worker_json(t: Topology, w: MeshWorker) -> dict[str, Any]:
         slot = {"stage": stage.index, "layer_start": stage.layer_start, "layer_end": stage.layer_end,
                 "tp_rank": w.rank % t.tp}  # fmt: skip
     return {"worker_id": w.worker_id, "address": w.address, "pid": w.pid, "state": w.state.value, **slot,
-            "detail": w.detail}  # fmt: skip
+            "detail": w.detail, "preparing_rank": w.preparing_rank}  # fmt: skip
 
 
 def as_json(t: Topology) -> dict[str, Any]:

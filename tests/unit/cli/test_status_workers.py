@@ -4,6 +4,7 @@ holds, and the spares, drains and lost workers the table and top's header show."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -34,7 +35,7 @@ def test_status_json_lists_every_worker_with_the_slot_it_holds(capsys: pytest.Ca
     assert [w["worker_id"] for w in out["workers"]] == [f"worker-{i}" for i in range(6)]  # topology order
     assert out["workers"][1] == {"worker_id": "worker-1", "address": "127.0.0.1:5001", "pid": 101,
                                  "state": "draining", "stage": 0, "layer_start": 0, "layer_end": 6, "tp_rank": 1,
-                                 "detail": DETAIL}  # fmt: skip
+                                 "detail": DETAIL, "preparing_rank": None}  # fmt: skip
     slots = [(w["state"], w["stage"], w["layer_start"], w["layer_end"], w["tp_rank"]) for w in out["workers"]]
     assert slots == [("serving", 0, 0, 6, 0), ("draining", 0, 0, 6, 1), ("loading", 1, 6, 10, 0),
                      ("serving", 1, 6, 10, 1), ("spare", None, None, None, None),
@@ -64,3 +65,10 @@ def test_status_table_lists_spares_drains_and_lost_workers_after_the_stages() ->
 def test_top_header_shows_the_epoch_and_spare_draining_lost_counts() -> None:
     frame = top.render(top.Snapshot(0.0, 0.0, topology=_mesh()), None, "127.0.0.1:50051", None)
     assert frame.splitlines()[1] == "epoch 3  workers 6: 1 spare, 1 draining, 1 lost"
+
+
+def test_a_hot_spare_shows_the_rank_it_holds_ahead() -> None:
+    hot = replace(worker(4, WorkerState.SPARE), preparing_rank=3)
+    assert status.as_json(topology(hot))["workers"][0]["preparing_rank"] == 3
+    line = next(line for line in status.render(topology(hot)).splitlines() if "worker-4" in line)
+    assert line.endswith("hot: holds stage 1 tp rank 1 ahead of need")
