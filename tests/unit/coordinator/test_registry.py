@@ -43,6 +43,14 @@ def _beat(registry: Registry, worker_id: str, state: ShardState = READY, applied
     return registry.heartbeat(HeartbeatReport(worker_id, state, version, Load()))
 
 
+def _fill(registry: Registry, ready: bool = False) -> None:
+    """Workers w0..w3 in the four slots of the `registry` fixture's pp=2 tp=2 mesh; READY in its epoch if `ready`."""
+    for i in range(4):
+        registry.register(_reg(f"10.0.0.{i}:7000", f"w{i}"))
+    for i in range(4 if ready else 0):
+        _beat(registry, f"w{i}")
+
+
 def _states(topo: Topology) -> list[str]:
     return [f"{sh.worker_id or '-'}:{sh.state.value}" for _, sh in topo.shards()]
 
@@ -148,8 +156,7 @@ def test_a_spare_takes_the_slot_of_a_lost_worker_at_once(registry: tuple[Registr
 
 def test_drain_hands_the_slot_to_a_spare_or_waits_for_one(registry: tuple[Registry, Clock]) -> None:
     reg, _ = registry
-    for i in range(4):
-        reg.register(_reg(f"10.0.0.{i}:7000", f"w{i}"))
+    _fill(reg)
     state, detail, _ = reg.drain("w2")
     assert state is WorkerState.DRAINING and "waiting for a spare to take stage 1 tp rank 0" in detail
     assert reg.store.current().find("w2") is not None  # no spare: it keeps serving
@@ -427,8 +434,7 @@ def test_a_drain_hands_over_without_the_spare_saying_so_after_a_deadline_and_los
     registry: tuple[Registry, Clock],
 ) -> None:  # fmt: skip
     reg, clock = registry
-    for i in range(4):
-        reg.register(_reg(f"10.0.0.{i}:7000", f"w{i}"))
+    _fill(reg)
     reg.register(_reg("10.0.0.9:7000", "spare"))
     reg.drain("w0")
     assert reg.store.current().worker("spare").preparing_rank == 0  # type: ignore[union-attr]
@@ -448,8 +454,7 @@ def test_idle_spares_load_ranks_ahead_round_robin_and_a_prepared_one_takes_a_los
     registry: tuple[Registry, Clock],
 ) -> None:  # fmt: skip
     reg, _ = registry
-    for i in range(4):
-        reg.register(_reg(f"10.0.0.{i}:7000", f"w{i}"))
+    _fill(reg)
     reg.register(_reg("10.0.0.8:7000", "s1"))
     reg.register(_reg("10.0.0.9:7000", "s2"))
     t = reg.store.current()
@@ -467,10 +472,7 @@ def test_a_drained_holder_is_named_as_its_successors_kv_source_until_the_success
     registry: tuple[Registry, Clock],
 ) -> None:  # fmt: skip
     reg, _ = registry
-    for i in range(4):
-        reg.register(_reg(f"10.0.0.{i}:7000", f"w{i}"))
-    for i in range(4):
-        _beat(reg, f"w{i}")
+    _fill(reg, ready=True)
     reg.register(_reg("10.0.0.9:7000", "spare"))
     assert reg.store.current().worker("spare").preparing_rank == 0  # type: ignore[union-attr]  # ahead
     reg.drain("w2")  # the drain's rank comes first: the hot spare loads that one instead

@@ -9,7 +9,6 @@ import os
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -29,11 +28,6 @@ DRAINING, SERVING, SPARE = WorkerState.DRAINING, WorkerState.SERVING, WorkerStat
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("drain"), "llama-gqa-tied", num_layers=2, seed=5)
-
-
-@pytest.fixture
-def store() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
 
 
 # ---- the decision ----------------------------------------------------------------------------------------

@@ -17,22 +17,11 @@ import torch.distributed as dist
 from shardmesh.core.errors import InvalidArgument
 from shardmesh.core.step import SamplingParams, StepEntry
 from shardworker.runtime import StageWorkerCore
-from tests.checkpoints import make_checkpoint, reference_greedy
-from tests.unit.shardworker.cores import apply_all, new_core, new_store, run_step
+from tests.checkpoints import reference_greedy
+from tests.unit.shardworker.cores import apply_all, new_core, run_step
 from tests.unit.shardworker.fakes import mesh
 
 PROMPT = (1, 17, 5, 42, 9, 3)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # eos 95 is rare under this seed, so the greedy continuation runs on for the tokens compared.
-    return make_checkpoint(tmp_path_factory.mktemp("retain"), "llama-gqa-tied", num_layers=4, seed=5, eos_token_id=95)
-
-
-@pytest.fixture
-def store() -> dist.TCPStore:
-    return new_store()
 
 
 def entry(start: int, tokens: tuple[int, ...], sample: bool = True, first: int = 0, end: int = 0) -> StepEntry:

@@ -20,22 +20,12 @@ from shardmesh.engine import kv_transfer
 from shardmesh.engine.groups import Backend
 from shardworker import runtime
 from shardworker.runtime import StageWorkerCore
-from tests.checkpoints import make_checkpoint, reference_greedy
-from tests.unit.shardworker.cores import apply_all, new_core, new_store, on_every_core, run_step
+from tests.checkpoints import reference_greedy
+from tests.unit.shardworker.cores import apply_all, new_core, on_every_core, run_step
 from tests.unit.shardworker.fakes import mesh
 from tests.unit.shardworker.test_kv_retention import PROMPT, count_forwards, decode, entry, prefill
 
 OTHER = (7, 8, 9, 10)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("transfer"), "llama-gqa-tied", num_layers=4, seed=5, eos_token_id=95)
-
-
-@pytest.fixture
-def store() -> dist.TCPStore:
-    return new_store()
 
 
 def handed_over(topology: Topology, rank: int, kv_from: str) -> Topology:

@@ -12,25 +12,12 @@ import torch.distributed as dist
 
 from shardmesh.core.step import SamplingParams, StepEntry
 from shardworker.runtime import StageWorkerCore
-from tests.checkpoints import make_checkpoint
-from tests.unit.shardworker.cores import apply_all, new_core, new_store, run_step
+from tests.unit.shardworker.cores import apply_all, new_core, run_step
 from tests.unit.shardworker.fakes import mesh
 
 PROMPT = (1, 17, 5, 42, 9, 3)
 PENALTIES = {"repetition_penalty": 1.8, "frequency_penalty": 0.8, "presence_penalty": 0.5, "prompt_len": len(PROMPT)}
 BEFORE, AFTER = 3, 6  # tokens decoded before the last stage is lost, and after
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # A tied random model whose greedy answer repeats tokens: penalties change it. eos 95 is rare under this seed.
-    directory = tmp_path_factory.mktemp("penalised")
-    return make_checkpoint(directory, "llama-gqa-tied", num_layers=4, seed=5, eos_token_id=95)
-
-
-@pytest.fixture
-def store() -> dist.TCPStore:
-    return new_store()
 
 
 def generate(cores: list[StageWorkerCore], version: int, key: str, slot: int, sampling: SamplingParams,
