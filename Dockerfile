@@ -54,11 +54,12 @@ COPY shardmesh ./shardmesh
 COPY shardworker ./shardworker
 COPY coordinator ./coordinator
 COPY gateway ./gateway
+COPY shardmesh_cli ./shardmesh_cli
 RUN pip install . && shardmesh --help >/dev/null
 USER 10001:10001
 WORKDIR /home/shardmesh
 # gateway, coordinator, worker (the ports compose/ uses; every one is a flag)
-EXPOSE 50050 50051 50061
+EXPOSE 50050 50051 50061 8000
 ENTRYPOINT ["shardmesh"]
 CMD ["--help"]
 
@@ -70,9 +71,10 @@ COPY shardmesh ./shardmesh
 COPY shardworker ./shardworker
 COPY coordinator ./coordinator
 COPY gateway ./gateway
+COPY shardmesh_cli ./shardmesh_cli
 RUN pip install . && shardmesh --help >/dev/null
 USER 10001:10001
 WORKDIR /home/shardmesh
-EXPOSE 50050 50051 50061
+EXPOSE 50050 50051 50061 8000
 ENTRYPOINT ["shardmesh"]
 CMD ["--help"]

@@ -16,8 +16,9 @@ from typing import Any
 
 from shardmesh.core.dtypes import DType
 from shardmesh.core.layout import REBALANCES
+from shardmesh.models.hub import MODEL_HELP, REVISION_HELP
 from shardmesh.rpc import telemetry
-from shardmesh.rpc.flags import UsageError, env_flags
+from shardmesh.rpc.flags import JOIN_TOKEN_ENV, UsageError, add_tls_flags, env_flags, mesh_security
 
 ENV_PREFIX = "SHARDMESH_COORDINATOR_"
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
@@ -31,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="deployment manifest (YAML): sets every flag below that it covers, which may then not "
         "be given; see `shardmesh plan --manifest`",
     )
-    flag("--model", help="model directory (config.json is read here; workers load the weights) or known model "
-         "name (pulled into the cache on first use, as `up` does); or --manifest")  # fmt: skip
+    flag("--model", help=f"{MODEL_HELP}; config.json is read here, the workers load the weights from the directory "
+         "it resolves to; or --manifest")  # fmt: skip
+    flag("--revision", help=REVISION_HELP)
     flag("--pp", 1, type=int, help="pipeline stages (default 1)")
     flag("--tp", 1, type=int, help="tensor-parallel degree per stage (default 1)")
     flag("--dtype", "float32", choices=DType.names(),
@@ -79,6 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--calibration-iterations", 5, type=int, help="timed passes of each kind per shard in the balance check")
     flag("--log-level", help="debug, info, warning or error (default: $SHARDMESH_LOG_LEVEL or info)")
     telemetry.add_flags(flag)
+    add_tls_flags(flag, "the coordinator")
+    flag("--join-token-file", help="the join tokens (one per line, re-read when the file changes) a worker must "
+         "present to register and a gateway to watch the topology (every method but GetTopology); the coordinator "
+         f"presents the first to the workers it calibrates (default: ${JOIN_TOKEN_ENV}; neither: no token "
+         "needed)")  # fmt: skip
 
 
 def _listen_host(listen: str) -> str:
@@ -88,9 +95,10 @@ def _listen_host(listen: str) -> str:
     return host
 
 
+SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_ca", "join_token_file")  # set by a manifest's services.security, if any
 # Flags a manifest sets (and which may then not be given as well); the rest (log level, heartbeats, ...) stay free.
-MANIFEST_FLAGS = ("model", "pp", "tp", "dtype", "kv_slots", "max_context", "max_batch_tokens", "store_port", "layers",
-                  "rank_nodes", "max_stage_ratio", "rebalance", "require_balance")  # fmt: skip
+MANIFEST_FLAGS = ("model", "revision", "pp", "tp", "dtype", "kv_slots", "max_context", "max_batch_tokens",
+                  "store_port", "layers", "rank_nodes", "max_stage_ratio", "rebalance", "require_balance")  # fmt: skip
 
 
 def from_manifest(args: argparse.Namespace, defaults: argparse.Namespace) -> argparse.Namespace:
@@ -118,6 +126,14 @@ def from_manifest(args: argparse.Namespace, defaults: argparse.Namespace) -> arg
     for k in (*MANIFEST_FLAGS, "otlp_endpoint", "metrics_port", "listen"):
         if k != "listen" or "--listen" in flags:
             setattr(out, k, getattr(parsed, k))
+    # services.security, where the manifest sets it; given here as well is refused like the flags above
+    security = [k for k in SECURITY_FLAGS if f"--{k.replace('_', '-')}" in flags]
+    clash = [k for k in security if getattr(args, k) != getattr(defaults, k)]
+    if clash:
+        raise UsageError("; ".join(f"--{k.replace('_', '-')}: set by --manifest (services.security), give one or the "
+                                   "other" for k in clash))  # fmt: skip
+    for k in security:
+        setattr(out, k, getattr(parsed, k))
     return out
 
 
@@ -129,7 +145,7 @@ def build_config(args: argparse.Namespace) -> Any:
     from shardmesh.core.heads import HeadSplit, TensorParallelError
     from shardmesh.core.layout import parse_split, shard_specs
     from shardmesh.core.topology import ModelSpec, ServingLimits
-    from shardmesh.models.registry import UnknownModelError, resolve
+    from shardmesh.models.registry import RevisionError, UnknownModelError, resolve
 
     host = _listen_host(args.listen)
     if not args.model:
@@ -137,7 +153,9 @@ def build_config(args: argparse.Namespace) -> Any:
     if args.dtype not in DType.names():  # a value from the environment skips argparse's `choices`
         raise UsageError(f"--dtype: must be one of {', '.join(DType.names())}, got {args.dtype!r}")
     try:
-        model_dir = resolve(args.model)
+        model_dir = resolve(args.model, revision=args.revision)
+    except RevisionError as e:
+        raise UsageError(f"--revision: {e}") from None
     except UnknownModelError as e:
         raise UsageError(f"--model: {e}") from None
     try:
@@ -205,6 +223,7 @@ def build_config(args: argparse.Namespace) -> Any:
         telemetry.export_config(args.otlp_endpoint)
     except telemetry.TelemetryConfigError as e:
         raise UsageError(str(e)) from None
+    tls_files, join_tokens, join_token = mesh_security(args)
     store_host = args.store_host or (socket.gethostname() if host in _WILDCARD_HOSTS else host.strip("[]"))
     # The name as given (a directory, or a model name) is what clients of the OpenAI-compatible API call the model.
     model = ModelSpec(str(model_dir.resolve()), args.dtype, cfg.architecture, cfg.num_layers, cfg.hidden_size,
@@ -217,6 +236,7 @@ def build_config(args: argparse.Namespace) -> Any:
         rebalance_interval=args.move_interval,
         max_message_bytes=args.max_message_mb * 1024 * 1024, metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, split=split, requires=requires, calibration=calibration,
+        tls=tls_files, join_tokens=join_tokens, join_token=join_token,
     )  # fmt: skip
 
 

@@ -155,11 +155,15 @@ class Calibrator:
     def __init__(
         self, registry: Registry, cfg: CalibrationConfig, logger: Any, max_message_bytes: int,
         caps: Callable[[Topology], Sequence[int] | None] = lambda t: None,
+        dial: Callable[[str], grpc.Channel] | None = None,
     ) -> None:  # fmt: skip
+        """`dial(address)`: a channel to a worker (`shardmesh.rpc.tls.Dial.channel`, TLS and token as configured);
+        default plaintext."""
         self._registry = registry
         self.cfg = cfg
         self._log = logger
         self._options = rpc.message_options(max_message_bytes)
+        self._dial = dial or (lambda address: grpc.insecure_channel(address, options=self._options))
         self._caps = caps  # layers each stage's memory holds (the planner's model), or None: unbounded
         self._channels: dict[str, grpc.Channel] = {}
         self._stopping = threading.Event()
@@ -180,7 +184,7 @@ class Calibrator:
 
     def _stub(self, address: str) -> Any:
         if address not in self._channels:
-            self._channels[address] = grpc.insecure_channel(address, options=self._options)
+            self._channels[address] = self._dial(address)
         return worker_pb2_grpc.StageWorkerStub(self._channels[address])
 
     def _run(self) -> None:

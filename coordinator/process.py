@@ -5,6 +5,7 @@ reflection, the thread that notices silent workers, and the balance check before
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -18,11 +19,13 @@ from coordinator.calibration import CalibrationConfig, Calibrator, memory_caps
 from coordinator.placement import Labels, Split
 from coordinator.registry import Registry
 from coordinator.replan import planner_check
-from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from coordinator.servicer import SERVICE_NAME, CoordinatorServicer, unreachable
 from shardmesh.core.topology import ModelSpec, ServingLimits, Topology
 from shardmesh.proto.v1 import coordinator_pb2_grpc
 from shardmesh.rpc import server as rpc
 from shardmesh.rpc import telemetry
+from shardmesh.rpc.tls import Dial, TlsFiles
+from shardmesh.rpc.tokens import TokenSource
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class CoordinatorConfig:
     # Moving a slot onto a faster spare: the least predicted speed-up (0: never), and seconds between two moves.
     rebalance_gain: float = 1.3
     rebalance_interval: float = 30.0
+    # Mutual TLS on the gRPC port and on the channels to the workers (None: plaintext); the join tokens a worker or
+    # gateway must present (None: none needed), and the one presented to the workers.
+    tls: TlsFiles | None = None
+    join_tokens: TokenSource | None = None
+    join_token: str | None = field(default=None, repr=False)
 
     @property
     def thread_pool_size(self) -> int:
@@ -92,11 +100,15 @@ class CoordinatorServer:
             replan_after=max(0.0, cfg.replan_after), rebalance_gain=cfg.rebalance_gain,
             rebalance_interval=cfg.rebalance_interval,
         )  # fmt: skip
-        server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size, self._log)
+        # Every method but GetTopology (read-only, for `shardmesh status` and `top`) needs the join token.
+        server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size, self._log,
+                                tokens=cfg.join_tokens, open_methods=("GetTopology",))  # fmt: skip
+        dial = Dial(cfg.tls, cfg.join_token, tuple(rpc.message_options(cfg.max_message_bytes)))
+        probe = functools.partial(unreachable, dial=dial.channel)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            CoordinatorServicer(self.registry, cfg.heartbeat_interval, self._log), server
+            CoordinatorServicer(self.registry, cfg.heartbeat_interval, self._log, probe=probe), server
         )
-        self.port = rpc.bind(server, cfg.listen)
+        self.port = rpc.bind(server, cfg.listen, cfg.tls, self._log)
         if cfg.metrics_port:
             self._start_metrics(cfg.listen.rpartition(":")[0].strip("[]"), cfg.metrics_port)
         server.start()
@@ -105,7 +117,8 @@ class CoordinatorServer:
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._monitor = threading.Thread(target=self._watch_heartbeats, name="heartbeat-monitor", daemon=True)
         self._monitor.start()
-        self.calibrator = Calibrator(self.registry, cfg.calibration, self._log, cfg.max_message_bytes, self._caps)
+        self.calibrator = Calibrator(self.registry, cfg.calibration, self._log, cfg.max_message_bytes, self._caps,
+                                     dial=dial.channel)  # fmt: skip
         self.calibrator.start()
         host = cfg.listen.rpartition(":")[0]
         self._log.info(
@@ -116,7 +129,8 @@ class CoordinatorServer:
             metrics_port=self.metrics_port or "off", layers=[list(r) for r in self.registry.split()],
             rank_nodes=[dict(r).get("node", "") for r in cfg.requires] if cfg.requires else None,
             rebalance=cfg.calibration.rebalance, max_stage_ratio=cfg.calibration.max_stage_ratio,
-            require_balance=cfg.calibration.require_balance, **telemetry.describe_tracing(cfg.otlp_endpoint),
+            require_balance=cfg.calibration.require_balance, tls="mutual" if cfg.tls else "off",
+            join_token="required" if cfg.join_tokens else "off", **telemetry.describe_tracing(cfg.otlp_endpoint),
         )  # fmt: skip
 
     def _start_metrics(self, host: str, port: int) -> None:

@@ -27,10 +27,12 @@ WATCH_POLL_S = 0.5  # how often an idle watch stream checks that its client is s
 PROBE_TIMEOUT_S = 1.0  # a reported worker that does not answer its health check within this is lost
 
 
-def unreachable(address: str, timeout: float = PROBE_TIMEOUT_S) -> str:
+def unreachable(address: str, timeout: float = PROBE_TIMEOUT_S,
+                dial: Callable[[str], grpc.Channel] = grpc.insecure_channel) -> str:  # fmt: skip
     """Why the worker at `address` is unreachable ("" when it answers grpc.health.v1, whatever its status: a
-    worker that is NOT_SERVING because a peer died is alive and will join the next placement)."""
-    with grpc.insecure_channel(address) as channel:
+    worker that is NOT_SERVING because a peer died is alive and will join the next placement). `dial`: how to
+    reach it (`shardmesh.rpc.tls.Dial.channel` on a mesh with TLS)."""
+    with dial(address) as channel:
         try:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError as e:

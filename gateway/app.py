@@ -11,7 +11,7 @@ import argparse
 import os
 from typing import Any
 
-from shardmesh.rpc.flags import UsageError, env_flags
+from shardmesh.rpc.flags import JOIN_TOKEN_ENV, UsageError, add_tls_flags, env_flags, mesh_security
 
 ENV_PREFIX = "SHARDMESH_GATEWAY_"
 API_KEY_ENV = "SHARDMESH_API_KEY"  # also read by `shardmesh up`, which passes it on to its gateway
@@ -39,8 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "/v1/models, /health); port 0 picks a free one (default: off)")  # fmt: skip
     flag("--served-model-name", help="the model id the HTTP API answers to and reports (default: the coordinator's "
          "--model as given)")  # fmt: skip
-    flag("--api-key", help="HTTP requests to /v1 must send 'Authorization: Bearer KEY' (default: $SHARDMESH_API_KEY; "
-         "unset: no key needed)")  # fmt: skip
+    flag("--api-key", help="gRPC calls and HTTP requests to /v1 must send 'authorization: Bearer KEY' (default: "
+         "$SHARDMESH_API_KEY; prefer --api-key-file or the variable: a command line shows in `ps`)")  # fmt: skip
+    flag("--api-key-file", help="the API keys clients may present, one per line (# comments), re-read when the file "
+         "changes; with --api-key or $SHARDMESH_API_KEY, any of them is accepted (none of the three: no key "
+         "needed)")  # fmt: skip
     flag("--log-level", help="debug, info, warning or error (default: $SHARDMESH_LOG_LEVEL or info)")
     from shardmesh.rpc import telemetry  # standard library only at import time
 
@@ -48,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--trace-decode-steps", 8, type=int,
          help="decode steps traced per request, each with one span per shard; later ones are only counted on the "
               "request span (default 8)")  # fmt: skip
+    add_tls_flags(flag, "the gateway")  # and, with --http-listen, the certificate of HTTPS
+    flag("--join-token-file", help="the join token (the file's first line) presented to the coordinator (to watch the "
+         f"topology) and to the workers (default: ${JOIN_TOKEN_ENV}; neither: none presented)")  # fmt: skip
 
 
 def _check_address(flag: str, value: str, *, dial: bool = False) -> None:
@@ -70,6 +76,14 @@ def build_config(args: argparse.Namespace) -> Any:
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise UsageError("--served-model-name: must not be empty")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    from shardmesh.rpc import tokens
+
+    try:
+        api_keys = tokens.TokenSource.optional("API key", [api_key] if api_key else [], args.api_key_file,
+                                               flag="--api-key-file")  # fmt: skip
+    except tokens.TokenError as e:
+        raise UsageError(str(e)) from None
+    tls, _, join_token = mesh_security(args)  # the gateway accepts no join token: its callers present API keys
     checks = [
         ("--max-queue", args.max_queue >= 1, ">= 1"),
         ("--max-message-bytes", args.max_message_bytes >= 1024, ">= 1024"),
@@ -95,7 +109,8 @@ def build_config(args: argparse.Namespace) -> Any:
         shutdown_grace=args.shutdown_grace,
         model_dir=args.model_dir,
         metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint, trace_decode_steps=args.trace_decode_steps,
-        http_listen=args.http_listen, served_model_name=args.served_model_name, api_key=api_key,
+        http_listen=args.http_listen, served_model_name=args.served_model_name, api_key=api_key, api_keys=api_keys,
+        tls=tls, join_token=join_token,
     )  # fmt: skip
 
 

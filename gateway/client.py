@@ -5,6 +5,9 @@ message when the model has a chat template (asked with GetModelInfo) and `--raw`
 otherwise raw text; `--token-ids` are sent as they are. `--json` prints the same object as the
 offline mode; without it the text is printed as it streams in. A gateway error is one line on
 stderr, `error: <STATUS>: <message>`, and exit code 1.
+
+A mesh with mutual TLS takes `--tls-cert/--tls-key/--tls-ca` (or $SHARDMESH_TLS_*); a gateway with API keys takes
+the first line of `--api-key-file`, else $SHARDMESH_API_KEY.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def generate(args: argparse.Namespace, token_ids: list[int] | None, out: TextIO 
     from shardmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
 
     timeout = args.timeout
-    with grpc.insecure_channel(args.gateway) as channel:
+    with connect(args) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         try:
             has_template = False
@@ -58,6 +61,21 @@ def generate(args: argparse.Namespace, token_ids: list[int] | None, out: TextIO 
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             return EXIT_ERROR
+
+
+def connect(args: argparse.Namespace) -> Any:
+    """A channel to `args.gateway` with the TLS files and the API key the arguments and the environment give."""
+    from gateway.app import API_KEY_ENV
+    from shardmesh.rpc import tls, tokens
+    from shardmesh.rpc.flags import UsageError
+
+    try:
+        files = tls.from_args(args)
+        value = getattr(args, "api_key", None) or tokens.env_value(API_KEY_ENV)
+        key = tokens.presented(value, getattr(args, "api_key_file", None), "--api-key-file")
+    except (tls.TlsError, tokens.TokenError) as e:
+        raise UsageError(str(e)) from None
+    return tls.channel(args.gateway, files, token=key)
 
 
 def _stream(responses: Any, out: TextIO) -> int:

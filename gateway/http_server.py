@@ -44,7 +44,9 @@ def bind(listen: str) -> socket.socket:
 class HttpServer:
     """`start()` serves `app` on `listen` from a thread of its own; `begin_stop()`, then `join()`."""
 
-    def __init__(self, app: Any, listen: str, logger: Any, shutdown_timeout: float = 5.0) -> None:
+    def __init__(self, app: Any, listen: str, logger: Any, shutdown_timeout: float = 5.0, tls: Any = None) -> None:
+        """`tls` (`shardmesh.rpc.tls.TlsFiles`): serve HTTPS with its certificate and key, re-read when they change
+        (`shardmesh.rpc.tls.https_context`); clients need no certificate (they present an API key)."""
         import uvicorn
 
         self._listen = listen
@@ -53,7 +55,13 @@ class HttpServer:
         config = uvicorn.Config(
             app, http="h11", ws="none", lifespan="off", loop="asyncio", log_config=None, access_log=False,
             timeout_graceful_shutdown=math.ceil(shutdown_timeout), server_header=False,
+            **({"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)} if tls is not None else {}),
         )  # fmt: skip
+        if tls is not None:  # uvicorn's own context, loaded once, replaced by one that follows the files
+            from shardmesh.rpc.tls import https_context
+
+            config.load()
+            config.ssl = https_context(tls, logger)
         self._server = uvicorn.Server(config)
         self._socket: socket.socket | None = None
         self._thread: threading.Thread | None = None

@@ -24,6 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.stream import ReopeningStream
 from shardmesh.proto.v1 import worker_pb2
 from shardmesh.rpc import server as rpc
+from shardmesh.rpc import tls
+from shardmesh.rpc.tls import Dial
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["StageWorker"].full_name
 
@@ -64,11 +66,13 @@ class WorkerLinks:
     address reuses its channel, and a view the scheduler still steps on is never closed under it."""
 
     def __init__(self, logger: Any, max_message_bytes: int, backoff: tuple[float, float] = (0.1, 2.0),
-                 on_lost: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
-        """`on_lost(address, error)`: a worker that had answered its health watch became unreachable."""
+                 on_lost: Callable[[str, str], None] | None = None, dial: Dial | None = None) -> None:  # fmt: skip
+        """`on_lost(address, error)`: a worker that had answered its health watch became unreachable. `dial`: TLS and
+        the join token the channels carry (default: plaintext, no token)."""
         self._log = logger
         self._on_lost = on_lost
         self._options = rpc.message_options(max_message_bytes)
+        self._dial = dial if dial is not None else Dial()
         self._backoff = backoff
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
@@ -80,7 +84,7 @@ class WorkerLinks:
             if self._closed:
                 raise RuntimeError("the gateway's worker links are closed")
             if address not in self._channels:
-                channel = grpc.insecure_channel(address, options=self._options)
+                channel = tls.channel(address, self._dial.tls, self._options, self._dial.token)
                 self._channels[address] = channel
                 self._watches[address] = _HealthWatch(address, channel, self._log, self._backoff, self._on_lost)
             return self._channels[address]

@@ -211,23 +211,34 @@ class StepTrace:
 class GatewayMetrics:
     """The gateway's registry. `load` is the scheduler's (waiting, running, free KV slots, ready); `kv_slots`, the
     serving mesh's KV slots, is set by the observer from the mesh each step runs on (the coordinator's
-    `--kv-slots`, the same for every mesh it publishes)."""
+    `--kv-slots`, the same for every mesh it publishes).
 
-    def __init__(self, load: Callable[[], tuple[int, int, int, bool]]) -> None:
+    Every metric about requests (counts, tokens, latencies, resumptions) carries a `model_name` label, as vLLM's
+    do, so dashboards that read several servers can tell the models apart: the name clients use for the model,
+    `served_model_name` (`--served-model-name`), else the coordinator's name for it (its `--model` as given), which
+    `mesh_changed` follows. The mesh's own metrics (steps, batches, queue, KV slots) have no label: a gateway
+    serves one model."""
+
+    def __init__(self, load: Callable[[], tuple[int, int, int, bool]], served_model_name: str | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.kv_slots = 0  # none known before the first step
+        self._fixed_name = bool(served_model_name)
+        self.model_name = ""  # the label's value (`_named`); "" until a topology names the model
         self.registry = r = CollectorRegistry(auto_describe=True)
         b = telemetry.REQUEST_BUCKETS
+        m = ["model_name"]
         self.request_seconds = Histogram("shardmesh_request_duration_seconds", "Arrival to last token, by outcome",
-                                         ["finish_reason"], registry=r, buckets=b)  # fmt: skip
-        self.ttft = Histogram("shardmesh_time_to_first_token_seconds", "Arrival to first token", registry=r, buckets=b)
-        self.itl = Histogram("shardmesh_inter_token_latency_seconds", "Between consecutive tokens of a request",
+                                         [*m, "finish_reason"], registry=r, buckets=b)  # fmt: skip
+        self.ttft = Histogram("shardmesh_time_to_first_token_seconds", "Arrival to first token", m, registry=r,
+                              buckets=b)  # fmt: skip
+        self.itl = Histogram("shardmesh_inter_token_latency_seconds", "Between consecutive tokens of a request", m,
                              registry=r, buckets=telemetry.STEP_BUCKETS)  # fmt: skip
-        self.queue_seconds = Histogram("shardmesh_queue_wait_seconds", "Arrival to first step", registry=r, buckets=b)
-        self.requests = Counter("shardmesh_requests", "Requests ended, by outcome", ["outcome"], registry=r)
-        self.generated = Counter("shardmesh_generated_tokens", "Tokens generated", registry=r)
-        self.prompt = Counter("shardmesh_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.queue_seconds = Histogram("shardmesh_queue_wait_seconds", "Arrival to first step", m, registry=r,
+                                       buckets=b)  # fmt: skip
+        self.requests = Counter("shardmesh_requests", "Requests ended, by outcome", [*m, "outcome"], registry=r)
+        self.generated = Counter("shardmesh_generated_tokens", "Tokens generated", m, registry=r)
+        self.prompt = Counter("shardmesh_prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
         self.batch_size = Histogram("shardmesh_batch_size", "Sequences per step", registry=r,
                                     buckets=telemetry.BATCH_BUCKETS)  # fmt: skip
         self.batch_tokens = Histogram("shardmesh_batch_tokens", "Tokens per step", registry=r,
@@ -236,11 +247,11 @@ class GatewayMetrics:
                                       "waits for it", registry=r, buckets=telemetry.STEP_BUCKETS)  # fmt: skip
         self.step_failures = Counter("shardmesh_step_failures", "Steps a shard failed", registry=r)
         self.resumed = Counter("shardmesh_resumed_requests", "Running requests that lost their workers and replayed "
-                               "their token log on a new mesh", registry=r)  # fmt: skip
-        self.replayed = Counter("shardmesh_replayed_tokens", "Log tokens prefilled again by resumed requests",
+                               "their token log on a new mesh", m, registry=r)  # fmt: skip
+        self.replayed = Counter("shardmesh_replayed_tokens", "Log tokens prefilled again by resumed requests", m,
                                 registry=r)  # fmt: skip
         self.resume_gap = Histogram("shardmesh_resume_gap_seconds", "The pause a resumed request's client saw: from "
-                                    "its last token (or arrival) before the loss to its first token after",
+                                    "its last token (or arrival) before the loss to its first token after", m,
                                     registry=r, buckets=telemetry.REQUEST_BUCKETS)  # fmt: skip
         for name, doc, i in (("shardmesh_queue_depth", "Requests waiting for a KV slot", 0),
                              ("shardmesh_running_requests", "Requests holding a KV slot", 1),
@@ -249,6 +260,21 @@ class GatewayMetrics:
             Gauge(name, doc, registry=r).set_function(lambda i=i: float(load()[i]))
         Gauge("shardmesh_kv_cache_usage_ratio", "Share of the serving mesh's KV slots held by requests (0 to 1; 0 "
               "while no mesh serves)", registry=r).set_function(lambda: self.kv_usage(load()))  # fmt: skip
+        self._named(served_model_name or "")
+
+    def _named(self, name: str) -> None:
+        """The label's value from now on; the series of a new name exist at once (at 0), so rates start there."""
+        self.model_name = name
+        if name:
+            for metric in (self.ttft, self.itl, self.queue_seconds, self.generated, self.prompt, self.resumed,
+                           self.replayed, self.resume_gap):  # fmt: skip
+                metric.labels(name)
+
+    def mesh_changed(self, state: MeshState) -> None:
+        """A topology from the coordinator (a `MeshSource` subscriber): without `--served-model-name`, the label
+        is the coordinator's name for the model."""
+        if not self._fixed_name and state.topology is not None and served_model(state) != self.model_name:
+            self._named(served_model(state))
 
     def kv_usage(self, load: tuple[int, int, int, bool]) -> float:
         """Used slots over the mesh's slots: those not free at the next step boundary (as `free_kv_slots`)."""
@@ -296,7 +322,7 @@ class GatewayObserver:
         """A request that ended with an error status (refused, or failed while running). CANCELLED is
         not counted here: a cancelled request was already counted by its finish reason."""
         if self.metrics is not None and code != "CANCELLED":
-            self.metrics.requests.labels(code.lower()).inc()
+            self.metrics.requests.labels(self.metrics.model_name, code.lower()).inc()
 
     # -- the scheduler thread -------------------------------------------------------------------------
 
@@ -362,27 +388,28 @@ class GatewayObserver:
             trace.finished(summary, self.trace_decode_steps)
         m = self.metrics
         if m is not None:
-            t = summary.timings
-            m.requests.labels(summary.finish_reason.value).inc()
-            m.request_seconds.labels(summary.finish_reason.value).observe(t.total_ms / 1e3)
-            m.queue_seconds.observe(t.queue_ms / 1e3)
-            m.generated.inc(summary.completion_tokens)
-            m.prompt.inc(summary.prompt_tokens)
+            t, name = summary.timings, m.model_name
+            m.requests.labels(name, summary.finish_reason.value).inc()
+            m.request_seconds.labels(name, summary.finish_reason.value).observe(t.total_ms / 1e3)
+            m.queue_seconds.labels(name).observe(t.queue_ms / 1e3)
+            m.generated.labels(name).inc(summary.completion_tokens)
+            m.prompt.labels(name).inc(summary.prompt_tokens)
             if summary.completion_tokens:
-                m.ttft.observe(t.time_to_first_token_ms / 1e3)
+                m.ttft.labels(name).observe(t.time_to_first_token_ms / 1e3)
+            itl = m.itl.labels(name)
             for ms in t.inter_token_ms:
-                m.itl.observe(ms / 1e3)
+                itl.observe(ms / 1e3)
 
     def request_resumed(self, trace: RequestTrace | None, reason: str, replay_tokens: int, waited_s: float) -> None:
         if trace is not None:
             trace.resumed(reason, replay_tokens, waited_s)
         if self.metrics is not None:
-            self.metrics.resumed.inc()
-            self.metrics.replayed.inc(replay_tokens)
+            self.metrics.resumed.labels(self.metrics.model_name).inc()
+            self.metrics.replayed.labels(self.metrics.model_name).inc(replay_tokens)
 
     def resume_gap(self, seconds: float) -> None:
         if self.metrics is not None:
-            self.metrics.resume_gap.observe(seconds)
+            self.metrics.resume_gap.labels(self.metrics.model_name).observe(seconds)
 
     def request_failed(self, trace: RequestTrace | None, error: Exception) -> None:
         """Counted by the servicer, which turns the error into a status (`request_errored`)."""

@@ -11,6 +11,10 @@ checks of `gateway/requests.py`) -> `prepare` -> `Scheduler.submit` -> events ->
 `shardmesh.core.errors` types and turned into statuses in one place (`gateway/openai_errors.py`); FastAPI's
 422 for a malformed body becomes a 400 naming the field, like every other refusal.
 
+Traces: one span per generation request, named and described by OpenTelemetry's HTTP server conventions
+(`POST /v1/chat/completions`, `http.route`, `http.response.status_code`, ...), with the children (prepare, queue,
+steps) and GenAI attributes (`gen_ai.request.model` the served name) an RPC's span has (`gateway.observe`).
+
 Threads: the scheduler hands events over a blocking queue (`RequestHandle.events`); the routes wait for them on
 a thread pool of their own so that the event loop never blocks, one pool thread per request waiting.
 
@@ -25,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import queue
 import time
@@ -41,8 +44,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.body_limit import MAX_BODY_BYTES, BodyLimit, max_body_bytes
 from gateway.observe import GatewayObserver, RequestTrace
-from gateway.openai_errors import ApiError, ModelNotFound, Unauthorized, error_body
+from gateway.openai_errors import ApiError, Forbidden, ModelNotFound, Unauthorized, error_body
 from gateway.openai_render import Answer, Kind
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.requests import MAX_REQUEST_ID_CHARS, GenerateCall, PreparedRequest, prepare
@@ -50,6 +54,7 @@ from gateway.results import EndEvent, Event, RequestHandle, is_last
 from gateway.scheduler import Scheduler
 from shardmesh.core.errors import Cancelled, Internal, InvalidArgument, MeshError, NotFound, Unavailable
 from shardmesh.rpc import telemetry
+from shardmesh.rpc.tokens import TokenSource, Verdict
 
 EVENT_POLL_S = 1.0  # how often a waiting request checks that the scheduler is still alive
 REQUEST_ID_HEADER = "x-request-id"
@@ -68,10 +73,24 @@ class _Call:
     trace_id: str
     trace: RequestTrace | None
     ended: bool = False
+    streaming: bool = False  # the response has started (200, server-sent events): a failure is an event in it
 
-    def end(self, error: MeshError | None = None) -> None:
+    def end(self, error: MeshError | None = None, client_gone: bool = False) -> None:
+        """End the request span as OpenTelemetry's HTTP server conventions say: `http.response.status_code` (not
+        when the client went away first), `error.type` naming a failure (its status code name, as the gRPC spans
+        and the GenAI conventions have it), and status ERROR only for a failure of the server's (a 5xx): a refused
+        request is the client's error."""
         if self.trace is not None and not self.ended:
-            GatewayObserver.end_request(self.trace, error, error.code if error is not None else "")
+            span, status = self.trace.span, error_body(error)[0] if error is not None else 200
+            if not client_gone:
+                span.set_attribute("http.response.status_code", 200 if self.streaming else status)
+            if error is not None:
+                span.set_attribute("error.type", error.code)
+                if status >= 500 and not client_gone:
+                    from opentelemetry.trace import Status, StatusCode
+
+                    span.set_status(Status(StatusCode.ERROR, f"{error.code}: {error}"))
+            span.end()
         self.ended = True
 
 
@@ -80,12 +99,13 @@ class OpenAIApi:
 
     def __init__(self, scheduler: Scheduler, logger: Any, observer: GatewayObserver | None = None,
                  served_model_name: str | None = None, api_key: str | None = None,
-                 max_threads: int = 1024) -> None:  # fmt: skip
+                 max_threads: int = 1024, api_keys: TokenSource | None = None) -> None:  # fmt: skip
         self._scheduler = scheduler
         self._log = logger
         self._obs = observer
         self._served_model_name = served_model_name or None
-        self._api_key = api_key or None
+        # The keys the gRPC API accepts too (one `TokenSource`, from --api-key, $SHARDMESH_API_KEY, --api-key-file)
+        self._api_keys = api_keys or TokenSource.optional("API key", [api_key] if api_key else [])
         self._created = int(time.time())
         # Request threads wait on the scheduler's queues; created on demand, like the gRPC server's.
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="http-request")
@@ -99,8 +119,10 @@ class OpenAIApi:
         app = FastAPI(title="shardmesh", summary="The OpenAI-compatible API of a shardmesh gateway")
         app.add_exception_handler(MeshError, self._on_error)  # type: ignore[arg-type]
         app.add_exception_handler(Unauthorized, self._on_error)  # type: ignore[arg-type]
+        app.add_exception_handler(Forbidden, self._on_error)  # type: ignore[arg-type]
         app.add_exception_handler(RequestValidationError, self._on_invalid_body)  # type: ignore[arg-type]
         app.add_exception_handler(StarletteHTTPException, self._on_http_error)  # type: ignore[arg-type]
+        app.add_middleware(BodyLimit, max_bytes=self._max_body_bytes, logger=self._log)  # type: ignore[arg-type]
         v1 = APIRouter(prefix="/v1", dependencies=[Depends(self._authorize)])
         v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"], response_model=None)
         v1.add_api_route("/completions", self.completions, methods=["POST"], response_model=None)
@@ -143,7 +165,7 @@ class OpenAIApi:
 
     async def _generate(self, request: Request, body: Body, kind: Kind) -> Response:
         arrival = time.monotonic()
-        call = self._call(request, "ChatCompletions" if kind == "chat" else "Completions")
+        call = self._call(request)
         try:
             model = self._served_name()
             if body.model and body.model != model:
@@ -159,6 +181,7 @@ class OpenAIApi:
         answer = Answer(kind, _RESPONSE_ID_PREFIX[kind] + call.request_id, model, options, prepared.tokenizer)
         headers = {REQUEST_ID_HEADER: call.request_id}
         if options.stream:
+            call.streaming = True
             return _EventStream(self._stream(request, handle, body, answer, call), handle, headers=headers)
         try:
             async with self._watched(request, handle, body) as events:
@@ -210,7 +233,7 @@ class OpenAIApi:
             ended, failure = True, self._internal(call, e)
         finally:
             if not ended:  # the client stopped reading (it went away), or the server cancelled the response
-                call.end(Cancelled("the client went away"))
+                call.end(Cancelled("the client went away"), client_gone=True)
         if failure is not None:
             self._failed(failure, call.request_id, call.trace_id)
             call.end(failure)
@@ -273,7 +296,7 @@ class OpenAIApi:
 
     # -- requests: ids, model, key ----------------------------------------------------------------------------
 
-    def _call(self, request: Request, method: str) -> _Call:
+    def _call(self, request: Request) -> _Call:
         """The request's id (the client's X-Request-Id, or a fresh one) and trace, as the gRPC servicer keeps them."""
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         request.state.request_id = request_id[:MAX_REQUEST_ID_CHARS]  # for the error's log line
@@ -281,13 +304,21 @@ class OpenAIApi:
             raise InvalidArgument(REQUEST_ID_HEADER, f"at most {MAX_REQUEST_ID_CHARS} characters, got "
                                                      f"{len(request_id)}")  # fmt: skip
         metadata = list(request.headers.items())  # lower-case names, as gRPC metadata has them
-        trace = self._obs.start_request(method, metadata, request_id) if self._obs is not None else None
+        tracer = self._obs.tracer if self._obs is not None else None
+        trace = RequestTrace(tracer, _server_span(tracer, request, metadata, request_id)) if tracer else None
         if trace is not None:
             trace_id = trace.trace_id
         else:
             trace_id = telemetry.client_trace_id(metadata) or telemetry.new_trace_id()
         request.state.trace_id = trace_id
         return _Call(request_id, trace_id, trace)
+
+    def _max_body_bytes(self) -> int:
+        """The most request body worth reading for the model served now (`gateway/body_limit.py`)."""
+        try:
+            return max_body_bytes(self._scheduler.serving_context())
+        except MeshError:  # nothing served: the request will be refused once read, whatever its size
+            return MAX_BODY_BYTES
 
     def _served_name(self) -> str:
         """`--served-model-name`, else the coordinator's name for the model (its --model as given)."""
@@ -307,12 +338,14 @@ class OpenAIApi:
         return card
 
     async def _authorize(self, request: Request) -> None:
-        """With an API key configured, every /v1 request must carry `Authorization: Bearer KEY`."""
-        if self._api_key is None:
+        """With API keys configured, every /v1 request must carry `Authorization: Bearer KEY` with one of them: 401
+        without, 403 with a key not accepted (compared in constant time; the message never says how close it was)."""
+        if self._api_keys is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
-            raise Unauthorized("missing or wrong API key: send the header 'Authorization: Bearer KEY'")
+        verdict = self._api_keys.check(request.headers.get("authorization"))
+        if verdict is not Verdict.OK:
+            refusal = Unauthorized if verdict is Verdict.MISSING else Forbidden
+            raise refusal(self._api_keys.refusals[verdict])
 
     # -- errors -----------------------------------------------------------------------------------------------
 
@@ -367,6 +400,31 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._handle.cancel()  # a no-op once the request has ended
+
+
+def _server_span(tracer: Any, request: Request, metadata: list[tuple[str, str]], request_id: str) -> Any:
+    """The request's span, under the client's `traceparent`, named and described as OpenTelemetry's HTTP server
+    conventions say: `{method} {route}` (`POST /v1/chat/completions`), `http.request.method`, `http.route`,
+    `url.path`, `url.scheme`, `server.address` / `server.port` (from the Host header), `client.address`,
+    `network.protocol.version`, `user_agent.original`. The GenAI attributes are added once it is prepared."""
+    from opentelemetry.trace import SpanKind
+
+    route = getattr(request.scope.get("route"), "path", request.url.path)
+    attributes: dict[str, Any] = {
+        "http.request.method": request.method, "http.route": route, "url.path": request.url.path,
+        "url.scheme": request.url.scheme, "network.protocol.version": request.scope.get("http_version", "1.1"),
+        "shardmesh.request_id": request_id,
+    }  # fmt: skip
+    if request.url.hostname:
+        attributes["server.address"] = request.url.hostname
+    if request.url.port:
+        attributes["server.port"] = request.url.port
+    if request.client is not None:
+        attributes["client.address"] = request.client.host
+    if "user-agent" in request.headers:
+        attributes["user_agent.original"] = request.headers["user-agent"]
+    return tracer.start_span(f"{request.method} {route}", context=telemetry.extract(metadata), kind=SpanKind.SERVER,
+                             attributes=attributes)  # fmt: skip
 
 
 def _cancel_submitted(started: Future) -> None:

@@ -4,7 +4,8 @@ One table maps the `shardmesh.core.errors` types the gateway raises (the same on
 into status codes) onto HTTP statuses, so the two front doors cannot disagree about what a failure is:
 
     InvalidArgument, FailedPrecondition  400  a bad field, named in `param` and at the start of `message`
-    Unauthorized                         401  an API key is configured and the request's is missing or wrong
+    Unauthorized                         401  an API key is configured and the request carries none
+    Forbidden                            403  an API key is configured and the request's is not accepted
     NotFound                             404  the request names another model (or an unknown path)
     ResourceExhausted                    429  more requests wait for a KV slot than --max-queue
     Unavailable, Cancelled               503  no complete mesh, the gateway shutting down
@@ -29,13 +30,19 @@ from shardmesh.core.errors import (
 
 
 class Unauthorized(Exception):
-    """No API key, or the wrong one, where the gateway has one configured. Only the HTTP API has keys, so this is
-    not one of the `MeshError`s every service shares (whose gRPC statuses the interceptor sets)."""
+    """No API key where the gateway has keys configured. Credentials are checked before any route runs (on gRPC, by
+    `shardmesh.rpc.interceptors.TokenInterceptor`), so this is not one of the `MeshError`s the services raise."""
 
     code = "UNAUTHENTICATED"
 
 
-ApiError = MeshError | Unauthorized
+class Forbidden(Exception):
+    """An API key the gateway does not accept."""
+
+    code = "PERMISSION_DENIED"
+
+
+ApiError = MeshError | Unauthorized | Forbidden
 
 
 class NotSupportedYet(InvalidArgument):
@@ -58,6 +65,7 @@ _STATUS: dict[type[ApiError], tuple[int, str]] = {
     InvalidArgument: (400, "invalid_request_error"),
     FailedPrecondition: (400, "invalid_request_error"),
     Unauthorized: (401, "authentication_error"),
+    Forbidden: (403, "permission_error"),
     NotFound: (404, "not_found_error"),
     ResourceExhausted: (429, "rate_limit_error"),
     Unavailable: (503, "service_unavailable_error"),
@@ -71,6 +79,7 @@ _CODES: dict[type[ApiError], str] = {
     InvalidArgument: "invalid_value",
     FailedPrecondition: "invalid_value",
     Unauthorized: "invalid_api_key",
+    Forbidden: "invalid_api_key",
     ModelNotFound: "model_not_found",
     NotFound: "not_found",
     ResourceExhausted: "queue_full",

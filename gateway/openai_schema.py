@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.openai_errors import NotSupportedYet
-from gateway.requests import ChatTurn, GenerateCall, GenerateParams, PromptInput, Sampling
+from gateway.requests import MAX_CHAT_MESSAGES, GenerateCall, GenerateParams, PromptInput, Sampling, chat_turns
 from shardmesh.core.errors import InvalidArgument, MeshError
 from shardmesh.core.step import MAX_TOP_LOGPROBS  # OpenAI's bound for chat's top_logprobs, vLLM's default max_logprobs
 
@@ -217,7 +217,9 @@ class ChatCompletionRequest(_Generation):
         return (self.top_logprobs or 0) if self.logprobs else 0
 
     def _prompt(self) -> PromptInput:
-        turns = tuple(ChatTurn(m.role, m.text(f"messages[{i}]")) for i, m in enumerate(self.messages))
+        if len(self.messages) > MAX_CHAT_MESSAGES:  # before the contents are joined
+            raise InvalidArgument("messages", f"at most {MAX_CHAT_MESSAGES} messages, got {len(self.messages)}")
+        turns = chat_turns([(m.role, m.text(f"messages[{i}]")) for i, m in enumerate(self.messages)])
         return PromptInput("chat", chat=turns)
 
     def generate_call(self, request_id: str) -> GenerateCall:

@@ -4,6 +4,10 @@ scheduler thread, the failure reporter (`gateway.reporter`), the gRPC server (th
 with `http_listen`, the OpenAI-compatible HTTP server (`gateway.openai_api` on uvicorn, `gateway.http_server`)
 over the same scheduler.
 
+Credentials: both front doors accept the same API keys (one `TokenSource`: gRPC checks them in the server's
+interceptor, HTTP in its route dependency); with TLS files the gRPC port runs mutual TLS and HTTP is HTTPS; the
+channels to the coordinator and the workers (one `Dial`) present the gateway's certificate and the join token.
+
 At shutdown it turns NOT_SERVING and refuses new RPCs and HTTP connections at once; running requests get the
 grace period to finish, then are cancelled (`gateway.servicer` and `gateway.openai_api` say what each returns
 then).
@@ -14,7 +18,7 @@ from __future__ import annotations
 import socket
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -29,6 +33,8 @@ from gateway.watcher import MeshSource, TopologyWatcher
 from shardmesh.proto.v1 import gateway_pb2_grpc
 from shardmesh.rpc import server as rpc
 from shardmesh.rpc import telemetry
+from shardmesh.rpc.tls import Dial, TlsFiles
+from shardmesh.rpc.tokens import TokenSource
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,10 @@ class GatewayConfig:
     trace_decode_steps: int = DEFAULT_TRACE_DECODE_STEPS  # decode steps traced per request; later ones aggregated
     http_listen: str | None = None  # host:port of the OpenAI-compatible HTTP API; None: off; port 0 picks one
     served_model_name: str | None = None  # the model id over HTTP; default: the coordinator's name for the model
-    api_key: str | None = None  # HTTP requests to /v1 must carry `Authorization: Bearer <key>`; None: no key
+    api_key: str | None = None  # gRPC calls and HTTP requests to /v1 must carry `authorization: Bearer <key>`
+    api_keys: TokenSource | None = None  # the keys accepted (`api_key` among them, and --api-key-file's); None: no key
+    tls: TlsFiles | None = None  # mutual TLS on gRPC, both ways, and the certificate of HTTPS; None: plaintext
+    join_token: str | None = field(default=None, repr=False)  # presented to the coordinator and the workers
 
     @property
     def thread_pool_size(self) -> int:
@@ -68,7 +77,10 @@ class GatewayServer:
         if tracer is not None or cfg.metrics_port:
             observer = GatewayObserver(tracer, None, cfg.trace_decode_steps)
         self.observer = observer
-        self.reporter = FailureReporter(cfg.coordinator, logger, max_message_bytes=cfg.max_message_bytes)
+        self._dial = Dial(cfg.tls, cfg.join_token)
+        self.reporter = FailureReporter(cfg.coordinator, logger, max_message_bytes=cfg.max_message_bytes,
+                                        dial=self._dial)  # fmt: skip
+        self.api_keys = cfg.api_keys or TokenSource.optional("API key", [cfg.api_key] if cfg.api_key else [])
         self.scheduler = Scheduler(
             SchedulerConfig(max_queue=cfg.max_queue, default_max_new_tokens=cfg.default_max_new_tokens,
                             step_timeout=cfg.step_timeout, resume_timeout=cfg.resume_timeout,
@@ -76,12 +88,12 @@ class GatewayServer:
             logger, observer=observer, report_failure=self.reporter.report,
         )  # fmt: skip
         if observer is not None and cfg.metrics_port:
-            observer.metrics = GatewayMetrics(self.scheduler.load)
+            observer.metrics = GatewayMetrics(self.scheduler.load, cfg.served_model_name)
         self._metrics_server: Any = None
         self.metrics_port = 0
         if mesh_source is None:
             watcher = TopologyWatcher(cfg.coordinator, logger=logger, max_message_bytes=cfg.max_message_bytes,
-                                      model_dir=cfg.model_dir)  # fmt: skip
+                                      model_dir=cfg.model_dir, dial=self._dial)  # fmt: skip
             watcher.report_failure = self.reporter.report
             mesh_source = watcher
         self.mesh_source: MeshSource = mesh_source
@@ -98,10 +110,11 @@ class GatewayServer:
 
     def start(self) -> None:
         cfg = self.cfg
-        server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size, self._log)
+        server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size, self._log,
+                                tokens=self.api_keys)  # fmt: skip
         servicer = GatewayServicer(self.scheduler, self._log, self.observer)
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-        self.port = rpc.bind(server, cfg.listen)
+        self.port = rpc.bind(server, cfg.listen, cfg.tls, self._log)
         if self.observer is not None and self.observer.metrics is not None:
             self._metrics_server = telemetry.serve_metrics(
                 self.observer.metrics.registry, cfg.listen.rpartition(":")[0].strip("[]"), cfg.metrics_port
@@ -114,6 +127,8 @@ class GatewayServer:
         self.scheduler.add_ready_listener(self._set_health)
         self.scheduler.start()
         self.mesh_source.subscribe(self.scheduler.update_mesh)
+        if self.observer is not None and self.observer.metrics is not None:  # the model_name label
+            self.mesh_source.subscribe(self.observer.metrics.mesh_changed)
         self.mesh_source.start()
         server.start()
         self._server = server
@@ -122,7 +137,8 @@ class GatewayServer:
         self._log.info("listening", address=f"{host}:{self.port}", port=self.port, coordinator=cfg.coordinator,
                        max_queue=cfg.max_queue, max_message_bytes=cfg.max_message_bytes,
                        pipeline_depth=cfg.pipeline_depth or "one per stage", metrics_port=self.metrics_port or "off",
-                       http=self._http_url() or "off", api_key="set" if cfg.api_key else "none",
+                       http=self._http_url() or "off", api_key="required" if self.api_keys else "none",
+                       tls="mutual" if cfg.tls else "off",
                        **telemetry.describe_tracing(cfg.otlp_endpoint))  # fmt: skip
 
     def _start_http(self, listen: str) -> None:
@@ -131,16 +147,18 @@ class GatewayServer:
         from gateway.openai_api import OpenAIApi
 
         cfg = self.cfg
-        self._openai = OpenAIApi(self.scheduler, self._log, self.observer, cfg.served_model_name, cfg.api_key,
-                                 max_threads=cfg.thread_pool_size)  # fmt: skip
-        self._http = HttpServer(self._openai.app, listen, self._log, shutdown_timeout=cfg.shutdown_grace + 2.0)
+        self._openai = OpenAIApi(self.scheduler, self._log, self.observer, cfg.served_model_name,
+                                 max_threads=cfg.thread_pool_size, api_keys=self.api_keys)  # fmt: skip
+        self._http = HttpServer(self._openai.app, listen, self._log, shutdown_timeout=cfg.shutdown_grace + 2.0,
+                                tls=cfg.tls)  # fmt: skip
         self.http_port = self._http.start()
 
     def _http_url(self) -> str:
         if self._http is None or self.cfg.http_listen is None:
             return ""
         host = self.cfg.http_listen.rpartition(":")[0]
-        return f"http://{host or '0.0.0.0'}:{self.http_port}/v1"
+        scheme = "https" if self.cfg.tls else "http"
+        return f"{scheme}://{host or '0.0.0.0'}:{self.http_port}/v1"
 
     def _set_health(self, ready: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING

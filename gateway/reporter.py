@@ -26,6 +26,8 @@ import grpc
 
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from shardmesh.rpc import server as rpc
+from shardmesh.rpc import tls
+from shardmesh.rpc.tls import Dial
 
 REPORT_TIMEOUT_S = 3.0  # deadline of one ReportFailure call: the coordinator probes, it does not wait
 QUIET_S = 5.0  # after a report about a set of workers ended, the same set is not reported again for this long
@@ -37,10 +39,11 @@ class FailureReporter:
 
     def __init__(self, coordinator: str, logger: Any, *, max_message_bytes: int = 64 * 1024 * 1024,
                  timeout: float = REPORT_TIMEOUT_S, quiet: float = QUIET_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic, dial: Dial | None = None) -> None:  # fmt: skip
         self.coordinator = coordinator
         self._log = logger
         self._options = rpc.message_options(max_message_bytes)
+        self._dial = dial if dial is not None else Dial()  # TLS and the join token (default: plaintext, none)
         self._timeout, self._quiet, self._clock = timeout, quiet, clock
         self._reporter = ""
         self._lock = threading.Lock()
@@ -54,7 +57,7 @@ class FailureReporter:
     def start(self, reporter: str) -> None:
         """`reporter`: who this is, for the coordinator's log, e.g. "gateway 127.0.0.1:50050"."""
         self._reporter = reporter
-        self._channel = grpc.insecure_channel(self.coordinator, options=self._options)
+        self._channel = tls.channel(self.coordinator, self._dial.tls, self._options, self._dial.token)
         stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._thread = threading.Thread(target=self._run, args=(stub,), name="failure-reporter", daemon=True)
         self._thread.start()

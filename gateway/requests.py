@@ -5,23 +5,36 @@ checks what the message alone can tell (one input form set, sampling ranges, sto
 `prepare` then needs the served model (tokenizer, vocabulary, context) and produces the
 `PreparedRequest` the scheduler runs. Both raise `InvalidArgument` naming the wire field, so a
 client sees `params.top_p: must be in (0, 1], got 1.5` rather than a generic refusal.
+
+Every list and string a client sends is bounded, and checked before the gateway spends work on it in
+proportion to its size: stop strings (count and length), stop token ids, chat messages (count, role
+length), the request id, and the prompt itself. A prompt is refused before it is tokenized when its bytes
+could not fit the context (`prompt_bytes_limit`), and token ids before they are copied when there are too
+many; tokenizing happens off the request's thread (`gateway/tokenizing.py`). The message as a whole is
+bounded by the server's message size limit (`--max-message-bytes`).
 """
 
 from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.tokenizing import TokenizerPool, shared_pool
 from shardmesh.core.errors import InvalidArgument
 from shardmesh.core.step import MAX_TOP_LOGPROBS, PENALTY_RANGE
 from shardmesh.proto.v1 import gateway_pb2
 
 MAX_REQUEST_ID_CHARS = 128
-MAX_STOP_STRINGS = 16
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM any number. Each is matched against the text at every token.
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+# A chat template runs a loop over the messages in Python: bounded, like the prompt's bytes. Long agent
+# conversations run to hundreds of turns; every template of the supported families spends tokens on each one.
+MAX_CHAT_MESSAGES = 4096
+MAX_ROLE_CHARS = 64  # "system", "user", "assistant", "tool", "developer", ...
 
 
 @dataclass(frozen=True)
@@ -127,27 +140,46 @@ class PromptInput:
     kind: str
     text: str = ""
     chat: tuple[ChatTurn, ...] = ()
-    token_ids: tuple[int, ...] = ()
+    # From gRPC, the message's own repeated field, not a copy: `prepare` counts the ids before it copies them
+    # (a 64 MiB message holds 64 million of them).
+    token_ids: Sequence[int] = ()
 
     @classmethod
     def from_pb(cls, pb: gateway_pb2.GenerateRequest) -> PromptInput:
+        # Each read of a string field makes a new Python string: read each once.
         kind = pb.WhichOneof("input")
         if kind == "prompt":
-            if not pb.prompt:
+            text = pb.prompt
+            if not text:
                 raise InvalidArgument("prompt", "must not be empty")
-            return cls(kind, text=pb.prompt)
+            return cls(kind, text=text)
         if kind == "chat":
-            if not pb.chat.messages:
+            messages = pb.chat.messages
+            if not messages:
                 raise InvalidArgument("chat.messages", "at least one message is needed")
-            for i, m in enumerate(pb.chat.messages):
-                if not m.role:
-                    raise InvalidArgument(f"chat.messages[{i}].role", "must not be empty")
-            return cls(kind, chat=tuple(ChatTurn(m.role, m.content) for m in pb.chat.messages))
+            return cls(kind, chat=chat_turns([(m.role, m.content) for m in _at_most_messages(messages)]))
         if kind == "token_ids":
             if not pb.token_ids.ids:
                 raise InvalidArgument("token_ids.ids", "at least one token id is needed")
-            return cls(kind, token_ids=tuple(pb.token_ids.ids))
+            return cls(kind, token_ids=pb.token_ids.ids)
         raise InvalidArgument("input", "set one of prompt, chat or token_ids")
+
+
+def _at_most_messages(messages: Sequence[Any]) -> Sequence[Any]:
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise InvalidArgument("chat.messages", f"at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}")
+    return messages
+
+
+def chat_turns(messages: Sequence[tuple[str, str]]) -> tuple[ChatTurn, ...]:
+    """(role, content) pairs as turns, the number of messages and each role checked (gRPC and HTTP alike)."""
+    _at_most_messages(messages)
+    for i, (role, _) in enumerate(messages):
+        if not role:
+            raise InvalidArgument(f"chat.messages[{i}].role", "must not be empty")
+        if len(role) > MAX_ROLE_CHARS:
+            raise InvalidArgument(f"chat.messages[{i}].role", f"at most {MAX_ROLE_CHARS} characters, got {len(role)}")
+    return tuple(ChatTurn(role, content) for role, content in messages)
 
 
 @dataclass(frozen=True)
@@ -164,12 +196,18 @@ class GenerateCall:
 
 
 def request_id_of(pb: gateway_pb2.GenerateRequest) -> str:
-    """The client's id, or a fresh one; an empty string counts as unset (proto3 clients often send it)."""
-    if pb.HasField("request_id") and pb.request_id:
-        if len(pb.request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(pb.request_id)}")
-        return pb.request_id
-    return uuid.uuid4().hex
+    """The client's id, or a fresh one; an empty string counts as unset (proto3 clients often send it). It goes back
+    to the client as gRPC metadata (`request-id`), which carries printable ASCII only."""
+    request_id = pb.request_id if pb.HasField("request_id") else ""
+    if not request_id:
+        return uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+    if not (request_id.isascii() and request_id.isprintable()):
+        bad = next(c for c in request_id if not (c.isascii() and c.isprintable()))
+        raise InvalidArgument("request_id", f"printable ASCII characters only (it is sent back as gRPC metadata), "
+                                            f"got {bad!r}")  # fmt: skip
+    return request_id
 
 
 @dataclass(frozen=True)
@@ -207,23 +245,26 @@ class PreparedRequest:
         return len(self.prompt_ids) + self.max_new_tokens
 
 
-def prepare(call: GenerateCall, model: ModelContext, arrival: float) -> PreparedRequest:
-    """Tokenize and check `call` against the model. The prompt must leave room for at least one
-    generated token: `prompt_tokens >= max_context` is refused, as is an explicit max_new_tokens
-    that would overflow the context. The default length is capped to what fits."""
+def prepare(call: GenerateCall, model: ModelContext, arrival: float,
+            pool: TokenizerPool | None = None) -> PreparedRequest:  # fmt: skip
+    """Tokenize (on `pool`, by default the process's) and check `call` against the model. The prompt
+    must leave room for at least one generated token: `prompt_tokens >= max_context` is refused, as is
+    an explicit max_new_tokens that would overflow the context. The default length is capped to what
+    fits."""
     where = call.input.kind
-    ids = _prompt_ids(call.input, model)
+    ids = _prompt_ids(call.input, model, pool if pool is not None else shared_pool())
     if not ids:
         raise InvalidArgument(where, "tokenizes to no tokens")
-    for i, token in enumerate(ids):
-        if not 0 <= token < model.vocab_size:
-            name = f"token_ids.ids[{i}]" if where == "token_ids" else where
-            raise InvalidArgument(name, f"token id {token} is outside the vocabulary [0, {model.vocab_size})")
     if len(ids) >= model.max_context:
         raise InvalidArgument(
             where, f"{len(ids)} prompt tokens do not fit the context of {model.max_context} tokens "
                    f"(at most {model.max_context - 1}, to leave room for one generated token)",
         )  # fmt: skip
+    ids = tuple(ids)
+    for i, token in enumerate(ids):
+        if not 0 <= token < model.vocab_size:
+            name = f"token_ids.ids[{i}]" if where == "token_ids" else where
+            raise InvalidArgument(name, f"token id {token} is outside the vocabulary [0, {model.vocab_size})")
     params = call.params
     room = model.max_context - len(ids)
     if params.max_new_tokens == 0:
@@ -243,22 +284,69 @@ def prepare(call: GenerateCall, model: ModelContext, arrival: float) -> Prepared
             raise InvalidArgument(f"params.stop_token_ids[{i}]", f"token id {token} is outside the vocabulary "
                                                                  f"[0, {model.vocab_size})")  # fmt: skip
     eos = frozenset() if params.ignore_eos else model.eos_token_ids
-    return PreparedRequest(call.request_id, tuple(ids), max_new, params.sampling, params.stop, eos, model.tokenizer,
+    return PreparedRequest(call.request_id, ids, max_new, params.sampling, params.stop, eos, model.tokenizer,
                            arrival, frozenset(params.stop_token_ids))  # fmt: skip
 
 
-def _prompt_ids(prompt: PromptInput, model: ModelContext) -> list[int]:
+def prompt_bytes_limit(model: ModelContext) -> int:
+    """The most bytes of text that could tokenize to fewer than `max_context` tokens: no token stands for more
+    than `max_bytes_per_token` bytes (`shardmesh.models.tokenizer.Tokenizer.max_bytes_per_token`: 81 for
+    SmolLM2, whose longest token is a newline and 80 spaces), so a longer text has at least `max_context` tokens
+    and cannot leave room for one generated token. This bounds the work and memory tokenizing can cost: about a
+    microsecond and 100 bytes of memory per byte of text here (SmolLM2 at 8192 tokens: 663 KB, ~0.7 s, ~70 MB)."""
+    return model.max_context * model.tokenizer.max_bytes_per_token
+
+
+def _prompt_ids(prompt: PromptInput, model: ModelContext, pool: TokenizerPool) -> Sequence[int]:
     """`prompt` is raw text tokenized as is (BOS added like the offline `--raw` mode); `chat` goes
-    through the model's chat template, which supplies its own special tokens."""
+    through the model's chat template, which supplies its own special tokens. Text that could not fit
+    the context is refused before any of that."""
     if prompt.kind == "token_ids":
-        return list(prompt.token_ids)
-    if model.tokenizer is None:
+        return prompt.token_ids
+    tokenizer = model.tokenizer
+    if tokenizer is None:
         raise InvalidArgument(prompt.kind, "the model has no tokenizer.json: send token_ids instead")
+    limit = prompt_bytes_limit(model)
     if prompt.kind == "prompt":
-        return model.tokenizer.encode(prompt.text, add_special_tokens=True)
+        size = _utf8_size("prompt", [prompt.text], limit, model)
+        return pool.run(lambda: tokenizer.encode(prompt.text, add_special_tokens=True), size)
     if not model.has_chat_template:
         raise InvalidArgument("chat", "the model has no chat template: send a prompt or token_ids instead")
-    try:
-        return model.tokenizer.encode_chat([{"role": t.role, "content": t.content} for t in prompt.chat])
-    except ValueError as e:  # the template refused the conversation (raise_exception)
-        raise InvalidArgument("chat.messages", str(e)) from None
+    # The templates of the supported families write every message's content: when the contents alone could not
+    # fit, neither can the rendered prompt, and the template is not run over them.
+    size = _utf8_size("chat.messages", [t.content for t in prompt.chat], limit, model)
+    messages = [{"role": t.role, "content": t.content} for t in prompt.chat]
+
+    def render_and_encode() -> list[int]:
+        try:
+            text = tokenizer.apply_chat_template(messages)
+        except ValueError as e:  # the template refused the conversation (raise_exception)
+            raise InvalidArgument("chat.messages", str(e)) from None
+        _utf8_size("chat.messages", [text], limit, model, rendered=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return pool.run(render_and_encode, size)
+
+
+def _utf8_size(where: str, texts: list[str], limit: int, model: ModelContext, rendered: bool = False) -> int:
+    """The UTF-8 size of `texts` together, refused naming `where` when over `limit`. A character is 1 to 4 bytes,
+    so a text of more than `limit` characters is refused without encoding it (encoding holds the interpreter
+    lock for as long as the text is long)."""
+    size, counted = 0, True
+    for i, text in enumerate(texts):
+        if len(text) > limit - size:
+            size, counted = size + len(text), False
+            break
+        try:
+            size += len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:  # a lone surrogate, which JSON's \ud800 escapes can carry
+            name = f"{where}[{i}].content" if where == "chat.messages" and not rendered else where
+            raise InvalidArgument(name, f"not valid Unicode text: {e.reason} at character {e.start}") from None
+    if size > limit:
+        what = "the chat template's prompt" if rendered else "the text"
+        shown = f"{size} bytes" if counted else f"at least {size} bytes"
+        raise InvalidArgument(
+            where, f"{what} is {shown}, more than the {limit} that could fit the context of {model.max_context} "
+                   f"tokens (a token of this model stands for at most {limit // model.max_context} bytes of text)",
+        )  # fmt: skip
+    return size

@@ -203,8 +203,9 @@ class Scheduler:
         return handle
 
     def shutdown(self, grace: float) -> None:
-        """Stop admitting, cancel waiting requests, let running ones finish for `grace` seconds,
-        then cancel and release them. Returns once the loop has exited (or gave up waiting)."""
+        """Stop admitting, fail the waiting requests (UNAVAILABLE: not served), let running ones finish for `grace`
+        seconds, then end and release them (see `_end_by_shutdown`). Returns once the loop has exited (or gave up
+        waiting)."""
         with self._lock:
             if not self._closing:
                 self._closing = True
@@ -289,13 +290,13 @@ class Scheduler:
             late = self._admission.expired(self._clock())
             has_waiting = bool(self._admission)
         for s in dropped:  # waiting for a slot: none to release
-            self._end_cancelled(s, by="client" if s.handle.cancelled else "shutdown")
+            self._end(s, by_client=s.handle.cancelled)
         for s in late:
             what = "resume" if s.resumes else "start"
             self._end_failed(s, Unavailable(f"could not {what} within {self.cfg.resume_timeout:g} s "
                                             f"(--resume-timeout): {s.resume_reason}"))  # fmt: skip
         for s in [s for s in self._running if not s.in_flight and (s.handle.cancelled or expired)]:
-            self._end_cancelled(s, by="client" if s.handle.cancelled else "shutdown")
+            self._end(s, by_client=s.handle.cancelled)
         if view is not None and self._drop_moved(view):
             has_waiting = True  # back in the queue, to resume on `view` now (not after the next wake-up)
         self._release_ended()
@@ -517,6 +518,25 @@ class Scheduler:
                        completion_tokens=len(s.tokens))  # fmt: skip
         self._finish(s, summary)
         s.handle.events.put(EndEvent(summary=summary, text_delta=delta))
+
+    def _end(self, s: Sequence, by_client: bool) -> None:
+        if by_client:
+            self._end_cancelled(s, by="client")
+        else:
+            self._end_by_shutdown(s)
+
+    def _end_by_shutdown(self, s: Sequence) -> None:
+        """The gateway stops before `s` finished. With tokens sent, it is cancelled: the client has a partial answer,
+        marked CANCELLED. Without any, nothing was generated: it fails UNAVAILABLE, which every client reads as
+        "retry elsewhere", rather than ending with zero tokens and a status that reads as success."""
+        if s.tokens:
+            self._end_cancelled(s, by="shutdown")
+            return
+        self._log.info("request_not_served", request_id=s.req.request_id, trace_id=s.trace_id, reason="shutdown",
+                       admitted=s.view is not None)  # fmt: skip
+        self._end_failed(s, Unavailable("the gateway is shutting down: the request was not served (no token was "
+                                        "generated); send it again, to another gateway or once this one is "
+                                        "back"))  # fmt: skip
 
     def _end_failed(self, s: Sequence, error: MeshError) -> None:
         self._retire(s)

@@ -8,10 +8,12 @@ once, as one JSON line bound to the request's id, counted, and ends its trace.
 
 Cancellation: a client that cancels (or whose deadline passes) fires the RPC's termination
 callback, which cancels the request; the scheduler drops it at the next step boundary and
-releases its slot on every shard. At shutdown, a unary `Generate` still running after the grace
-period gets a response with the tokens so far and finish_reason CANCELLED; a `GenerateStream` ends
-with status CANCELLED instead, because a stream's summary must ride on a token message and the
-stream's last token has already been sent.
+releases its slot on every shard. At shutdown, a request that has no token yet (still queued, or
+admitted but not past its prompt when the grace period ends) fails with UNAVAILABLE: it was not served,
+and may be sent again. A unary `Generate` that has tokens and still runs after the grace period gets
+a response with the tokens so far and finish_reason CANCELLED; a `GenerateStream` ends with status
+CANCELLED instead, because a stream's summary must ride on a token message and the stream's last
+token has already been sent.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +29,7 @@ from typing import Any
 import grpc
 import structlog
 
+from gateway import memory
 from gateway.observe import GatewayObserver, RequestTrace, served_model
 from gateway.requests import GenerateCall, GenerateParams, PromptInput, prepare, request_id_of
 from gateway.results import EndEvent, Event, FinishReason, RequestHandle, Summary, TokenEvent, is_last
@@ -75,6 +79,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._scheduler = scheduler
         self._log = logger
         self._obs = observer
+        memory.release_freed_memory()  # what large requests leave in the server threads' arenas (once per process)
 
     @contextlib.contextmanager
     def _request(self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext,
@@ -89,8 +94,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         refusal: InvalidArgument | None = None
         try:
             request_id = request_id_of(request)
-        except InvalidArgument as e:  # a too-long id: refuse it, logged under a shortened one
-            request_id, refusal = request.request_id[:32] + "...", e
+        except InvalidArgument as e:  # refused, and logged under an id of ours (its own may not be printable)
+            request_id, refusal = f"refused-{uuid.uuid4().hex}", e
         metadata = context.invocation_metadata()
         obs = self._obs
         trace = obs.start_request(method, metadata, request_id) if obs is not None else None

@@ -24,6 +24,8 @@ from gateway.stream import ReopeningStream
 from shardmesh.core.topology import ShardState, Topology
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from shardmesh.rpc import server as rpc
+from shardmesh.rpc import tls
+from shardmesh.rpc.tls import Dial
 
 
 @dataclass(frozen=True)
@@ -103,18 +105,20 @@ class TopologyWatcher:
 
     def __init__(
         self, coordinator: str, *, logger: Any, max_message_bytes: int = 64 * 1024 * 1024,
-        model_dir: str | None = None, backoff: tuple[float, float] = (0.1, 2.0),
+        model_dir: str | None = None, backoff: tuple[float, float] = (0.1, 2.0), dial: Dial | None = None,
     ) -> None:  # fmt: skip
+        """`dial`: TLS and the join token of the channels to the coordinator and the workers (default: plaintext)."""
         self.coordinator = coordinator
         self._log = logger
         self._options = rpc.message_options(max_message_bytes)
+        self._dial = dial if dial is not None else Dial()
         self._model_dir = model_dir  # overrides the topology's model path (a gateway on another host)
         self._backoff = backoff
         self._lock = threading.Lock()
         self._state = MeshState(reason=f"waiting for the first topology from the coordinator at {coordinator}")
         self._subscribers: list[Callable[[MeshState], None]] = []
         # A channel per worker, with a health watch; a worker that vanishes is reported even while no step runs.
-        self._links = WorkerLinks(logger, max_message_bytes, backoff, on_lost=self._worker_lost)
+        self._links = WorkerLinks(logger, max_message_bytes, backoff, on_lost=self._worker_lost, dial=self._dial)
         self.report_failure: Callable[[list[str], str], None] | None = None  # set by the gateway process
         self._last_problem = ""
         self._channel: grpc.Channel | None = None
@@ -131,7 +135,7 @@ class TopologyWatcher:
             return self._state
 
     def start(self) -> None:
-        channel = self._channel = grpc.insecure_channel(self.coordinator, options=self._options)
+        channel = self._channel = tls.channel(self.coordinator, self._dial.tls, self._options, self._dial.token)
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         # after_version 0: the first message is always the current topology, which also covers a
         # restarted coordinator whose versions began again from 1.

@@ -19,7 +19,10 @@ import grpc
 
 from shardmesh.core.topology import Topology, WorkerState
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
-from shardmesh.rpc.flags import UsageError
+from shardmesh.rpc import tokens
+from shardmesh.rpc.flags import JOIN_TOKEN_ENV, UsageError, add_client_tls_flags
+from shardmesh.rpc.tls import TlsError, from_args
+from shardmesh.rpc.tls import channel as connect
 
 EXIT_DRAINED, EXIT_NOT_DRAINED = 0, 1
 POLL_S = 0.5  # between two looks at the topology
@@ -32,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds to wait for the worker to leave the mesh (default 300)")  # fmt: skip
     p.add_argument("--no-wait", action="store_true", help="ask for the drain and exit without waiting for it")
+    p.add_argument("--join-token-file", help=f"a coordinator with join tokens asks one for Drain: the file's first "
+                   f"line (default: ${JOIN_TOKEN_ENV})")  # fmt: skip
+    add_client_tls_flags(p)
 
 
 def _say(line: str) -> None:
@@ -81,7 +87,12 @@ def wait_drained(stub: coordinator_pb2_grpc.CoordinatorStub, worker_id: str, tim
 def run(args: argparse.Namespace) -> int:
     if not args.timeout >= 0:
         raise UsageError(f"--timeout: must be >= 0 seconds, got {args.timeout}")
-    with grpc.insecure_channel(args.coordinator) as channel:
+    try:
+        files = from_args(args)
+        token = tokens.presented(tokens.env_value(JOIN_TOKEN_ENV), args.join_token_file, "--join-token-file")
+    except (TlsError, tokens.TokenError) as e:
+        raise UsageError(str(e)) from None
+    with connect(args.coordinator, files, token=token) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         try:
             r = stub.Drain(coordinator_pb2.DrainRequest(worker_id=args.worker_id), timeout=RPC_TIMEOUT_S)

@@ -10,17 +10,21 @@ from typing import Any
 
 from shardmesh.core.dtypes import DType
 from shardmesh.core.layout import REBALANCES
-from shardmesh.rpc.flags import EXIT_USAGE, UsageError
+from shardmesh.models.hub import MODEL_HELP, REVISION_HELP
+from shardmesh.rpc.flags import EXIT_USAGE, UsageError, add_client_tls_flags
 
 
-def resolve_model(arg: str) -> Path:
-    """`--model` as every command resolves it (`registry.resolve`); an unknown name is a usage error."""
-    from shardmesh.models.registry import UnknownModelError, resolve
+def resolve_model(arg: str, revision: str | None = None, cache_dir: Path | None = None, flag: str = "--model") -> Path:
+    """`--model` (and `--revision`) as every command resolves them (`registry.resolve`): a name that cannot be
+    served is a usage error naming `flag`, a revision that cannot apply one naming `--revision`."""
+    from shardmesh.models.registry import RevisionError, UnknownModelError, resolve
 
     try:
-        return resolve(arg)
+        return resolve(arg, cache_dir, revision=revision)
+    except RevisionError as e:
+        raise UsageError(f"--revision: {e}") from None
     except UnknownModelError as e:
-        raise UsageError(f"--model: {e}") from None
+        raise UsageError(f"{flag}: {e}") from None
 
 
 def _parse_token_ids(text: str) -> list[int]:
@@ -84,7 +88,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("--model is required (or --gateway ADDR to use a running gateway)")
     if args.stop:
         raise UsageError("--stop: stop strings need --gateway")
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model, args.revision)
     cfg = ModelConfig.from_dir(model_dir)
     ids, tokenizer = _prompt_ids(args, model_dir, cfg.vocab_size)
     try:
@@ -112,6 +116,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         from shardmesh.planning.manifest import ManifestError
         from shardmesh.planning.planner import PlanError
 
+        if args.revision is not None:
+            raise UsageError("--revision: the manifest sets the model (model.path, model.revision)")
         try:
             args, notes = up.args_from_manifest(args, args.up_defaults)
         except ManifestError as e:
@@ -123,6 +129,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     elif args.model is None:
         raise UsageError("--model is required (or --manifest FILE)")
     # --- end up --manifest ---
+    if getattr(args, "tls_dir", None) and not args.tls:
+        raise UsageError("--tls-dir: only with --tls")
     if args.pp < 1 or args.tp < 1:
         raise UsageError("--pp and --tp must be >= 1")
     if args.spares < 0:
@@ -135,16 +143,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise UsageError(f"--http-listen: expected host:port (port 0-65535), got {args.http_listen!r}")
         if args.no_http:
             raise UsageError("--http-listen and --no-http: give one or the other")
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model, args.revision)
     demo = None
     if args.demo is not None:
 
-        def demo(gateway: str) -> int:
+        def demo(gateway: str, **credentials: Any) -> int:
             from gateway import client
 
             request = argparse.Namespace(gateway=gateway, prompt=args.demo, token_ids=None, raw=False, json=False,
                                          max_new_tokens=args.max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                                         seed=None, stop=None, timeout=None)  # fmt: skip
+                                         seed=None, stop=None, timeout=None, **credentials)  # fmt: skip
             print(f"> {args.demo}", flush=True)
             return client.generate(request, None)
 
@@ -152,10 +160,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_model_pull(args: argparse.Namespace) -> int:
-    from shardmesh.models import cache, registry
+    """The directory `--model NAME` resolves to, fetched (or converted) now: every command takes NAME then."""
+    from shardmesh.models.registry import REGISTRY
 
-    path = cache.pull(registry.get_source(args.name), Path(args.cache_dir) if args.cache_dir else None)
-    print(path)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else None
+    if cache_dir is not None and args.name not in REGISTRY:
+        raise UsageError("--cache-dir: only built-in models are converted into shardmesh's cache; a Hugging Face "
+                         "model stays in the hub cache (HF_HOME or HF_HUB_CACHE)")  # fmt: skip
+    print(resolve_model(args.name, args.revision, cache_dir, flag="MODEL"))
     return 0
 
 
@@ -165,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate from a model sharded over local processes, or via a gateway")
     g.add_argument("prompt", nargs="?", help="user message (wrapped in the chat template when the model has one)")
-    g.add_argument("--model", help="model directory or known model name (required without --gateway)")
+    g.add_argument("--model", help=f"{MODEL_HELP}; required without --gateway")
+    g.add_argument("--revision", default=None, help=REVISION_HELP)
     g.add_argument("--token-ids", help="comma-separated prompt token ids, instead of a PROMPT")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template to PROMPT")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
@@ -184,13 +197,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gateway", metavar="ADDR", help="host:port of a running gateway to send the request to")
     g.add_argument("--stop", action="append", help="stop string, repeatable (with --gateway)")
     g.add_argument("--timeout", type=float, default=None, help="seconds to wait for the gateway (with --gateway)")
+    g.add_argument("--api-key-file", help="a gateway with API keys: present the file's first line (with --gateway; "
+                   "default: $SHARDMESH_API_KEY)")  # fmt: skip
+    add_client_tls_flags(g)  # with --gateway, for a mesh that runs mutual TLS
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("model", help="manage local models")
     msub = m.add_subparsers(dest="model_command", required=True)
-    mp = msub.add_parser("pull", help="fetch and convert a known model into the local cache")
-    mp.add_argument("name")
-    mp.add_argument("--cache-dir", default=None)
+    mp = msub.add_parser("pull", help="fetch a model into its cache now (a built-in one is converted there), and "
+                         "print the directory it resolves to")  # fmt: skip
+    mp.add_argument("name", metavar="MODEL", help=MODEL_HELP)
+    mp.add_argument("--revision", default=None, help=REVISION_HELP)
+    mp.add_argument(
+        "--cache-dir",
+        default=None,
+        help="shardmesh's cache for built-in models (default: $SHARDMESH_CACHE or ~/.cache/shardmesh)",
+    )
     mp.set_defaults(func=cmd_model_pull)
 
     # --- coordinator: membership and placement service (flags and validation live in coordinator/app.py) ---
@@ -224,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     # --- end top ---
 
     u = sub.add_parser("up", help="run the whole mesh locally: coordinator, P×T workers, gateway")
-    u.add_argument("--model", default=None, help="model directory or known model name (required without --manifest)")
+    u.add_argument("--model", default=None, help=f"{MODEL_HELP}; required without --manifest")
+    u.add_argument("--revision", default=None, help=REVISION_HELP)
     u.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     u.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per stage (default 1)")
     u.add_argument("--dtype", default="float32", choices=DType.names())
@@ -235,10 +258,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 127.0.0.1 and a free port)")  # fmt: skip
     u.add_argument("--no-http", action="store_true", help="no OpenAI-compatible HTTP API, gRPC only")
     u.add_argument("--served-model-name", default=None,
-                   help="the model id of the HTTP API (default: --model as given)")  # fmt: skip
+                   help="the model id of the HTTP API and the model_name label of the gateway's metrics "
+                        "(default: --model as given)")  # fmt: skip
     u.add_argument("--api-key", default=None,
-                   help="HTTP requests must send 'Authorization: Bearer KEY' (default: $SHARDMESH_API_KEY; unset: no "
-                        "key needed)")  # fmt: skip
+                   help="gRPC calls and HTTP requests must send 'Authorization: Bearer KEY' (default: "
+                        "$SHARDMESH_API_KEY; unset: no key needed)")  # fmt: skip
+    u.add_argument("--api-key-file", default=None,
+                   help="the API keys the gateway accepts, one per line, re-read when the file changes")  # fmt: skip
+    u.add_argument("--tls", action="store_true",
+                   help="mutual TLS on every gRPC connection, HTTPS on the HTTP API, and a join token for the workers "
+                        "and the gateway: the CA, certificates and token are made in --tls-dir, or reused from it "
+                        "(see `shardmesh certs init`)")  # fmt: skip
+    u.add_argument("--tls-dir", default=None, help="with --tls: where the CA, the certificates and the join token are "
+                   "(default: LOG_DIR/tls)")  # fmt: skip
     u.add_argument("--kv-slots", type=int, default=8, help="sequences in flight per shard (default 8)")
     u.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
     u.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step (default: --max-context)")
@@ -295,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     drain_command.add_arguments(dr)
     dr.set_defaults(func=drain_command.run)
     # --- end drain ---
+    # --- certs: a development CA and the services' certificates for mutual TLS (shardmesh_cli/certs.py) ---
+    from shardmesh_cli import certs as certs_command
+
+    ce = sub.add_parser("certs", help="make a development CA and certificates for mutual TLS between the services")
+    certs_command.add_arguments(ce)
+    # --- end certs ---
     # --- plan: split a model over devices, or show what a manifest deploys (shardmesh_cli/plan.py) ---
     from shardmesh_cli import plan as plan_command
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardmesh.core.dtypes import DType
+from shardmesh.models.hub import MODEL_HELP, REVISION_HELP
 from shardmesh.rpc.flags import EXIT_USAGE, UsageError
 
 if TYPE_CHECKING:
@@ -31,16 +32,13 @@ MANIFEST_FIELDS = {
     "max_context": "serving.max_context", "max_batch_tokens": "serving.max_batch_tokens",
     "tp": "parallelism.tensor", "pp": "parallelism.pipeline", "balance": "placement.balance",
     "reserve": "placement.reserve", "runtime_overhead": "placement.runtime_overhead",
-    "device": "services.worker.device",
+    "device": "services.worker.device", "revision": "model.revision",
 }  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        help="model directory (config.json; safetensors optional: a config alone plans too), known model name, or "
-        "Hugging Face id ORG/NAME[@REVISION]",
-    )
+    p.add_argument("--model", help=f"{MODEL_HELP}; a directory needs only config.json: no weight is read")
+    p.add_argument("--revision", help=REVISION_HELP)
     p.add_argument("--devices", help="devices as [NODE:]COUNTxSIZE[@SPEED],...: 4x24GiB or nodeA:2x80GiB,nodeB:1x48GiB")
     p.add_argument("--manifest", metavar="FILE", help="plan the deployment a YAML manifest describes")
     p.add_argument(
@@ -64,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _flag_options(args: argparse.Namespace) -> tuple[ModelInfo, tuple[Device, ...], PlanOptions]:
     from shardmesh.core.topology import ServingLimits
     from shardmesh.models import hub
-    from shardmesh.models.registry import resolve
+    from shardmesh.models.registry import RevisionError, resolve
     from shardmesh.planning.devices import parse_devices
     from shardmesh.planning.memory import RuntimeCosts, load_model
     from shardmesh.planning.planner import PlanOptions
@@ -80,8 +78,10 @@ def _flag_options(args: argparse.Namespace) -> tuple[ModelInfo, tuple[Device, ..
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        path = resolve(args.model)
+        path = resolve(args.model, revision=args.revision)
         model = load_model(path)
+    except RevisionError as e:
+        raise UsageError(f"--revision: {e}") from None
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"--model: {e}") from None
     if model.name == path.name:  # config.json has no `_name_or_path`: name it as `--model` did (not by a commit id)
@@ -152,6 +152,11 @@ def _print_deployment(d: Deployment, as_json: bool) -> int:
         print(f"model: {d.model.name}; pp={d.pp} × tp={d.tp}, {d.dtype} (no nodes listed: nothing to place)")
     for n in d.notes:
         print(f"note: {n}")
+    if any("COORDINATOR_PORT" in c for c in commands):
+        print(
+            "note: services.coordinator.listen has port 0: the coordinator picks a free port and logs it "
+            "(`listening`); give that port to the workers and the gateway, or set a fixed one"
+        )
     print("\nservices (`shardmesh up --manifest FILE` starts them as local processes):")
     for c in commands:
         print(f"  {c}")

@@ -19,6 +19,8 @@ import grpc
 from shardmesh.core.topology import CalibrationStatus, MeshWorker, Topology, WorkerState
 from shardmesh.planning.units import format_bytes
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
+from shardmesh.rpc.flags import UsageError, add_client_tls_flags
+from shardmesh.rpc.tls import TlsError, TlsFiles, channel, from_args
 
 EXIT_SERVING, EXIT_NOT_SERVING, EXIT_UNREACHABLE = 0, 1, 2
 
@@ -28,12 +30,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object: topology_version, epoch, "
                    "workers (each one's state and slot), then the topology and its balance check")  # fmt: skip
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the coordinator (default 5)")
+    add_client_tls_flags(p)
 
 
-def fetch(address: str, timeout: float) -> Topology:
-    with grpc.insecure_channel(address) as channel:
-        pb = coordinator_pb2_grpc.CoordinatorStub(channel).GetTopology(coordinator_pb2.GetTopologyRequest(),
-                                                                       timeout=timeout)  # fmt: skip
+def fetch(address: str, timeout: float, tls: TlsFiles | None = None) -> Topology:
+    """The coordinator's topology (GetTopology needs no join token: a client certificate is enough under mTLS)."""
+    with channel(address, tls) as ch:
+        pb = coordinator_pb2_grpc.CoordinatorStub(ch).GetTopology(coordinator_pb2.GetTopologyRequest(),
+                                                                  timeout=timeout)  # fmt: skip
     return Topology.from_pb(pb)
 
 
@@ -127,7 +131,11 @@ def as_json(t: Topology) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        t = fetch(args.coordinator, args.timeout)
+        files = from_args(args)
+    except TlsError as e:
+        raise UsageError(str(e)) from None
+    try:
+        t = fetch(args.coordinator, args.timeout, files)
     except grpc.RpcError as e:
         print(f"error: coordinator {args.coordinator}: {e.code().name}: {e.details()}", file=sys.stderr)
         return EXIT_UNREACHABLE

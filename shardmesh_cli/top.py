@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardmesh.rpc.flags import EXIT_USAGE
+from shardmesh.rpc.flags import EXIT_USAGE, add_client_tls_flags
 
 BAR = 20  # memory bar width
 BAR_CHARS = (("weights", "#"), ("kv_cache", "="), ("other", "."))
@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", type=float, default=2.0, help="seconds between frames, and the rate window (2)")
     p.add_argument("--once", action="store_true", help="print one frame as plain text and exit")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each service (default 2)")
+    add_client_tls_flags(p)
 
 
 # -- scraping ----------------------------------------------------------------------------------------------
@@ -106,15 +107,17 @@ class Snapshot:
     gateway: Metrics | str | None = None
 
 
-def collect(coordinator: str, gateway_metrics: str | None, timeout: float) -> Snapshot:
+def collect(coordinator: str, gateway_metrics: str | None, timeout: float, tls: Any = None) -> Snapshot:
+    """`tls`: the `shardmesh.rpc.tls.TlsFiles` of a mesh with mutual TLS (the /metrics endpoints are plain HTTP)."""
     import grpc
 
     from shardmesh.core.topology import Topology
     from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from shardmesh.rpc.tls import channel as connect
 
     snap = Snapshot(time.monotonic(), time.time())
     try:
-        with grpc.insecure_channel(coordinator) as channel:
+        with connect(coordinator, tls) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             snap.topology = Topology.from_pb(stub.GetTopology(coordinator_pb2.GetTopologyRequest(), timeout=timeout))
     except grpc.RpcError as e:
@@ -276,25 +279,32 @@ def render(cur: Snapshot, prev: Snapshot | None, coordinator: str, gateway_metri
     return "\n".join(lines) + "\n"
 
 
-def frame(coordinator: str, gateway_metrics: str | None, interval: float, timeout: float) -> str:
+def frame(coordinator: str, gateway_metrics: str | None, interval: float, timeout: float, tls: Any = None) -> str:
     """One frame over one window: two scrapes `interval` seconds apart."""
-    prev = collect(coordinator, gateway_metrics, timeout)
+    prev = collect(coordinator, gateway_metrics, timeout, tls)
     time.sleep(interval)
-    return render(collect(coordinator, gateway_metrics, timeout), prev, coordinator, gateway_metrics)
+    return render(collect(coordinator, gateway_metrics, timeout, tls), prev, coordinator, gateway_metrics)
 
 
 def run(args: argparse.Namespace) -> int:
     if not args.interval > 0:
         print(f"error: --interval: must be > 0 seconds, got {args.interval}", file=sys.stderr)
         return EXIT_USAGE
+    from shardmesh.rpc.tls import TlsError, from_args
+
+    try:
+        tls = from_args(args)
+    except TlsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if args.once:
-        sys.stdout.write(frame(args.coordinator, args.gateway_metrics, args.interval, args.timeout))
+        sys.stdout.write(frame(args.coordinator, args.gateway_metrics, args.interval, args.timeout, tls))
         return 0
-    prev = collect(args.coordinator, args.gateway_metrics, args.timeout)
+    prev = collect(args.coordinator, args.gateway_metrics, args.timeout, tls)
     try:
         while True:
             time.sleep(args.interval)
-            cur = collect(args.coordinator, args.gateway_metrics, args.timeout)
+            cur = collect(args.coordinator, args.gateway_metrics, args.timeout, tls)
             sys.stdout.write("\x1b[H\x1b[2J" + render(cur, prev, args.coordinator, args.gateway_metrics))
             sys.stdout.flush()
             prev = cur

@@ -10,6 +10,10 @@ itself (PR_SET_PDEATHSIG), so none is ever orphaned. `--spares N` starts N worke
 coordinator keeps as hot spares. While the mesh runs, a worker or the coordinator that dies is started again
 (`--max-restarts` times each); a worker that exits with status 0 was drained (`shardmesh drain`) and stays gone;
 the gateway's death ends it.
+
+`--tls` runs the whole mesh over mutual TLS, with a join token for the workers and the gateway (`MeshTls`): the CA,
+a certificate per service and the token are made in `--tls-dir` (default LOG_DIR/tls) or reused from there, the
+HTTP API serves HTTPS, and `up` prints the flags that tools (status, drain, top, generate --gateway) need.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import socket
 import sys
 import tempfile
@@ -33,6 +38,8 @@ from gateway.app import API_KEY_ENV
 from shardmesh.core.layout import layer_counts
 from shardmesh.core.topology import Topology
 from shardmesh.rpc import procs
+from shardmesh.rpc.tls import TlsFiles
+from shardmesh.rpc.tls import channel as connect
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -95,10 +102,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(address: str, children: list[tuple[str, Popen]], timeout_s: float, log_dir: Path) -> None:
-    """Poll grpc.health.v1 until SERVING; fail at once, with the log tail, if any child exits."""
+@dataclass(frozen=True)
+class MeshTls:
+    """The security material of `up --tls`, in one directory: what `shardmesh certs init` writes (the CA, a
+    certificate per service and one for clients) and `join-token`, which the workers and the gateway present (or
+    the join token file a manifest names)."""
+
+    directory: Path
+    join_token: Path
+
+    JOIN_TOKEN = "join-token"
+
+    @classmethod
+    def ensure(cls, directory: Path, join_token: Path | None = None) -> tuple[MeshTls, bool]:
+        """Make what is missing (a new CA only when none is there); (the material, whether anything was made)."""
+        from shardmesh_cli import certs
+
+        made = certs.ensure(directory)
+        token = join_token or directory / cls.JOIN_TOKEN
+        if not token.is_file():
+            fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32) + "\n")
+            made = True
+        return cls(directory, token), made
+
+    def files(self, name: str) -> TlsFiles:
+        """The certificate, key and CA of `name` (coordinator, gateway, worker or client)."""
+        return TlsFiles(self.directory / f"{name}.pem", self.directory / f"{name}.key", self.directory / "ca.pem")
+
+    def service_flags(self, service: str) -> list[str]:
+        """A service's `--tls-*` flags and its `--join-token-file` (a path: the token never shows in `ps`)."""
+        return [*self.files(service).as_flags(), "--join-token-file", str(self.join_token)]
+
+    def client(self) -> TlsFiles:
+        return self.files("client")
+
+
+def wait_serving(address: str, children: list[tuple[str, Popen]], timeout_s: float, log_dir: Path,
+                 tls: TlsFiles | None = None) -> None:  # fmt: skip
+    """Poll grpc.health.v1 until SERVING; fail at once, with the log tail, if any child exits. `tls`: a client
+    certificate for a server that runs mutual TLS (health needs no token, but the handshake needs a certificate)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with connect(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             for name, p in children:
@@ -118,6 +164,8 @@ class LocalMesh:
     """The processes of one local mesh, in start order."""
 
     log_dir: Path
+    tls: MeshTls | None = None  # `up --tls`: the material every service and client uses
+    join_token: Path | None = None  # without --tls: a join token file every service is given (a manifest's)
     gateway: str = ""  # host:port
     coordinator: str = ""
     http: str = ""  # host:port of the gateway's OpenAI-compatible HTTP API, as a client on this host reaches it
@@ -153,6 +201,15 @@ class LocalMesh:
         for f in self._files:
             f.close()
 
+    @property
+    def client_tls(self) -> TlsFiles | None:
+        return self.tls.client() if self.tls is not None else None
+
+    def security_flags(self, service: str) -> list[str]:
+        if self.tls is not None:
+            return self.tls.service_flags(service)
+        return ["--join-token-file", str(self.join_token)] if self.join_token is not None else []
+
 
 def _otlp_flags(args: argparse.Namespace) -> list[str]:
     """Every service sends its spans to the same OTLP endpoint."""
@@ -175,22 +232,24 @@ def _metrics_flags(mesh: LocalMesh, service: str, listen: str) -> list[str]:
 
 def _http_flags(mesh: LocalMesh, args: argparse.Namespace) -> list[str]:
     """The gateway's OpenAI-compatible API: on unless `--no-http`, at `--http-listen` or a free loopback port (a
-    port chosen here, like the gateway's own, so that `up` can print it), answering to `--served-model-name` or
-    the `--model` as given."""
+    port chosen here, like the gateway's own, so that `up` can print it); the model's name for clients,
+    `--served-model-name` or the `--model` as given, either way."""
+    # The name clients see (metrics' model_name label and spans too), with or without HTTP: the resolved directory
+    # the coordinator was given means nothing to them.
+    served = ["--served-model-name", str(getattr(args, "served_model_name", None) or args.model)]
     if getattr(args, "no_http", False):
-        return []
+        return served
     listen = getattr(args, "http_listen", None) or "127.0.0.1:0"
     host, _, port = listen.rpartition(":")
     if int(port) == 0:
         listen = f"{host}:{free_port()}"
     mesh.http = f"{_reachable(host)}:{listen.rpartition(':')[2]}"
-    served = getattr(args, "served_model_name", None) or args.model
-    return ["--http-listen", listen, "--served-model-name", str(served)]
+    return ["--http-listen", listen, *served]
 
 
-def http_url(address: str) -> str:
-    """The base URL OpenAI clients take (`base_url`), for an HTTP API at host:port."""
-    return f"http://{address}/v1"
+def http_url(address: str, tls: bool = False) -> str:
+    """The base URL OpenAI clients take (`base_url`), for an HTTP API at host:port (HTTPS with `tls`)."""
+    return f"{'https' if tls else 'http'}://{address}/v1"
 
 
 def _balance_flags(args: argparse.Namespace) -> list[str]:
@@ -206,11 +265,13 @@ def _balance_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def worker_commands(args: argparse.Namespace, coordinator: str) -> list[tuple[str, list[str]]]:
+def worker_commands(args: argparse.Namespace, coordinator: str,
+                    security: Sequence[str] = ()) -> list[tuple[str, list[str]]]:  # fmt: skip
     """(process name, `shardmesh` arguments) of every worker: the pp × tp stage workers, then `--spares` more.
 
     The spares get the ids after the stage workers' and the same flags; they register beyond the plan, so the
-    coordinator keeps them as hot spares for a slot that is lost or drained.
+    coordinator keeps them as hot spares for a slot that is lost or drained. `security`: the workers' TLS and join
+    token flags (`MeshTls.service_flags`).
     """
     world = args.pp * args.tp
     nodes = args.rank_nodes.split(",") if getattr(args, "rank_nodes", None) else None
@@ -223,7 +284,8 @@ def worker_commands(args: argparse.Namespace, coordinator: str) -> list[tuple[st
         # the node the plan put this rank on; a spare is on no node of the plan, so it gets no label
         labels = ["--label", f"node={nodes[rank]}"] if nodes and rank < world else []
         out.append((f"worker{rank}", ["worker", "--coordinator", coordinator, "--worker-id", f"worker-{rank}",
-                                      "--device", args.device, *labels, *telemetry, *worker_metrics]))  # fmt: skip
+                                      "--device", args.device, *labels, *telemetry, *worker_metrics,
+                                      *security]))  # fmt: skip
     return out
 
 
@@ -232,6 +294,14 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
     log_dir.mkdir(parents=True, exist_ok=True)
     # With a spare to take a dead worker's slot, its restart need not compete with the recovery for the cores.
     mesh = LocalMesh(log_dir, worker_restart_delay=SPARE_RESTART_DELAY_S if getattr(args, "spares", 0) else 0.0)
+    join_token = Path(args.join_token_file) if getattr(args, "join_token_file", None) else None
+    if getattr(args, "tls", False):
+        directory = Path(args.tls_dir) if getattr(args, "tls_dir", None) else log_dir / "tls"
+        mesh.tls, made = MeshTls.ensure(directory, join_token)
+        print(f"tls: {'made' if made else 'reusing'} a CA, certificates and a join token in {directory}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    else:
+        mesh.join_token = join_token
     try:
         mesh.coordinator = getattr(args, "coordinator_listen", None) or f"127.0.0.1:{free_port()}"
         # A fixed store port (the manifest's services.coordinator.store_port, or one chosen now), like the fixed
@@ -249,13 +319,13 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
         telemetry = _otlp_flags(args)
         if metrics:
             coord += _metrics_flags(mesh, "coordinator", mesh.coordinator)
-        mesh.spawn("coordinator", coord + telemetry)
-        wait_serving(mesh.coordinator, mesh.children, 60, log_dir)
+        mesh.spawn("coordinator", coord + telemetry + mesh.security_flags("coordinator"))
+        wait_serving(mesh.coordinator, mesh.children, 60, log_dir, mesh.client_tls)
         share = share_cores(args.pp, args.tp, args.device, getattr(args, "pipeline", "auto"),
                             getattr(args, "worker_threads", None), procs.cores())  # fmt: skip
         mesh.share = share
         env = {**os.environ, **share.worker_env, "OMP_NUM_THREADS": str(share.worker_threads)}
-        for name, command in worker_commands(args, mesh.coordinator):
+        for name, command in worker_commands(args, mesh.coordinator, mesh.security_flags("worker")):
             mesh.spawn(name, command, env=env)
         mesh.gateway = args.listen or f"127.0.0.1:{free_port()}"
         gateway = ["gateway", "--listen", mesh.gateway, "--coordinator", mesh.coordinator,
@@ -265,33 +335,41 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
         if metrics:
             gateway += _metrics_flags(mesh, "gateway", mesh.gateway)
         gateway += _http_flags(mesh, args)
+        if getattr(args, "api_key_file", None):
+            gateway += ["--api-key-file", str(args.api_key_file)]
         # The API key goes by environment, never on a command line that `ps` shows.
         api_key = getattr(args, "api_key", None)
-        mesh.spawn("gateway", gateway + telemetry, env={**os.environ, API_KEY_ENV: api_key} if api_key else None)
-        wait_serving(mesh.gateway, mesh.children, args.start_timeout, log_dir)
+        mesh.spawn("gateway", gateway + telemetry + mesh.security_flags("gateway"),
+                   env={**os.environ, API_KEY_ENV: api_key} if api_key else None)  # fmt: skip
+        wait_serving(mesh.gateway, mesh.children, args.start_timeout, log_dir, mesh.client_tls)
         return mesh
     except BaseException:
         mesh.stop()
         raise
 
 
-def _topology(coordinator: str) -> Topology | grpc.RpcError:
+def _topology(coordinator: str, tls: TlsFiles | None = None) -> Topology | grpc.RpcError:
     """The coordinator's topology once the mesh serves, or why it could not be had."""
     from shardmesh_cli.status import fetch
 
     try:
-        return fetch(coordinator, 5.0)
+        return fetch(coordinator, 5.0, tls)
     except grpc.RpcError as e:
         return e
 
 
-def _balance_summary(coordinator: str, topology: Topology | grpc.RpcError) -> str:
+def _balance_summary(coordinator: str, topology: Topology | grpc.RpcError, client_flags: str = "") -> str:
     """One line on the balance check the mesh passed before serving (details: `shardmesh status`)."""
     if isinstance(topology, grpc.RpcError):
         return f"balance check: could not ask the coordinator ({topology.code().name})"
     c = topology.calibration
     return (f"balance check {c.status.value}: {c.message} (details: shardmesh status --coordinator "
-            f"{coordinator})")  # fmt: skip
+            f"{coordinator}{client_flags})")  # fmt: skip
+
+
+def client_flags(tls: TlsFiles | None) -> str:
+    """The flags a tool needs against a mesh of `up --tls` (" --tls-cert ... --tls-key ... --tls-ca ..."), or ""."""
+    return "" if tls is None else " " + " ".join(tls.as_flags())
 
 
 def metrics_endpoints(services: Mapping[str, str], topology: Topology | grpc.RpcError) -> list[tuple[str, str]]:
@@ -381,22 +459,33 @@ def run(args: argparse.Namespace, model_dir: Path, demo: object | None = None) -
             print(f"starting coordinator, {_workers_phrase(args)} and gateway for {model_dir} ...", file=sys.stderr,
                   flush=True)  # fmt: skip
             mesh = start_mesh(args, model_dir)
-            http = f", OpenAI-compatible API at {http_url(mesh.http)}" if mesh.http else ""
+            secure = mesh.tls is not None
+            http = f", OpenAI-compatible API at {http_url(mesh.http, secure)}" if mesh.http else ""
             print(f"gateway listening on {mesh.gateway}, coordinator on {mesh.coordinator}{http} (ready in "
                   f"{time.monotonic() - t0:.1f} s; logs in {mesh.log_dir})", file=sys.stderr, flush=True)  # fmt: skip
-            topology = _topology(mesh.coordinator)
+            topology = _topology(mesh.coordinator, mesh.client_tls)
+            tool_flags = client_flags(mesh.client_tls)
             if mesh.metrics:
                 for line in metrics_lines(mesh.coordinator, metrics_endpoints(mesh.metrics, topology)):
-                    print(line, file=sys.stderr, flush=True)
-            print(_balance_summary(mesh.coordinator, topology), file=sys.stderr, flush=True)
+                    print(line + (tool_flags if line.startswith("watch the mesh") else ""), file=sys.stderr,
+                          flush=True)  # fmt: skip
+            print(_balance_summary(mesh.coordinator, topology, tool_flags), file=sys.stderr, flush=True)
+            if mesh.tls is not None:
+                print(f"tls: mutual TLS on every gRPC hop, HTTPS on the HTTP API (CA {mesh.tls.directory}/ca.pem); "
+                      f"tools take{tool_flags}; drain also --join-token-file {mesh.tls.join_token}", file=sys.stderr,
+                      flush=True)  # fmt: skip
             if mesh.share is not None and args.pp > 1:
                 print(mesh.share.describe(procs.cores()), file=sys.stderr, flush=True)
             if callable(demo):
-                return int(demo(mesh.gateway) or 0)
+                credentials = {} if mesh.client_tls is None else {
+                    "tls_cert": str(mesh.client_tls.cert), "tls_key": str(mesh.client_tls.key),
+                    "tls_ca": str(mesh.client_tls.ca)}  # fmt: skip
+                return int(demo(mesh.gateway, api_key=getattr(args, "api_key", None),
+                                api_key_file=getattr(args, "api_key_file", None), **credentials) or 0)  # fmt: skip
             print(mesh.gateway, flush=True)  # stdout carries the addresses, for scripts: the gateway's first,
             print(f"coordinator: {mesh.coordinator}", flush=True)  # then the coordinator's (status, top, drain)
             if mesh.http:  # then the OpenAI-compatible API's base URL
-                print(f"http: {http_url(mesh.http)}", flush=True)
+                print(f"http: {http_url(mesh.http, secure)}", flush=True)
             return _supervise(mesh, args.max_restarts)
         except KeyboardInterrupt:
             print("stopping the mesh ...", file=sys.stderr, flush=True)
@@ -433,6 +522,11 @@ def args_from_manifest(args: argparse.Namespace, defaults: dict[str, object]) ->
         raise ManifestError(str(source), [f"--{k.replace('_', '-')}: the manifest sets this ({MANIFEST_FLAGS[k]})"
                                           for k in given])  # fmt: skip
     d = deploy.resolve(load_manifest(source), source)
+    sec = d.manifest.services.security
+    clash = [f for f, v in (("--tls-dir", sec.tls_dir), ("--api-key-file", sec.api_key_file))
+             if v and getattr(args, f[2:].replace("-", "_"), None)]  # fmt: skip
+    if clash:
+        raise ManifestError(str(source), [f"{f}: the manifest sets this (services.security)" for f in clash])
     notes = [f"manifest {source}: pp={d.pp} × tp={d.tp}, {d.dtype}, {d.limits.kv_slots} KV slots × "
              f"{d.limits.max_context} tokens", *d.notes]  # fmt: skip
     if d.plan is not None:

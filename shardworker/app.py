@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from shardmesh.rpc import telemetry
-from shardmesh.rpc.flags import UsageError, env_flags
+from shardmesh.rpc.flags import JOIN_TOKEN_ENV, UsageError, add_tls_flags, env_flags, mesh_security
 
 ENV_PREFIX = "SHARDMESH_WORKER_"
 
@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "--rebalance-gain")  # fmt: skip
     flag("--log-level", help="debug, info, warning or error")
     telemetry.add_flags(flag)
+    add_tls_flags(flag, "the worker")
+    flag("--join-token-file", help="the join token (the file's first line) presented to the coordinator to register; "
+         "the worker also asks it of every caller of its StageWorker methods: the coordinator and the gateways "
+         f"(default: ${JOIN_TOKEN_ENV}; neither: none presented or asked)")  # fmt: skip
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -58,9 +62,10 @@ def build_config(args: argparse.Namespace) -> Any:
             raise UsageError(f"--speed: expected 'auto' or GFLOP/s as a number, got {args.speed!r}") from None
         if not speed > 0:
             raise UsageError(f"--speed: must be > 0 GFLOP/s, got {args.speed}")
+    tls, join_tokens, join_token = mesh_security(args)
     return WorkerConfig(args.coordinator, args.listen, args.advertise, args.worker_id, args.device, labels,
                         args.group_timeout, args.max_message_mb * 1024 * 1024, args.metrics_port,
-                        args.otlp_endpoint, speed)  # fmt: skip
+                        args.otlp_endpoint, speed, tls, join_tokens, join_token)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ import contextlib
 import os
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -25,6 +25,8 @@ from shardmesh.core.topology import ShardState, Topology, WorkerState
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from shardmesh.rpc import log, telemetry
 from shardmesh.rpc import server as rpc
+from shardmesh.rpc.tls import Dial, TlsFiles
+from shardmesh.rpc.tokens import TokenSource
 from shardworker.runtime import StageWorkerCore
 from shardworker.servicer import SERVICE_NAME, StageWorkerServicer, device_pb
 
@@ -42,6 +44,9 @@ class WorkerConfig:
     metrics_port: int = 0  # 0: no metrics endpoint
     otlp_endpoint: str | None = None
     speed_gflops: float | None = None  # declared (`--speed`); None: measured at start
+    tls: TlsFiles | None = None  # mutual TLS on the gRPC port and the channel to the coordinator; None: plaintext
+    join_tokens: TokenSource | None = None  # what callers of StageWorker must present; None: nothing
+    join_token: str | None = field(default=None, repr=False)  # presented to the coordinator
 
 
 def should_exit(topology: Topology, worker_id: str) -> bool:
@@ -71,9 +76,11 @@ class WorkerProcess:
         self._health = health.HealthServicer(
             experimental_non_blocking=True, experimental_thread_pool=futures.ThreadPoolExecutor(max_workers=2)
         )
-        self._channel = grpc.insecure_channel(cfg.coordinator, options=rpc.message_options(cfg.max_message_bytes))
+        dial = Dial(cfg.tls, cfg.join_token, tuple(rpc.message_options(cfg.max_message_bytes)))
+        self._channel = dial.channel(cfg.coordinator)
         self._coord = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self._server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, threads=8, logger=logger)
+        self._server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, threads=8, logger=logger,
+                                      tokens=cfg.join_tokens)  # fmt: skip
         self._watch_call: Any = None
         self._metrics_server: Any = None
         self.metrics: Any = None
@@ -83,7 +90,7 @@ class WorkerProcess:
     # ---- start-up ------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        port = rpc.bind(self._server, self.cfg.listen)
+        port = rpc.bind(self._server, self.cfg.listen, self.cfg.tls, self.log)
         host = self.cfg.listen.rpartition(":")[0]
         self.address = self.cfg.advertise or f"{host}:{port}"
         self._set_health(False)
@@ -95,7 +102,8 @@ class WorkerProcess:
         worker_pb2_grpc.add_StageWorkerServicer_to_server(StageWorkerServicer(self.core, self.metrics), self._server)
         self._server.start()
         self.log.info("listening", address=self.address, coordinator=self.cfg.coordinator,
-                      metrics=self.metrics_address or "off",
+                      metrics=self.metrics_address or "off", tls="mutual" if self.cfg.tls else "off",
+                      join_token="required" if self.cfg.join_tokens else "off",
                       **telemetry.describe_tracing(self.cfg.otlp_endpoint))  # fmt: skip
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch"),
                              (self._placement_loop, "placement")):  # fmt: skip
@@ -151,7 +159,7 @@ class WorkerProcess:
         held = self.core.held() if self.core is not None else None
         if held is not None:
             req.held.CopyFrom(held.to_pb())
-        delay = 0.1
+        delay, said = 0.1, ""
         while not self.stopping.is_set():
             try:
                 resp = self._coord.Register(req, timeout=5)
@@ -159,6 +167,10 @@ class WorkerProcess:
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise RuntimeError(f"coordinator refused registration: {e.code().name}: {e.details()}") from None
+                if e.code().name != said:  # not up yet, or refused at the TLS handshake: say so once, keep trying
+                    said = e.code().name
+                    self.log.warning("coordinator_unreachable", coordinator=self.cfg.coordinator, code=said,
+                                     error=e.details())  # fmt: skip
                 self.stopping.wait(delay)
                 delay = min(2.0, delay * 2)
         else:

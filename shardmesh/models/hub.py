@@ -35,6 +35,12 @@ WEIGHT_PATTERNS = (SINGLE_WEIGHTS, "model-*-of-*.safetensors")
 # character, at most 96; '--' and '..' are refused (the cache's folder names use '--' as the separator).
 _PART = re.compile(r"\w(?:[\w.-]{0,94}\w)?")
 _TRUE = ("1", "ON", "YES", "TRUE")
+# What every command's `--model` and `--revision` (and a manifest's `model.path` and `model.revision`) take: the
+# one wording of `registry.resolve`, kept here because building a command's parser must stay cheap.
+MODEL_HELP = ("a built-in model name (smollm2-135m-instruct), a model directory, or a Hugging Face id "
+              "ORG/NAME[@REV] (read from the hub cache, fetched first when a network is there)")  # fmt: skip
+REVISION_HELP = ("the revision of a Hugging Face --model: a branch, tag or commit (default main); the same as "
+                 "ORG/NAME@REV")  # fmt: skip
 
 
 class HubError(ValueError):

@@ -8,7 +8,9 @@ the gateway match what the model saw in training and what our tests compare agai
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -160,8 +162,34 @@ class Tokenizer:
 
         ``add_special_tokens`` is keyword-only and required on purpose: whether BOS gets added is
         the classic source of silent prompt mismatches.
+
+        Through the batch form (one text, no offsets): unlike ``encode`` it releases the interpreter lock
+        while the Rust side works, so a long prompt does not stall every other thread of the process.
         """
-        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        return list(self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    @functools.cached_property
+    def max_bytes_per_token(self) -> int:
+        """At most how many bytes of UTF-8 text one token stands for: a text longer than ``n ×`` this
+        tokenizes to more than ``n`` tokens, which a caller can know without tokenizing it.
+
+        A token stands for its vocabulary string. In a byte-level vocabulary (GPT-2's, SmolLM2's, Llama
+        3's) each character of that string is one byte of text; in a SentencePiece one (Llama 2's,
+        Mistral's) the string is the text itself, with '▁' (3 bytes) for a space and '<0xNN>' for one
+        byte, so its UTF-8 length is an upper bound. An added token stands for its content. A normalizer
+        runs before any of this: Prepend, and Replace by something no shorter, only lengthen the text;
+        the Unicode normalizations and lowercasing shorten it at most 3× (three 3-byte Hangul jamo compose
+        into one syllable, the 3-byte Kelvin sign lowercases to 'k'), so they multiply the bound by 3.
+        Anything else (Strip, an added token that swallows the spaces beside it), which no tokenizer of
+        the supported families uses, could shorten it further: the bound is then approximate.
+        """
+        spec = json.loads(self._backend.to_str())
+        byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))  # the decoder, or one in its sequence
+        vocab = self._backend.get_vocab(with_added_tokens=False)
+        longest = max((len(t) if byte_level else len(t.encode("utf-8")) for t in vocab), default=1)
+        added = self._backend.get_added_tokens_decoder().values()
+        longest = max([longest, *(len(t.content.encode("utf-8")) for t in added)])
+        return max(1, longest) * _normalizer_shrink(spec.get("normalizer"))
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -205,6 +233,23 @@ class Tokenizer:
 
     def detokenizer(self, *, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
+
+
+def _normalizer_shrink(normalizer: dict[str, Any] | None) -> int:
+    """How many times shorter (in UTF-8 bytes) a normalizer can make a text, by `Tokenizer.max_bytes_per_token`'s
+    reasoning: 1 for none, Prepend and a Replace that does not shorten; 3 for the rest; a Sequence multiplies."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return math.prod(_normalizer_shrink(n) for n in normalizer.get("normalizers", []))
+    if kind == "Prepend":
+        return 1
+    if kind == "Replace":
+        pattern = normalizer.get("pattern", {}).get("String")
+        if isinstance(pattern, str) and len(normalizer.get("content", "").encode()) >= len(pattern.encode()):
+            return 1
+    return 3
 
 
 def _load_backend(path: Path) -> Any:

@@ -8,6 +8,7 @@ the equivalent command line would; `service_commands` prints those command lines
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from shardmesh.core.heads import valid_tp_degrees
 from shardmesh.core.layout import format_split, layer_counts
 from shardmesh.core.topology import ServingLimits
+from shardmesh.models import hub
 from shardmesh.planning.devices import Device, make_devices
 from shardmesh.planning.manifest import Manifest, ManifestError, address_port
 from shardmesh.planning.memory import ModelInfo, RuntimeCosts, load_model
@@ -30,6 +32,7 @@ class Deployment:
     limits: ServingLimits
     plan: Plan | None  # None when the manifest lists no nodes (fixed pp and tp, nothing to place)
     notes: list[str] = field(default_factory=list)
+    base_dir: Path | None = None  # the manifest's directory: relative file paths in it are read from there
 
     @property
     def dtype(self) -> str:
@@ -46,6 +49,11 @@ class Deployment:
             return None
         return format_split(self.plan.layer_split)
 
+    def path(self, value: str) -> Path:
+        """A file path the manifest names, relative to its own directory unless absolute."""
+        raw = Path(value).expanduser()
+        return raw if raw.is_absolute() or self.base_dir is None else self.base_dir / raw
+
     def rank_nodes_flag(self) -> str | None:
         """`--rank-nodes`: the node the plan put each global rank on, e.g. "a,a,b"; None without a plan."""
         if self.plan is None:
@@ -54,20 +62,26 @@ class Deployment:
 
 
 def model_dir(m: Manifest, source: Path | None, resolve_name: bool = True) -> Path:
-    """`model.path`: a directory (relative to the manifest's own directory), else a known model name."""
+    """`model.path` (and `model.revision`): a directory (relative to the manifest's own directory), else a known
+    model name or a Hugging Face id, resolved as every command resolves `--model` (`registry.resolve`)."""
+    src = str(source or "manifest")
     raw = Path(m.model.path).expanduser()
-    if not raw.is_absolute() and source is not None and (source.parent / raw).is_dir():
-        return source.parent / raw
-    if raw.is_dir():
-        return raw
-    if resolve_name:
-        from shardmesh.models.registry import REGISTRY, resolve
+    if m.model.revision is None:
+        if not raw.is_absolute() and source is not None and (source.parent / raw).is_dir():
+            return source.parent / raw
+        if raw.is_dir():
+            return raw
+    if not resolve_name:
+        raise ManifestError(src, [f"model.path: {m.model.path!r} is not a directory (relative paths are read from "
+                                  f"the manifest's directory)"])  # fmt: skip
+    from shardmesh.models.registry import RevisionError, UnknownModelError, resolve
 
-        if m.model.path in REGISTRY:
-            return resolve(m.model.path)
-    raise ManifestError(str(source or "manifest"), [f"model.path: {m.model.path!r} is neither a directory (relative "
-                                                     f"paths are read from the manifest's directory) nor a known "
-                                                     f"model name"])  # fmt: skip
+    try:
+        return resolve(m.model.path, revision=m.model.revision)
+    except RevisionError as e:
+        raise ManifestError(src, [f"model.revision: {e}"]) from None
+    except UnknownModelError as e:
+        raise ManifestError(src, [f"model.path: {e}"]) from None
 
 
 def devices(m: Manifest) -> tuple[Device, ...]:
@@ -97,7 +111,12 @@ def resolve(m: Manifest, source: Path | None = None, model: ModelInfo | None = N
     """Plan the manifest's deployment. ManifestError for fields that do not fit the model; `Infeasible`
     (a PlanError) when the nodes cannot hold it."""
     src = str(source or "manifest")
-    model = model or load_model(model_dir(m, source))
+    base_dir = source.parent if source is not None else None
+    if model is None:
+        path = model_dir(m, source)
+        model = load_model(path)
+        if model.name == path.name:  # config.json has no `_name_or_path`: a hub snapshot is named by its id
+            model = dataclasses.replace(model, name=hub.model_name(path))
     opts = options(m, model, src)
     par = m.parallelism
     if not m.nodes:
@@ -115,7 +134,7 @@ def resolve(m: Manifest, source: Path | None = None, model: ModelInfo | None = N
                             f"least), got {par.pipeline}")  # fmt: skip
         if problems:
             raise ManifestError(src, problems)
-        return Deployment(m, model, par.pipeline, par.tensor, opts.limits, None)
+        return Deployment(m, model, par.pipeline, par.tensor, opts.limits, None, base_dir=base_dir)
     try:
         chosen = plan(model, devices(m), opts)
     except PlanError as e:
@@ -127,7 +146,7 @@ def resolve(m: Manifest, source: Path | None = None, model: ModelInfo | None = N
         basis = "free memory" if opts.balance == "memory" else "speed"
         notes.append(f"uneven layer split {layer_counts(chosen.layer_split)} (layers per stage), in "
                      f"proportion to each stage's {basis}")  # fmt: skip
-    return Deployment(m, model, chosen.pp, chosen.tp, opts.limits, chosen, notes)
+    return Deployment(m, model, chosen.pp, chosen.tp, opts.limits, chosen, notes, base_dir=base_dir)
 
 
 def up_args(d: Deployment, base: argparse.Namespace) -> argparse.Namespace:
@@ -152,7 +171,29 @@ def up_args(d: Deployment, base: argparse.Namespace) -> argparse.Namespace:
     pl = m.placement
     out.rebalance, out.max_stage_ratio, out.require_balance = pl.rebalance, pl.max_stage_ratio, pl.require_balance
     out.layers, out.rank_nodes = d.layers_flag(), d.rank_nodes_flag()
+    sec = m.services.security
+    if sec.tls_dir:  # `up --tls` with the manifest's material (made there when missing)
+        out.tls, out.tls_dir = True, str(d.path(sec.tls_dir))
+    if sec.join_token_file:
+        out.join_token_file = str(d.path(sec.join_token_file))
+    if sec.api_key_file:
+        out.api_key_file = str(d.path(sec.api_key_file))
     return out
+
+
+def security_flags(d: Deployment, service: str) -> list[str]:
+    """`services.security` as `service`'s flags (coordinator, worker or gateway): its certificate of `tls_dir`, the
+    `--join-token-file`, and for the gateway the `--api-key-file`."""
+    sec, flags = d.manifest.services.security, []
+    if sec.tls_dir:
+        directory = d.path(sec.tls_dir)
+        flags += ["--tls-cert", str(directory / f"{service}.pem"), "--tls-key", str(directory / f"{service}.key"),
+                  "--tls-ca", str(directory / "ca.pem")]  # fmt: skip
+    if sec.join_token_file:
+        flags += ["--join-token-file", str(d.path(sec.join_token_file))]
+    if sec.api_key_file and service == "gateway":
+        flags += ["--api-key-file", str(d.path(sec.api_key_file))]
+    return flags
 
 
 def _telemetry(m: Manifest) -> list[str]:
@@ -176,24 +217,42 @@ def coordinator_flags(d: Deployment) -> list[str]:
     layers, nodes = d.layers_flag(), d.rank_nodes_flag()
     flags += ["--layers", layers] if layers else []
     flags += ["--rank-nodes", nodes] if nodes else []
-    return flags + _telemetry(m)
+    return flags + _telemetry(m) + security_flags(d, "coordinator")
 
 
 def service_commands(d: Deployment) -> list[str]:
     """The command line of every service the deployment runs (what compose or `up` would start)."""
     m, coord = d.manifest, d.manifest.services.coordinator.listen
+    if not address_port(coord):  # port 0: the coordinator picks one and logs it; the others need that one
+        coord = f"{coord.rpartition(':')[0]}:COORDINATOR_PORT"
     coordinator = ["shardmesh", "coordinator", *coordinator_flags(d)]
     lines = [shlex.join(coordinator)]
     shards = d.plan.shards if d.plan is not None else ()
     for rank in range(d.pp * d.tp):
         worker = ["shardmesh", "worker", "--coordinator", coord, "--worker-id", f"worker-{rank}", "--device",
-                  m.services.worker.device, *_telemetry(m)]  # fmt: skip
+                  m.services.worker.device, *_telemetry(m), *security_flags(d, "worker")]  # fmt: skip
         if shards:
             node = next(n for n in m.nodes if n.name == shards[rank].device.node)
             labels = sorted({"node": node.name, **node.labels}.items())
             worker += [a for k, v in labels for a in ("--label", f"{k}={v}")]
         lines.append(shlex.join(worker))
     gateway = ["shardmesh", "gateway", "--listen", m.services.gateway.listen, "--coordinator", coord,
-               "--max-queue", str(m.serving.max_queue), *_telemetry(m)]  # fmt: skip
+               "--max-queue", str(m.serving.max_queue), *gateway_http_flags(d), *_telemetry(m),
+               *security_flags(d, "gateway")]  # fmt: skip
     lines.append(shlex.join(gateway))
     return lines
+
+
+def served_model_name(d: Deployment) -> str:
+    """The model's name for clients: `model.served_model_name`, else `model.path` as written (as `up --manifest`
+    names it)."""
+    return d.manifest.model.served_model_name or d.manifest.model.path
+
+
+def gateway_http_flags(d: Deployment) -> list[str]:
+    """The gateway's OpenAI-compatible API as the manifest sets it (`services.gateway.http_listen`; null: none),
+    and its model name where it differs from what the coordinator publishes (its `--model`, a directory)."""
+    listen = d.manifest.services.gateway.http_listen
+    flags = ["--http-listen", listen] if listen is not None else []
+    served = served_model_name(d)
+    return flags + (["--served-model-name", served] if served != str(d.model.path) else [])

@@ -106,8 +106,14 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     """What to serve."""
 
-    path: str = Field(min_length=1, description="model directory (config.json + safetensors), or a known model "
-                                                "name such as smollm2-135m-instruct")  # fmt: skip
+    path: str = Field(min_length=1, description="a built-in model name (smollm2-135m-instruct), a model directory "
+                                                "(config.json + safetensors; relative to the manifest's directory), "
+                                                "or a Hugging Face id ORG/NAME[@REV] (read from the hub cache, "
+                                                "fetched first when a network is there)")  # fmt: skip
+    revision: str | None = Field(
+        None, min_length=1, max_length=256, description="the revision of a Hugging Face id in path: a branch, tag "
+                                                        "or commit (default main); the same as ORG/NAME@REV",
+    )  # fmt: skip
     dtype: Literal[DType.names()] = Field(  # type: ignore[valid-type]  # the enum's names: one JSON Schema "enum"
         "float32", description="dtype weights and KV cache are held in (the checkpoint is converted while loading)"
     )
@@ -223,12 +229,30 @@ class WorkerService(_Section):
     device: str = Field("cpu", pattern=_DEVICE, description="cpu, cuda or cuda:N")
 
 
+class Security(_Section):
+    """Mutual TLS and tokens for every service (paths relative to the manifest's directory); each one null: off."""
+
+    tls_dir: str | None = Field(
+        None, min_length=1, description="mutual TLS on every gRPC connection (HTTPS on the HTTP API): a directory as "
+                                        "`shardmesh certs init` writes it (ca.pem; coordinator, gateway and worker "
+                                        ".pem and .key)",
+    )  # fmt: skip
+    join_token_file: str | None = Field(
+        None, min_length=1, description="the join token workers and gateways present to the coordinator (and to the "
+                                        "workers), one per line; the coordinator accepts every line",
+    )  # fmt: skip
+    api_key_file: str | None = Field(
+        None, min_length=1, description="the API keys clients present to the gateway, one per line",
+    )  # fmt: skip
+
+
 class Services(_Section):
-    """The address of each service."""
+    """The address of each service, and how they authenticate each other and their clients."""
 
     coordinator: CoordinatorService = Field(default_factory=CoordinatorService)  # type: ignore[arg-type]
     gateway: GatewayService = Field(default_factory=GatewayService)  # type: ignore[arg-type]
     worker: WorkerService = Field(default_factory=WorkerService)  # type: ignore[arg-type]
+    security: Security = Field(default_factory=Security)  # type: ignore[arg-type]
 
 
 class Manifest(_Section):

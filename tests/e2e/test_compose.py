@@ -298,13 +298,17 @@ def test_services_parse_and_fit_together(
         assert healthcheck_address(svc) == f"127.0.0.1:{listen_port}", name
         assert svc["depends_on"]["coordinator"]["condition"] == "service_healthy", name
 
-    # The gateway: dials the coordinator, is published on the host's loopback only, reads the tokenizer
-    # where the model is mounted.
+    # The gateway: dials the coordinator, is published on the host's loopback only (gRPC, and the OpenAI-compatible
+    # HTTP API under the default model's name), reads the tokenizer where the model is mounted.
     g, gsvc = args["gateway"], services["gateway"]
-    gateway_app.build_config(g)
+    gateway_cfg = gateway_app.build_config(g)
     assert g.coordinator == coordinator_address
     _, gateway_port = host_port(g.listen)
-    assert [(p.get("host_ip"), p["target"]) for p in gsvc["ports"]] == [("127.0.0.1", gateway_port)]
+    http_host, http_port = host_port(gateway_cfg.http_listen)
+    assert http_host == "0.0.0.0" and http_port != gateway_port, "HTTP on every interface of the container"
+    published = sorted((p.get("host_ip"), p["target"], p["published"]) for p in gsvc["ports"])
+    assert published == sorted([("127.0.0.1", gateway_port, "50050"), ("127.0.0.1", http_port, "8000")])
+    assert gateway_cfg.served_model_name == "smollm2-135m-instruct", "the default model's name, not its mount path"
     assert g.model_dir == MODEL_MOUNT
     assert gsvc["depends_on"]["coordinator"]["condition"] == "service_healthy"
     assert set(workers) <= set(gsvc["depends_on"]), "the gateway starts after the workers"
@@ -419,6 +423,13 @@ def test_dockerfile_matches_compose_and_makefile() -> None:
             assert (ROOT / source).exists(), f"COPY {source}: no such file"
             assert not ignored(source, patterns), f"COPY {source}: excluded by .dockerignore"
     assert f"/usr/local/bin/{HEALTHCHECK_BIN}" in destinations
+    # Both images copy every package `pip install .` installs (a missing one fails the build's `shardmesh --help`).
+    found = re.search(r"^include = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)  # packages.find
+    assert found is not None
+    packages = [p.strip().strip('"') for p in found.group(1).split(",")]
+    copied = [shlex.split(arg)[0] for op, arg in instructions if op == "COPY"]
+    for package in (p.rstrip("*") for p in packages):
+        assert copied.count(package) == 2, f"COPY {package}: in the cpu and cuda images"
 
 
 def test_dockerignore_keeps_local_state_out() -> None:

@@ -43,7 +43,9 @@ def test_http_where_asked_named_as_asked_or_off(tmp_path: Path) -> None:
     assert _flag(wildcard_any_port, "--http-listen").startswith("0.0.0.0:")
     assert not _flag(wildcard_any_port, "--http-listen").endswith(":0")
     off = _mesh(tmp_path)
-    assert up._http_flags(off, argparse.Namespace(model="m", no_http=True)) == [] and off.http == ""
+    # No HTTP, but the name clients see in metrics and spans is still the model as given, not its directory.
+    assert up._http_flags(off, argparse.Namespace(model="m", no_http=True)) == ["--served-model-name", "m"]
+    assert off.http == ""
 
 
 def test_up_checks_its_http_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -74,6 +76,6 @@ def test_the_manifest_sets_the_http_api(tmp_path: Path) -> None:
     fixed = args_of(_manifest(tmp_path, "llama-3-8b", http_listen="0.0.0.0:8000"))
     assert (fixed.http_listen, fixed.no_http, fixed.served_model_name) == ("0.0.0.0:8000", False, "llama-3-8b")
     off = args_of(_manifest(tmp_path, http_listen=None))
-    assert off.no_http and up._http_flags(_mesh(tmp_path), off) == []
+    assert off.no_http and "--http-listen" not in up._http_flags(_mesh(tmp_path), off)
     with pytest.raises(ManifestError, match="--http-listen: the manifest sets this"):
         args_of(_manifest(tmp_path), "--http-listen", "127.0.0.1:9000")

@@ -129,6 +129,60 @@ def test_kv_cache_usage_ratio_and_process_metrics(traced: tuple[Any, ...], model
     assert _metrics(server)["shardmesh_kv_cache_usage_ratio"] == 0.0
 
 
+def _labeled(server: GatewayServer, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """The samples of `name` in the gateway's /metrics, keyed by their labels (`_key`)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=WAIT_S) as r:
+        text = r.read().decode()
+    return {_key(**s.labels): s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name}  # fmt: skip
+
+
+def _key(**labels: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(labels.items()))
+
+
+def test_request_metrics_carry_the_served_model_name(traced: tuple[Any, ...], model_files: ModelFiles) -> None:
+    """Without --served-model-name the label is the coordinator's name for the model (its --model as given)."""
+    stub, mesh, _, server = traced
+    served = _key(model_name=SERVED)
+    assert _labeled(server, "shardmesh_generated_tokens_total") == {served: 0.0}  # at 0 from the first topology
+    mesh.script["done"] = ids_of(model_files, "abc")
+    params = gateway_pb2.SamplingParams(max_new_tokens=3)
+    r = stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", request_id="done", params=params), timeout=WAIT_S)
+    with pytest.raises(grpc.RpcError):
+        stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", params=gateway_pb2.SamplingParams(top_p=2.0)),
+                      timeout=WAIT_S)  # fmt: skip
+    assert _labeled(server, "shardmesh_requests_total") == {
+        _key(model_name=SERVED, outcome="length"): 1.0,
+        _key(model_name=SERVED, outcome="invalid_argument"): 1.0,
+    }
+    assert _labeled(server, "shardmesh_generated_tokens_total") == {served: 3.0}
+    assert _labeled(server, "shardmesh_prompt_tokens_total") == {served: float(r.usage.prompt_tokens)}
+    assert _labeled(server, "shardmesh_time_to_first_token_seconds_count") == {served: 1.0}
+    assert _labeled(server, "shardmesh_inter_token_latency_seconds_count") == {served: 2.0}
+    assert _labeled(server, "shardmesh_queue_wait_seconds_count") == {served: 1.0}
+    assert _labeled(server, "shardmesh_request_duration_seconds_count") == {
+        _key(model_name=SERVED, finish_reason="length"): 1.0}  # fmt: skip
+    assert _labeled(server, "shardmesh_batch_size_count") == {(): 3.0}  # the mesh's own metrics: no label
+
+
+def test_the_model_name_label_is_the_served_name_when_one_is_set(model_files: ModelFiles) -> None:
+    metrics = GatewayMetrics(lambda: (0, 0, 1, True), "chat")
+    state = mesh_state(FakeMesh(), model_files)
+    topology = dataclasses.replace(state.topology, model=dataclasses.replace(state.topology.model,
+                                                                             served_model_name=SERVED))  # fmt: skip
+    metrics.mesh_changed(dataclasses.replace(state, topology=topology))
+    assert metrics.model_name == "chat"
+    assert metrics.registry.get_sample_value("shardmesh_generated_tokens_total", {"model_name": "chat"}) == 0.0
+    following = GatewayMetrics(lambda: (0, 0, 1, True))
+    assert following.model_name == "" and following.registry.get_sample_value(
+        "shardmesh_generated_tokens_total", {"model_name": ""}) is None  # fmt: skip
+    following.mesh_changed(dataclasses.replace(state, topology=topology))
+    assert following.model_name == SERVED
+    following.mesh_changed(dataclasses.replace(state, topology=None))  # the coordinator lost: the name stays
+    assert following.model_name == SERVED
+
+
 def test_kv_usage_is_zero_while_no_mesh_serves() -> None:
     load = [(0, 0, 0, False)]
     metrics = GatewayMetrics(lambda: load[0])

@@ -19,6 +19,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway import app
 from gateway.process import GatewayConfig, GatewayServer
@@ -165,11 +166,13 @@ def test_served_model_name_and_api_key(model_files: ModelFiles) -> None:
         s.publish()
         assert [m.id for m in s.client.models.list()] == ["tiny-chat"]
         assert s.client.completions.create(model="tiny-chat", prompt="x", max_tokens=1).model == "tiny-chat"
-        with pytest.raises(openai.AuthenticationError) as e:
+        with pytest.raises(openai.PermissionDeniedError) as e:  # a key, not accepted: 403
             s.client.with_options(api_key="wrong").models.list()
-        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
-        status, body = s.get("/v1/models")
+        assert e.value.status_code == 403 and e.value.body["code"] == "invalid_api_key"
+        assert e.value.body["message"] == "API key not accepted"  # never how close it came
+        status, body = s.get("/v1/models")  # no key at all: 401, saying how to send one
         assert status == 401 and body["error"]["type"] == "authentication_error"
+        assert body["error"]["message"] == "no API key: send authorization: Bearer <key>"
         assert s.get("/health")[0] == 200  # health needs no key
     finally:
         s.close()
@@ -267,8 +270,9 @@ def test_gateway_http_flags(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_http_requests_are_traced_like_rpcs(model_files: ModelFiles, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One request span per HTTP request, under the client's traceparent, with the GenAI attributes the gRPC
-    path sets (the model as the HTTP API names it) and the same children (prepare, queue, steps)."""
+    """One request span per HTTP request, under the client's traceparent, named and described by OpenTelemetry's
+    HTTP server conventions, with the GenAI attributes the gRPC path sets (the model as the HTTP API names it) and
+    the same children (prepare, queue, steps)."""
     exporter, provider = InMemorySpanExporter(), TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     monkeypatch.setattr(telemetry, "_tracer", provider.get_tracer("test"))
@@ -284,23 +288,47 @@ def test_http_requests_are_traced_like_rpcs(model_files: ModelFiles, monkeypatch
         with pytest.raises(openai.BadRequestError):
             s.client.chat.completions.create(model="tiny-chat", messages=HI, top_p=2,
                                              extra_headers={"X-Request-Id": "refused"})  # fmt: skip
+        streamed = s.client.completions.create(model="tiny-chat", prompt="x", max_tokens=2, stream=True,
+                                               extra_headers={"X-Request-Id": "streamed"})  # fmt: skip
+        assert len([c for c in streamed if c.choices]) == 2
+        s.server.scheduler.shutdown(grace=0.0)  # nothing serves any more: the next request fails, the server's fault
+        with pytest.raises(openai.InternalServerError):
+            s.client.completions.create(model="tiny-chat", prompt="x", max_tokens=1,
+                                        extra_headers={"X-Request-Id": "unserved"})  # fmt: skip
 
         def span(request_id: str) -> Any:
-            spans = [x for x in exporter.get_finished_spans() if x.name.startswith("shardmesh.v1.Gateway/")
+            spans = [x for x in exporter.get_finished_spans() if x.kind is SpanKind.SERVER
                      and x.attributes.get("shardmesh.request_id") == request_id]  # fmt: skip
             return spans[0] if len(spans) == 1 else None
 
-        wait_until(lambda: span("traced") is not None and span("refused") is not None)
+        wait_until(lambda: all(span(r) is not None for r in ("traced", "refused", "streamed", "unserved")))
         traced = span("traced")
-        assert traced.name == "shardmesh.v1.Gateway/ChatCompletions"
+        assert traced.name == "POST /v1/chat/completions" and traced.kind is SpanKind.SERVER
         assert f"{traced.context.trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"  # joined the client's trace
         attributes = dict(traced.attributes)
+        assert {k: v for k, v in attributes.items() if k.split(".")[0] in ("http", "url", "server", "network")} == {
+            "http.request.method": "POST", "http.route": "/v1/chat/completions", "http.response.status_code": 200,
+            "url.path": "/v1/chat/completions", "url.scheme": "http", "server.address": "127.0.0.1",
+            "server.port": s.server.http_port, "network.protocol.version": "1.1",
+        }  # fmt: skip
+        assert attributes["client.address"] == "127.0.0.1" and attributes["user_agent.original"].startswith("OpenAI")
+        assert not any(k.startswith("rpc.") for k in attributes)  # not an RPC
         assert attributes["gen_ai.operation.name"] == "chat" and attributes["gen_ai.request.model"] == "tiny-chat"
         assert attributes["gen_ai.usage.output_tokens"] == 3 and attributes["gen_ai.request.temperature"] == 0.5
+        assert traced.status.status_code is StatusCode.UNSET
         children = {x.name for x in exporter.get_finished_spans() if x.parent is not None
                     and x.parent.span_id == traced.context.span_id}  # fmt: skip
         assert {"prepare", "queue"} <= children
-        assert span("refused").attributes["error.type"] == "INVALID_ARGUMENT"
+        # A refused request is the client's error: its status code and error.type, but no ERROR status.
+        refused = span("refused")
+        assert refused.name == "POST /v1/chat/completions" and refused.attributes["http.response.status_code"] == 400
+        assert refused.attributes["error.type"] == "INVALID_ARGUMENT" and refused.status.status_code is StatusCode.UNSET
+        assert span("streamed").name == "POST /v1/completions"
+        assert span("streamed").attributes["gen_ai.operation.name"] == "text_completion"
+        assert span("streamed").attributes["http.response.status_code"] == 200
+        unserved = span("unserved")  # the server's failure: a 5xx and status ERROR
+        assert unserved.attributes["http.response.status_code"] >= 500
+        assert unserved.status.status_code is StatusCode.ERROR
     finally:
         s.close()
         provider.shutdown()

@@ -128,9 +128,10 @@ def _micro_batches(scheduler: Scheduler, model_files: ModelFiles, pp: int, in_fl
         assert [s.after_step_id for s in steps] == list(range(len(steps)))  # each after the one sent before
         wait_until(lambda shard=shard: sorted(shard.released_ids()) == ["a", "b", "c"])
         assert shard.races == [] and shard.slots == {}
-    if in_flight == 2:  # two micro-batches while a's prompt was held: a alone, then b and c (ceil(3 / 2) = 2)
+    if in_flight == 2:  # two micro-batches while a's prompt was held: a alone, then b (with c, if it came in time:
+        # tokenizing c releases the interpreter lock, so the scheduler may dispatch b before c is queued)
         batches = [sorted(e.request_id for e in s.entries) for s in mesh.shards[0].steps]
-        assert batches[:2] == [["a"], ["b", "c"]]
+        assert batches[0] == ["a"] and batches[1] in (["b"], ["b", "c"])
 
 
 @pytest.mark.parametrize("placement", ["epoch-2", "epoch-1"], ids=["new-placement", "same-placement"])

@@ -23,6 +23,8 @@ from shardmesh.proto.v1 import worker_pb2
 from tests.unit.gateway.fakes import FakeMesh, collect, eos_of, finish, ids_of, mesh_state, request, text, tokens
 from tests.waiting import WAIT_S, wait_until
 
+MODEL_NAME = "tiny-org/tiny-llama"  # the served name: the `model_name` label of the request metrics
+
 
 def test_requests_are_batched_into_one_step(scheduler: Scheduler, model_files: ModelFiles) -> None:
     mesh = FakeMesh(pp=1, tp=2)  # one stage: one step in flight (pp=2 pipelines them: test_pipeline.py)
@@ -190,9 +192,9 @@ def test_no_topology_is_unavailable(scheduler: Scheduler, model_files: ModelFile
 
 @pytest.fixture
 def observed(logger: Any) -> Iterator[tuple[Scheduler, GatewayMetrics]]:
-    """A scheduler with its metrics on."""
+    """A scheduler with its metrics on, the model served as `MODEL_NAME` (their `model_name` label)."""
     holder: list[Scheduler] = []
-    metrics = GatewayMetrics(lambda: holder[0].load())
+    metrics = GatewayMetrics(lambda: holder[0].load(), MODEL_NAME)
     s = Scheduler(SchedulerConfig(max_queue=8, step_timeout=5.0), logger, observer=GatewayObserver(None, metrics))
     holder.append(s)
     s.start()
@@ -237,7 +239,10 @@ def test_a_worker_failure_resumes_running_requests_on_the_next_topology(
     prompt, before = len(ids_of(model_files, "hi")), len(sent)
     assert [(e.num_tokens, e.skip_sampling) for e in replays] == [(prompt + before - 1, True)]  # the log but its last
     assert list(replays[0].token_ids)[prompt:] == list(range(30, 30 + before - 1))  # the last one is fed next
-    value = metrics.registry.get_sample_value
+
+    def value(name: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"model_name": MODEL_NAME})
+
     assert value("shardmesh_resumed_requests_total") == 1  # the one that arrived meanwhile did not resume
     assert value("shardmesh_replayed_tokens_total") == prompt + before - 1
     assert value("shardmesh_resume_gap_seconds_count") == 1  # one pause, measured at its first token after
@@ -319,9 +324,11 @@ def test_shutdown_lets_running_finish_then_cancels(logger: Any, model_files: Mod
     assert mesh.entered.wait(WAIT_S)
     waiting = scheduler.submit(request(model_files, "waiting", max_new=2))
     mesh.gate.set()
-    scheduler.shutdown(grace=2.0)  # short finishes within the grace; waiting is cancelled at once
+    scheduler.shutdown(grace=2.0)  # short finishes within the grace; waiting fails at once: it was not served
     assert finish(collect(short)) is FinishReason.LENGTH
-    assert finish(collect(waiting)) is FinishReason.CANCELLED
+    (end,) = collect(waiting)
+    assert isinstance(end, EndEvent) and isinstance(end.error, Unavailable), end
+    assert "not served" in str(end.error)
     assert not scheduler.alive
     with pytest.raises(Unavailable, match="shutting down"):
         scheduler.submit(request(model_files, "late"))
@@ -400,7 +407,8 @@ def test_a_lost_last_stage_replays_there_only_in_the_same_slot(
     assert (replay.first_stage, replay.end_stage, replay.start_pos, replay.skip_sampling) == (1, 0, 0, True)
     assert replay.slot == before[0].slot
     assert (after.first_stage, after.end_stage, after.start_pos) == (0, 0, replay.num_tokens)
-    assert metrics.registry.get_sample_value("shardmesh_replayed_tokens_total") == replay.num_tokens
+    replayed = metrics.registry.get_sample_value("shardmesh_replayed_tokens_total", {"model_name": MODEL_NAME})
+    assert replayed == replay.num_tokens
 
 
 def test_a_lost_first_stage_replays_there_only(scheduler: Scheduler, model_files: ModelFiles) -> None:

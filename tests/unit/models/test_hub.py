@@ -20,8 +20,9 @@ import pytest
 from coordinator import app as coordinator_app
 from shardmesh.core.config import ModelConfig
 from shardmesh.models import hub
-from shardmesh.models.registry import UnknownModelError, resolve
-from shardmesh_cli.main import main
+from shardmesh.models.registry import RevisionError, UnknownModelError, resolve
+from shardmesh_cli import offline, up
+from shardmesh_cli.main import build_parser, main
 from tests.checkpoints import make_checkpoint
 from tests.hub_cache import add_revision, commit_of, repo_folder
 
@@ -82,10 +83,23 @@ def test_a_revision_is_a_branch_a_tag_or_a_commit(cached: dict[str, Path]) -> No
     assert resolve(f"{REPO}@main") == resolve(f"{REPO}@{MAIN}") == cached["main"]
     assert ModelConfig.from_dir(resolve(f"{REPO}@v1")).num_layers == 4
     assert (cached["v1"] / "model.safetensors").read_bytes() != (cached["main"] / "model.safetensors").read_bytes()
-    with pytest.raises(UnknownModelError, match=r"one revision, not 'v1' and 'main'"):
+    assert resolve(f"{REPO}@v1", revision="v1") == cached["v1"]  # the same revision twice is one revision
+    with pytest.raises(RevisionError, match=rf"^'main' disagrees with '{REPO}@v1', which names revision 'v1'"):
         resolve(f"{REPO}@v1", revision="main")
-    with pytest.raises(UnknownModelError, match=r"one revision, not ''"):
+    with pytest.raises(UnknownModelError, match=r"a branch, tag or commit after the '@'"):
         resolve(f"{REPO}@")
+    with pytest.raises(RevisionError, match=r"^must not be empty"):
+        resolve(REPO, revision=" ")
+
+
+def test_only_an_id_takes_a_revision(tmp_path: Path, cached: dict[str, Path]) -> None:
+    with pytest.raises(RevisionError, match=r"^'smollm2-135m-instruct' is not a Hugging Face model id"):
+        resolve("smollm2-135m-instruct", revision="v1")
+    with pytest.raises(RevisionError, match=r"is a path here: only Hugging Face ids take a revision"):
+        resolve(tmp_path, revision="v1")
+    with pytest.raises(UnknownModelError, match=r"^'gpt2' is not a Hugging Face model id") as e:
+        resolve("gpt2@v1")
+    assert not isinstance(e.value, RevisionError)  # no separate revision was given: the name is what is wrong
 
 
 def test_a_missing_id_or_revision_names_the_id_the_revision_and_the_cache(hub_cache: Path,
@@ -146,26 +160,141 @@ def test_a_directory_of_that_name_wins(tmp_path: Path, monkeypatch: pytest.Monke
 # -- every command ------------------------------------------------------------------------------------------
 
 
-def test_plan_and_the_coordinator_take_an_id(cached: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--model", f"{REPO}@v1", "--devices", "2x1GiB", "--pp", "2", "--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)
-    assert [r["layers"] for r in plan["shards"]] == [[0, 2], [2, 4]]  # v1's 4 layers
-    assert plan["model"]["name"] == REPO and plan["model"]["path"] == str(cached["v1"])
+# (the model as given, the revision apart or None, the revision it resolves to)
+FORMS = {"id": (REPO, None, "main"), "id@rev": (f"{REPO}@v1", None, "v1"), "id --revision": (REPO, "v1", "v1")}
+COMMANDS = ["coordinator", "up", "plan", "generate", "model pull", "plan --manifest", "up --manifest",
+            "coordinator --manifest"]  # fmt: skip
+CASES = [pytest.param(c, f, id=f"{c}: {f}") for c in COMMANDS for f in FORMS]
+
+
+def _resolved_by(command: str, name: str, revision: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                 capsys: pytest.CaptureFixture[str]) -> tuple[Path, str]:  # fmt: skip
+    """What `command` makes of the model `name` (with `revision`), through its own flags and configuration, without
+    starting a service: the directory the services get, and the name clients call the model by."""
+    rev = ["--revision", revision] if revision else []
+    if command.endswith("--manifest"):
+        manifest = tmp_path / "mesh.yaml"
+        model = {"path": name, **({"revision": revision} if revision else {})}
+        manifest.write_text(json.dumps({"model": model, "parallelism": {"pipeline": 2, "tensor": 1}}))
+    if command == "coordinator":
+        cfg = coordinator_app.build_config(_coordinator_args(["--model", name, *rev]))
+        return Path(cfg.model.path), cfg.model.name
+    if command == "coordinator --manifest":
+        args = coordinator_app.from_manifest(_coordinator_args(["--manifest", str(manifest)]), _coordinator_args([]))
+        cfg = coordinator_app.build_config(args)
+        return Path(cfg.model.path), cfg.model.name
+    if command in ("up", "up --manifest"):
+        started: list[tuple[argparse.Namespace, Path]] = []
+        monkeypatch.setattr(up, "run", lambda args, model_dir, demo=None: started.append((args, model_dir)) or 0)
+        argv = ["--manifest", str(manifest)] if command == "up --manifest" else ["--model", name, *rev]
+        assert main(["up", *argv]) == 0
+        ((args, model_dir),) = started
+        flags = up._http_flags(up.LocalMesh(tmp_path), args)  # what the gateway is started with
+        return model_dir, flags[flags.index("--served-model-name") + 1]
+    if command == "plan":
+        assert main(["plan", "--model", name, *rev, "--devices", "2x1GiB", "--pp", "2", "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert [r["layers"] for r in plan["shards"]] == ([[0, 2], [2, 4]] if "v1" in (name + str(revision)) else
+                                                         [[0, 1], [1, 2]])  # v1 has 4 layers, main 2  # fmt: skip
+        return Path(plan["model"]["path"]), plan["model"]["name"]
+    if command == "plan --manifest":
+        assert main(["plan", "--manifest", str(manifest)]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"model: {REPO}; ")  # named by its id, not by the snapshot's commit
+        coordinator = next(line for line in out.splitlines() if "shardmesh coordinator" in line).split()
+        gateway = next(line for line in out.splitlines() if "shardmesh gateway" in line).split()
+        return Path(coordinator[coordinator.index("--model") + 1]), gateway[gateway.index("--served-model-name") + 1]
+    if command == "generate":
+        ran: list[Path] = []
+        monkeypatch.setattr(offline, "generate_local", lambda model_dir, *a: ran.append(model_dir) or
+                            offline.OfflineResult([5], [-0.5], "length"))  # fmt: skip
+        assert main(["generate", "--model", name, *rev, "--token-ids", "1,2", "--max-new-tokens", "1", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == [5]
+        return ran[0], name
+    assert command == "model pull"
+    assert main(["model", "pull", name, *rev]) == 0
+    return Path(capsys.readouterr().out.strip()), name
+
+
+def _coordinator_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     coordinator_app.add_arguments(parser)
-    cfg = coordinator_app.build_config(parser.parse_args(["--listen", "127.0.0.1:0", "--model", REPO, "--pp", "2"]))
-    assert cfg.model.path == str(cached["main"].resolve()) and cfg.model.num_layers == 2  # workers get a directory
+    return parser.parse_args(["--listen", "127.0.0.1:0", *argv])
+
+
+@pytest.mark.parametrize(("command", "form"), CASES)
+def test_every_command_takes_an_id_and_its_revision(command: str, form: str, cached: dict[str, Path],
+                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """`coordinator`, `up`, `plan`, `generate`, `model pull` and a manifest's `model` resolve a Hugging Face id (at a
+    revision given after '@' or apart) to the same cached snapshot, and name the model as it was given."""
+    name, revision, expected = FORMS[form]
+    model_dir, served = _resolved_by(command, name, revision, tmp_path, monkeypatch, capsys)
+    assert model_dir.resolve() == cached[expected].resolve()
+    if command == "plan":
+        assert served == REPO  # the plan names the model by its id
+    elif command == "coordinator --manifest":  # the services get the directory; the gateway, the name as written
+        assert served == str(model_dir)  # (`shardmesh plan --manifest` prints its --served-model-name)
+    else:
+        assert served == name  # as given: the model id of the HTTP API
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def test_the_commands_describe_the_model_flags_alike() -> None:
+    """One help text for `--model` and `--revision` on `up`, `plan`, `generate`, `coordinator` and `model pull`."""
+    commands = _subcommands(build_parser())
+    parsers = {"model pull": _subcommands(commands["model"])["pull"], "up": commands["up"], "plan": commands["plan"],
+               "generate": commands["generate"], "coordinator": commands["coordinator"]}  # fmt: skip
+    for command, parser in parsers.items():
+        actions = {a.dest: a for a in parser._actions}
+        assert hub.MODEL_HELP in actions["name" if command == "model pull" else "model"].help, command
+        assert actions["revision"].help.startswith(hub.REVISION_HELP), command  # env flags add " [env ...]"
+
+
+@pytest.mark.parametrize("command", [["up"], ["plan", "--devices", "1x1GiB"], ["generate", "--token-ids", "1"],
+                                     ["model", "pull"]])  # fmt: skip
+def test_a_revision_that_disagrees_is_a_usage_error_naming_the_flag(
+    command: list[str], cached: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = [f"{REPO}@v1"] if command[0] == "model" else ["--model", f"{REPO}@v1"]
+    assert main([*command, *model, "--revision", "main"]) == 2
+    assert capsys.readouterr().err == (f"error: --revision: 'main' disagrees with '{REPO}@v1', which names revision "
+                                       f"'v1': give the revision once\n")  # fmt: skip
+
+
+def test_a_manifest_names_the_field_of_a_bad_revision(tmp_path: Path, cached: dict[str, Path],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    manifest = tmp_path / "mesh.yaml"
+    manifest.write_text(json.dumps({"model": {"path": f"{REPO}@v1", "revision": "main"}}))
+    assert main(["plan", "--manifest", str(manifest)]) == 2
+    assert capsys.readouterr().err == (f"error: {manifest}: model.revision: 'main' disagrees with '{REPO}@v1', "
+                                       f"which names revision 'v1': give the revision once\n")  # fmt: skip
+    assert main(["up", "--manifest", str(manifest), "--revision", "v1"]) == 2
+    assert capsys.readouterr().err == "error: --revision: the manifest sets the model (model.path, model.revision)\n"
 
 
 @pytest.mark.parametrize("command", [["plan", "--devices", "1x1GiB"], ["coordinator"], ["generate", "hi"],
-                                     ["up"]])  # fmt: skip
-def test_every_command_refuses_a_missing_id_in_one_line(command: list[str], hub_cache: Path,
+                                     ["up"], ["model", "pull"], ["plan", "--manifest"]])  # fmt: skip
+def test_every_command_refuses_a_missing_id_in_one_line(command: list[str], hub_cache: Path, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    missing = (f"Hugging Face model 'tiny-org/absent' (revision 'v2') is not in the cache {hub_cache}, and "
+               f"HF_HUB_OFFLINE is set: run once with network access to fetch it, or point HF_HOME (or HF_HUB_CACHE) "
+               f"at a cache that holds it")  # fmt: skip
+    if command == ["plan", "--manifest"]:
+        manifest = tmp_path / "mesh.yaml"
+        manifest.write_text(json.dumps({"model": {"path": "tiny-org/absent", "revision": "v2"}}))
+        assert main([*command, str(manifest)]) == 2
+        assert capsys.readouterr().err == f"error: {manifest}: model.path: {missing}\n"
+        return
+    if command == ["model", "pull"]:
+        assert main([*command, "tiny-org/absent@v2"]) == 2
+        assert capsys.readouterr().err == f"error: MODEL: {missing}\n"
+        return
     assert main([command[0], "--model", "tiny-org/absent@v2", *command[1:]]) == 2
-    err = capsys.readouterr().err
-    assert err == (f"error: --model: Hugging Face model 'tiny-org/absent' (revision 'v2') is not in the cache "
-                   f"{hub_cache}, and HF_HUB_OFFLINE is set: run once with network access to fetch it, or point "
-                   f"HF_HOME (or HF_HUB_CACHE) at a cache that holds it\n")  # fmt: skip
+    assert capsys.readouterr().err == f"error: --model: {missing}\n"
 
 
 # -- with a network: a fake Hub on 127.0.0.1 -------------------------------------------------------------------

@@ -209,3 +209,36 @@ def test_chat_template_errors_are_value_errors(model_dir: Path, tmp_path: Path) 
     assert tokenizer is not None and tokenizer.chat_template is None
     with pytest.raises(ValueError, match="no chat template"):
         tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_chat_template_jinja_beside_the_config_is_read_as_transformers_reads_it(model_dir: Path,
+                                                                                tmp_path: Path) -> None:  # fmt: skip
+    """Newer Hugging Face repos keep the template in `chat_template.jinja`, beside tokenizer_config.json; transformers
+    reads it and lets it win over the config's `chat_template`, and so do we."""
+    from transformers import AutoTokenizer
+
+    _copy_tokenizer_files(model_dir, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "config: {{ messages[0]['content'] }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}\n<{{ m['role'] }}> {{ m['content'] }}{{ eos_token }}\n{% endfor %}\n"
+        "{% if add_generation_prompt %}<assistant> {% endif %}\n"
+    )  # fmt: skip
+
+    def both() -> tuple[str, str]:
+        ours, reference = Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+        assert ours is not None
+        messages = CONVERSATIONS[1]
+        return ours.apply_chat_template(messages), reference.apply_chat_template(messages, add_generation_prompt=True,
+                                                                                 tokenize=False)  # fmt: skip
+
+    ours, reference = both()
+    assert ours == reference == "<system> You are terse.<|im_end|>\n<user> Name a color.<|im_end|>\n<assistant> "
+    del config["chat_template"]  # the file alone
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert both() == (ours, reference)
+    config["chat_template"] = "config: {{ messages[0]['content'] }}"  # no file: the config's
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").unlink()
+    assert both() == ("config: You are terse.",) * 2

@@ -4,6 +4,7 @@ coordinator get (an uneven split and node pinning included)."""
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 import yaml
@@ -27,7 +28,11 @@ def test_example_manifest_plans_llama_70b(tmp_path: Path) -> None:
     assert len(commands) == 1 + 4 + 1
     assert "--pp 1 --tp 4 --dtype bfloat16 --kv-slots 8 --max-context 8192" in commands[0]
     assert "--store-port 29500" in commands[0] and "--label node=gpu-a --label zone=eu-west-1a" in commands[1]
-    assert commands[-1].endswith("--max-queue 256 --otlp-endpoint http://otel-collector:4317 --metrics-port 9464")
+    gateway = (
+        "--max-queue 256 --http-listen 0.0.0.0:8000 --otlp-endpoint http://otel-collector:4317 --metrics-port 9464"
+    )
+    assert commands[-1].endswith(gateway)
+    assert "--served-model-name" not in commands[-1]  # the coordinator's --model is the path as written
     assert all("--otlp-endpoint http://otel-collector:4317 --metrics-port 9464" in c for c in commands)
     up = deploy.up_args(d, argparse.Namespace())
     assert up.otlp_endpoint == "http://otel-collector:4317" and up.metrics
@@ -54,3 +59,47 @@ def test_uneven_plans_deploy_as_planned(tmp_path: Path) -> None:
     assert (up.layers, up.rank_nodes, up.rebalance) == (",".join(map(str, counts)), "a,b", "none")
     roomy = deploy.resolve(parse_manifest(manifest("48GiB")), tmp_path / "m.yaml")
     assert roomy.plan is not None and roomy.plan.even_split and "--layers" not in deploy.coordinator_flags(roomy)
+
+
+def _gateway(command: str) -> argparse.Namespace:
+    """A printed gateway command line through the gateway's own parser and checks (`shardmesh gateway`)."""
+    from gateway import app as gateway_app
+    from shardmesh_cli.main import build_parser
+
+    argv = shlex.split(command)
+    assert argv[:2] == ["shardmesh", "gateway"]
+    args = build_parser().parse_args(argv[1:])
+    gateway_app.build_config(args)
+    return args
+
+
+def test_the_gateway_command_carries_the_http_api_and_the_model_name(tmp_path: Path) -> None:
+    """`services.gateway.http_listen` and `model.served_model_name` reach the printed gateway command as the flags
+    `up --manifest` gives its gateway; without a served name, the name as written where the coordinator is given a
+    directory it resolved (a known name, a Hugging Face id)."""
+    path = str(CONFIGS / "llama-3-8b")
+
+    def gateway(model: dict, **service: object) -> argparse.Namespace:
+        data = {"model": {"path": path, **model}, "parallelism": {"pipeline": 1, "tensor": 1},
+                "services": {"coordinator": {"listen": "127.0.0.1:50051"},
+                             "gateway": {"listen": "0.0.0.0:50050", **service}}}  # fmt: skip
+        d = deploy.resolve(parse_manifest(data), tmp_path / "m.yaml")
+        return _gateway(deploy.service_commands(d)[-1])
+
+    default = gateway({})
+    assert (default.http_listen, default.served_model_name) == ("127.0.0.1:0", None)  # HTTP on, as in `up`
+    named = gateway({"served_model_name": "llama"}, http_listen="0.0.0.0:8000")
+    assert (named.http_listen, named.served_model_name) == ("0.0.0.0:8000", "llama")
+    assert gateway({}, http_listen=None).http_listen is None
+    relative = tmp_path / "models" / "llama"  # a directory relative to the manifest: the name as written
+    relative.mkdir(parents=True)
+    (relative / "config.json").write_text((CONFIGS / "llama-3-8b" / "config.json").read_text())
+    path = "models/llama"
+    assert gateway({}).served_model_name == "models/llama"
+
+
+def test_a_coordinator_on_port_0_leaves_its_port_to_fill_in_for_the_others(tmp_path: Path) -> None:
+    data = {"model": {"path": str(CONFIGS / "llama-3-8b")}, "parallelism": {"pipeline": 1, "tensor": 1}}
+    commands = deploy.service_commands(deploy.resolve(parse_manifest(data), tmp_path / "m.yaml"))
+    assert "--listen 127.0.0.1:0" in commands[0]  # it binds a free port ...
+    assert all("--coordinator 127.0.0.1:COORDINATOR_PORT" in c for c in commands[1:])  # ... the others need it

@@ -25,6 +25,7 @@ from shardmesh.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from shardmesh.proto.v1 import gateway_pb2
 from shardmesh.rpc.server import bind, new_server
 
 SERVICE = "test.v1.Probe"
@@ -72,6 +73,12 @@ class Served:
             self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {
                 "Unary": grpc.unary_unary_rpc_method_handler(self.probe.unary),
                 "Stream": grpc.unary_stream_rpc_method_handler(self.probe.stream),
+                # A method with a message type: its request bytes are parsed before the handler runs.
+                "Typed": grpc.unary_unary_rpc_method_handler(
+                    lambda request, context: request.SerializeToString(), gateway_pb2.GenerateRequest.FromString),
+                "TypedStream": grpc.unary_stream_rpc_method_handler(
+                    lambda request, context: iter([request.SerializeToString()]),
+                    gateway_pb2.GenerateRequest.FromString),
             }),))  # fmt: skip
         port = bind(self.server, "127.0.0.1:0")
         self.server.start()
@@ -168,3 +175,17 @@ def test_every_mesh_error_names_a_grpc_status_and_is_covered_above() -> None:
     for cls in (MeshError, *MeshError.__subclasses__()):
         assert cls.code in grpc.StatusCode.__members__, cls
     assert {type(e) for e, _ in REFUSALS} == set(MeshError.__subclasses__())
+
+
+@pytest.mark.parametrize("data", [b"\xff\xff\xff", b"\x0a\x02\xc3\x28", b"\x12\x05ab"],
+                         ids=["bad-wire-format", "invalid-utf8-in-a-string", "truncated"])  # fmt: skip
+def test_bytes_that_are_not_the_request_message_are_invalid_argument_not_internal(served: Served, data: bytes) -> None:
+    for call in (
+        served.channel.unary_unary(f"/{SERVICE}/Typed"),
+        lambda d, timeout: list(served.channel.unary_stream(f"/{SERVICE}/TypedStream")(d, timeout=timeout)),
+    ):
+        e = _rpc_error(lambda call=call: call(data, timeout=TIMEOUT_S))
+        assert e.code() is grpc.StatusCode.INVALID_ARGUMENT, e.details()
+        assert e.details().startswith("request: not a valid message")
+    valid = gateway_pb2.GenerateRequest(prompt="hi").SerializeToString()
+    assert served.channel.unary_unary(f"/{SERVICE}/Typed")(valid, timeout=TIMEOUT_S) == valid
