@@ -112,7 +112,7 @@ class GatewayServer:
         cfg = self.cfg
         server = rpc.new_server(SERVICE_NAME, self._health, cfg.max_message_bytes, cfg.thread_pool_size, self._log,
                                 tokens=self.api_keys)  # fmt: skip
-        servicer = GatewayServicer(self.scheduler, self._log, self.observer)
+        servicer = GatewayServicer(self.scheduler, self._log, self.observer, cfg.served_model_name)
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         self.port = rpc.bind(server, cfg.listen, cfg.tls, self._log)
         if self.observer is not None and self.observer.metrics is not None:

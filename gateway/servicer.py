@@ -75,10 +75,12 @@ class _Call:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, scheduler: Scheduler, logger: Any, observer: GatewayObserver | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, logger: Any, observer: GatewayObserver | None = None,
+                 served_model_name: str | None = None) -> None:  # fmt: skip
         self._scheduler = scheduler
         self._log = logger
         self._obs = observer
+        self._served_name = served_model_name  # the name clients know the model by (`--served-model-name`)
         memory.release_freed_memory()  # what large requests leave in the server threads' arenas (once per process)
 
     @contextlib.contextmanager
@@ -129,7 +131,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         prepared = prepare(generate, self._scheduler.serving_context(), arrival)
         if call.trace is not None:
             call.trace.prepared(started_ns, len(prepared.prompt_ids))
-            call.trace.requested(generate.input.kind, prepared, served_model(self._scheduler.snapshot()[0]))
+            model = self._served_name or served_model(self._scheduler.snapshot()[0])
+            call.trace.requested(generate.input.kind, prepared, model)
         return self._scheduler.submit(prepared, call.trace, call.trace_id)
 
     def _events(self, handle: RequestHandle, context: grpc.ServicerContext) -> Iterator[Event]:

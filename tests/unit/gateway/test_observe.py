@@ -31,8 +31,10 @@ SERVED = "tiny-org/tiny-llama"
 
 
 @pytest.fixture
-def traced(model_files: ModelFiles, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, ...]]:
-    """A gateway with tracing (into memory) and metrics on, serving a 2 × 2 fake mesh of 2 KV slots."""
+def traced(model_files: ModelFiles, monkeypatch: pytest.MonkeyPatch,
+           request: pytest.FixtureRequest) -> Iterator[tuple[Any, ...]]:  # fmt: skip
+    """A gateway with tracing (into memory) and metrics on, serving a 2 × 2 fake mesh of 2 KV slots (with
+    `--served-model-name` when parametrized indirectly with one)."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -45,7 +47,8 @@ def traced(model_files: ModelFiles, monkeypatch: pytest.MonkeyPatch) -> Iterator
     topology = state.topology
     model = dataclasses.replace(topology.model, served_model_name=SERVED)  # the coordinator's --model as given
     source.publish(dataclasses.replace(state, topology=dataclasses.replace(topology, model=model)))
-    cfg = GatewayConfig(listen="127.0.0.1:0", coordinator="unused:1", default_max_new_tokens=8, metrics_port=-1)
+    cfg = GatewayConfig(listen="127.0.0.1:0", coordinator="unused:1", default_max_new_tokens=8, metrics_port=-1,
+                        served_model_name=getattr(request, "param", None))  # fmt: skip
     server = GatewayServer(cfg, LogLines().logger, mesh_source=source)
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
@@ -69,6 +72,15 @@ def _request_span(exporter: InMemorySpanExporter, request_id: str) -> Any:
 def _genai(span: Any) -> dict[str, Any]:
     return {k: (tuple(v) if isinstance(v, tuple | list) else v) for k, v in span.attributes.items()
             if k.startswith("gen_ai.")}  # fmt: skip
+
+
+@pytest.mark.parametrize("traced", ["alias"], indirect=True)
+def test_a_served_model_name_is_the_model_on_grpc_spans_too(traced: tuple[Any, ...], model_files: ModelFiles) -> None:
+    stub, mesh, exporter, _ = traced
+    mesh.script["named"] = ids_of(model_files, "ab")
+    params = gateway_pb2.SamplingParams(max_new_tokens=2)
+    stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", request_id="named", params=params), timeout=WAIT_S)
+    assert _genai(_request_span(exporter, "named"))["gen_ai.request.model"] == "alias"  # not the coordinator's name
 
 
 def test_request_spans_carry_the_genai_attributes(traced: tuple[Any, ...], model_files: ModelFiles) -> None:
