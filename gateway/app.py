@@ -22,8 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--listen", "127.0.0.1:50050", help="host:port for the gRPC server; port 0 picks a free one")
     flag("--coordinator", required=True, help="host:port of the coordinator whose topology the gateway serves on")
     flag("--max-queue", 256, type=int, help="waiting requests before RESOURCE_EXHAUSTED (default 256)")
-    flag("--max-message-bytes", 64 * 1024 * 1024, type=int,
-         help="gRPC max send/receive message size, on the server and the worker channels (default 64 MiB)")  # fmt: skip
+    # 8 MiB: far above any request that fits a context (the prompt byte bound, gateway/tokenizing.py), and low enough
+    # that a flood of oversized messages, which gRPC receives before any check runs, keeps streams within 3x of their
+    # pace (64 MiB: 6x; bench/results/vm-2026-11-24-hostile-input.md).
+    flag("--max-message-bytes", 8 * 1024 * 1024, type=int,
+         help="gRPC max send/receive message size, on the server and the worker channels (default 8 MiB)")  # fmt: skip
     flag("--default-max-new-tokens", 256, type=int,
          help="length for requests that leave max_new_tokens at 0, capped to the context (default 256)")  # fmt: skip
     flag("--step-timeout", 120.0, type=float, help="seconds a worker may take for one step before it is lost")
