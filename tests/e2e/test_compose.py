@@ -36,6 +36,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tests.checkpoints import SMOLLM2_CONFIG
+from tests.e2e.conftest import cli_surface, subparsers
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
@@ -45,7 +46,6 @@ SUBCOMMANDS = ("coordinator", "worker", "gateway")
 GLOBAL_ENV = {"SHARDMESH_LOG_LEVEL": "shardmesh/rpc/log.py", "SHARDMESH_CACHE": "shardmesh/models/cache.py"}
 MODEL_MOUNT = "/models/model"
 HEALTHCHECK_BIN = "shardmesh-healthcheck"
-ENV_IN_HELP = re.compile(r"\[env ([A-Z0-9_]+)\]")
 SHELL_ENTRYPOINTS = (["/bin/sh", "-c"], ["sh", "-c"])
 
 # A Llama 3.2 1B-like geometry: heads that split in two, for the documented pp=2 tp=2 CUDA layout.
@@ -115,31 +115,6 @@ def test_compose_parser_refuses_a_broken_file(compose_bin: Path, tmp_path: Path)
 
 
 # -- the CLI's surface: flags and the variables the flag helpers derive ---------------------------------
-
-
-def subparsers() -> dict[str, argparse.ArgumentParser]:
-    from shardmesh_cli.main import build_parser
-
-    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
-
-
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """No SHARDMESH_* setting of this process leaks into a parser (the flag helpers read os.environ)."""
-    for key in list(os.environ):
-        if key.startswith("SHARDMESH_"):
-            monkeypatch.delenv(key)
-    return monkeypatch
-
-
-def cli_surface(sub: str) -> tuple[set[str], set[str]]:
-    """(option strings, SHARDMESH_* variables) of `shardmesh SUB`, the variables as the helpers name
-    them in each flag's help ("... [env SHARDMESH_WORKER_LISTEN]")."""
-    parser = subparsers()[sub]
-    options = {s for a in parser._actions for s in a.option_strings}
-    env = {m for a in parser._actions for m in ENV_IN_HELP.findall(a.help or "")}
-    return options, env
 
 
 def test_cli_surface_names_env_vars(clean_env: pytest.MonkeyPatch) -> None:

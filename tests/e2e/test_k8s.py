@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from tests.checkpoints import SMOLLM2_CONFIG
+from tests.e2e.conftest import cli_surface
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -38,7 +39,6 @@ SUBCOMMANDS = ("coordinator", "worker", "gateway")
 KUBERNETES_VERSIONS = ("1.25", "1.37")  # the oldest and the newest schemas kubernetes-validate ships
 GLOBAL_ENV = {"SHARDMESH_LOG_LEVEL"}  # read by every service (shardmesh/rpc/log.py)
 OTHER_ENV = {"POD_NAME", "POD_NAMESPACE", "POD_IP", "OMP_NUM_THREADS", "HOME"}  # the pods' own, not shardmesh flags
-ENV_IN_HELP = re.compile(r"\[env ([A-Z0-9_]+)\]")
 FIELDS = {"metadata.name": "shardmesh-worker-0", "metadata.namespace": "shardmesh", "status.podIP": "10.1.2.3"}
 HEALTHCHECK = "shardmesh-healthcheck"
 
@@ -165,30 +165,6 @@ def test_the_schemas_refuse_a_broken_object() -> None:
 
 
 # -- the CLI's surface --------------------------------------------------------------------------------------------
-
-
-def subparsers() -> dict[str, argparse.ArgumentParser]:
-    from shardmesh_cli.main import build_parser
-
-    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
-
-
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """No SHARDMESH_* setting of this process leaks into a parser (the flag helpers read os.environ)."""
-    import os
-
-    for key in list(os.environ):
-        if key.startswith("SHARDMESH_"):
-            monkeypatch.delenv(key)
-    return monkeypatch
-
-
-def cli_surface(sub: str) -> tuple[set[str], set[str]]:
-    parser = subparsers()[sub]
-    return ({s for a in parser._actions for s in a.option_strings},
-            {m for a in parser._actions for m in ENV_IN_HELP.findall(a.help or "")})  # fmt: skip
 
 
 def surface_problems(objs: list[dict[str, Any]]) -> list[str]:
