@@ -509,12 +509,9 @@ class Registry:
                            tp_rank=want[0] % self._tp, ahead=want[1])  # fmt: skip
         for rank, old, new in moves:
             why = "draining" if views[old].draining else "lost"
+            sends = self._send_kv_along(rank, old, new, views[old])
             self._emit("slot_handed_over", rank=rank, stage=rank // self._tp, tp_rank=rank % self._tp, old=old,
-                       new=new, reason=why, kv_from=old if self._can_send_kv(views[old]) else None)  # fmt: skip
-            if self._can_send_kv(views[old]):
-                self._kv_from[rank] = (old, new)
-            else:
-                self._kv_from.pop(rank, None)
+                       new=new, reason=why, kv_from=old if sends else None)  # fmt: skip
         self._maybe_replan(views, by_seq)
         for worker_id, record in self._workers.items():  # what each drain waits for
             if record.draining:
@@ -538,8 +535,7 @@ class Registry:
             if views[move.new].prepared_rank != move.rank:
                 return move.new, move.rank
             self._slots = (*self._slots[: move.rank], move.new, *self._slots[move.rank + 1 :])
-            if views[move.old].reported is ShardState.READY:
-                self._kv_from[move.rank] = (move.old, move.new)
+            self._send_kv_along(move.rank, move.old, move.new, views[move.old])
             self._emit("slot_moved", rank=move.rank, stage=move.rank // self._tp, tp_rank=move.rank % self._tp,
                        old=move.old, new=move.new, reason="faster", gain=round(move.gain, 2))  # fmt: skip
             self._set_detail(move.new, "")
@@ -571,12 +567,16 @@ class Registry:
         return move.new, move.rank
 
     def _fits_memory(self, slots: placement.Slots) -> bool:
-        """Whether every holder in `slots` can hold its shard, by the planner's memory model (always, without one)."""
+        """Whether every holder in `slots` can hold its shard of the current split (always, without a memory model)."""
+        return not self._memory_refusal(self._pp, self._split, slots)
+
+    def _memory_refusal(self, pp: int, split: placement.Split, slots: placement.Slots) -> str:
+        """Why the holders in `slots` cannot hold `split` on `pp` stages by the planner's memory model; "" if they
+        can, or when there is no model to ask."""
         if self._memory_check is None:
-            return True
+            return ""
         devices = [self._workers[w].device for w in slots if w is not None]
-        return not self._memory_check(self._pp, self._split, [d.memory_bytes for d in devices],
-                                      [d.type for d in devices])  # fmt: skip
+        return self._memory_check(pp, split, [d.memory_bytes for d in devices], [d.type for d in devices])
 
     def _set_detail(self, worker_id: str, detail: str) -> None:
         record = self._workers.get(worker_id)
@@ -635,8 +635,7 @@ class Registry:
         """Serve on `pp` stages of the first workers of `usable`, if their memory holds it; else say why not."""
         split = self._target[1] if pp == self._target[0] else tuple(split_layers(self._model.num_layers, pp))
         slots = tuple(usable[: pp * self._tp])
-        devices = [self._workers[w].device for w in slots]
-        why = self._memory_check(pp, split, [d.memory_bytes for d in devices], [d.type for d in devices])  # type: ignore[misc]
+        why = self._memory_refusal(pp, split, slots)
         if why:
             return why
         self._emit("replanned", reason=reason, old_pp=self._pp, new_pp=pp, old=[list(r) for r in self._split],
@@ -690,11 +689,15 @@ class Registry:
         self._emit("placement_adopted", epoch=epoch, carried_over=self._calibration is not None)
         return epoch
 
-    @staticmethod
-    def _can_send_kv(old: placement.WorkerView) -> bool:
-        """Whether a slot's old holder can still send its KV cache to the new one: it is leaving in order (a drain),
-        alive and was serving. A lost holder's cache is gone with it: the gateway replays instead."""
-        return old.draining and not old.timed_out and old.reported is ShardState.READY
+    def _send_kv_along(self, rank: int, old: str, new: str, holder: placement.WorkerView) -> bool:
+        """A slot moved from `old` to `new`: name `old` as the new holder's KV source (ShardAssignment.kv_from) when it
+        is alive and was serving (a drain, a move onto a faster worker); returns whether it was named. A lost
+        holder's cache is gone with it: the gateway replays instead."""
+        if holder.timed_out or holder.reported is not ShardState.READY:
+            self._kv_from.pop(rank, None)
+            return False
+        self._kv_from[rank] = (old, new)
+        return True
 
     def _prune_kv_from(self) -> None:
         """Forget a hand-over's KV source once it can no longer matter: the new holder left the slot or reported

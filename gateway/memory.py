@@ -16,13 +16,12 @@ Elsewhere than on glibc (musl, macOS) this does nothing.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import ctypes.util
 import threading
 from typing import Any
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+from shardmesh.rpc.malloc import M_MMAP_THRESHOLD, libc
+
 MMAP_THRESHOLD = 1024 * 1024
 CHECK_S = 1.0
 GROWTH_BYTES = 64 * 1024 * 1024
@@ -40,12 +39,11 @@ class _MallInfo2(ctypes.Structure):
 
 def glibc() -> Any | None:
     """The C library when it is a glibc with malloc_trim and mallinfo2, else None."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        if all(hasattr(libc, f) for f in ("malloc_trim", "mallopt", "mallinfo2")):
-            libc.mallinfo2.restype = _MallInfo2
-            return libc
-    return None
+    c = libc()
+    if c is None or not all(hasattr(c, f) for f in ("malloc_trim", "mallopt", "mallinfo2")):
+        return None
+    c.mallinfo2.restype = _MallInfo2
+    return c
 
 
 def free_in_arenas(libc: Any) -> int:

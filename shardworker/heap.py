@@ -18,33 +18,18 @@ what they leave free is handed back before the steps start.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
-import sys
 from collections.abc import Iterator
 
-# mallopt(3) parameters, from glibc's malloc.h.
-_M_TRIM_THRESHOLD = -1
-_M_TOP_PAD = -2
-_M_MMAP_THRESHOLD = -3
+from shardmesh.rpc import malloc
+from shardmesh.rpc.malloc import M_MMAP_THRESHOLD, M_TOP_PAD, M_TRIM_THRESHOLD
 
 TRIM_THRESHOLD = 1 << 30  # free heap top the process keeps rather than returns
 MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks up to this come from the heap, not their own mapping
 TOP_PAD = 64 << 20  # grow the heap in steps of this much, not one block's size at a time
-_SERVING = ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD), (_M_TOP_PAD, TOP_PAD))
+_SERVING = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
 # glibc's initial values: blocks over 128 KiB get their own mapping, a free heap top over 128 KiB is returned.
-_LOADING = ((_M_MMAP_THRESHOLD, 128 << 10), (_M_TRIM_THRESHOLD, 128 << 10), (_M_TOP_PAD, 0))
+_LOADING = ((M_MMAP_THRESHOLD, 128 << 10), (M_TRIM_THRESHOLD, 128 << 10), (M_TOP_PAD, 0))
 _kept = False  # whether keep_freed_memory succeeded in this process
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
 
 
 def keep_freed_memory() -> bool:
@@ -68,14 +53,14 @@ def loading() -> Iterator[None]:
     try:
         yield
     finally:
-        libc = _libc()
+        libc = malloc.libc()
         if libc is not None:
             libc.malloc_trim(0)
         _mallopt(_SERVING)
 
 
 def _mallopt(settings: tuple[tuple[int, int], ...]) -> bool:
-    libc = _libc()
+    libc = malloc.libc()
     with contextlib.suppress(AttributeError):
         return libc is not None and all(libc.mallopt(param, value) == 1 for param, value in settings)
     return False

@@ -342,7 +342,7 @@ class StageWorkerCore:
         # lost peer, and the next epoch heals it.)
         store = dist.TCPStore(r.host, r.port, None, False, timeout=self.backend.timeout)
         caches, self._kept = self._kept, None  # `apply` kept them only if they fit `p`
-        fresh = caches is None or not (caches.slots or caches.lengths)
+        fresh = caches is None or not caches.slots  # holds no sequence: prepared ahead, or new
         caches = caches or self._new_caches(_cache_key(p), p.stage == p.num_stages - 1, p.limits, model)
         transfer = (p.kv_from, self.worker_id, p.rank)
         if p.kv_from and p.kv_from != self.worker_id and fresh and transfer not in self._transfers:
@@ -456,6 +456,8 @@ class StageWorkerCore:
     def _step(self, topology_version: int, entries: list[StepEntry]) -> StepResult:
         rt = self._ready(topology_version)
         self._validate(rt, entries)
+        p = rt.placement
+        computed = [e for e in entries if e.computed_by(p.stage, p.num_stages)]
         with self._slots_lock:
             for e in entries:
                 if (
@@ -465,10 +467,7 @@ class StageWorkerCore:
                 ):
                     rt.seeds[e.request_id] = random_seed()  # a gateway sends seeds; this covers clients that do not
                 rt.slots[e.slot] = e.request_id
-        p = rt.placement
-        computed = [e for e in entries if e.computed_by(p.stage, p.num_stages)]
-        with self._slots_lock:  # how far each slot's cache is written here: what a hand-over sends
-            for e in computed:
+            for e in computed:  # how far each slot's cache is written here: what a hand-over sends
                 end, held = e.start_pos + e.num_tokens, rt.caches.lengths.get(e.slot, 0)
                 rt.caches.lengths[e.slot] = end if e.start_pos == 0 else max(end, held)
         batch = BatchLayout.build([Segment(e.slot, e.start_pos, e.num_tokens) for e in computed], self.device) \
@@ -637,6 +636,7 @@ class StageWorkerCore:
             # the cache gets a new id, reported before this answer, and the gateway replays those sequences.
             with self._slots_lock:
                 rt.caches.slots.clear()
+                rt.caches.lengths.clear()
                 rt.caches.seeds.clear()
                 rt.caches.cache_id = _new_cache_id()
             self.on_cache_reset()
