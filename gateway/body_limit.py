@@ -13,7 +13,11 @@ grow its memory without limit. Here:
 
 A refused body is still received, up to `MAX_BODY_BYTES`, and dropped as it comes (no memory is spent on it): a
 client that is still sending when the answer comes and the connection closes would see the connection reset
-instead of the answer. A longer one is cut off.
+instead of the answer. A longer one is cut off. Refused bodies are read at `DRAIN_BYTES_PER_S` at most, all of them
+together: receiving a body costs the interpreter lock about 2 ms per MiB, so a flood of oversized requests read at
+the network's pace would take that lock from every stream of the gateway (a stream's longest pause up to 3x its
+usual one under 50 bodies of 16 MiB); read at this pace, it takes a few percent of a core, and the flood's senders
+wait for their answers instead of the streams.
 
 The gateway's memory for request bodies is therefore at most `budget_bytes`, about twice that while they are
 parsed, whatever the number of connections.
@@ -21,8 +25,10 @@ parsed, whatever the number of connections.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,6 +38,7 @@ from shardmesh.core.errors import InvalidArgument, ResourceExhausted
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # without a served model to size it from: the gRPC API's default message limit
 BODY_BUDGET_BYTES = 256 * 1024 * 1024
+DRAIN_BYTES_PER_S = 64 * 1024 * 1024  # refused bodies, read and dropped, all requests together
 JSON_ESCAPE_BYTES = 6  # the longest JSON escape of one byte of text: a control character as \u00XX
 PER_TOKEN_ID_BYTES = 32  # a prompt of token ids as JSON: up to 6 digits, a comma, and any whitespace a client adds
 OTHER_FIELDS_BYTES = 1024 * 1024  # messages' roles and framing, stop strings, sampling fields, ...
@@ -44,13 +51,15 @@ Send = Callable[[Message], Awaitable[None]]
 
 class BodyLimit:
     def __init__(self, app: Any, max_bytes: Callable[[], int] = lambda: MAX_BODY_BYTES,
-                 budget_bytes: int = BODY_BUDGET_BYTES, logger: Any = None) -> None:  # fmt: skip
+                 budget_bytes: int = BODY_BUDGET_BYTES, logger: Any = None,
+                 drain_bytes_per_s: float = DRAIN_BYTES_PER_S) -> None:  # fmt: skip
         self.app = app
         self._max_bytes = max_bytes
         self.budget_bytes = budget_bytes
         self._log = logger
         self._lock = threading.Lock()
         self._held = 0
+        self._drain = Pace(drain_bytes_per_s)
 
     @property
     def held(self) -> int:
@@ -117,13 +126,34 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
-            dropped += len(message.get("body", b""))
+            chunk = len(message.get("body", b""))
+            dropped += chunk
             more_body = message.get("more_body", False)
+            if more_body:  # not reading stops the client at its socket's buffer: its send waits, not the streams
+                await asyncio.sleep(self._drain.wait(chunk))
         payload = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                    (b"connection", b"close")]  # fmt: skip
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
+
+
+class Pace:
+    """A rate shared by whoever asks: `wait(n)` is how long to wait before taking `n` more bytes, after those taken
+    before it (a virtual clock: no thread, no timer)."""
+
+    def __init__(self, bytes_per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.bytes_per_s = bytes_per_s
+        self._clock = clock
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+
+    def wait(self, n: int) -> float:
+        with self._lock:
+            now = self._clock()
+            start = max(now, self._free_at)
+            self._free_at = start + n / self.bytes_per_s
+            return start - now
 
 
 def max_body_bytes(model: ModelContext) -> int:

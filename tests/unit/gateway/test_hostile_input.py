@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gateway.body_limit import BodyLimit
+from gateway.body_limit import BodyLimit, Pace
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.process import GatewayConfig, GatewayServer
 from gateway.requests import (
@@ -401,6 +401,16 @@ def test_bodies_held_at_once_are_bounded() -> None:
 
     assert asyncio.run(scenario()) == [200, 429, 200]
     assert seen == [b"x" * 600, b"x" * 1000]
+
+
+def test_refused_bodies_are_read_at_one_pace_for_all_requests() -> None:
+    now = [100.0]
+    pace = Pace(1000, clock=lambda: now[0])
+    assert pace.wait(500) == 0.0  # the first bytes at once
+    assert pace.wait(500) == 0.5  # after the first 500 at 1000 bytes/s, whoever asks
+    assert pace.wait(1000) == 1.0
+    now[0] = 103.0  # idle past the last slot: nothing owed
+    assert pace.wait(10) == 0.0
 
 
 # -- a request the gateway never served, because it shut down -----------------------------------------------------
