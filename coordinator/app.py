@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from shardmesh.core.dtypes import DType
+from shardmesh.core.dtypes import QUANTIZE_HELP, DType, Quantization
 from shardmesh.core.layout import REBALANCES
 from shardmesh.models.hub import MODEL_HELP, REVISION_HELP
 from shardmesh.rpc import telemetry
@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--tp", 1, type=int, help="tensor-parallel degree per stage (default 1)")
     flag("--dtype", "float32", choices=DType.names(),
          help="weight and activation dtype the shards use (default float32)")  # fmt: skip
+    flag("--quantize", "none", choices=Quantization.names(), help=QUANTIZE_HELP)
     flag("--heartbeat-interval", 1.0, type=float, help="seconds between worker heartbeats (default 1.0)")
     flag("--heartbeat-timeout", type=float, help="seconds of silence before a worker is UNHEALTHY (default 3×interval)")
     flag("--recovery-grace", type=float, help="seconds a (re)started coordinator keeps slots for the workers "
@@ -97,7 +98,7 @@ def _listen_host(listen: str) -> str:
 
 SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_ca", "join_token_file")  # set by a manifest's services.security, if any
 # Flags a manifest sets (and which may then not be given as well); the rest (log level, heartbeats, ...) stay free.
-MANIFEST_FLAGS = ("model", "revision", "pp", "tp", "dtype", "kv_slots", "max_context", "max_batch_tokens",
+MANIFEST_FLAGS = ("model", "revision", "pp", "tp", "dtype", "quantize", "kv_slots", "max_context", "max_batch_tokens",
                   "store_port", "layers", "rank_nodes", "max_stage_ratio", "rebalance", "require_balance")  # fmt: skip
 
 
@@ -152,6 +153,8 @@ def build_config(args: argparse.Namespace) -> Any:
         raise UsageError("--model or --manifest is required")
     if args.dtype not in DType.names():  # a value from the environment skips argparse's `choices`
         raise UsageError(f"--dtype: must be one of {', '.join(DType.names())}, got {args.dtype!r}")
+    if args.quantize not in Quantization.names():
+        raise UsageError(f"--quantize: must be one of {', '.join(Quantization.names())}, got {args.quantize!r}")
     try:
         model_dir = resolve(args.model, revision=args.revision)
     except RevisionError as e:
@@ -227,7 +230,8 @@ def build_config(args: argparse.Namespace) -> Any:
     store_host = args.store_host or (socket.gethostname() if host in _WILDCARD_HOSTS else host.strip("[]"))
     # The name as given (a directory, or a model name) is what clients of the OpenAI-compatible API call the model.
     model = ModelSpec(str(model_dir.resolve()), args.dtype, cfg.architecture, cfg.num_layers, cfg.hidden_size,
-                      cfg.vocab_size, cfg.max_context, served_model_name=args.model)  # fmt: skip
+                      cfg.vocab_size, cfg.max_context, served_model_name=args.model,
+                      quantization=args.quantize)  # fmt: skip
     return CoordinatorConfig(
         listen=args.listen, model=model, pp=args.pp, tp=args.tp,
         limits=ServingLimits(args.kv_slots, max_context, max_batch), heartbeat_interval=interval,

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardmesh.core.dtypes import DType
+from shardmesh.core.dtypes import QUANTIZE_HELP, DType, Quantization
 from shardmesh.core.layout import REBALANCES
 from shardmesh.models.hub import MODEL_HELP, REVISION_HELP
 from shardmesh.rpc.flags import EXIT_USAGE, UsageError, add_client_tls_flags
@@ -97,7 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None
     stop_ids = tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else cfg.eos_token_ids
     request = OfflineRequest(ids, args.max_new_tokens, sampling, stop_ids)
-    result = generate_local(model_dir, request, args.pp, args.tp, args.dtype, args.device)
+    result = generate_local(model_dir, request, args.pp, args.tp, args.dtype, args.device, quantization=args.quantize)
     text = tokenizer.decode(result.token_ids) if tokenizer is not None else ""
     if args.json:
         out = {"token_ids": result.token_ids, "logprobs": result.logprobs, "text": text,
@@ -189,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--dtype", default="float32", choices=DType.names())
+    g.add_argument("--quantize", default="none", choices=Quantization.names(), help=QUANTIZE_HELP)
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument(
         "--json", action="store_true", help="print one JSON object: token_ids, logprobs, text, finish_reason"
@@ -251,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     u.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per stage (default 1)")
     u.add_argument("--dtype", default="float32", choices=DType.names())
+    u.add_argument("--quantize", default="none", choices=Quantization.names(), help=QUANTIZE_HELP)
     u.add_argument("--device", default="cpu", help="cpu or cuda")
     u.add_argument("--listen", default=None, help="gateway host:port (default 127.0.0.1 and a free port)")
     u.add_argument("--http-listen", default=None,

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardmesh.core.config import ModelConfig
+from shardmesh.core.dtypes import Quantization
 from shardmesh.core.layout import shard_specs
 from shardmesh.core.step import SamplingParams, Segment
 from shardmesh.engine.batch import BatchLayout
@@ -56,6 +57,7 @@ def generate_local(
     dtype: str = "float32",
     device: str = "cpu",
     timeout_s: float = 600.0,
+    quantization: str = "none",
 ) -> OfflineResult:
     """Run `request` on a fresh P × T mesh of local processes and return what the last stage sampled."""
     cfg = ModelConfig.from_dir(model_dir)
@@ -80,6 +82,7 @@ def generate_local(
                         "-m", "shardmesh_cli.offline", "--model", str(model_dir), "--pp", str(pp), "--tp", str(tp),
                         "--rank", str(rank), "--store-port", str(store.port), "--request", str(req_file),
                         "--result", str(result_file), "--dtype", dtype, "--device", device,
+                        "--quantize", quantization,
                     ]  # fmt: skip
                     log_files.append(logs[-1].open("wb"))
                     children.append(procs.spawn(args, env=env, stderr=log_files[-1]))
@@ -109,6 +112,7 @@ def _rank_main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     for name in ("--model", "--request", "--result", "--dtype", "--device"):
         ap.add_argument(name, required=True)
+    ap.add_argument("--quantize", default="none", choices=Quantization.names())
     for name in ("--pp", "--tp", "--rank", "--store-port"):
         ap.add_argument(name, type=int, required=True)
     a = ap.parse_args(argv)
@@ -131,7 +135,8 @@ def _rank_main(argv: list[str]) -> None:
     dtype = parse_dtype(a.dtype)
     max_len = len(request.input_ids) + request.max_new_tokens
     model = build_shard(a.model, spec, groups.tp, dtype=dtype, device=device, max_len=max_len,
-                        progress=a.rank == 0, cfg=cfg)  # fmt: skip
+                        progress=a.rank == 0, cfg=cfg, quantization=Quantization(a.quantize))  # fmt: skip
+    logger.info("shard_loaded", quantization=a.quantize, linear_kernels=model.linear_kernels)
     engine = StageEngine(model, groups, model.make_cache(1, dtype, device), device)
     result = _decode(engine, request, world, sampler_rank=(a.pp - 1) * a.tp, rank=a.rank, device=device)
     if a.rank == (a.pp - 1) * a.tp:

@@ -53,7 +53,8 @@ def render(t: Topology) -> str:
     lim = t.limits
     lines = [
         f"topology v{t.version} ({epoch}): pp={t.pp} tp={t.tp}, {state}",
-        f"model {t.model.path} ({t.model.dtype}, {t.model.num_layers} layers); {lim.kv_slots} KV slots × "
+        f"model {t.model.path} ({t.model.dtype}{_quantized(t.model.quantization)}, {t.model.num_layers} layers); "
+        f"{lim.kv_slots} KV slots × "
         f"{lim.max_context} tokens, {lim.max_batch_tokens} tokens per step",
         "",
         f"{'stage':>5}  {'layers':<12} {'rank':>4}  {'worker':<16} {'state':<10} address",
@@ -143,3 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if t.calibration.status is CalibrationStatus.FAILED and not args.json:
         print("the balance check failed; see the coordinator's log (event calibration_failed)", file=sys.stderr)
     return EXIT_SERVING if t.serving else EXIT_NOT_SERVING
+
+
+def _quantized(quantization: str) -> str:
+    return f", {quantization} weights" if quantization not in ("", "none") else ""

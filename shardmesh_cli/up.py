@@ -310,6 +310,8 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
         coord = ["coordinator", "--listen", mesh.coordinator, "--model", str(model_dir), "--pp", str(args.pp),
                  "--tp", str(args.tp), "--dtype", args.dtype, "--kv-slots", str(args.kv_slots),
                  "--store-port", str(store_port)]  # fmt: skip
+        if getattr(args, "quantize", "none") != "none":
+            coord += ["--quantize", args.quantize]
         if args.max_context:
             coord += ["--max-context", str(args.max_context)]
         if args.max_batch_tokens:
@@ -505,6 +507,7 @@ MANIFEST_FLAGS = {
     "layers": "the plan (nodes)", "rebalance": "placement.rebalance", "max_stage_ratio": "placement.max_stage_ratio",
     "require_balance": "placement.require_balance", "http_listen": "services.gateway.http_listen",
     "no_http": "services.gateway.http_listen", "served_model_name": "model.served_model_name",
+    "quantize": "model.quantization",
 }  # fmt: skip
 
 

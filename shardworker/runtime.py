@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardmesh.core.config import ModelConfig
+from shardmesh.core.dtypes import Quantization
 from shardmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.step import Sampled, SamplingParams, Segment, StepEntry
@@ -60,6 +61,7 @@ class Placement:
     model_path: str
     dtype: str
     kv_from: str = ""  # the serving worker this slot was handed over from: its KV cache is copied at the join
+    quantization: str = "none"
 
     @classmethod
     def of(cls, topology: Topology, worker_id: str) -> Placement | None:
@@ -69,7 +71,7 @@ class Placement:
         stage, shard = found
         spec = ShardSpec(stage.layer_start, stage.layer_end, topology.model.num_layers, shard.tp_rank, topology.tp)
         return cls(spec, stage.index, topology.pp, topology.rendezvous, topology.limits, topology.model.path,
-                   topology.model.dtype, shard.kv_from)  # fmt: skip
+                   topology.model.dtype, shard.kv_from, topology.model.quantization)  # fmt: skip
 
     @property
     def rank(self) -> int:
@@ -158,11 +160,12 @@ class _Caches:
 
 
 def _cache_key(p: Placement) -> tuple[Any, ...]:
-    return _key_of(p.spec, p.num_stages, p.model_path, p.dtype, p.limits)
+    return _key_of(p.spec, p.num_stages, p.model_path, p.dtype, p.limits, p.quantization)
 
 
-def _key_of(spec: ShardSpec, num_stages: int, model_path: str, dtype: str, limits: ServingLimits) -> tuple[Any, ...]:
-    return spec, num_stages, model_path, dtype, limits.kv_slots, limits.max_context
+def _key_of(spec: ShardSpec, num_stages: int, model_path: str, dtype: str, limits: ServingLimits,
+            quantization: str) -> tuple[Any, ...]:  # fmt: skip
+    return spec, num_stages, model_path, dtype, quantization, limits.kv_slots, limits.max_context
 
 
 KV_TRANSFER_TIMEOUT_S = 10.0  # connecting to the other side of a hand-over, and each message after that
@@ -286,18 +289,21 @@ class StageWorkerCore:
                       waited_s=round(waited, 3), seconds=round(time.perf_counter() - t0 - waited, 3))  # fmt: skip
 
     def _load(self, p: Placement) -> Transformer:
-        return self._load_shard(p.spec, p.model_path, p.dtype, p.limits.max_context)
+        return self._load_shard(p.spec, p.model_path, p.dtype, p.limits.max_context, p.quantization)
 
-    def _load_shard(self, spec: ShardSpec, model_path: str, dtype: str, max_context: int) -> Transformer:
+    def _load_shard(self, spec: ShardSpec, model_path: str, dtype: str, max_context: int,
+                    quantization: str) -> Transformer:  # fmt: skip
         m = self._model
-        if m is not None and self._loaded_spec == (spec, model_path, dtype, max_context):
+        if m is not None and self._loaded_spec == (spec, model_path, dtype, max_context, quantization):
             return m
         self._model = None  # drop the old shard before reading the new one
         cfg = ModelConfig.from_dir(model_path)
         t0 = time.perf_counter()
-        m = build_shard(model_path, spec, dtype=parse_dtype(dtype), device=self.device, max_len=max_context, cfg=cfg)
-        self.log.info("shard_loaded", seconds=round(time.perf_counter() - t0, 2), weights_bytes=_nbytes(m))
-        self._model, self._loaded_spec = m, (spec, model_path, dtype, max_context)
+        m = build_shard(model_path, spec, dtype=parse_dtype(dtype), device=self.device, max_len=max_context, cfg=cfg,
+                        quantization=Quantization.parse(quantization))  # fmt: skip
+        self.log.info("shard_loaded", seconds=round(time.perf_counter() - t0, 2), weights_bytes=_nbytes(m),
+                      quantization=quantization, linear_kernels=m.linear_kernels)  # fmt: skip
+        self._model, self._loaded_spec = m, (spec, model_path, dtype, max_context, quantization)
         return m
 
     def prepare(self, topology: Topology) -> None:
@@ -312,7 +318,7 @@ class StageWorkerCore:
         spec = ShardSpec(stage.layer_start, stage.layer_end, topology.model.num_layers, rank % topology.tp,
                          topology.tp)  # fmt: skip
         model, limits = topology.model, topology.limits
-        key = _key_of(spec, topology.pp, model.path, model.dtype, limits)
+        key = _key_of(spec, topology.pp, model.path, model.dtype, limits, model.quantization)
         if (rank, key) == (self.prepared_rank, self._prepared_key):
             return
         t0 = time.perf_counter()
@@ -320,7 +326,8 @@ class StageWorkerCore:
             self._kept = None  # another rank's cache, if any: free it before allocating this one
             try:
                 with heap.loading():
-                    loaded = self._on_compute(self._load_shard, spec, model.path, model.dtype, limits.max_context)
+                    loaded = self._on_compute(self._load_shard, spec, model.path, model.dtype, limits.max_context,
+                                              model.quantization)  # fmt: skip
                     self._kept = self._on_compute(self._new_caches, key, stage.index == topology.pp - 1, limits,
                                                   loaded)  # fmt: skip
             except Exception as e:  # the drain then hands over after its deadline; the load is tried again there
@@ -355,7 +362,7 @@ class StageWorkerCore:
 
     def _new_caches(self, key: tuple[Any, ...], last_stage: bool, limits: ServingLimits,
                     model: Transformer) -> _Caches:  # fmt: skip
-        dtype = next(model.parameters()).dtype
+        dtype = model.dtype
         kv = model.make_cache(limits.kv_slots, dtype, self.device)
         log = None
         if not last_stage:
@@ -607,6 +614,7 @@ class StageWorkerCore:
             "weights_bytes": _nbytes(model) if model is not None else 0, "kv_cache_bytes": 0,
             "total_slots": 0, "free_slots": 0, "active_sequences": 0, "placement": None, "max_context": 0,
             "kv_cache_id": "", "kv_moved_bytes": dict(self.kv_moved),
+            "linear_kernels": list(model.linear_kernels) if model is not None else [],
         }  # fmt: skip
         if rt is not None:
             kv = rt.placement.limits.kv_slots
@@ -679,4 +687,5 @@ def _relay(entries: list[StepEntry], computed: list[StepEntry], stage: int, num_
 
 
 def _nbytes(model: Transformer) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Weights, with the scales of quantized ones."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

@@ -114,6 +114,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             out.layer_start, out.layer_end = p.spec.layer_start, p.spec.layer_end
             out.tp_rank, out.tp_size = p.spec.tp_rank, p.spec.tp_size
             out.dtype = DType.parse(p.dtype).to_pb()
+            out.quantization = p.quantization
+        out.linear_kernels.extend(i["linear_kernels"])
         return out
 
     def Calibrate(self, request: worker_pb2.CalibrateRequest, context: grpc.ServicerContext) -> Any:

@@ -76,3 +76,45 @@ _HF_NAMES = {
     "float": DType.FLOAT32,
     "half": DType.FLOAT16,
 }
+
+
+QUANTIZE_HELP = (
+    "int8: the decoder layers' products held as int8 with a float32 scale per output row, made while "
+    "loading from the float checkpoint (about a quarter of float32's bytes); the embedding and LM head "
+    "stay in --dtype (default none)"
+)
+
+
+class Quantization(str, enum.Enum):
+    """How a shard's matrix products store their weights. A `str` whose value is its name.
+
+    NONE: in the serving dtype, as loaded. INT8: symmetric int8 with one float32 scale per output channel
+    (weight-only: activations stay in the serving dtype), made at load from a float checkpoint. The
+    embedding and the final norm stay in the serving dtype; so does the LM head (int8 there doubled the
+    logprob error on SmolLM2, and it is one matrix: `vocab × hidden` elements).
+    """
+
+    NONE = "none"
+    INT8 = "int8"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(q.value for q in cls)
+
+    @classmethod
+    def parse(cls, name: str) -> Quantization:
+        """The quantization called `name` ("" is none: what a peer older than the field sends); ValueError
+        listing the names otherwise."""
+        try:
+            return cls(name or cls.NONE.value)
+        except ValueError:
+            raise ValueError(f"quantization must be one of {', '.join(cls.names())}, got {name!r}") from None
+
+    def weight_bytes(self, out_features: int, in_features: int, dtype: DType) -> int:
+        """Bytes one product's weight takes on a device: int8 values plus a float32 scale per output row."""
+        if self is Quantization.INT8:
+            return out_features * in_features + 4 * out_features
+        return out_features * in_features * dtype.itemsize

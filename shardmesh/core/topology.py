@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypeVar
 
-from shardmesh.core.dtypes import DType
+from shardmesh.core.dtypes import DType, Quantization
 from shardmesh.proto.v1 import common_pb2, coordinator_pb2
 
 E = TypeVar("E", bound=enum.Enum)
@@ -60,6 +60,7 @@ class ModelSpec:
     vocab_size: int
     max_context: int
     served_model_name: str = ""  # the coordinator's --model as given; "" when not known (then `name` is the path)
+    quantization: str = "none"  # a `Quantization` name
 
     @property
     def name(self) -> str:
@@ -71,12 +72,14 @@ class ModelSpec:
             path=self.path, dtype=DType.parse(self.dtype).to_pb(), architecture=self.architecture,
             num_layers=self.num_layers, hidden_size=self.hidden_size, vocab_size=self.vocab_size,
             max_context=self.max_context, served_model_name=self.served_model_name,
+            quantization=Quantization.parse(self.quantization).value,
         )  # fmt: skip
 
     @classmethod
     def from_pb(cls, pb: common_pb2.ModelSpec) -> ModelSpec:
         return cls(pb.path, DType.from_pb(pb.dtype), pb.architecture, pb.num_layers, pb.hidden_size,
-                   pb.vocab_size, pb.max_context, pb.served_model_name)  # fmt: skip
+                   pb.vocab_size, pb.max_context, pb.served_model_name,
+                   Quantization.parse(pb.quantization).value)  # fmt: skip
 
 
 @dataclass(frozen=True)

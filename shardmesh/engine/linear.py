@@ -13,12 +13,24 @@ blocked layout does (measured, fp32, 60 distinct 576x1536 matrices, 2 threads: 9
 row, 13.4 vs 27.5 ms for 16 rows; the whole SmolLM2 step in process: 42 -> 31 ms for one sequence, 108
 -> 67 ms for 16). oneDNN packs float32 only; other CPU dtypes get the input-major layout, which is
 PyTorch's faster GEMM for few rows (SmolLM2, all weights, one token: 41 -> 28 ms, see bench/).
+
+int8 weights (`Quantization.INT8`: int8 values, one float32 scale per output row) keep the activations in
+float, so every tensor-parallel degree computes the same numbers: on a float32 CPU shard
+`torch._weight_int8pack_mm` with float32 activations (`Int8FP32Kernel`), elsewhere each weight converted to the
+activations' dtype inside the product (`Int8DequantKernel`). Both save memory, not time: on this machine's
+CPUs they are slower than float32's packed product (all SmolLM2 products, one row: 58 and 100 ms against
+22). The fast one, `Int8BF16Kernel` (the same op with bfloat16 activations, 10.5 ms on a CPU with native
+bfloat16), rounds each row-parallel partial sum to bfloat16 before the all-reduce adds them, so tp=3 and
+tp=1 differ (a greedy token flipped at a near-tie on SmolLM2): it is not chosen, only named.
+`SHARDMESH_LINEAR_KERNEL` names a kernel to use instead of the one chosen.
 """
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,30 +47,41 @@ PACK_ROWS = 16
 class LinearKernel(ABC):
     """One way to compute Y = X Wᵀ + b, W being (out, in) as checkpoints store it.
 
-    `prepare` re-stores a loaded weight, once, in the layout this kernel reads (same values); `__call__`
-    multiplies by a prepared weight; `dense` gives a prepared weight's (out, in) values back.
+    `prepare` re-stores a loaded weight, once, in the layout this kernel reads (same values), and
+    `prepare_scale` its scale (quantized kernels); `__call__` multiplies by a prepared weight; `dense` gives a
+    prepared weight's (out, in) values back. `name` is what logs and `status` call it.
     """
+
+    name = "dense"
+    quantized = False  # reads int8 weights with a scale per output row
 
     def prepare(self, weight: Tensor) -> Tensor:
         return weight
 
-    def dense(self, weight: Tensor) -> Tensor:
+    def prepare_scale(self, scale: Tensor) -> Tensor:
+        return scale
+
+    def dense(self, weight: Tensor, scale: Tensor | None = None) -> Tensor:
         return weight
 
     @abstractmethod
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor: ...
+    def __call__(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None
+    ) -> Tensor: ...
 
 
 class DenseKernel(LinearKernel):
     """`F.linear` on the weight as loaded: CUDA, and every product before the loader chooses a kernel."""
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
 
 
 class InputMajorKernel(DenseKernel):
     """`F.linear` on W re-stored as the transpose of a contiguous (in, out) array: same shape and values,
     only the memory order changes, so `W.t()` in `F.linear`'s `x @ W.t()` is contiguous (CPU, not float32)."""
+
+    name = "input-major"
 
     def prepare(self, weight: Tensor) -> Tensor:
         return weight.t().contiguous().t()
@@ -67,22 +90,99 @@ class InputMajorKernel(DenseKernel):
 class OneDNNPackedKernel(LinearKernel):
     """oneDNN's inner product on W packed into its blocked layout for `PACK_ROWS` rows (CPU, float32)."""
 
+    name = "onednn-packed"
+
     def prepare(self, weight: Tensor) -> Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
 
-    def dense(self, weight: Tensor) -> Tensor:
+    def dense(self, weight: Tensor, scale: Tensor | None = None) -> Tensor:
         return weight.to_dense()  # a copy
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+class Int8DequantKernel(LinearKernel):
+    """Y = (X Qᵀ) · s + b, Q converted to X's dtype inside the product: activations stay as they are, so every
+    tensor-parallel degree computes the same numbers as a float product of the dequantized weight (CUDA, and
+    CPUs without native bfloat16)."""
+
+    name = "int8-dequant"
+    quantized = True
+
+    def dense(self, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+        assert scale is not None
+        return weight.float() * scale.float()[:, None]
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+        assert scale is not None
+        y = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
+        return y + bias if bias is not None else y
+
+
+class Int8FP32Kernel(Int8DequantKernel):
+    """`torch._weight_int8pack_mm` with float32 activations and scales: float32 in, float32 out (CPU, float32)."""
+
+    name = "int8-fp32"
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+        assert scale is not None
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch._weight_int8pack_mm(rows, weight, scale).reshape(*x.shape[:-1], weight.shape[0])
+        return y + bias if bias is not None else y
+
+
+class Int8BF16Kernel(Int8DequantKernel):
+    """`torch._weight_int8pack_mm`: X in bfloat16 times int8 Q, float32 accumulation, times s, rounded to
+    bfloat16 (CPUs with native bfloat16). Weight-only: the activations are rounded to bfloat16 on the way in
+    and the product on the way out, elementwise, the same at every tensor-parallel degree except the partial
+    sums of row-parallel products, each rounded before they are added."""
+
+    name = "int8-bf16"
+
+    def prepare_scale(self, scale: Tensor) -> Tensor:
+        return scale.to(torch.bfloat16)
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+        assert scale is not None
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = torch._weight_int8pack_mm(rows, weight, scale).to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        return y + bias if bias is not None else y
+
+
 DENSE = DenseKernel()
+KERNELS: dict[str, type[LinearKernel]] = {
+    k.name: k
+    for k in (DenseKernel, InputMajorKernel, OneDNNPackedKernel, Int8DequantKernel, Int8FP32Kernel, Int8BF16Kernel)
+}
+KERNEL_ENV = "SHARDMESH_LINEAR_KERNEL"
 
 
-def choose_kernel(dtype: torch.dtype, device: torch.device | str) -> LinearKernel:
-    """The kernel for every product of a shard in `dtype` on `device` (the module docstring says why)."""
-    if torch.device(device).type != "cpu":
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16), from its flags: the same
+    torch build runs on hosts with and without them."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def choose_kernel(dtype: torch.dtype, device: torch.device | str, quantized: bool = False) -> LinearKernel:
+    """The kernel for the products of a shard in `dtype` on `device`, int8 ones when `quantized` (the module
+    docstring says why); `SHARDMESH_LINEAR_KERNEL` overrides, if it reads the same weights."""
+    override = os.environ.get(KERNEL_ENV)
+    if override:
+        if override not in KERNELS:
+            raise ValueError(f"{KERNEL_ENV}={override!r}: expected one of {', '.join(KERNELS)}")
+        kernel = KERNELS[override]()
+        if kernel.quantized == quantized:
+            return kernel
+    cpu = torch.device(device).type == "cpu"
+    if quantized:
+        return Int8FP32Kernel() if cpu and dtype == torch.float32 else Int8DequantKernel()
+    if not cpu:
         return DENSE
     if dtype == torch.float32 and torch.backends.mkldnn.is_available():
         return OneDNNPackedKernel()
@@ -90,16 +190,40 @@ def choose_kernel(dtype: torch.dtype, device: torch.device | str) -> LinearKerne
 
 
 class LinearProduct(nn.Module):
-    """A module whose product with `weight` is computed by `kernel`, `DENSE` until the loader picks one."""
+    """A module whose product with `weight` is computed by `kernel`, `DENSE` until the loader picks one.
+
+    A quantized product's `weight` holds int8 values and `weight_scale` one float32 scale per output row
+    (None for a float product): W = weight · weight_scale, row by row.
+    """
 
     weight: nn.Parameter
+    weight_scale: Tensor | None
     kernel: LinearKernel = DENSE
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("weight_scale", None)
 
     def use_kernel(self, kernel: LinearKernel) -> None:
         """Re-store `weight` for `kernel` and multiply with it from now on; the original is freed as its
         replacement is assigned, so a model re-stored module by module holds one extra matrix at most."""
+        if kernel.quantized != (self.weight_scale is not None):
+            raise ValueError(f"kernel {kernel.name} does not read {self.weight.dtype} weights")
         self.weight = nn.Parameter(kernel.prepare(self.weight.detach()), requires_grad=False)
+        if self.weight_scale is not None:
+            self.weight_scale = kernel.prepare_scale(self.weight_scale)
         self.kernel = kernel
+
+    def product(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        return self.kernel(x, self.weight, bias, self.weight_scale)
+
+
+def quantize_rows(weight: Tensor, row_absmax: Tensor) -> tuple[Tensor, Tensor]:
+    """(float32 scales (out,), int8 values (out, in)) with weight ≈ values · scale row by row; an all-zero row
+    gets the smallest scale (its values are 0 whatever it is)."""
+    scale = (row_absmax.float() / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(weight.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return scale, q
 
 
 @dataclass(frozen=True)
@@ -122,4 +246,4 @@ class Linear(LinearProduct, nn.Linear):
         self.blocks = blocks
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.kernel(x, self.weight, self.bias)
+        return self.product(x, self.bias)

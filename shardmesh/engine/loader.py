@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from shardmesh.core.config import ModelConfig
-from shardmesh.core.dtypes import DType
+from shardmesh.core.dtypes import DType, Quantization
 from shardmesh.core.layout import ShardSpec
 from shardmesh.engine.groups import Collective, UnboundGroup
-from shardmesh.engine.linear import Linear, LinearProduct, choose_kernel
+from shardmesh.engine.linear import Linear, LinearProduct, choose_kernel, quantize_rows
 from shardmesh.engine.model import Transformer
-from shardmesh.engine.reads import read_tensors
-from shardmesh.engine.tp import apply_tp, checkpoint_index
+from shardmesh.engine.reads import read_tensors, row_absmax
+from shardmesh.engine.tp import VocabParallelHead, apply_tp, checkpoint_index
 from shardmesh.models.checkpoint import Checkpoint, TensorRead
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
@@ -97,9 +97,14 @@ def build_shard(
     max_len: int | None = None,
     progress: bool = True,
     cfg: ModelConfig | None = None,
+    quantization: Quantization = Quantization.NONE,
 ) -> Transformer:
     """Load layers `spec.layers` (and tensor slice `spec.tp_rank`) of the checkpoint in `model_dir`, with
-    every product computed by the kernel `linear.choose_kernel` picks for `dtype` on `device`."""
+    every product computed by the kernel `linear.choose_kernel` picks for `dtype` on `device`.
+
+    With `Quantization.INT8` the decoder layers' products are quantized as each is read (`_Int8`): the shard
+    never holds more than one of them in float.
+    """
     cfg = cfg or ModelConfig.from_dir(model_dir)
     if spec.num_layers != cfg.num_layers:
         raise ValueError(f"shard spec says {spec.num_layers} layers but config.json has {cfg.num_layers}")
@@ -108,14 +113,44 @@ def build_shard(
         raise ValueError(f"group is rank {tp.rank} of {tp.size} but the spec says {spec.tp_rank} of {spec.tp_size}")
     ckpt = Checkpoint(model_dir)
     model, reads = meta_shard(cfg, spec, tp, max_len)
-    tensors = read_tensors(ckpt, reads, dtype, device, progress)
+    for p in model.parameters():
+        p.requires_grad_(False)  # before loading: an int8 tensor cannot be a parameter that requires grad
+    int8 = _Int8(ckpt, model) if quantization is Quantization.INT8 else None
+    tensors = read_tensors(ckpt, reads, dtype, device, progress, finish=int8)
     model.load_state_dict(tensors, strict=True, assign=True)
     del tensors  # the model holds them now; no second reference may outlive `use_kernel`'s copies
-    for p in model.parameters():
-        p.requires_grad_(False)
-    kernel = choose_kernel(dtype, device)
-    for module in model.modules():
+    kernels = {False: choose_kernel(dtype, device), True: choose_kernel(dtype, device, quantized=True)}
+    for name, module in model.named_modules():
         if isinstance(module, LinearProduct):
-            module.use_kernel(kernel)  # one matrix at a time: each original is freed as its copy replaces it
+            if int8 is not None and f"{name}.weight" in int8.scales:
+                module.weight_scale = int8.scales.pop(f"{name}.weight")
+            module.use_kernel(kernels[module.weight_scale is not None])  # one matrix at a time, as above
     model.init_buffers(device)
+    model.linear_kernels = sorted({m.kernel.name for m in model.modules() if isinstance(m, LinearProduct)})
     return model.eval()
+
+
+def quantized_products(model: Transformer) -> set[str]:
+    """The weights `Quantization.INT8` stores as int8: every product of the decoder layers. The embedding is a
+    lookup, and the LM head stays in the serving dtype (int8 there raised SmolLM2's logprob error by a third)."""
+    return {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if isinstance(module, LinearProduct) and not isinstance(module, VocabParallelHead) and name != "lm_head"
+    }
+
+
+class _Int8:
+    """`read_tensors`' finish step: each quantized product, as soon as it is read, to int8 values (returned, for
+    the model to load) and a float32 scale per output row (kept in `scales` for `build_shard` to attach)."""
+
+    def __init__(self, ckpt: Checkpoint, model: Transformer) -> None:
+        self.ckpt = ckpt
+        self.names = quantized_products(model)
+        self.scales: dict[str, torch.Tensor] = {}
+
+    def __call__(self, target: str, reads: list[TensorRead], loaded: torch.Tensor) -> torch.Tensor:
+        if target not in self.names:
+            return loaded
+        self.scales[target], q = quantize_rows(loaded, row_absmax(self.ckpt, reads, loaded))
+        return q

@@ -214,6 +214,12 @@ class Transformer(nn.Module):
         # Rope tables are derived data, rebuilt on the real device after loading (see `init_buffers`).
         self.rope_cos: Tensor | None = None
         self.rope_sin: Tensor | None = None
+        self.linear_kernels: list[str] = []  # the names of the kernels the loader chose for the products
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The serving dtype: activations, norms, embedding (quantized products hold int8 weights)."""
+        return next(p.dtype for p in self.parameters() if p.is_floating_point())
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.rope_cos, self.rope_sin = (t.to(device) for t in rope_tables(self.cfg, self.max_len))

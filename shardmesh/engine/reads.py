@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,24 +28,34 @@ def target_shapes(reads: list[TensorRead]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# A finished target, its reads and the tensor they filled -> what the shard keeps of it.
+Finish = Callable[[str, list[TensorRead], torch.Tensor], torch.Tensor]
+
+
 def read_tensors(
     ckpt: Checkpoint,
     reads: list[TensorRead],
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    finish: Finish | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Each target parameter, in `dtype` on `device`, filled block by block from its reads.
+    """Each target parameter, in `dtype` on `device`, filled block by block from its reads, then passed
+    through `finish` (a quantizer) as soon as its last read is done.
 
     Shapes are checked against what the model expects first (headers only). Each target is allocated
     once and every slice is copied straight into its rows, converting the dtype on the way, so next to
-    the shard's own bytes at most one slice and its mapped file pages are alive at a time.
+    the shard's own bytes at most one slice and its mapped file pages are alive at a time (and with
+    `finish`, one target as read next to what it is turned into).
     """
     ckpt.check(reads)
     by_file: dict[Path, list[TensorRead]] = defaultdict(list)
+    by_target: dict[str, list[TensorRead]] = defaultdict(list)
     for r in reads:
         by_file[ckpt.info(r.source).file].append(r)
+        by_target[r.target].append(r)
     shapes = target_shapes(reads)
+    left = {target: len(rs) for target, rs in by_target.items()}
     out: dict[str, torch.Tensor] = {}
     total = sum(r.numel for r in reads) * dtype.itemsize
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading shard", delay=1.0, disable=not progress)
@@ -55,7 +66,40 @@ def read_tensors(
                     out[r.target] = torch.empty(shapes[r.target], dtype=dtype, device=device)
                 _read_into(out[r.target][r.row : r.row + r.shape[0]], path, r)
                 bar.update(r.numel * dtype.itemsize)
+                left[r.target] -= 1
+                if finish is not None and not left[r.target]:
+                    out[r.target] = finish(r.target, by_target[r.target], out[r.target])
     return out
+
+
+ABSMAX_CHUNK_BYTES = 64 * 1024 * 1024  # of float32 rows at a time, when whole rows are read for their maxima
+
+
+def row_absmax(ckpt: Checkpoint, reads: list[TensorRead], loaded: torch.Tensor) -> torch.Tensor:
+    """Each row of a 2-D target: its largest |value| over the whole checkpoint row, in float32.
+
+    A read of whole rows (a column-parallel slice, the whole tensor) has them in `loaded` already; a read of
+    some columns (a row-parallel slice) reads its rows whole from the file, a chunk at a time, so a rank
+    knows the maximum of the columns it does not hold.
+    """
+    parts = []
+    for r in reads:
+        rows = r.index[0] if r.index is not None else slice(None)
+        whole_rows = r.index is None or all(s == slice(None) for s in r.index[1:])
+        if whole_rows:
+            parts.append(loaded[r.row : r.row + r.shape[0]].float().abs().amax(1))
+            continue
+        path = ckpt.info(r.source).file
+        start, stop, _ = rows.indices(r.full_shape[0])
+        step = max(1, ABSMAX_CHUNK_BYTES // (4 * max(1, r.full_shape[1])))
+        try:
+            with safe_open(os.fspath(path), framework="pt") as f:
+                sl = f.get_slice(r.source)
+                for a in range(start, stop, step):
+                    parts.append(sl[a : min(a + step, stop)].to(loaded.dtype).float().abs().amax(1))
+        except Exception as e:  # safetensors raises its own error types
+            raise CheckpointError(f"{path}: tensor '{r.source}': cannot read: {e}") from None
+    return torch.cat(parts).to(loaded.device)
 
 
 def _read_into(dst: torch.Tensor, path: Path, r: TensorRead) -> None:

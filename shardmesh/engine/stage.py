@@ -37,7 +37,7 @@ class StageEngine:
             raise ValueError("model layer range and pipeline position disagree")
         self.model, self.groups, self.cache, self.device = model, groups, cache, device
         self.log = log  # what this stage sent on, kept for replays (`ActivationLog`); never on the last stage
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = model.dtype
 
     @property
     def is_first(self) -> bool:

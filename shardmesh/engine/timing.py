@@ -71,7 +71,7 @@ def _inputs(model: Transformer, n: int, gen: torch.Generator, device: torch.devi
     """(what the stage's forward takes, what its layers take): ids and their embeddings on the first
     stage, the same random hidden states (at the scale of real activations) elsewhere."""
     cfg = model.cfg
-    dtype = next(model.parameters()).dtype
+    dtype = model.dtype
     hidden = (torch.randn(n, cfg.hidden_size, generator=gen) * 0.5).to(device=device, dtype=dtype)
     if model.model.embed_tokens is None:
         return hidden, hidden

@@ -54,7 +54,7 @@ class ColumnParallelLinear(LinearProduct):
             self.checkpoint_index["bias"] = tuple(_rows(s, n, 1) for s, n in ranges)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.kernel(x, self.weight, self.bias)
+        return self.product(x, self.bias)
 
 
 class RowParallelLinear(LinearProduct):
@@ -77,7 +77,7 @@ class RowParallelLinear(LinearProduct):
             self.checkpoint_index["bias"] = ((slice(None),),)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.group.all_reduce(self.kernel(x, self.weight))
+        y = self.group.all_reduce(self.product(x))
         return y + self.bias if self.bias is not None else y
 
 
@@ -113,7 +113,7 @@ class VocabParallelHead(LinearProduct):
         self.checkpoint_index: dict[str, tuple[Index, ...]] = {"weight": (_rows(self.start, self.end - self.start, 2),)}
 
     def forward(self, x: Tensor) -> Tensor:
-        local = self.kernel(x, self.weight)
+        local = self.product(x)
         pad = self.chunk - local.shape[-1]
         if pad:
             local = F.pad(local, (0, pad))

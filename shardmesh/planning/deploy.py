@@ -155,6 +155,7 @@ def up_args(d: Deployment, base: argparse.Namespace) -> argparse.Namespace:
     out = argparse.Namespace(**vars(base))
     out.model = str(d.model.path)
     out.pp, out.tp, out.dtype = d.pp, d.tp, d.dtype
+    out.quantize = m.model.quantization
     out.device = m.services.worker.device
     gateway, coordinator = m.services.gateway.listen, m.services.coordinator.listen
     out.listen = gateway if address_port(gateway) else None  # port 0: `up` picks a free one
@@ -208,10 +209,13 @@ def coordinator_flags(d: Deployment) -> list[str]:
     very flags, so the file and the printed command line cannot drift apart)."""
     m, lim, p = d.manifest, d.limits, d.manifest.placement
     flags = ["--listen", m.services.coordinator.listen, "--model", str(d.model.path), "--pp", str(d.pp),
-             "--tp", str(d.tp), "--dtype", d.dtype, "--kv-slots", str(lim.kv_slots), "--max-context",
+             "--tp", str(d.tp), "--dtype", d.dtype, "--kv-slots", str(lim.kv_slots),
+             "--max-context",
              str(lim.max_context), "--max-batch-tokens", str(lim.max_batch_tokens), "--store-port",
              str(m.services.coordinator.store_port), "--max-stage-ratio", f"{p.max_stage_ratio:g}",
              "--rebalance", p.rebalance]  # fmt: skip
+    if m.model.quantization != "none":
+        flags += ["--quantize", m.model.quantization]
     if p.require_balance:
         flags.append("--require-balance")
     layers, nodes = d.layers_flag(), d.rank_nodes_flag()

@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 from pydantic_core import PydanticCustomError
 
-from shardmesh.core.dtypes import DType
+from shardmesh.core.dtypes import DType, Quantization
 from shardmesh.planning.units import parse_bytes
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "compose" / "manifest.schema.json"
@@ -117,6 +117,10 @@ class ModelSection(_Section):
     dtype: Literal[DType.names()] = Field(  # type: ignore[valid-type]  # the enum's names: one JSON Schema "enum"
         "float32", description="dtype weights and KV cache are held in (the checkpoint is converted while loading)"
     )
+    quantization: Literal[Quantization.names()] = Field(  # type: ignore[valid-type]
+        "none", description="int8: the decoder layers' products held as int8 with a float32 scale per output row, "
+                            "made while loading from the float checkpoint; the embedding and LM head stay in dtype",
+    )  # fmt: skip
     served_model_name: str | None = Field(
         None, min_length=1, max_length=256, description="the model id of the OpenAI-compatible HTTP API "
                                                         "(default: path, as written here)",

@@ -214,6 +214,7 @@ class ModelSpec(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     MAX_CONTEXT_FIELD_NUMBER: _builtins.int
     SERVED_MODEL_NAME_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """Model directory (config.json + safetensors) as the workers see it on their file system."""
     dtype: Global___DType.ValueType
@@ -233,6 +234,10 @@ class ModelSpec(_message.Message):
     a directory or a model name. Empty when not known (a coordinator older than this field); clients then
     use `path`.
     """
+    quantization: _builtins.str
+    """How the products' weights are held: "none" (the dtype above) or "int8" (symmetric int8, a float32 scale
+    per output row, made at load). Empty from a coordinator older than this field: "none".
+    """
     def __init__(
         self,
         *,
@@ -244,10 +249,11 @@ class ModelSpec(_message.Message):
         vocab_size: _builtins.int = ...,
         max_context: _builtins.int = ...,
         served_model_name: _builtins.str = ...,
+        quantization: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "dtype", b"dtype", "hidden_size", b"hidden_size", "max_context", b"max_context", "num_layers", b"num_layers", "path", b"path", "served_model_name", b"served_model_name", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "dtype", b"dtype", "hidden_size", b"hidden_size", "max_context", b"max_context", "num_layers", b"num_layers", "path", b"path", "quantization", b"quantization", "served_model_name", b"served_model_name", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -396,6 +396,8 @@ class ShardInfo(_message.Message):
     TOTAL_SLOTS_FIELD_NUMBER: _builtins.int
     FREE_SLOTS_FIELD_NUMBER: _builtins.int
     MAX_CONTEXT_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
+    LINEAR_KERNELS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """The id the coordinator gave this worker."""
     topology_version: _builtins.int
@@ -426,9 +428,15 @@ class ShardInfo(_message.Message):
     """KV-cache slots free for new sequences."""
     max_context: _builtins.int
     """Longest sequence a slot holds, in tokens."""
+    quantization: _builtins.str
+    """How the products' weights are held: "none" or "int8" (`ModelSpec.quantization`); empty with no shard."""
     @_builtins.property
     def device(self) -> _common_pb2.Device:
         """What the shard computes on."""
+
+    @_builtins.property
+    def linear_kernels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The kernels the loader chose for the products, by name ("onednn-packed", "int8-bf16", "int8-dequant", ...)."""
 
     def __init__(
         self,
@@ -449,10 +457,12 @@ class ShardInfo(_message.Message):
         total_slots: _builtins.int = ...,
         free_slots: _builtins.int = ...,
         max_context: _builtins.int = ...,
+        quantization: _builtins.str = ...,
+        linear_kernels: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["device", b"device"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "free_slots", b"free_slots", "kv_cache_bytes", b"kv_cache_bytes", "layer_end", b"layer_end", "layer_start", b"layer_start", "max_context", b"max_context", "num_stages", b"num_stages", "stage", b"stage", "state", b"state", "topology_version", b"topology_version", "total_slots", b"total_slots", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "weights_bytes", b"weights_bytes", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "free_slots", b"free_slots", "kv_cache_bytes", b"kv_cache_bytes", "layer_end", b"layer_end", "layer_start", b"layer_start", "linear_kernels", b"linear_kernels", "max_context", b"max_context", "num_stages", b"num_stages", "quantization", b"quantization", "stage", b"stage", "state", b"state", "topology_version", b"topology_version", "total_slots", b"total_slots", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "weights_bytes", b"weights_bytes", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

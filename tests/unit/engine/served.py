@@ -25,6 +25,7 @@ def served_blocks(model: nn.Module, spec: ShardSpec) -> list[tuple[TensorRead, t
     for r in reads:
         path, _, leaf = r.target.rpartition(".")
         module, p = modules[path], params[r.target]
-        values = module.kernel.dense(p) if isinstance(module, LinearProduct) and leaf == "weight" else p
+        product = isinstance(module, LinearProduct) and leaf == "weight"
+        values = module.kernel.dense(p, module.weight_scale) if product else p
         out.append((r, values[r.row : r.row + r.shape[0]]))
     return out

@@ -10,17 +10,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardmesh.core.dtypes import Quantization
 from shardmesh.core.layout import ShardSpec
 from shardmesh.engine.groups import UnboundGroup
 from shardmesh.engine.linear import (
     DENSE,
+    KERNEL_ENV,
     Block,
     DenseKernel,
     InputMajorKernel,
+    Int8BF16Kernel,
+    Int8DequantKernel,
+    Int8FP32Kernel,
     Linear,
     LinearProduct,
     OneDNNPackedKernel,
     choose_kernel,
+    cpu_has_native_bf16,
+    quantize_rows,
 )
 from shardmesh.engine.loader import build_shard
 from tests.checkpoints import make_checkpoint
@@ -60,7 +67,7 @@ def test_kernel_chosen_from_device_dtype_and_cpu(monkeypatch: pytest.MonkeyPatch
 class _Doubling(DenseKernel):
     """A kernel that is not `F.linear`, to show that forward is the kernel's product and nothing else."""
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
         return 2 * super().__call__(x, weight, bias)
 
 
@@ -93,3 +100,76 @@ def test_loader_prepares_every_product_and_nothing_else(tmp_path: Path, dtype: t
     for m in model.modules():  # lookups and norms keep their plain row-major weights
         if not isinstance(m, LinearProduct) and isinstance(getattr(m, "weight", None), nn.Parameter):
             assert not m.weight.is_mkldnn and m.weight.is_contiguous()
+
+
+# -- int8 ---------------------------------------------------------------------------------------------------------
+
+
+def test_int8_rows_round_to_the_nearest_step_of_their_own_scale() -> None:
+    w = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0], [-254.0, 127.0, 1.0]])
+    scale, q = quantize_rows(w, w.abs().amax(1))
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert q.tolist() == [[127, -64, 32], [0, 0, 0], [-127, 64, 0]]  # 63.5 and 0.5 round to even
+    torch.testing.assert_close(scale, torch.tensor([1 / 127, torch.finfo(torch.float32).tiny, 2.0]))
+    # A larger maximum over the whole row (columns another rank holds) coarsens the step, as it must.
+    scale, q = quantize_rows(w[:1, :2], torch.tensor([2.0]))
+    assert q.tolist() == [[64, -32]]
+
+
+INT8_KERNELS = [Int8DequantKernel(), Int8FP32Kernel()] + ([Int8BF16Kernel()] if cpu_has_native_bf16() else [])
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("kernel", INT8_KERNELS, ids=lambda k: k.name)
+def test_each_int8_kernel_multiplies_by_the_dequantized_weight(kernel, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w, b, x = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(rows, 64, generator=g)
+    scale, q = quantize_rows(w, w.abs().amax(1))
+    weight, prepared_scale = kernel.prepare(q), kernel.prepare_scale(scale)
+    dense = q.float() * scale[:, None]
+    assert torch.equal(kernel.dense(weight, prepared_scale), dense) or kernel.name == "int8-bf16"
+    # int8-bf16 rounds x and the product to bfloat16 (8 bits of mantissa: 2^-8 relative, a few 1e-2 here).
+    tol = 5e-2 if kernel.name == "int8-bf16" else 1e-5
+    torch.testing.assert_close(kernel(x, weight, b, prepared_scale), F.linear(x, dense, b), rtol=tol, atol=tol)
+
+
+def test_int8_kernel_chosen_from_the_cpu_and_named_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardmesh.engine.linear as linear
+
+    monkeypatch.setattr(linear, "cpu_has_native_bf16", lambda: True)  # bfloat16 activations: never chosen
+    assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is Int8FP32Kernel
+    assert type(choose_kernel(torch.float16, "cpu", quantized=True)) is Int8DequantKernel
+    assert type(choose_kernel(torch.bfloat16, "cuda", quantized=True)) is Int8DequantKernel
+    monkeypatch.setenv(KERNEL_ENV, "int8-bf16")
+    assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is Int8BF16Kernel
+    assert type(choose_kernel(torch.float32, "cpu")) is not Int8BF16Kernel  # it reads float weights: not for it
+    monkeypatch.setenv(KERNEL_ENV, "int4")
+    with pytest.raises(ValueError, match="SHARDMESH_LINEAR_KERNEL='int4': expected one of"):
+        choose_kernel(torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_int8_shards_hold_the_same_numbers_at_every_tp_degree(tmp_path: Path, tp: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Scales come from whole checkpoint rows, so the row-parallel slices of tp ranks put together are the
+    tp=1 shard's int8 values and scales; the embedding, norms and LM head stay in float."""
+    monkeypatch.setenv(KERNEL_ENV, "int8-dequant")  # float32 scales as made (int8-bf16 stores them in bfloat16)
+    d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=2)
+    spec = ShardSpec(0, 2, 2)
+    full = build_shard(d, spec, dtype=torch.float32, progress=False, quantization=Quantization.INT8)
+    products = {n: m for n, m in full.named_modules() if isinstance(m, LinearProduct)}
+    assert {n for n, m in products.items() if m.weight.dtype == torch.int8} == set(products) - {"lm_head"}
+    assert full.lm_head.weight_scale is None and full.model.embed_tokens.weight.dtype == torch.float32
+    float_model = build_shard(d, spec, dtype=torch.float32, progress=False)
+    for name, m in products.items():  # each value within half a step of the float weight
+        if m.weight_scale is not None:
+            w = float_model.get_submodule(name).kernel.dense(float_model.get_submodule(name).weight)
+            err = (m.kernel.dense(m.weight, m.weight_scale) - w).abs()
+            assert bool((err <= m.weight_scale.float()[:, None] / 2 * 1.001).all()), name
+    parts = [build_shard(d, ShardSpec(0, 2, 2, r, tp), UnboundGroup(r, tp), progress=False,
+                         quantization=Quantization.INT8) for r in range(tp)]  # fmt: skip
+    for name in ("model.layers.1.self_attn.o_proj", "model.layers.0.mlp.down_proj"):  # row-parallel
+        whole = products[name]
+        pieces = [p.get_submodule(name) for p in parts]
+        assert torch.equal(torch.cat([p.weight for p in pieces], dim=1), whole.weight)
+        assert all(torch.equal(p.weight_scale, whole.weight_scale) for p in pieces)

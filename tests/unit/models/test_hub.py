@@ -206,7 +206,7 @@ def _resolved_by(command: str, name: str, revision: str | None, tmp_path: Path, 
         return Path(coordinator[coordinator.index("--model") + 1]), gateway[gateway.index("--served-model-name") + 1]
     if command == "generate":
         ran: list[Path] = []
-        monkeypatch.setattr(offline, "generate_local", lambda model_dir, *a: ran.append(model_dir) or
+        monkeypatch.setattr(offline, "generate_local", lambda model_dir, *a, **kw: ran.append(model_dir) or
                             offline.OfflineResult([5], [-0.5], "length"))  # fmt: skip
         assert main(["generate", "--model", name, *rev, "--token-ids", "1,2", "--max-new-tokens", "1", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["token_ids"] == [5]
