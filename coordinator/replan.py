@@ -33,8 +33,8 @@ def planner_check(model: ModelSpec, limits: ServingLimits, tp: int) -> MemoryChe
         for s, (start, end) in enumerate(split):
             ranks = range(s * tp, (s + 1) * tp)
             group = tuple(Device(f"rank{r}", i, memory[r]) for i, r in enumerate(ranks))
-            options = PlanOptions(dtype=model.dtype, limits=limits, runtime=RuntimeCosts.for_device(kinds[s * tp]),
-                                  tp=tp, pp=pp)  # fmt: skip
+            options = PlanOptions(dtype=model.dtype, quantization=model.quantization, limits=limits,
+                                  runtime=RuntimeCosts.for_device(kinds[s * tp]), tp=tp, pp=pp)  # fmt: skip
             held = stage_capacity(info(), group, s == 0, s == pp - 1, model.num_layers, options)
             if held < end - start:
                 smallest = format_bytes(min(memory[r] for r in ranks))

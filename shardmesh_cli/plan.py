@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardmesh.core.dtypes import DType
+from shardmesh.core.dtypes import QUANTIZE_HELP, DType, Quantization
 from shardmesh.models.hub import MODEL_HELP, REVISION_HELP
 from shardmesh.rpc.flags import EXIT_USAGE, UsageError
 
@@ -32,7 +32,7 @@ MANIFEST_FIELDS = {
     "max_context": "serving.max_context", "max_batch_tokens": "serving.max_batch_tokens",
     "tp": "parallelism.tensor", "pp": "parallelism.pipeline", "balance": "placement.balance",
     "reserve": "placement.reserve", "runtime_overhead": "placement.runtime_overhead",
-    "device": "services.worker.device", "revision": "model.revision",
+    "device": "services.worker.device", "revision": "model.revision", "quantize": "model.quantization",
 }  # fmt: skip
 
 
@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", choices=DType.names(), help="serving dtype (default float32, as `up` and the coordinator)"
     )
+    p.add_argument("--quantize", choices=Quantization.names(), help=f"{QUANTIZE_HELP}; when nothing fits, the "
+                   "proposals say whether int8 would")  # fmt: skip
     p.add_argument("--kv-slots", type=int, help="KV-cache slots per shard (default 8)")
     p.add_argument("--max-context", type=int, help="tokens per sequence (default: the model's)")
     p.add_argument("--max-batch-tokens", type=int, help="tokens per step (default: --max-context)")
@@ -94,8 +96,9 @@ def _flag_options(args: argparse.Namespace) -> tuple[ModelInfo, tuple[Device, ..
         if value is not None and value < 1:
             raise UsageError(f"{flag}: must be >= 1, got {value}")
     limits = ServingLimits(args.kv_slots or 8, ctx, args.max_batch_tokens or ctx)
-    opts = PlanOptions(dtype=args.dtype or DType.FLOAT32, limits=limits, runtime=runtime, tp=args.tp, pp=args.pp,
-                       balance=args.balance or "memory", reserve=reserve)  # fmt: skip
+    opts = PlanOptions(dtype=args.dtype or DType.FLOAT32, quantization=args.quantize or Quantization.NONE.value,
+                       limits=limits, runtime=runtime, tp=args.tp, pp=args.pp, balance=args.balance or "memory",
+                       reserve=reserve)  # fmt: skip
     return model, devices, opts
 
 

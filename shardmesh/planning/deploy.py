@@ -101,7 +101,7 @@ def options(m: Manifest, model: ModelInfo, source: str) -> PlanOptions:
     p, par = m.placement, m.parallelism
     runtime = RuntimeCosts.for_device(m.services.worker.device, p.runtime_overhead)
     return PlanOptions(
-        dtype=m.model.dtype, limits=limits(m, model, source), runtime=runtime,
+        dtype=m.model.dtype, quantization=m.model.quantization, limits=limits(m, model, source), runtime=runtime,
         tp=None if par.tensor == "auto" else par.tensor, pp=None if par.pipeline == "auto" else par.pipeline,
         balance=p.balance, node_order=tuple(p.node_order), reserve=p.reserve,
     )  # fmt: skip

@@ -8,6 +8,10 @@ Notation, per shard (stage `s` × tensor rank `r` of `tp`); `b` is the bytes of 
                 slices, replicated kv heads, an uneven vocabulary split and untied / tied heads count
                 exactly as loaded. All decoder layers have the same shapes, so the count is
                 n × (one layer) + embedding (first stage) + norm and LM head (last stage).
+                With int8 (`Quantization.INT8`) each product of a layer (qkv, o, gate_up, down: `Part.products`,
+                as `shardmesh.engine.loader.quantized_products` names them) is out × in × 1 + out × 4 bytes:
+                int8 values and a float32 scale per local output row. Norms, biases, the embedding and the
+                LM head stay in b.
   kv_cache    = n × 2 × kv_slots × kv_heads_local × max_context × head_dim × b
                 (the `KVCache` tensor: layers × {k, v} × slots × kv heads × positions × head_dim)
                 + on every stage but the last: kv_slots × max_context × H × b (the `ActivationLog`: what the
@@ -32,6 +36,14 @@ Notation, per shard (stage `s` × tensor rank `r` of `tp`); `b` is the bytes of 
                       LinearProduct.use_kernel`), one at a time, each original freed as its copy replaces it:
                       M = elements of the shard's largest 2-D parameter but the embedding.
                 cuda: S × c (slices are read on the host; at most one is staged on the device).
+                int8: the largest of the above and P × (b + 8), P = elements of the shard's largest product. The
+                product is read whole in b, then `linear.quantize_rows` holds two float32 temporaries of it
+                (8 bytes per element, measured) before its int8 copy (counted in weights) replaces it.
+                (cpu) P × b + A × (c + 8) for a row-parallel product (o, down at tp > 1; P bounds its
+                size), whose scales need whole checkpoint rows: `reads.row_absmax` reads A elements at a
+                time (at most 64 MiB of float32), mapped (c) and at most two copies (≤ 4 bytes) at once; on
+                cuda those chunks stay on the host. Products are not re-laid out (the int8 kernels read them
+                as loaded): M counts only the LM head's matrix.
   runtime     = the fixed cost of a worker process (`RuntimeCosts`), measured on CPU.
 
 Peak = runtime + weights + buffers + max(load, kv_cache + activations): loading finishes (and frees its
@@ -46,11 +58,11 @@ from pathlib import Path
 from typing import Any
 
 from shardmesh.core.config import ModelConfig
-from shardmesh.core.dtypes import DType
+from shardmesh.core.dtypes import DType, Quantization
 from shardmesh.core.heads import HeadSplit, mlp_range
 from shardmesh.core.topology import ServingLimits
 from shardmesh.models.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, TensorRead
-from shardmesh.planning.weights import checkpoint_shapes, weight_parts
+from shardmesh.planning.weights import Part, checkpoint_shapes, weight_parts
 
 # --- measured constants -----------------------------------------------------------------------------------
 #
@@ -145,12 +157,14 @@ def shard_memory(
     dtype: str,
     limits: ServingLimits,
     runtime: RuntimeCosts = RuntimeCosts(),  # frozen, so a shared default is safe
+    quantization: Quantization | str = Quantization.NONE,
 ) -> ShardMemory:
     """The bytes of the shard holding layers [start, end) × tensor rank `rank` of `tp` (module docstring)."""
     start, end = layers
     if not 0 <= start < end <= model.cfg.num_layers:
         raise ValueError(f"layer range [{start}, {end}) is not within [0, {model.cfg.num_layers})")
-    return stage_memory(model, end - start, start == 0, end == model.cfg.num_layers, tp, rank, dtype, limits, runtime)
+    last = end == model.cfg.num_layers
+    return stage_memory(model, end - start, start == 0, last, tp, rank, dtype, limits, runtime, quantization)
 
 
 def stage_memory(
@@ -163,13 +177,16 @@ def stage_memory(
     dtype: str,
     limits: ServingLimits,
     runtime: RuntimeCosts = RuntimeCosts(),  # frozen, so a shared default is safe
+    quantization: Quantization | str = Quantization.NONE,
 ) -> ShardMemory:
     """`shard_memory` by position: `n` layers (any n >= 1, even more than the model has, for capacity
-    searches), plus the embedding when `first` and the final norm and LM head when `last`."""
-    cfg, b = model.cfg, DType.parse(dtype).itemsize
+    searches), plus the embedding when `first` and the final norm and LM head when `last`; the layers'
+    products stored as `quantization` says."""
+    cfg, serving = model.cfg, DType.parse(dtype)
+    b, quant = serving.itemsize, Quantization.parse(str(quantization))
     parts = weight_parts(cfg, tp, rank)
     held = [(n, parts.layer)] + [(1, parts.embedding)] * first + [(1, parts.head)] * last  # (count, part)
-    weights = sum(count * part.total for count, part in held) * b
+    weights = sum(count * part.nbytes(serving, quant) for count, part in held)
     split = HeadSplit.of(cfg, rank, tp)
     hd = cfg.head_dim
     kv = n * 2 * limits.kv_slots * split.kv_count * limits.max_context * hd * b
@@ -182,11 +199,24 @@ def stage_memory(
     acts = t * (b * (2 * h + max(3 * f, 4 * q + 3 * k)) + 8 * h + 8 * hd) + t * limits.max_context
     if last:
         acts += min(limits.kv_slots, t) * cfg.vocab_size * (2 * b + 16)
-    read = max(part.largest_read for _, part in held) * DType(model.checkpoint_dtype).itemsize
-    relayout = max(part.largest_matrix for _, part in held) * b
-    load = max(2 * read, relayout) if runtime.device == "cpu" else read
+    load = _load_transient(model, [part for _, part in held], b, quant, runtime.device == "cpu")
     fixed = runtime.process + first * runtime.first_stage
     return ShardMemory(weights, kv, acts, buffers, load, fixed)
+
+
+def _load_transient(model: ModelInfo, held: list[Part], b: int, quant: Quantization, cpu: bool) -> int:
+    """The `load` term of the module docstring: bytes loading holds beyond the weights, at its peak."""
+    c = DType(model.checkpoint_dtype).itemsize
+    read = max(part.largest_read for part in held) * c
+    quantized = [part for part in held if part.products] if quant is Quantization.INT8 else []
+    # int8 products keep the layout they were loaded in: only the float matrices (the LM head) are re-laid out.
+    relayout = max((part.largest_matrix for part in held if part not in quantized), default=0) * b if cpu else 0
+    transient = [2 * read if cpu else read, relayout]
+    for part in quantized:
+        transient.append(part.largest_product * (b + 8))  # as read, plus quantize_rows' float32 temporaries
+        if cpu and part.absmax_chunk:  # whole checkpoint rows for a row-parallel product's scales, on the host
+            transient.append(part.largest_product * b + part.absmax_chunk * (c + 8))
+    return max(transient)
 
 
 def _config_dtype(raw: dict[str, Any], default: str) -> str:

@@ -18,10 +18,16 @@ MLP width, divides or is a multiple of the kv heads; capped by `PlanOptions.tp` 
    stage over its capacity, by `layout.capped_split` (proportional shares clipped at each capacity, the
    rest shared among the others).
 
+Every memory figure is the memory model's for the options' dtype and quantization (`PlanOptions.quantization`:
+with int8 the layers' products take 1 byte per weight plus a float32 scale per output row).
+
 Among the layouts that fit, the plan uses the most devices, then the fewest pipeline stages (each stage
 adds a hop to every token; tensor groups stay inside a node), then keeps the most headroom on its
-tightest device. When none fits, `Infeasible` says how many bytes are missing and which single change
-would fit (another dtype, more devices of the largest size, a shorter context, fewer KV slots).
+tightest device. When none fits, `Infeasible` says how many bytes are missing, the model's weights in
+the serving dtype and in int8 against the devices' memory, and which single change would fit, each with
+the plan it gives (int8 weights on the same devices, another dtype, more devices of the largest size in
+the serving dtype and with int8, a shorter context, fewer KV slots). Offloading weights to host memory is
+not available: it is named as such, not proposed.
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from shardmesh.core.dtypes import DType
+from shardmesh.core.dtypes import DType, Quantization
 from shardmesh.core.heads import valid_tp_degrees
 from shardmesh.core.layout import capped_split, layer_counts, split_layers
 from shardmesh.core.topology import ServingLimits
 from shardmesh.planning.devices import Device, compact_bytes, describe_devices, nodes_of
 from shardmesh.planning.memory import ModelInfo, RuntimeCosts, ShardMemory, shard_memory, stage_memory
 from shardmesh.planning.units import format_bytes
+from shardmesh.planning.weights import weight_parts
 
 BALANCES = ("memory", "speed")
 
@@ -44,25 +51,55 @@ class PlanError(ValueError):
     """A request the planner cannot even try (an invalid tensor degree, too few devices per node)."""
 
 
+OFFLOAD_NOTE = "offload (weights kept in host memory, streamed to the devices every step): not available yet"
+
+
+def gb(n: float) -> str:
+    """Decimal gigabytes, two decimals: what a person multiplies out by hand (parameters × bytes)."""
+    return f"{n / 1e9:.2f} GB"
+
+
 @dataclass(frozen=True)
 class Suggestion:
-    """One change that makes the plan fit: what to do, in words and as option values."""
+    """One change that makes the plan fit: what to do, in words and as option values, and the plan it gives."""
 
     text: str
     changes: dict[str, object]
+    plan: Plan | None = None
+
+
+@dataclass(frozen=True)
+class Totals:
+    """The whole model's weights beside the devices' memory, for a person to check the proposals by hand."""
+
+    parameters: int
+    weights: dict[str, int]  # bytes, by `Quantization` name
+    devices: str  # as `--devices` spells them
+    budget: int  # bytes all the devices have for shards: memory less the reserve, summed
+
+    def describe(self, dtype: str) -> str:
+        none, int8 = self.weights[Quantization.NONE.value], self.weights[Quantization.INT8.value]
+        return (f"weights: {self.parameters / 1e9:.2f}B parameters = {gb(none)} in {dtype}, {gb(int8)} with "
+                f"--quantize int8 (layers' products 1 byte per weight + 4 per output row; embedding, norms and LM "
+                f"head in {dtype}); devices: {self.devices} = {gb(self.budget)} in all")  # fmt: skip
 
 
 class Infeasible(PlanError):
     """The model does not fit the devices; the message says by how much and what would fit."""
 
-    def __init__(self, summary: str, missing: int, closest: str, suggestions: list[Suggestion]) -> None:
+    def __init__(self, summary: str, missing: int, closest: str, suggestions: list[Suggestion],
+                 totals: Totals | None = None, dtype: str = DType.BFLOAT16) -> None:  # fmt: skip
         self.summary, self.missing, self.closest, self.suggestions = summary, missing, closest, suggestions
+        self.totals = totals
         lines = [f"{summary}: {format_bytes(missing)} missing ({missing} bytes); closest layout: {closest}"]
+        if totals is not None:
+            lines.append(totals.describe(dtype))
         if suggestions:
             lines.append("options that fit:")
             lines += [f"  - {s.text}" for s in suggestions]
         else:
-            lines.append("no single change of dtype, device count, context or KV slots makes it fit")
+            lines.append("no single change of quantization, dtype, device count, context or KV slots makes it fit")
+        lines.append(OFFLOAD_NOTE)
         super().__init__("\n".join(lines))
 
 
@@ -78,10 +115,13 @@ class PlanOptions:
     balance: str = "memory"
     node_order: tuple[str, ...] = ()
     reserve: int = 0  # bytes every device keeps free beyond the predicted peak
+    # A `Quantization` name: how the layers' products are stored. Last, so positional construction keeps working.
+    quantization: str = Quantization.NONE.value
 
     def __post_init__(self) -> None:
         try:
             DType.parse(self.dtype)
+            Quantization.parse(self.quantization)
         except ValueError as e:
             raise PlanError(str(e)) from None
         if self.balance not in BALANCES:
@@ -92,6 +132,14 @@ class PlanOptions:
                 raise PlanError(f"{name} must be >= 1, got {v}")
         if self.reserve < 0:
             raise PlanError(f"reserve must be >= 0 bytes, got {self.reserve}")
+
+    def stage(self, model: ModelInfo, n: int, first: bool, last: bool, tp: int, rank: int) -> ShardMemory:
+        """`memory.stage_memory` with these options' dtype, quantization, limits and runtime."""
+        return stage_memory(model, n, first, last, tp, rank, self.dtype, self.limits, self.runtime, self.quantization)
+
+    def shard(self, model: ModelInfo, layers: tuple[int, int], tp: int, rank: int) -> ShardMemory:
+        """`memory.shard_memory` with these options."""
+        return shard_memory(model, layers, tp, rank, self.dtype, self.limits, self.runtime, self.quantization)
 
 
 @dataclass(frozen=True)
@@ -161,11 +209,8 @@ def stage_capacity(model: ModelInfo, group: tuple[Device, ...], first: bool, las
     """The most layers (<= max_layers) this group holds at this position with every rank within memory."""
 
     def fits(n: int) -> bool:
-        return all(
-            stage_memory(model, n, first, last, len(group), r, options.dtype, options.limits, options.runtime).total
-            + options.reserve <= d.memory
-            for r, d in enumerate(group)
-        )  # fmt: skip
+        return all(options.stage(model, n, first, last, len(group), r).total + options.reserve <= d.memory
+                   for r, d in enumerate(group))  # fmt: skip
 
     if max_layers < 1 or not fits(1):
         return 0
@@ -181,7 +226,7 @@ def free_memory(model: ModelInfo, group: tuple[Device, ...], first: bool, last: 
     everything a one-layer shard needs besides that layer's weights and KV cache."""
     free = []
     for r, d in enumerate(group):
-        one = stage_memory(model, 1, first, last, len(group), r, options.dtype, options.limits, options.runtime)
+        one = options.stage(model, 1, first, last, len(group), r)
         free.append(d.memory - options.reserve - (one.total - one.weights - one.kv_cache))
     return min(free)
 
@@ -201,7 +246,7 @@ def _layer_cost(model: ModelInfo, tp: int, options: PlanOptions) -> int:
     """Bytes one more layer costs a whole stage (all its ranks): weights plus KV cache."""
     total = 0
     for r in range(tp):
-        one = stage_memory(model, 1, False, False, tp, r, options.dtype, options.limits, options.runtime)
+        one = options.stage(model, 1, False, False, tp, r)
         total += one.weights + one.kv_cache
     return total
 
@@ -236,7 +281,7 @@ def _attempt(model: ModelInfo, devices: tuple[Device, ...], tp: int, options: Pl
         shards = []
         for s, (g, rng) in enumerate(zip(groups, split, strict=True)):
             for r, d in enumerate(g):
-                mem = shard_memory(model, rng, tp, r, options.dtype, options.limits, options.runtime)
+                mem = options.shard(model, rng, tp, r)
                 shards.append(ShardPlan(s, r, s * tp + r, d, rng, mem))
         used = {sh.device for sh in shards}
         plan = Plan(model, options, tp, pp, tuple(shards), tuple(d for d in devices if d not in used))
@@ -248,8 +293,7 @@ def _attempt(model: ModelInfo, devices: tuple[Device, ...], tp: int, options: Pl
     for s, (g, c) in enumerate(zip(groups, caps, strict=True)):
         if c == 0:
             for r, d in enumerate(g):
-                one = stage_memory(model, 1, s == 0, s == pp - 1, tp, r, options.dtype, options.limits, options.runtime)
-                need = one.total
+                need = options.stage(model, 1, s == 0, s == pp - 1, tp, r).total
                 missing += max(0, need + options.reserve - d.memory)
     missing += max(0, num_layers - sum(max(c, 1) for c in caps)) * _layer_cost(model, tp, options)
     return _Attempt(tp, groups, caps, None, missing)
@@ -301,21 +345,20 @@ def plan(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) ->
     where = (f"tp={closest.tp} × pp={pp} on {pp * closest.tp} of {len(devices)} devices, stages hold at most "
              f"[{caps}] of {model.cfg.num_layers} layers")  # fmt: skip
     lim = options.limits
-    summary = (f"{model.name} ({options.dtype}, {lim.kv_slots} KV slots × {lim.max_context} tokens) does not fit "
-               f"on {describe_devices(devices)}")  # fmt: skip
-    raise Infeasible(summary, closest.missing, where, suggest(model, devices, options))
+    quant = ", int8" if options.quantization == Quantization.INT8.value else ""
+    summary = (f"{model.name} ({options.dtype}{quant}, {lim.kv_slots} KV slots × {lim.max_context} tokens) does not "
+               f"fit on {describe_devices(devices)}")  # fmt: skip
+    raise Infeasible(summary, closest.missing, where, suggest(model, devices, options), totals(model, devices, options),
+                     options.dtype)  # fmt: skip
 
 
 def resplit(p: Plan, split: list[tuple[int, int]]) -> Plan:
     """The same devices, tensor groups and stages with another layer split (it may not fit: see `Plan.fits`)."""
     if len(split) != p.pp:
         raise ValueError(f"need {p.pp} layer ranges, got {len(split)}")
-    o = p.options
-    shards = tuple(
-        ShardPlan(sh.stage, sh.tp_rank, sh.rank, sh.device, split[sh.stage],
-                  shard_memory(p.model, split[sh.stage], p.tp, sh.tp_rank, o.dtype, o.limits, o.runtime))
-        for sh in p.shards
-    )  # fmt: skip
+    shards = tuple(ShardPlan(sh.stage, sh.tp_rank, sh.rank, sh.device, split[sh.stage],
+                             p.options.shard(p.model, split[sh.stage], p.tp, sh.tp_rank))
+                   for sh in p.shards)  # fmt: skip
     return replace(p, shards=shards)
 
 
@@ -327,11 +370,39 @@ def even(p: Plan) -> Plan:
 # --- what would fit -----------------------------------------------------------------------------------------
 
 
-def _fits(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> bool:
+def _try(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> Plan | None:
     try:
-        return try_plan(model, devices, options) is not None
+        return try_plan(model, devices, options)
     except PlanError:
-        return False
+        return None
+
+
+def _fits(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> bool:
+    return _try(model, devices, options) is not None
+
+
+def totals(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> Totals:
+    """The whole model's parameters and weight bytes (one tp=1 shard of every layer) and the devices' memory."""
+    cfg, dtype = model.cfg, DType.parse(options.dtype)
+    parts = weight_parts(cfg, 1, 0)
+    held = [parts.layer] * cfg.num_layers + [parts.embedding, parts.head]
+    weights = {q.value: sum(part.nbytes(dtype, q) for part in held) for q in Quantization}
+    budget = sum(max(0, d.memory - options.reserve) for d in devices)
+    less = f" less {compact_bytes(options.reserve)} reserve each" if options.reserve else ""
+    spec = describe_devices(devices) + less
+    return Totals(sum(part.total for part in held), weights, spec, budget)
+
+
+def fitted(p: Plan) -> str:
+    """A fitting plan's numbers, checkable by hand: its layout, and its tightest device's peak as weights + KV
+    cache + everything else against that device's memory (less the reserve)."""
+    sh = min(p.shards, key=lambda s: s.headroom)
+    m, reserve = sh.memory, p.options.reserve
+    less = f" less the {compact_bytes(reserve)} reserve" if reserve else ""
+    budget = f"{gb(sh.device.memory - reserve)} ({compact_bytes(sh.device.memory)}{less})"
+    per = "per device" if p.pp == 1 and len({s.memory.total for s in p.shards}) == 1 else "tightest device"
+    return (f"tp={p.tp} × pp={p.pp} on {len(p.shards)} devices; {per}: weights {gb(m.weights)} + KV cache "
+            f"{gb(m.kv_cache)} + other {gb(m.other)} = {gb(m.total)} of {budget}")  # fmt: skip
 
 
 def _largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
@@ -345,7 +416,8 @@ def _largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int | Non
 
 
 def _more_devices(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> Suggestion | None:
-    """The fewest extra devices of the largest size given, on one new node, that make it fit."""
+    """The fewest extra devices of the largest size given, on one new node, that make it fit (with the
+    options' dtype and quantization)."""
     size = max(d.memory for d in devices)
     speed = max(d.speed for d in devices if d.memory == size)
     node = "extra" if "extra" not in nodes_of(devices) else "extra2"
@@ -364,22 +436,39 @@ def _more_devices(model: ModelInfo, devices: tuple[Device, ...], options: PlanOp
     fewest = 1 + (_largest_fitting(k // 2, k - 1, lambda j: not _fits(model, with_extra(j), options)) or 0)
     fewest = max(fewest, 1)
     spec = describe_devices(with_extra(fewest))
-    return Suggestion(f"{fewest} more {compact_bytes(size)} device{'s' * (fewest > 1)} (--devices {spec})",
-                      {"devices": spec})  # fmt: skip
+    chosen = try_plan(model, with_extra(fewest), options)
+    assert chosen is not None
+    int8 = options.quantization == Quantization.INT8.value
+    changes: dict[str, object] = {"devices": spec, **({"quantization": Quantization.INT8.value} if int8 else {})}
+    how, flag = (" with --quantize int8", " --quantize int8") if int8 else (f" in {options.dtype}", "")
+    return Suggestion(f"{fewest} more {compact_bytes(size)} device{'s' * (fewest > 1)}{how} (--devices {spec}{flag}): "
+                      f"{fitted(chosen)}", changes, chosen)  # fmt: skip
 
 
 def suggest(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> list[Suggestion]:
-    """Single changes that make the model fit, each checked by planning again."""
+    """Single changes that make the model fit, each checked by planning again: int8 on the same devices first,
+    then another dtype, more devices (in the serving dtype, and with int8 when the same devices are not
+    enough for it), a shorter context, fewer KV slots."""
     out: list[Suggestion] = []
     lim = options.limits
+    int8 = replace(options, quantization=Quantization.INT8.value)
+    int8_here = None if options.quantization == int8.quantization else _try(model, devices, int8)
+    if int8_here is not None:
+        out.append(Suggestion(f"--quantize int8 on the same devices: {fitted(int8_here)}",
+                              {"quantization": Quantization.INT8.value}, int8_here))  # fmt: skip
     for dtype in (DType.BFLOAT16, DType.FLOAT16):
-        if dtype.itemsize < DType(options.dtype).itemsize and _fits(model, devices, replace(options, dtype=dtype)):
+        smaller = dtype.itemsize < DType(options.dtype).itemsize
+        if smaller and (p := _try(model, devices, replace(options, dtype=dtype))) is not None:
             out.append(Suggestion(f"--dtype {dtype} instead of {options.dtype} (half the bytes per weight and per "
-                                  f"KV entry)", {"dtype": dtype.value}))  # fmt: skip
+                                  f"KV entry): {fitted(p)}", {"dtype": dtype.value}, p))  # fmt: skip
             break
     more = _more_devices(model, devices, options)
     if more is not None:
         out.append(more)
+    if options.quantization != int8.quantization and int8_here is None:
+        more_int8 = _more_devices(model, devices, int8)
+        if more_int8 is not None:
+            out.append(more_int8)
 
     def with_context(n: int) -> PlanOptions:
         return replace(options, limits=ServingLimits(lim.kv_slots, n, min(lim.max_batch_tokens, n)))

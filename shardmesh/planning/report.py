@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardmesh.planning.devices import describe_devices
-from shardmesh.planning.planner import Infeasible, Plan
+from shardmesh.planning.planner import OFFLOAD_NOTE, Infeasible, Plan
 from shardmesh.planning.units import format_bytes
 
 COLUMNS = ("rank", "stage", "node", "device", "layers", "tp rank", "weights", "KV cache", "other", "total",
@@ -34,6 +34,10 @@ def notes(plan: Plan) -> list[str]:
                    "when the even split fits too")  # fmt: skip
     if not plan.model.has_weights:
         out.append(f"planned from config.json alone (weights assumed stored as {plan.model.checkpoint_dtype})")
+    if plan.options.quantization == "int8":
+        out.append(f"int8: the layers' products take 1 byte per weight + a 4-byte scale per output row; the "
+                   f"embedding, norms and LM head stay in {plan.options.dtype}; loading holds one product in "
+                   f"{plan.options.dtype} and two float32 copies of it while it is quantized")  # fmt: skip
     rt = plan.options.runtime
     where = "host memory (RSS)" if rt.device == "cpu" else "device memory"
     out.append(f"planned for {rt.device} workers, in {where}; other = the worker process ({format_bytes(rt.process)}"
@@ -47,12 +51,13 @@ def notes(plan: Plan) -> list[str]:
 def render_table(plan: Plan) -> str:
     """The plan as an aligned text table with a header and notes."""
     cfg, o = plan.model.cfg, plan.options
+    int8 = ", int8 weights" if o.quantization == "int8" else ""
     weights = sum(sh.memory.weights for sh in plan.shards)
     kv = sum(sh.memory.kv_cache for sh in plan.shards)
     lines = [
         f"model: {plan.model.name} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads / "
         f"{cfg.num_kv_heads} kv heads, vocab {cfg.vocab_size})",
-        f"serving: {o.dtype}, {o.limits.kv_slots} KV slots × {o.limits.max_context} tokens, "
+        f"serving: {o.dtype}{int8}, {o.limits.kv_slots} KV slots × {o.limits.max_context} tokens, "
         f"{o.limits.max_batch_tokens} tokens per step",
         f"plan: tp={plan.tp} × pp={plan.pp} on {len(plan.shards)} of {len(plan.shards) + len(plan.unused)} devices "
         f"(balance: {o.balance}); weights {format_bytes(weights)}, KV cache {format_bytes(kv)} in all",
@@ -75,7 +80,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     return {
         "model": {"name": plan.model.name, "path": str(plan.model.path), "num_layers": plan.model.cfg.num_layers,
                   "has_weights": plan.model.has_weights, "checkpoint_dtype": plan.model.checkpoint_dtype},
-        "dtype": o.dtype,
+        "dtype": o.dtype, "quantization": o.quantization,
         "limits": {"kv_slots": o.limits.kv_slots, "max_context": o.limits.max_context,
                    "max_batch_tokens": o.limits.max_batch_tokens},
         "runtime": {"process": o.runtime.process, "first_stage": o.runtime.first_stage},
@@ -97,6 +102,28 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _fitted_json(plan: Plan) -> dict[str, Any]:
+    """A proposal's plan, in bytes: its layout and each device's peak beside its memory."""
+    return {
+        "tp": plan.tp, "pp": plan.pp, "dtype": plan.options.dtype, "quantization": plan.options.quantization,
+        "devices": describe_devices(tuple(sh.device for sh in plan.shards) + plan.unused),
+        "layer_split": [list(r) for r in plan.layer_split], "reserve": plan.options.reserve,
+        "shards": [{"rank": sh.rank, "node": sh.device.node, "device": sh.device.index, "layers": list(sh.layers),
+                    "weights": sh.memory.weights, "kv_cache": sh.memory.kv_cache, "other": sh.memory.other,
+                    "total": sh.memory.total, "device_memory": sh.device.memory, "headroom": sh.headroom}
+                   for sh in plan.shards],
+    }  # fmt: skip
+
+
 def infeasible_to_json(e: Infeasible) -> dict[str, Any]:
-    return {"error": "infeasible", "summary": e.summary, "missing_bytes": e.missing, "closest": e.closest,
-            "options": [{"text": s.text, "changes": s.changes} for s in e.suggestions]}  # fmt: skip
+    """The error, the model's weights beside the devices' memory, and each option with the plan it gives."""
+    t = e.totals
+    out: dict[str, Any] = {"error": "infeasible", "summary": e.summary, "missing_bytes": e.missing,
+                           "closest": e.closest}  # fmt: skip
+    if t is not None:
+        out["weights"] = {"parameters": t.parameters, "bytes": t.weights}
+        out["devices"] = {"spec": t.devices, "budget_bytes": t.budget}
+    out["options"] = [{"text": s.text, "changes": s.changes, "plan": _fitted_json(s.plan) if s.plan else None}
+                      for s in e.suggestions]  # fmt: skip
+    out["unavailable"] = [{"option": "offload", "text": OFFLOAD_NOTE}]
+    return out

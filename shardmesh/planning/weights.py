@@ -17,6 +17,10 @@ The first stage adds model.embed_tokens (V, H); the last adds model.norm (H,) an
 from model.embed_tokens when the embeddings are tied. At tp = 1 every slice is its whole tensor.
 This is the layout `shardmesh.engine.loader.meta_shard` builds; tests/unit/planning/test_weights.py
 compares the two for every model family, tensor degree and rank.
+
+The matrix products of a layer (qkv_proj, o_proj, gate_up_proj, down_proj: `Part.products`) are what
+`Quantization.INT8` stores as int8 (`shardmesh.engine.loader.quantized_products`); the norms, biases, the
+embedding and the LM head stay in the serving dtype.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 from shardmesh.core.config import ModelConfig
+from shardmesh.core.dtypes import DType, Quantization
 from shardmesh.core.heads import HeadSplit, mlp_range, vocab_range
 
 
@@ -101,6 +106,12 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {s.source: s.full for s in shard_slices(cfg, range(cfg.num_layers), 1, 0)}
 
 
+# `shardmesh.engine.reads.ABSMAX_CHUNK_BYTES` (that module imports torch; a test checks the two agree): a
+# row-parallel slice quantized to int8 reads its whole checkpoint rows for their maxima this many bytes of
+# float32 at a time.
+ABSMAX_CHUNK_BYTES = 64 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class Part:
     """Elements one rank holds of one part of a shard: the embedding, one decoder layer, or the final norm
@@ -109,6 +120,19 @@ class Part:
     total: int = 0
     largest_matrix: int = 0  # the largest 2-D parameter the CPU re-layout copies (not the embedding)
     largest_read: int = 0  # the largest single slice read from the checkpoint
+    products: tuple[tuple[int, int], ...] = ()  # (out, in) of each product int8 can store (a layer's), sorted
+    absmax_chunk: int = 0  # elements of the largest chunk of whole checkpoint rows read for int8 scales
+
+    @property
+    def largest_product(self) -> int:
+        return max((o * i for o, i in self.products), default=0)
+
+    def nbytes(self, dtype: DType, quantization: Quantization = Quantization.NONE) -> int:
+        """Bytes of the part in `dtype`, its products stored as `quantization` says (`Quantization.weight_bytes`:
+        int8 values plus a float32 scale per local output row)."""
+        in_products = sum(o * i for o, i in self.products)
+        stored = sum(quantization.weight_bytes(o, i, dtype) for o, i in self.products)
+        return (self.total - in_products) * dtype.itemsize + stored
 
 
 @dataclass(frozen=True)
@@ -120,18 +144,31 @@ class WeightParts:
     head: Part  # the last stage's extra
 
 
-def _part(slices: list[TensorSlice], relaid: bool = True) -> Part:
+def _absmax_chunk(s: TensorSlice) -> int:
+    """Elements `reads.row_absmax` reads at once for a slice of some columns (row-parallel): whole checkpoint
+    rows, at most `ABSMAX_CHUNK_BYTES` of float32; 0 for a slice of whole rows (its maxima are in the slice)."""
+    if len(s.full) != 2 or s.local[1] == s.full[1]:
+        return 0
+    rows = min(s.full[0], max(1, ABSMAX_CHUNK_BYTES // (4 * max(1, s.full[1]))))
+    return rows * s.full[1]
+
+
+def _part(slices: list[TensorSlice], relaid: bool = True, quantizable: bool = False) -> Part:
     params: dict[str, tuple[int, ...]] = {}  # the slices stacked by rows into their parameters
     for s in slices:
         rows = params.get(s.target, (0,))[0] + s.local[0]
         params[s.target] = (rows, *s.local[1:])
     matrices = [math.prod(shape) for shape in params.values() if len(shape) == 2] if relaid else []
-    return Part(sum(s.numel for s in slices), max(matrices, default=0), max((s.numel for s in slices), default=0))
+    products = sorted((shape[0], shape[1]) for shape in params.values() if len(shape) == 2) if quantizable else []
+    chunk = max((_absmax_chunk(s) for s in slices), default=0) if quantizable else 0
+    return Part(sum(s.numel for s in slices), max(matrices, default=0), max((s.numel for s in slices), default=0),
+                tuple(products), chunk)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=512)
 def weight_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
     """The embedding, one decoder layer and the head, as rank `rank` of `tp` holds them."""
-    # Lookups keep the embedding's row-major layout: it is never re-laid out.
-    return WeightParts(_part(_embedding(cfg, tp, rank), relaid=False), _part(_layer(cfg, 0, tp, rank)),
-                       _part(_head(cfg, tp, rank)))  # fmt: skip
+    # Lookups keep the embedding's row-major layout: it is never re-laid out. Only the layers' matrices are
+    # products int8 stores: the LM head stays in the serving dtype.
+    return WeightParts(_part(_embedding(cfg, tp, rank), relaid=False),
+                       _part(_layer(cfg, 0, tp, rank), quantizable=True), _part(_head(cfg, tp, rank)))  # fmt: skip

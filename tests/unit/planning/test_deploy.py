@@ -103,3 +103,18 @@ def test_a_coordinator_on_port_0_leaves_its_port_to_fill_in_for_the_others(tmp_p
     commands = deploy.service_commands(deploy.resolve(parse_manifest(data), tmp_path / "m.yaml"))
     assert "--listen 127.0.0.1:0" in commands[0]  # it binds a free port ...
     assert all("--coordinator 127.0.0.1:COORDINATOR_PORT" in c for c in commands[1:])  # ... the others need it
+
+
+def test_manifest_quantization_is_planned_and_passed_on(tmp_path: Path) -> None:
+    """`model.quantization: int8` plans int8 weights (about half of bfloat16's bytes per shard) and
+    reaches the coordinator as --quantize; none, the default, adds no flag."""
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["model"]["path"] = str(CONFIGS / "llama-3-70b")
+    d = deploy.resolve(parse_manifest(data), tmp_path / "m.yaml")
+    assert "--quantize" not in deploy.coordinator_flags(d)
+    data["model"]["quantization"] = "int8"
+    q = deploy.resolve(parse_manifest(data), tmp_path / "m.yaml")
+    assert q.plan is not None and d.plan is not None
+    assert max(s.memory.weights for s in q.plan.shards) < 0.6 * max(s.memory.weights for s in d.plan.shards)
+    flags = deploy.coordinator_flags(q)
+    assert flags[flags.index("--quantize") + 1] == "int8"

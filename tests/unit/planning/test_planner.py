@@ -38,7 +38,7 @@ def check_plan(p: Plan, devices: tuple[Device, ...]) -> None:
         assert len({sh.device.node for sh in stage}) == 1, "a tensor group spans nodes"
         assert len({sh.layers for sh in stage}) == 1
     for sh in p.shards:
-        again = shard_memory(p.model, sh.layers, p.tp, sh.tp_rank, o.dtype, o.limits, o.runtime)
+        again = shard_memory(p.model, sh.layers, p.tp, sh.tp_rank, o.dtype, o.limits, o.runtime, o.quantization)
         assert sh.memory == again
         assert sh.memory.total + o.reserve <= sh.device.memory, f"{sh.device.name} over its memory"
     if o.tp is not None:
@@ -88,6 +88,8 @@ def fits_after(model: ModelInfo, devices: tuple[Device, ...], opts: PlanOptions,
         devices = parse_devices(str(changes["devices"]))
     if "dtype" in changes:
         opts = replace(opts, dtype=str(changes["dtype"]))
+    if "quantization" in changes:
+        opts = replace(opts, quantization=str(changes["quantization"]))
     if "max_context" in changes:
         lim = ServingLimits(lim.kv_slots, int(changes["max_context"]), int(changes["max_batch_tokens"]))  # type: ignore[arg-type]
     if "kv_slots" in changes:
@@ -105,7 +107,7 @@ def test_infeasible_names_missing_bytes_and_each_kind_of_option() -> None:
     # logs: tens of GiB short (counted as the closest layout leaves them: its stages hold 67 of 80 layers).
     assert 10 * GiB < e.value.missing < 120 * GiB and f"{format_bytes(e.value.missing)} missing" in text
     kinds = {next(iter(s.changes)) for s in e.value.suggestions}
-    assert kinds == {"dtype", "devices", "max_context", "kv_slots"}, text
+    assert kinds == {"quantization", "dtype", "devices", "max_context", "kv_slots"}, text
     assert "--dtype bfloat16 instead of float32" in text and "more 80GiB device" in text
     for s in e.value.suggestions:
         assert fits_after(model, parse_devices("4x80GiB"), opts, s.changes), s.text

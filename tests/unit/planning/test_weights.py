@@ -11,7 +11,8 @@ from shardmesh.core.config import ModelConfig
 from shardmesh.core.heads import valid_tp_degrees
 from shardmesh.core.layout import ShardSpec
 from shardmesh.engine.groups import UnboundGroup
-from shardmesh.engine.loader import meta_shard
+from shardmesh.engine.loader import meta_shard, quantized_products
+from shardmesh.engine.reads import ABSMAX_CHUNK_BYTES
 from shardmesh.planning.weights import Part, WeightParts, checkpoint_shapes, shard_slices, weight_parts
 from tests.checkpoints import FAMILIES
 
@@ -29,9 +30,12 @@ def _config(family: str, variant: str) -> ModelConfig:
 
 
 def _meta_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
-    """The engine's count: parameters and checkpoint reads of one-layer meta shards at each end of the model."""
+    """The engine's count: parameters and checkpoint reads of one-layer meta shards at each end of the model;
+    the products int8 stores (`quantized_products`) and the whole rows `reads.row_absmax` reads for them."""
     params: dict[str, list[tuple[int, int]]] = {"embedding": [], "layer": [], "head": []}  # (numel, dim)
     reads: dict[str, list[int]] = {"embedding": [], "layer": [], "head": []}
+    products: dict[str, list[tuple[int, int]]] = {"embedding": [], "layer": [], "head": []}
+    chunks: dict[str, list[int]] = {"embedding": [], "layer": [], "head": []}
 
     def part_of(name: str) -> str:
         return "embedding" if name.startswith("model.embed_tokens.") else "layer" if ".layers." in name else "head"
@@ -40,16 +44,23 @@ def _meta_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
     for start in (0, last):
         model, planned = meta_shard(cfg, ShardSpec(start, start + 1, cfg.num_layers, rank, tp), UnboundGroup(rank, tp),
                                     None)  # fmt: skip
+        quantized = quantized_products(model)
         for name, p in model.named_parameters():
             if part_of(name) != "layer" or start == 0:  # one layer, not two
                 params[part_of(name)].append((p.numel(), p.dim()))
+                if name in quantized:
+                    products[part_of(name)].append((p.shape[0], p.shape[1]))
         for r in planned:
             if part_of(r.target) != "layer" or start == 0:
                 reads[part_of(r.target)].append(r.numel)
+                if r.target in quantized and r.index is not None and any(i != slice(None) for i in r.index[1:]):
+                    rows = min(r.full_shape[0], max(1, ABSMAX_CHUNK_BYTES // (4 * r.full_shape[1])))
+                    chunks[part_of(r.target)].append(rows * r.full_shape[1])  # row_absmax's chunk of whole rows
 
     def part(key: str) -> Part:
         matrices = [n for n, dim in params[key] if dim == 2 and key != "embedding"]  # lookups are not re-laid out
-        return Part(sum(n for n, _ in params[key]), max(matrices, default=0), max(reads[key], default=0))
+        return Part(sum(n for n, _ in params[key]), max(matrices, default=0), max(reads[key], default=0),
+                    tuple(sorted(products[key])), max(chunks[key], default=0))  # fmt: skip
 
     return WeightParts(part("embedding"), part("layer"), part("head"))
 
