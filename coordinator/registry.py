@@ -601,6 +601,9 @@ class Registry:
         (what they say of health and drains has not changed since)."""
         if self._memory_check is None or self._recovering():
             return
+        if not self._established:  # still forming: a slot no worker has taken yet is not a lost one
+            self._stuck_since = None  # (a worker that starts slowly must not shrink the plan before it registers)
+            return
         now = self._clock()
         handing_over = {w.preparing.rank for w in self._workers.values()  # a spare is on its way
                         if w.preparing and not w.preparing.ahead}  # fmt: skip

@@ -413,6 +413,24 @@ def test_a_lost_worker_gets_replan_after_seconds_to_come_back() -> None:
     assert reg.changes["replan"] == 1
 
 
+def test_a_mesh_still_forming_waits_for_its_workers_however_long_they_take() -> None:
+    """A slot no worker has taken yet is not a lost one: a second worker that starts slowly (importing torch on a
+    busy machine) finds the planned two stages, not a model shrunk onto the first worker."""
+    clock = Clock()
+    reg = Registry(model=MODEL, pp=2, tp=1, limits=LIMITS, store_host="127.0.0.1", store_port=29500,
+                   heartbeat_timeout=3.0, clock=clock, memory_check=lambda *a: "", replan_after=10.0,
+                   regrow_interval=10.0)  # fmt: skip
+    reg.register(_reg("10.0.0.0:7000", "w0"))
+    for _ in range(10):
+        clock.now += 2.5
+        _beat(reg, "w0", PENDING, applied=0)
+        reg.expire()
+    assert reg.store.current().pp == 2 and reg.changes["replan"] == 0
+    reg.register(_reg("10.0.0.1:7000", "w1"))
+    t = reg.store.current()
+    assert t.pp == 2 and [sh.worker_id for _, sh in t.shards()] == ["w0", "w1"] and t.epoch is not None
+
+
 def test_a_drain_with_a_spare_preparing_does_not_re_plan() -> None:
     clock = Clock()
     reg, asked = _replanning(clock)
