@@ -121,13 +121,17 @@ class Int8DequantKernel(LinearKernel):
 
 
 class Int8FP32Kernel(Int8DequantKernel):
-    """`torch._weight_int8pack_mm` with float32 activations and scales: float32 in, float32 out (CPU, float32)."""
+    """`torch._weight_int8pack_mm` with float32 activations and scales for one row, float32 in and out; more rows
+    take `Int8DequantKernel`'s product, whose cost hardly grows with them while this op's grows with each row
+    (all SmolLM2 products: 58 ms for 1 row, 1.4 s for 16, against 100 and ~110 ms) (CPU, float32)."""
 
     name = "int8-fp32"
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
         assert scale is not None
         rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > 1:
+            return super().__call__(x, weight, bias, scale)
         y = torch._weight_int8pack_mm(rows, weight, scale).reshape(*x.shape[:-1], weight.shape[0])
         return y + bias if bias is not None else y
 
