@@ -20,10 +20,10 @@ MemoryCheck = Callable[[int, Split, Sequence[int], Sequence[str]], str]
 
 def planner_check(model: ModelSpec, limits: ServingLimits, tp: int) -> MemoryCheck:
     """A check `(pp, split, memory per rank, device type per rank) -> why not ("" when it fits)` for `model`."""
+    from shardmesh.core.units import format_bytes
     from shardmesh.planning.devices import Device
     from shardmesh.planning.memory import RuntimeCosts, load_model
     from shardmesh.planning.planner import PlanOptions, stage_capacity
-    from shardmesh.planning.units import format_bytes
 
     info = functools.cache(lambda: load_model(model.path))
 

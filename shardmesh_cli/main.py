@@ -97,7 +97,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None
     stop_ids = tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else cfg.eos_token_ids
     request = OfflineRequest(ids, args.max_new_tokens, sampling, stop_ids)
-    result = generate_local(model_dir, request, args.pp, args.tp, args.dtype, args.device, quantization=args.quantize)
+    budget = None
+    if args.memory_budget is not None:
+        from shardmesh.core.units import parse_bytes
+
+        try:
+            budget = parse_bytes(args.memory_budget)
+        except ValueError as e:
+            raise UsageError(f"--memory-budget: {e}") from None
+    result = generate_local(model_dir, request, args.pp, args.tp, args.dtype, args.device, quantization=args.quantize,
+                            memory_budget=budget)  # fmt: skip
     text = tokenizer.decode(result.token_ids) if tokenizer is not None else ""
     if args.json:
         out = {"token_ids": result.token_ids, "logprobs": result.logprobs, "text": text,
@@ -191,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=DType.names())
     g.add_argument("--quantize", default="none", choices=Quantization.names(), help=QUANTIZE_HELP)
     g.add_argument("--device", default="cpu", help="cpu or cuda")
+    g.add_argument("--memory-budget", metavar="SIZE", default=None,
+                   help="weights each process may hold in memory, e.g. 2GiB: the layers that do not fit stream from "
+                        "the checkpoint for every step (cpu; default: all resident)")  # fmt: skip
     g.add_argument(
         "--json", action="store_true", help="print one JSON object: token_ids, logprobs, text, finish_reason"
     )

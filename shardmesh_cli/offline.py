@@ -29,6 +29,7 @@ from shardmesh.core.step import SamplingParams, Segment
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.groups import Backend, GroupCollective, form_groups
 from shardmesh.engine.loader import build_shard, check_shards, parse_dtype
+from shardmesh.engine.offload import check_budget, streamer_of
 from shardmesh.engine.sampling import random_seed, sample
 from shardmesh.engine.stage import StageEngine
 from shardmesh.rpc import log, procs
@@ -58,10 +59,17 @@ def generate_local(
     device: str = "cpu",
     timeout_s: float = 600.0,
     quantization: str = "none",
+    memory_budget: int | None = None,
 ) -> OfflineResult:
-    """Run `request` on a fresh P × T mesh of local processes and return what the last stage sampled."""
+    """Run `request` on a fresh P × T mesh of local processes and return what the last stage sampled. With
+    `memory_budget` (bytes of weights per process) layers that do not fit stream in for each step (`offload`)."""
     cfg = ModelConfig.from_dir(model_dir)
     check_shards(model_dir, shard_specs(cfg.num_layers, pp, tp), cfg)  # fail here, not in a child
+    if memory_budget is not None:
+        if Quantization(quantization) is not Quantization.NONE:
+            raise ValueError(f"--memory-budget with --quantize {quantization} is not supported yet")
+        specs = shard_specs(cfg.num_layers, pp, tp)
+        check_budget(model_dir, cfg, specs, parse_dtype(dtype), memory_budget, device)
     if len(request.input_ids) + request.max_new_tokens > cfg.max_context:
         raise ValueError(
             f"max_new_tokens: prompt ({len(request.input_ids)}) + max_new_tokens ({request.max_new_tokens}) "
@@ -84,6 +92,8 @@ def generate_local(
                         "--result", str(result_file), "--dtype", dtype, "--device", device,
                         "--quantize", quantization,
                     ]  # fmt: skip
+                    if memory_budget is not None:
+                        args += ["--memory-budget", str(memory_budget)]
                     log_files.append(logs[-1].open("wb"))
                     children.append(procs.spawn(args, env=env, stderr=log_files[-1]))
                 _wait(children, logs, timeout_s)
@@ -113,6 +123,7 @@ def _rank_main(argv: list[str]) -> None:
     for name in ("--model", "--request", "--result", "--dtype", "--device"):
         ap.add_argument(name, required=True)
     ap.add_argument("--quantize", default="none", choices=Quantization.names())
+    ap.add_argument("--memory-budget", type=int, default=None)
     for name in ("--pp", "--tp", "--rank", "--store-port"):
         ap.add_argument(name, type=int, required=True)
     a = ap.parse_args(argv)
@@ -135,8 +146,11 @@ def _rank_main(argv: list[str]) -> None:
     dtype = parse_dtype(a.dtype)
     max_len = len(request.input_ids) + request.max_new_tokens
     model = build_shard(a.model, spec, groups.tp, dtype=dtype, device=device, max_len=max_len,
-                        progress=a.rank == 0, cfg=cfg, quantization=Quantization(a.quantize))  # fmt: skip
-    logger.info("shard_loaded", quantization=a.quantize, linear_kernels=model.linear_kernels)
+                        progress=a.rank == 0, cfg=cfg, quantization=Quantization(a.quantize),
+                        memory_budget=a.memory_budget)  # fmt: skip
+    streamer = streamer_of(model)
+    logger.info("shard_loaded", quantization=a.quantize, linear_kernels=model.linear_kernels,
+                offload=streamer.plan.describe() if streamer is not None else None)  # fmt: skip
     engine = StageEngine(model, groups, model.make_cache(1, dtype, device), device)
     result = _decode(engine, request, world, sampler_rank=(a.pp - 1) * a.tp, rank=a.rank, device=device)
     if a.rank == (a.pp - 1) * a.tp:

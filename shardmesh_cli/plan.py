@@ -63,12 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _flag_options(args: argparse.Namespace) -> tuple[ModelInfo, tuple[Device, ...], PlanOptions]:
     from shardmesh.core.topology import ServingLimits
+    from shardmesh.core.units import parse_bytes
     from shardmesh.models import hub
     from shardmesh.models.registry import RevisionError, resolve
     from shardmesh.planning.devices import parse_devices
     from shardmesh.planning.memory import RuntimeCosts, load_model
     from shardmesh.planning.planner import PlanOptions
-    from shardmesh.planning.units import parse_bytes
 
     if not args.model or not args.devices:
         raise UsageError("give --model DIR and --devices SPEC, or --manifest FILE")

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from shardmesh.core.topology import CalibrationStatus, MeshWorker, Topology, WorkerState
-from shardmesh.planning.units import format_bytes
+from shardmesh.core.units import format_bytes
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from shardmesh.rpc.flags import UsageError, add_client_tls_flags
 from shardmesh.rpc.tls import TlsError, TlsFiles, channel, from_args

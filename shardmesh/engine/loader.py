@@ -13,6 +13,7 @@ from shardmesh.core.layout import ShardSpec
 from shardmesh.engine.groups import Collective, UnboundGroup
 from shardmesh.engine.linear import Linear, LinearProduct, choose_kernel, quantize_rows
 from shardmesh.engine.model import Transformer
+from shardmesh.engine.offload import is_streamed, stream_layers
 from shardmesh.engine.reads import read_tensors, row_absmax
 from shardmesh.engine.tp import VocabParallelHead, apply_tp, checkpoint_index
 from shardmesh.models.checkpoint import Checkpoint, TensorRead
@@ -98,12 +99,16 @@ def build_shard(
     progress: bool = True,
     cfg: ModelConfig | None = None,
     quantization: Quantization = Quantization.NONE,
+    memory_budget: int | None = None,
 ) -> Transformer:
     """Load layers `spec.layers` (and tensor slice `spec.tp_rank`) of the checkpoint in `model_dir`, with
     every product computed by the kernel `linear.choose_kernel` picks for `dtype` on `device`.
 
     With `Quantization.INT8` the decoder layers' products are quantized as each is read (`_Int8`): the shard
     never holds more than one of them in float.
+
+    With `memory_budget` (bytes of weights in memory), the leading layers that fit are loaded and the others'
+    products stream from the checkpoint file for every step (`offload`, which says what the budget counts).
     """
     cfg = cfg or ModelConfig.from_dir(model_dir)
     if spec.num_layers != cfg.num_layers:
@@ -113,6 +118,10 @@ def build_shard(
         raise ValueError(f"group is rank {tp.rank} of {tp.size} but the spec says {spec.tp_rank} of {spec.tp_size}")
     ckpt = Checkpoint(model_dir)
     model, reads = meta_shard(cfg, spec, tp, max_len)
+    if memory_budget is not None:
+        if quantization is not Quantization.NONE:
+            raise ValueError(f"a memory budget with --quantize {quantization.value} is not supported yet")
+        reads = stream_layers(ckpt, model, reads, dtype, device, memory_budget)  # the reads left to load
     for p in model.parameters():
         p.requires_grad_(False)  # before loading: an int8 tensor cannot be a parameter that requires grad
     int8 = _Int8(ckpt, model) if quantization is Quantization.INT8 else None
@@ -121,7 +130,7 @@ def build_shard(
     del tensors  # the model holds them now; no second reference may outlive `use_kernel`'s copies
     kernels = {False: choose_kernel(dtype, device), True: choose_kernel(dtype, device, quantized=True)}
     for name, module in model.named_modules():
-        if isinstance(module, LinearProduct):
+        if isinstance(module, LinearProduct) and not is_streamed(module):
             if int8 is not None and f"{name}.weight" in int8.scales:
                 module.weight_scale = int8.scales.pop(f"{name}.weight")
             module.use_kernel(kernels[module.weight_scale is not None])  # one matrix at a time, as above

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from shardmesh.planning.units import format_bytes, parse_bytes
+from shardmesh.core.units import format_bytes, parse_bytes
 
 DEFAULT_NODE = "node0"
 _GROUP = re.compile(

@@ -22,7 +22,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import PydanticCustomError
 
 from shardmesh.core.dtypes import DType, Quantization
-from shardmesh.planning.units import parse_bytes
+from shardmesh.core.units import parse_bytes
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "compose" / "manifest.schema.json"
 SCHEMA_ID = "https://shardmesh.dev/schemas/manifest-v1.json"

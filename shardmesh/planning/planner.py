@@ -39,9 +39,9 @@ from shardmesh.core.dtypes import DType, Quantization
 from shardmesh.core.heads import valid_tp_degrees
 from shardmesh.core.layout import capped_split, layer_counts, split_layers
 from shardmesh.core.topology import ServingLimits
+from shardmesh.core.units import format_bytes
 from shardmesh.planning.devices import Device, compact_bytes, describe_devices, nodes_of
 from shardmesh.planning.memory import ModelInfo, RuntimeCosts, ShardMemory, shard_memory, stage_memory
-from shardmesh.planning.units import format_bytes
 from shardmesh.planning.weights import weight_parts
 
 BALANCES = ("memory", "speed")

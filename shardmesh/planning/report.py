@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardmesh.core.units import format_bytes
 from shardmesh.planning.devices import describe_devices
 from shardmesh.planning.planner import OFFLOAD_NOTE, Infeasible, Plan
-from shardmesh.planning.units import format_bytes
 
 COLUMNS = ("rank", "stage", "node", "device", "layers", "tp rank", "weights", "KV cache", "other", "total",
            "memory", "headroom")  # fmt: skip

@@ -12,10 +12,10 @@ import pytest
 
 from shardmesh.core.heads import valid_tp_degrees
 from shardmesh.core.topology import ServingLimits
+from shardmesh.core.units import format_bytes
 from shardmesh.planning.devices import Device, make_devices, parse_devices
 from shardmesh.planning.memory import ModelInfo, RuntimeCosts, load_model, shard_memory
 from shardmesh.planning.planner import Infeasible, Plan, PlanError, PlanOptions, plan, try_plan
-from shardmesh.planning.units import format_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "data" / "configs"
 GiB = 2**30

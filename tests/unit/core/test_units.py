@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardmesh.planning.units import format_bytes, parse_bytes
+from shardmesh.core.units import format_bytes, parse_bytes
 
 GiB = 2**30
 

@@ -1,0 +1,484 @@
+"""Offload: a shard larger than its memory budget keeps some decoder layers resident and streams the others in
+from the checkpoint for every step (`build_shard(..., memory_budget=N)`, `shardmesh generate --memory-budget`).
+
+What is resident: everything `build_shard` loads today except the weight matrices of the streamed layers, i.e.
+the embedding, the final norm and the LM head, every weight of the leading decoder layers that fit, and the norms
+and biases of the streamed layers (a few KiB each: they stay, so every layer keeps real parameters and
+`Transformer.dtype`, `make_cache` and the parameter byte counts work unchanged).
+
+What streams: the four products' weight matrices (qkv, o, gate_up, down: all but a few KiB of a layer) of the
+trailing layers that do not fit. Each stays in its safetensors file, memory-mapped once, and a step multiplies
+the mapped pages directly (zero copy: `torch.frombuffer` over the tensor's bytes, sliced to this tp rank's share,
+the plain dense product, a stacked qkv / gate_up block by block since the checkpoint stores its blocks apart).
+Zero copy needs the checkpoint's dtype to be the serving dtype; otherwise each layer is copy-converted into one of
+two reusable buffers (`streamed-copy`). The streamed products' kernel is `StreamedKernel`; the resident ones keep
+the kernel `linear.choose_kernel` picks (so streamed and resident products differ by rounding only: the packed
+oneDNN product and the dense one sum in different orders).
+
+Prefetch: while layer i computes, a reader thread brings the next streamed layer in (cyclically: after the last
+one, the first one for the next step), `madvise(MADV_POPULATE_READ)` on its byte ranges (reads them from disk into
+the page cache if they are not there and maps them, so the compute thread takes no page faults), or in copy mode
+copies it into the free buffer. After layer i ran its pages are dropped from the process (`MADV_DONTNEED`: a
+file-backed page leaves the process's RSS and stays in the page cache, so a hot step reads memory, not disk). So
+at most two streamed layers are in the process at a time: the one computing and the one prefetched.
+
+What the budget counts (bytes, per worker): the shard's weights in memory, nothing else (not the KV cache, the
+activations, or torch's own runtime, which `--memory-budget` users add on top): the resident parameters as loaded
+(numel x serving dtype size) plus the streamed layers' working set, which is, zero copy, the mapped pages of the
+two largest streamed layers, each read counted from its first to its last byte rounded out to 64 KiB (the kernel
+maps up to 64 KiB around each page fault, `fault_around_bytes`; a row-parallel slice at tp > 1 therefore counts
+its whole rows), and in copy mode the two buffers plus the mapped pages of the largest single read being copied.
+Layers are kept resident from the first one on while resident bytes plus that working set fit. A budget that
+does not fit even with every layer streamed is refused, naming both numbers.
+
+`bytes_streamed(model)` counts the weight bytes made available by streaming (each streamed layer's products'
+numel x serving dtype size, once per forward): per step exactly `OffloadPlan.streamed_bytes_per_step`.
+
+A streamed shard reads its checkpoint every step: the files must stay as they are while it serves (a file
+replaced by renaming over it is fine, the old one stays mapped; one truncated in place is not).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import struct
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shardmesh.core.config import ModelConfig
+from shardmesh.core.layout import ShardSpec
+from shardmesh.core.units import format_bytes
+from shardmesh.engine.linear import LinearKernel, LinearProduct
+from shardmesh.engine.model import Transformer
+from shardmesh.models.checkpoint import Checkpoint, TensorRead
+
+PAGE = mmap.PAGESIZE
+FAULT_AROUND = 64 * 1024  # Linux maps up to this much around a read fault on a file mapping (fault_around_bytes)
+MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 3, 4, 22  # <sys/mman.h>; POPULATE_READ since Linux 5.14
+CHECKPOINT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Which layers of a shard stay resident and which stream, and the bytes each side takes."""
+
+    budget: int
+    resident_layers: range  # leading layers, every weight loaded
+    streamed_layers: range  # trailing layers whose product weights stream
+    resident_bytes: int  # parameters loaded into memory, numel x serving dtype size
+    working_set_bytes: int  # streamed weights in the process at once (mapped pages, or the copy buffers)
+    streamed_bytes_per_step: int  # product weights made available by streaming in one forward
+    zero_copy: bool
+
+    @property
+    def total_bytes(self) -> int:
+        return self.resident_bytes + self.working_set_bytes
+
+    def describe(self) -> str:
+        mode = "zero-copy" if self.zero_copy else "copy"
+        resident, streamed = self.resident_layers, self.streamed_layers
+        return (f"layers [{resident.start}, {resident.stop}) resident, [{streamed.start}, {streamed.stop}) streamed "
+                f"({mode}): {format_bytes(self.resident_bytes)} resident + {format_bytes(self.working_set_bytes)} "
+                f"streaming of a {format_bytes(self.budget)} budget, {format_bytes(self.streamed_bytes_per_step)} "
+                "per step")  # fmt: skip
+
+
+def layer_index(name: str) -> int | None:
+    """The global decoder layer a parameter belongs to (`model.layers.7.mlp...` -> 7), None outside the layers."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
+
+
+def streamable(model: nn.Module) -> set[str]:
+    """The parameters that stream when their layer does: the decoder layers' product weights."""
+    return {
+        f"{name}.weight"
+        for name, m in model.named_modules()
+        if isinstance(m, LinearProduct) and layer_index(f"{name}.weight") is not None
+    }
+
+
+@dataclass(frozen=True)
+class _Located:
+    """Where a read's tensor lies: its file, the byte offset of its data there, its checkpoint dtype."""
+
+    file: Path
+    offset: int
+    dtype: torch.dtype | None  # None: a dtype that cannot be mapped as a float tensor
+
+
+def _data_offsets(path: Path) -> dict[str, tuple[int, str]]:
+    """Each tensor of a safetensors file: the absolute offset of its first byte and its dtype name. The header was
+    validated by `Checkpoint`; data starts after the 8-byte length and the header."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: (8 + n + v["data_offsets"][0], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def _locate(ckpt: Checkpoint, reads: Iterable[TensorRead]) -> dict[str, _Located]:
+    headers: dict[Path, dict[str, tuple[int, str]]] = {}
+    out = {}
+    for r in reads:
+        path = ckpt.info(r.source).file
+        if path not in headers:
+            headers[path] = _data_offsets(path)
+        offset, dtype = headers[path][r.source]
+        out[r.source] = _Located(path, offset, CHECKPOINT_DTYPES.get(dtype))
+    return out
+
+
+def _byte_range(r: TensorRead, loc: _Located) -> tuple[int, int]:
+    """[first, last + 1) byte of the file that read `r` touches (its tensor is row-major, slices step 1)."""
+    assert loc.dtype is not None
+    index = (r.index or ()) + (slice(None),) * (len(r.full_shape) - len(r.index or ()))
+    stride, first, last = 1, 0, 0
+    for dim, s in zip(reversed(r.full_shape), reversed(index), strict=True):
+        start, stop, _ = s.indices(dim)
+        first, last = first + start * stride, last + (stop - 1) * stride
+        stride *= dim
+    size = loc.dtype.itemsize
+    return loc.offset + first * size, loc.offset + (last + 1) * size
+
+
+def _align(begin: int, end: int, unit: int) -> tuple[int, int]:
+    return begin // unit * unit, -(-end // unit) * unit
+
+
+def _mapped_bytes(spans: list[tuple[Path, int, int]]) -> int:
+    """What reading these byte ranges (file, begin, end) through a mapping can bring into the process: their
+    union, each rounded out to `FAULT_AROUND` (an upper bound; a column slice counts its whole rows)."""
+    total, last = 0, (None, 0)
+    for path, begin, end in sorted((p, *_align(b, e, FAULT_AROUND)) for p, b, e in spans):
+        at = max(begin, last[1]) if path == last[0] else begin
+        total += max(0, end - at)
+        last = (path, max(end, last[1]) if path == last[0] else end)
+    return total
+
+
+def _two_largest(values: list[int]) -> int:
+    return sum(sorted(values, reverse=True)[:2])
+
+
+def plan_offload(
+    ckpt: Checkpoint,
+    model: Transformer,
+    reads: list[TensorRead],
+    dtype: torch.dtype,
+    budget: int,
+    device: torch.device | str = "cpu",
+) -> OffloadPlan:
+    """The split of a shard (`loader.meta_shard`'s model and reads) under `budget` bytes: as many leading layers
+    resident as fit next to the working set of the streamed ones (the module docstring says what counts).
+    Raises ValueError naming the bytes needed and given when even streaming every layer does not fit."""
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"memory budget: offload streams weights on cpu only, not on {device}")
+    layers = model.layer_range
+    streams = streamable(model)
+    located = _locate(ckpt, (r for r in reads if r.target in streams))
+    zero_copy = all(located[r.source].dtype == dtype and located[r.source].offset % dtype.itemsize == 0
+                    for r in reads if r.target in streams)  # fmt: skip
+    base = 0
+    kept: dict[int, int] = defaultdict(int)  # per layer: bytes resident whether it streams or not (norms, biases)
+    streamed: dict[int, int] = defaultdict(int)  # per layer: bytes of its products' weights
+    spans: dict[int, list[tuple[Path, int, int]]] = defaultdict(list)  # per layer: the bytes its weights map
+    largest_read = 0
+    for r in reads:
+        size, i = r.numel * dtype.itemsize, layer_index(r.target)
+        if i is None:
+            base += size
+        elif r.target in streams:
+            streamed[i] += size
+            loc = located[r.source]
+            if loc.dtype is None:
+                raise ValueError(f"memory budget: tensor '{r.source}' cannot be streamed (not a float dtype)")
+            spans[i].append((loc.file, *_byte_range(r, loc)))
+            largest_read = max(largest_read, _mapped_bytes(spans[i][-1:]))
+        else:
+            kept[i] += size
+    mapped = {i: _mapped_bytes(spans[i]) for i in layers}
+    need = 0
+    for resident in range(len(layers), -1, -1):
+        split = layers.start + resident
+        streaming = range(split, layers.stop)
+        bytes_resident = base + sum(kept[i] + (streamed[i] if i < split else 0) for i in layers)
+        if zero_copy:
+            working = _two_largest([mapped[i] for i in streaming])
+        else:
+            working = min(2, len(streaming)) * max((streamed[i] for i in streaming), default=0)
+            working += largest_read if streaming else 0
+        need = bytes_resident + working
+        if need <= budget:
+            return OffloadPlan(budget, range(layers.start, split), streaming, bytes_resident, working,
+                               sum(streamed[i] for i in streaming), zero_copy)  # fmt: skip
+    raise BudgetError(
+        need,
+        f"memory budget {budget} B ({format_bytes(budget)}) is too small for layers [{layers.start}, {layers.stop}) "
+        f"in {str(dtype).removeprefix('torch.')}: it needs at least {need} B ({format_bytes(need)}) with every "
+        f"decoder layer streamed",
+    )
+
+
+class BudgetError(ValueError):
+    """A memory budget too small for a shard even with every layer streamed; `needed` is the least that fits."""
+
+    def __init__(self, needed: int, message: str) -> None:
+        super().__init__(message)
+        self.needed = needed
+
+
+def check_budget(
+    model_dir: str | Path, cfg: ModelConfig, specs: list[ShardSpec], dtype: torch.dtype, budget: int,
+    device: torch.device | str = "cpu",
+) -> None:  # fmt: skip
+    """`plan_offload` for every shard of a mesh from the checkpoint's headers, before any process starts; a refusal
+    names the shard that needs the most."""
+    from shardmesh.engine.groups import UnboundGroup
+    from shardmesh.engine.loader import meta_shard  # here: the loader imports this module
+
+    ckpt = Checkpoint(model_dir)
+    refused: list[BudgetError] = []
+    for spec in specs:
+        model, reads = meta_shard(cfg, spec, UnboundGroup(spec.tp_rank, spec.tp_size), None)
+        try:
+            plan_offload(ckpt, model, reads, dtype, budget, device)
+        except BudgetError as e:
+            refused.append(e)
+    if refused:
+        raise max(refused, key=lambda e: e.needed)  # the shard that needs the most: its number fits them all
+
+
+class StreamedKernel(LinearKernel):
+    """F.linear by weights the streamer hands over for one forward (`blocks`: the product's rows, one tensor per
+    stacked block when they are mapped apart, one when copied together); the module's own `weight` is None."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.blocks: list[Tensor] | None = None
+
+    def dense(self, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+        assert self.blocks is not None, "a streamed product's weights exist only while its layer runs"
+        return torch.cat(self.blocks)
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+        blocks = self.blocks
+        assert blocks is not None, "a streamed product's weights exist only while its layer runs"
+        if len(blocks) == 1:
+            return F.linear(x, blocks[0], bias)
+        outs, row = [], 0
+        for w in blocks:  # each block with its rows of the bias, as the stacked product would add them
+            outs.append(F.linear(x, w, bias[row : row + w.shape[0]] if bias is not None else None))
+            row += w.shape[0]
+        return torch.cat(outs, dim=-1)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _madvise(ranges: list[tuple[int, int]], advice: int) -> bool:
+    """madvise each (address, length); through ctypes, which lets go of the GIL while the kernel works."""
+    return all(_libc.madvise(addr, length, advice) == 0 for addr, length in ranges)
+
+
+@dataclass
+class _Layer:
+    """One streamed layer: its products' kernels and, per product path, the mapped source of each read."""
+
+    kernels: dict[str, StreamedKernel]
+    sources: dict[str, list[Tensor]]  # mapped (zero copy: what the kernels multiply by)
+    ranges: list[tuple[int, int]]  # page-aligned (address, length) of its bytes, for populate
+    drops: list[tuple[int, int]]  # `FAULT_AROUND`-aligned ranges, for dropping what faults mapped
+    read_drops: list[list[tuple[int, int]]] = field(default_factory=list)  # copy mode: per product, after copying
+    nbytes: int = 0  # product weight bytes, numel x serving dtype size
+
+
+class LayerStreamer:
+    """The streamed layers of one shard: maps their files, hands each layer's weights to its products for one
+    forward, prefetches the next one on a reader thread and drops the last one's pages (module docstring)."""
+
+    def __init__(self, plan: OffloadPlan, dtype: torch.dtype, buffer_numel: int) -> None:
+        self.plan, self.dtype = plan, dtype
+        self.bytes_streamed = 0
+        self.layers: dict[int, _Layer] = {}
+        self._maps: dict[Path, tuple[mmap.mmap, int]] = {}  # file -> (mapping, its address)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="shardmesh-offload")
+        self._pending: tuple[int, int, Future[None]] | None = None  # (layer, buffer slot, fetch in flight)
+        # Copy mode: two buffers, each the size of the largest streamed layer (zero copy: none).
+        self._buffers = [torch.empty(0 if plan.zero_copy else buffer_numel, dtype=dtype) for _ in range(2)]
+        self._copied: dict[int, list[dict[str, Tensor]]] = {}  # copy mode: per layer, per slot, product -> view
+        self._populate = MADV_POPULATE_READ
+
+    def _map(self, path: Path) -> tuple[mmap.mmap, int]:
+        if path not in self._maps:
+            with path.open("rb") as f:  # a private mapping: writable for `torch.frombuffer`, never written
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8).data_ptr())
+        return self._maps[path]
+
+    def add(self, index: int, reads: list[TensorRead], located: dict[str, _Located], kernels: dict[str, StreamedKernel],
+            shapes: dict[str, tuple[int, ...]]) -> None:  # fmt: skip
+        """Register streamed layer `index`: `reads` fill the products' weights, whose kernels and (local) shapes
+        are keyed by parameter path."""
+        sources: dict[str, list[Tensor]] = defaultdict(list)
+        ranges, drops, read_drops = [], [], defaultdict(list)
+        for r in reads:
+            loc = located[r.source]
+            assert loc.dtype is not None
+            mm, addr = self._map(loc.file)
+            count = 1
+            for d in r.full_shape:
+                count *= d
+            whole = torch.frombuffer(mm, dtype=loc.dtype, count=count, offset=loc.offset).view(r.full_shape)
+            sources[r.target].append(whole[r.index] if r.index is not None else whole)
+            begin, end = _byte_range(r, loc)
+            page = _align(begin, end, PAGE)
+            ranges.append((addr + page[0], page[1] - page[0]))
+            wide = _align(begin, end, FAULT_AROUND)
+            wide = (wide[0], min(wide[1], len(mm)))
+            drops.append((addr + wide[0], wide[1] - wide[0]))
+            read_drops[r.target].append(drops[-1])
+        nbytes = sum(r.numel for r in reads) * self.dtype.itemsize
+        self.layers[index] = _Layer(kernels, dict(sources), ranges, drops,
+                                    [read_drops[t] for t in sources], nbytes)  # fmt: skip
+        if not self.plan.zero_copy:
+            self._copied[index] = [self._buffer_views(slot, shapes, sources) for slot in range(2)]
+
+    def _buffer_views(self, slot: int, shapes: dict[str, tuple[int, ...]], sources: dict[str, Any]) -> dict:
+        """Copy mode: each product's weight as a view of buffer `slot`, products back to back."""
+        views, at = {}, 0
+        for t in sources:
+            n = torch.Size(shapes[t]).numel()
+            views[t] = self._buffers[slot][at : at + n].view(shapes[t])
+            at += n
+        return views
+
+    def _next(self, index: int) -> int:
+        order = self.plan.streamed_layers
+        return order[(order.index(index) + 1) % len(order)]
+
+    def _fetch(self, index: int, slot: int) -> None:
+        """Bring layer `index` in: populate its mapped pages (zero copy), or copy-convert it into buffer `slot`."""
+        layer = self.layers[index]
+        if self.plan.zero_copy:
+            if self._populate and not _madvise(layer.ranges, self._populate):
+                self._populate = 0  # an older kernel: ask for readahead, and let the compute thread fault them in
+            if not self._populate:
+                _madvise(layer.ranges, MADV_WILLNEED)
+            return
+        views = self._copied[index][slot]
+        for (target, sources), drops in zip(layer.sources.items(), layer.read_drops, strict=True):
+            rows = 0
+            for src in sources:
+                views[target][rows : rows + src.shape[0]].copy_(src)
+                rows += src.shape[0]
+            _madvise(drops, MADV_DONTNEED)  # the copy holds them now
+
+    def acquire(self, index: int) -> None:
+        """Before layer `index` runs: wait for its prefetch (or fetch it now), give its products their weights,
+        and start prefetching the next streamed layer."""
+        slot = 0
+        if self._pending is not None:
+            pending, pending_slot, future = self._pending
+            self._pending = None
+            future.result()
+            if pending != index:  # out of the usual order: fetch it now, into the other buffer
+                slot = 1 - pending_slot
+                self._fetch(index, slot)
+            else:
+                slot = pending_slot
+        else:
+            self._fetch(index, slot)
+        layer = self.layers[index]
+        for path, kernel in layer.kernels.items():
+            if self.plan.zero_copy:
+                kernel.blocks = layer.sources[path]
+            else:
+                kernel.blocks = [self._copied[index][slot][path]]
+        self.bytes_streamed += layer.nbytes
+        following = self._next(index)
+        if following != index:
+            self._pending = (following, 1 - slot, self._reader.submit(self._fetch, following, 1 - slot))
+        else:  # the only streamed layer: it stays in (its pages, or its buffer) from step to step
+            self._pending = (index, slot, _done())
+
+    def release(self, index: int) -> None:
+        """After layer `index` ran: its products lose their weights, and its mapped pages leave the process."""
+        layer = self.layers[index]
+        for kernel in layer.kernels.values():
+            kernel.blocks = None
+        if self.plan.zero_copy and self._next(index) != index:
+            _madvise(layer.drops, MADV_DONTNEED)
+
+
+def _done() -> Future[None]:
+    f: Future[None] = Future()
+    f.set_result(None)
+    return f
+
+
+_STREAMERS: weakref.WeakKeyDictionary[Transformer, LayerStreamer] = weakref.WeakKeyDictionary()
+
+
+def streamer_of(model: Transformer) -> LayerStreamer | None:
+    """The streamer of a shard built with a memory budget that streams layers (None: all resident)."""
+    return _STREAMERS.get(model)
+
+
+def bytes_streamed(model: Transformer) -> int:
+    """Weight bytes made available by streaming since the shard was built (0 when nothing streams)."""
+    s = _STREAMERS.get(model)
+    return s.bytes_streamed if s is not None else 0
+
+
+def stream_layers(
+    ckpt: Checkpoint, model: Transformer, reads: list[TensorRead], dtype: torch.dtype, device: torch.device | str,
+    budget: int,
+) -> list[TensorRead]:  # fmt: skip
+    """Plan the shard under `budget`; when layers must stream, take their products' weights out of the (meta)
+    model, give those products a `StreamedKernel` and their layers the hooks that stream them. Returns the reads
+    left for the loader to load resident."""
+    plan = plan_offload(ckpt, model, reads, dtype, budget, device)
+    if not plan.streamed_layers:
+        return reads
+    streams = streamable(model)
+    streamed = [r for r in reads if r.target in streams and layer_index(r.target) in plan.streamed_layers]
+    located = _locate(ckpt, streamed)
+    by_layer: dict[int, list[TensorRead]] = defaultdict(list)
+    for r in streamed:
+        by_layer[layer_index(r.target) or 0].append(r)  # (never None: streamed reads are in layers)
+    streamer = LayerStreamer(plan, dtype, max(sum(r.numel for r in rs) for rs in by_layer.values()))
+    name = "streamed" if plan.zero_copy else "streamed-copy"
+    for index in plan.streamed_layers:
+        kernels, shapes = {}, {}
+        for r in by_layer[index]:
+            if r.target in kernels:
+                continue
+            module = model.get_submodule(r.target.removesuffix(".weight"))
+            assert isinstance(module, LinearProduct)
+            shapes[r.target] = tuple(module.weight.shape)
+            module.weight = None  # type: ignore[assignment]  # no parameter: the streamer hands weights over
+            module.kernel = kernels[r.target] = StreamedKernel(name)
+        streamer.add(index, by_layer[index], located, kernels, shapes)
+        layer = model.model.layers[str(index)]
+        layer.register_forward_pre_hook(lambda _m, _a, i=index: streamer.acquire(i))
+        layer.register_forward_hook(lambda _m, _a, _o, i=index: streamer.release(i), always_call=True)
+    _STREAMERS[model] = streamer
+    targets = {r.target for r in streamed}
+    return [r for r in reads if r.target not in targets]
+
+
+def is_streamed(module: nn.Module) -> bool:
+    """Whether a product's weights stream (the loader leaves its kernel alone)."""
+    return isinstance(module, LinearProduct) and isinstance(module.kernel, StreamedKernel)

@@ -1,0 +1,58 @@
+"""`shardmesh generate --memory-budget`: each rank streams the layers that do not fit and the answer is the
+resident one; a budget too small even with offload is refused with the numbers, before any process starts."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.checkpoints import make_checkpoint
+
+PROMPT = "1,17,5,42,33,8"
+
+
+def generate(model: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardmesh_cli", "generate", "--model", str(model), "--token-ids", PROMPT,
+         "--max-new-tokens", "8", "--json", *flags], capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("offload"), "llama-gqa-tied", num_layers=6, seed=3,
+                           hidden_size=128, intermediate_size=256)  # fmt: skip
+
+
+@pytest.mark.parametrize("pp,tp", [(1, 1), (2, 1), (1, 2)])
+def test_generate_with_a_budget_gives_the_resident_answer(tiny: Path, pp: int, tp: int) -> None:
+    mesh = ("--pp", str(pp), "--tp", str(tp))
+    resident = generate(tiny, *mesh)
+    assert resident.returncode == 0, resident.stderr
+    # Find the least budget every rank accepts (the refusal names it), then serve with it: most layers stream.
+    refused = generate(tiny, *mesh, "--memory-budget", "1KiB")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    need = int(re.findall(r"needs at least (\d+) B", refused.stderr)[0])  # the shard that needs the most
+    streamed = generate(tiny, *mesh, "--memory-budget", str(need))
+    assert streamed.returncode == 0, streamed.stderr
+    want, got = json.loads(resident.stdout), json.loads(streamed.stdout)
+    assert got["token_ids"] == want["token_ids"]
+    assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)) < 1e-5
+
+
+def test_too_small_a_budget_is_one_line_naming_the_numbers(tiny: Path) -> None:
+    r = generate(tiny, "--memory-budget", "100KiB")
+    assert r.returncode == 1 and r.stdout == ""
+    layers = r"is too small for layers \[0, 6\) in float32: "
+    numbers = r"it needs at least \d+ B \([\d.]+ [KM]iB\) with every decoder layer streamed\n"
+    assert re.fullmatch(rf"error: memory budget 102400 B \(100\.00 KiB\) {layers}{numbers}", r.stderr)
+
+
+def test_a_malformed_size_is_a_usage_error(tiny: Path) -> None:
+    r = generate(tiny, "--memory-budget", "lots")
+    assert r.returncode == 2 and "--memory-budget: expected a size like 24GiB" in r.stderr

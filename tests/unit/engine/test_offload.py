@@ -1,0 +1,277 @@
+"""Offload (`build_shard(..., memory_budget=N)`): layers that do not fit stream from the checkpoint each step and
+give the resident shard's output; the split, the streamed bytes and the process's memory are what the plan says."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from shardmesh.core.layout import ShardSpec
+from shardmesh.core.step import Segment
+from shardmesh.engine.batch import BatchLayout
+from shardmesh.engine.loader import build_shard
+from shardmesh.engine.model import Transformer
+from shardmesh.engine.offload import FAULT_AROUND, OffloadPlan, bytes_streamed, streamer_of
+from tests.checkpoints import make_checkpoint
+
+LAYERS = 8
+GEOMETRY = {"hidden_size": 128, "intermediate_size": 256}  # 64 KiB-sized matrices: pages, not rounding, dominate
+PROMPT = [1, 5, 9, 13, 7]
+PRODUCTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LocalRank:
+    """Rank `rank` of a tp group whose collectives are the identity: a rank's own share of every result, enough
+    to compare two builds of the same rank without its peers."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        return x
+
+    def all_gather(self, x: Tensor) -> Tensor:
+        return x
+
+
+@pytest.fixture(scope="module")
+def ck32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("f32"), "qwen2-bias-tied", num_layers=LAYERS, **GEOMETRY)
+
+
+@pytest.fixture(scope="module")
+def ck16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("bf16")
+    return make_checkpoint(d, "llama-mha-untied", num_layers=LAYERS, dtype=torch.bfloat16, **GEOMETRY)
+
+
+def layer_bytes(ckpt: Path, dtype: torch.dtype, layers: range, products_only: bool = False) -> int:
+    """Bytes the tensors of `layers` take in `dtype` (only their products' weights with `products_only`)."""
+    total = 0
+    for name, t in load_file(ckpt / "model.safetensors").items():
+        parts = name.split(".")
+        in_layers = len(parts) > 3 and parts[1] == "layers" and int(parts[2]) in layers
+        if in_layers and (not products_only or (parts[-2] in PRODUCTS and parts[-1] == "weight")):
+            total += t.numel() * dtype.itemsize
+    return total
+
+
+def half_budget(ckpt: Path, dtype: torch.dtype, spec: ShardSpec) -> int:
+    """The shard's weights less half of its layers' bytes: about half of them stream. (A tp rank's row-parallel
+    slices map whole rows, so there the working set is larger and fewer layers stay resident.)"""
+    full = build_shard(ckpt, spec, LocalRank(spec.tp_rank, spec.tp_size), dtype=dtype, progress=False)
+    weights = sum(p.numel() * p.element_size() for p in full.parameters())
+    return weights - layer_bytes(ckpt, dtype, range(LAYERS)) // spec.tp_size // 2
+
+
+def run(model: Transformer, dtype: torch.dtype, steps: int = 4) -> tuple[list[int], Tensor]:
+    """Greedy tokens and the logits behind them: a prefill, then `steps` decode steps."""
+    cache = model.make_cache(1, dtype, "cpu")
+    ids, start, tokens, logits = PROMPT, 0, [], []
+    with torch.inference_mode():
+        for _ in range(steps + 1):
+            out = model(torch.tensor(ids), BatchLayout.build([Segment(0, start, len(ids))]), cache)[-1]
+            start += len(ids)
+            ids = [int(out.argmax())]
+            tokens.append(ids[0])
+            logits.append(out)
+    return tokens, torch.stack(logits)
+
+
+def plan_of(model: Transformer) -> OffloadPlan:
+    streamer = streamer_of(model)
+    assert streamer is not None, "nothing streams"
+    return streamer.plan
+
+
+@pytest.mark.parametrize(
+    ("which", "dtype", "tp_rank", "tp", "kernel"),
+    [
+        ("ck32", torch.float32, 0, 1, "streamed"),  # zero copy, stacked blocks with biases (qwen2)
+        ("ck16", torch.bfloat16, 0, 1, "streamed"),  # zero copy in bfloat16
+        ("ck32", torch.bfloat16, 0, 1, "streamed-copy"),  # converted into the two buffers
+        ("ck32", torch.float32, 1, 2, "streamed"),  # a tp rank: row-parallel products multiply strided slices
+        ("ck16", torch.bfloat16, 1, 2, "streamed"),
+    ],
+)
+def test_half_the_layers_streamed_gives_the_resident_output(
+    request: pytest.FixtureRequest, which: str, dtype: torch.dtype, tp_rank: int, tp: int, kernel: str
+) -> None:
+    ckpt = request.getfixturevalue(which)
+    spec = ShardSpec(0, LAYERS, LAYERS, tp_rank, tp)
+    group = LocalRank(tp_rank, tp)  # the rank's own outputs: no peers, the same for both builds
+    resident = build_shard(ckpt, spec, group, dtype=dtype, progress=False)
+    budget = half_budget(ckpt, dtype, spec) + (layer_bytes(ckpt, dtype, range(LAYERS)) // 8 if tp > 1 else 0)
+    streamed = build_shard(ckpt, spec, group, dtype=dtype, progress=False, memory_budget=budget)
+    plan = plan_of(streamed)
+    assert len(plan.resident_layers) > 0 and len(plan.streamed_layers) >= LAYERS // 2
+    assert kernel in streamed.linear_kernels
+    want_tokens, want = run(resident, dtype)
+    tokens, got = run(streamed, dtype)
+    assert tokens == want_tokens
+    # Streamed products are F.linear on the mapped weights, resident ones the kernel chosen for the dtype
+    # (oneDNN's packed product in float32): the same numbers up to the order of the sums.
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_split_and_bytes_streamed_are_the_computed_numbers(ck32: Path) -> None:
+    spec = ShardSpec(0, LAYERS, LAYERS)
+    budget = half_budget(ck32, torch.float32, spec)
+    model = build_shard(ck32, spec, dtype=torch.float32, progress=False, memory_budget=budget)
+    plan = plan_of(model)
+    streamed = plan.streamed_layers
+    assert plan.resident_layers == range(0, streamed.start) and streamed.stop == LAYERS
+    # Resident: exactly the parameters the model holds (streamed products hold none).
+    assert plan.resident_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    per_layer = layer_bytes(ck32, torch.float32, range(1), products_only=True)
+    assert plan.streamed_bytes_per_step == layer_bytes(ck32, torch.float32, streamed, products_only=True)
+    assert plan.streamed_bytes_per_step == per_layer * len(streamed)
+    # Working set: the two layers in the process at once, each its bytes rounded out to the fault-around window.
+    assert 2 * per_layer <= plan.working_set_bytes <= 2 * (per_layer + 2 * FAULT_AROUND)
+    assert plan.total_bytes <= budget < plan.total_bytes + per_layer  # one more resident layer would not fit
+    assert bytes_streamed(model) == 0
+    run(model, torch.float32, steps=3)
+    assert bytes_streamed(model) == 4 * plan.streamed_bytes_per_step  # the prefill and 3 decode steps
+
+
+def test_a_budget_the_whole_shard_fits_streams_nothing(ck32: Path) -> None:
+    spec = ShardSpec(2, 5, LAYERS)
+    resident = build_shard(ck32, spec, progress=False)
+    size = sum(p.numel() * p.element_size() for p in resident.parameters())
+    model = build_shard(ck32, spec, progress=False, memory_budget=size)
+    assert streamer_of(model) is None and bytes_streamed(model) == 0
+    assert model.linear_kernels == resident.linear_kernels
+
+
+def test_too_small_a_budget_names_the_numbers(ck32: Path) -> None:
+    spec = ShardSpec(0, LAYERS, LAYERS)
+    with pytest.raises(ValueError, match=r"memory budget 1000 B \(1000 B\) is too small for layers \[0, 8\)") as e:
+        build_shard(ck32, spec, progress=False, memory_budget=1000)
+    need = int(re.search(r"needs at least (\d+) B", str(e.value)).group(1))  # type: ignore[union-attr]
+    # The least that works: the resident parts and two streamed layers' pages; a byte less is refused.
+    assert need > 2 * layer_bytes(ck32, torch.float32, range(1), products_only=True)
+    assert plan_of(build_shard(ck32, spec, progress=False, memory_budget=need)).streamed_layers == range(0, LAYERS)
+    with pytest.raises(ValueError, match=rf"memory budget {need - 1} B .* needs at least {need} B"):
+        build_shard(ck32, spec, progress=False, memory_budget=need - 1)
+
+
+def test_a_middle_stage_with_every_layer_streamed(ck32: Path) -> None:
+    """No embedding, no head, no resident layer: hidden states in, hidden states out, as resident."""
+    spec = ShardSpec(3, 6, LAYERS)
+    resident = build_shard(ck32, spec, progress=False)
+    need = re.search(r"needs at least (\d+) B", _refusal(ck32, spec))
+    assert need is not None
+    streamed = build_shard(ck32, spec, progress=False, memory_budget=int(need.group(1)))
+    assert plan_of(streamed).streamed_layers == range(3, 6)
+    x = torch.randn(len(PROMPT), 128)
+    batch = BatchLayout.build([Segment(0, 0, len(PROMPT))])
+    with torch.inference_mode():
+        want = resident(x, batch, resident.make_cache(1, torch.float32, "cpu"))
+        got = streamed(x, batch, streamed.make_cache(1, torch.float32, "cpu"))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def _refusal(ckpt: Path, spec: ShardSpec) -> str:
+    with pytest.raises(ValueError) as e:
+        build_shard(ckpt, spec, progress=False, memory_budget=1)
+    return str(e.value)
+
+
+def test_int8_with_a_budget_is_refused(ck32: Path) -> None:
+    from shardmesh.core.dtypes import Quantization
+
+    with pytest.raises(ValueError, match=r"memory budget with --quantize int8 is not supported"):
+        build_shard(ck32, ShardSpec(0, LAYERS, LAYERS), progress=False, memory_budget=10**9,
+                    quantization=Quantization.INT8)  # fmt: skip
+
+
+# --- memory: the process holds the budget, not the shard --------------------------------------------------------
+
+BIG_LAYERS, HIDDEN, FFN, VOCAB = 8, 512, 1536, 4096
+
+_MEASURE = """
+import json, sys
+import torch
+from shardmesh.core.layout import ShardSpec
+from shardmesh.core.step import Segment
+from shardmesh.engine.batch import BatchLayout
+from shardmesh.engine.loader import build_shard
+from shardmesh.engine.offload import streamer_of
+
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+
+budget = int(sys.argv[2]) or None
+torch.set_num_threads(1)
+with torch.inference_mode():  # warm the runtime up on something tiny first: it is no part of either shard
+    torch.nn.functional.linear(torch.randn(4, 64), torch.randn(64, 64)).sum()
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak: count only what loading and serving add
+before = status("VmRSS")
+model = build_shard(sys.argv[1], ShardSpec(0, 8, 8), progress=False, max_len=64, memory_budget=budget)
+cache = model.make_cache(1, torch.float32, "cpu")
+ids, start = list(range(1, 17)), 0
+with torch.inference_mode():
+    for _ in range(6):
+        out = model(torch.tensor(ids), BatchLayout.build([Segment(0, start, len(ids))]), cache)
+        start, ids = start + len(ids), [int(out[-1].argmax())]
+weights = sum(p.numel() * p.element_size() for p in model.parameters())
+s = streamer_of(model)
+print(json.dumps({"peak_added": status("VmHWM") - before, "weights": weights,
+                  "planned": s.plan.total_bytes if s else weights}))
+"""
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("big")
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN, "intermediate_size": FFN,
+           "num_hidden_layers": BIG_LAYERS, "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": VOCAB,
+           "max_position_embeddings": 64, "tie_word_embeddings": False}  # fmt: skip
+    (d / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+    t = {
+        "model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g),
+        "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN**0.5,
+        "model.norm.weight": torch.ones(HIDDEN),
+    }
+    for i in range(BIG_LAYERS):
+        p = f"model.layers.{i}."
+        for n in "qkvo":
+            t[p + f"self_attn.{n}_proj.weight"] = torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5
+        t[p + "mlp.gate_proj.weight"] = torch.randn(FFN, HIDDEN, generator=g) / HIDDEN**0.5
+        t[p + "mlp.up_proj.weight"] = torch.randn(FFN, HIDDEN, generator=g) / HIDDEN**0.5
+        t[p + "mlp.down_proj.weight"] = torch.randn(HIDDEN, FFN, generator=g) / FFN**0.5
+        t[p + "input_layernorm.weight"] = torch.ones(HIDDEN)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(HIDDEN)
+    save_file(t, d / "model.safetensors")
+    return d
+
+
+def _measure(checkpoint: Path, budget: int) -> dict:
+    r = subprocess.run([sys.executable, "-c", _MEASURE, str(checkpoint), str(budget)],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_rss_stays_within_the_budget_plus_the_fixed_overhead(big_checkpoint: Path) -> None:
+    resident = _measure(big_checkpoint, 0)
+    # The fixed overhead: what serving adds beyond the weights (the KV cache, activations, the allocator's and
+    # oneDNN's buffers, the packing copy of one matrix while loading), measured on the resident shard.
+    overhead = resident["peak_added"] - resident["weights"]
+    layers = layer_bytes(big_checkpoint, torch.float32, range(BIG_LAYERS))
+    budget = resident["weights"] - layers // 2
+    streamed = _measure(big_checkpoint, budget)
+    assert streamed["planned"] <= budget
+    assert streamed["peak_added"] <= budget + overhead, (streamed, resident, overhead)
+    # Not vacuous: the streamed process holds far less than the resident one (a ~109 MB shard of layers, half
+    # of it outside the budget).
+    assert streamed["peak_added"] < resident["peak_added"] - layers // 4, (streamed, resident)
