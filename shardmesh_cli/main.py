@@ -265,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per stage (default 1)")
     u.add_argument("--dtype", default="float32", choices=DType.names())
     u.add_argument("--quantize", default="none", choices=Quantization.names(), help=QUANTIZE_HELP)
+    u.add_argument(
+        "--memory-budget",
+        default=None,
+        help="bytes of weights each worker holds in memory, e.g. "
+        "300MiB; the layers beyond it stream from the checkpoint every step (CPU; default: all)",
+    )
     u.add_argument("--device", default="cpu", help="cpu or cuda")
     u.add_argument("--listen", default=None, help="gateway host:port (default 127.0.0.1 and a free port)")
     u.add_argument("--http-listen", default=None,

@@ -279,13 +279,14 @@ def worker_commands(args: argparse.Namespace, coordinator: str,
     # -1: any free port, published in the topology, so a restarted worker binds a fresh one and
     # `shardmesh top` still finds it
     worker_metrics = ["--metrics-port", "-1"] if getattr(args, "metrics", False) else []
+    budget = ["--memory-budget", args.memory_budget] if getattr(args, "memory_budget", None) else []
     out = []
     for rank in range(world + getattr(args, "spares", 0)):
         # the node the plan put this rank on; a spare is on no node of the plan, so it gets no label
         labels = ["--label", f"node={nodes[rank]}"] if nodes and rank < world else []
         out.append((f"worker{rank}", ["worker", "--coordinator", coordinator, "--worker-id", f"worker-{rank}",
                                       "--device", args.device, *labels, *telemetry, *worker_metrics,
-                                      *security]))  # fmt: skip
+                                      *security, *budget]))  # fmt: skip
     return out
 
 

@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--label", action="append", default=[], help="placement label key=value (repeatable), e.g. node_group=a")
     flag("--group-timeout", 60.0, type=float, help="seconds a collective or stage link may wait (default 60)")
     flag("--max-message-mb", 64, type=int, help="gRPC max send/receive message size in MiB (default 64)")
+    flag("--memory-budget", help="bytes of weights this worker holds in memory, e.g. 300MiB: the leading layers "
+         "of its shard that fit stay, the others stream from the checkpoint every step (CPU; default: the whole "
+         "shard)")  # fmt: skip
     flag("--threads", type=int, help="torch intra-op threads (default: all cores, or $OMP_NUM_THREADS)")
     flag("--speed", "auto", help="this worker's matrix-multiply throughput in GFLOP/s, or 'auto' to measure it at "
          "start (default); the coordinator moves a slot onto a spare that makes the pipeline faster by its "
@@ -62,10 +65,18 @@ def build_config(args: argparse.Namespace) -> Any:
             raise UsageError(f"--speed: expected 'auto' or GFLOP/s as a number, got {args.speed!r}") from None
         if not speed > 0:
             raise UsageError(f"--speed: must be > 0 GFLOP/s, got {args.speed}")
+    budget: int | None = None
+    if args.memory_budget:
+        from shardmesh.core.units import parse_bytes
+
+        try:
+            budget = parse_bytes(args.memory_budget)
+        except ValueError as e:
+            raise UsageError(f"--memory-budget: {e}") from None
     tls, join_tokens, join_token = mesh_security(args)
     return WorkerConfig(args.coordinator, args.listen, args.advertise, args.worker_id, args.device, labels,
                         args.group_timeout, args.max_message_mb * 1024 * 1024, args.metrics_port,
-                        args.otlp_endpoint, speed, tls, join_tokens, join_token)  # fmt: skip
+                        args.otlp_endpoint, speed, tls, join_tokens, join_token, budget)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

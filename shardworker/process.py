@@ -47,6 +47,7 @@ class WorkerConfig:
     tls: TlsFiles | None = None  # mutual TLS on the gRPC port and the channel to the coordinator; None: plaintext
     join_tokens: TokenSource | None = None  # what callers of StageWorker must present; None: nothing
     join_token: str | None = field(default=None, repr=False)  # presented to the coordinator
+    memory_budget: int | None = None  # bytes of weights in memory (`shardmesh.engine.offload`); None: the whole shard
 
 
 def should_exit(topology: Topology, worker_id: str) -> bool:
@@ -179,7 +180,8 @@ class WorkerProcess:
         self.heartbeat_s = resp.heartbeat_interval.ToTimedelta().total_seconds() or 1.0
         log.bind_identity(worker_id=self.worker_id)
         if self.core is None:
-            self.core = StageWorkerCore(self.worker_id, self.device, self.log, self.cfg.group_timeout_s)
+            self.core = StageWorkerCore(self.worker_id, self.device, self.log, self.cfg.group_timeout_s,
+                                        memory_budget=self.cfg.memory_budget)  # fmt: skip
             self.core.on_cache_reset = self._heartbeat_once  # the coordinator must know before the calibration ends
         self.log.info("registered", heartbeat_s=self.heartbeat_s)
         self._offer(Topology.from_pb(resp.topology))

@@ -32,7 +32,7 @@ from shardmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceE
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.step import Sampled, SamplingParams, Segment, StepEntry
 from shardmesh.core.topology import HeldShard, Rendezvous, ServingLimits, ShardState, Topology
-from shardmesh.engine import kv_transfer
+from shardmesh.engine import kv_transfer, offload
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.groups import Backend, ShardGroups, form_groups
 from shardmesh.engine.kv_cache import ActivationLog, KVCache
@@ -197,8 +197,9 @@ class _Runtime:
 
 class StageWorkerCore:
     def __init__(self, worker_id: str, device: torch.device, logger: Any, group_timeout_s: float = 60.0,
-                 order_timeout_s: float = 10.0) -> None:  # fmt: skip
+                 order_timeout_s: float = 10.0, memory_budget: int | None = None) -> None:  # fmt: skip
         self.worker_id = worker_id
+        self.memory_budget = memory_budget  # bytes of weights in memory; the rest of a shard streams (offload)
         self.device = device
         self.log = logger
         self.backend = Backend.for_device(device, timedelta(seconds=group_timeout_s))
@@ -300,9 +301,11 @@ class StageWorkerCore:
         cfg = ModelConfig.from_dir(model_path)
         t0 = time.perf_counter()
         m = build_shard(model_path, spec, dtype=parse_dtype(dtype), device=self.device, max_len=max_context, cfg=cfg,
-                        quantization=Quantization.parse(quantization))  # fmt: skip
+                        quantization=Quantization.parse(quantization), memory_budget=self.memory_budget)  # fmt: skip
+        streamer = offload.streamer_of(m)
+        streamed = list(streamer.plan.streamed_layers) if streamer is not None else []
         self.log.info("shard_loaded", seconds=round(time.perf_counter() - t0, 2), weights_bytes=_nbytes(m),
-                      quantization=quantization, linear_kernels=m.linear_kernels)  # fmt: skip
+                      quantization=quantization, linear_kernels=m.linear_kernels, streamed_layers=streamed)  # fmt: skip
         self._model, self._loaded_spec = m, (spec, model_path, dtype, max_context, quantization)
         return m
 

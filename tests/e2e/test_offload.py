@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoints import make_checkpoint
+from tests.stack import Stack
 
 PROMPT = "1,17,5,42,33,8"
 
@@ -56,3 +57,32 @@ def test_too_small_a_budget_is_one_line_naming_the_numbers(tiny: Path) -> None:
 def test_a_malformed_size_is_a_usage_error(tiny: Path) -> None:
     r = generate(tiny, "--memory-budget", "lots")
     assert r.returncode == 2 and "--memory-budget: expected a size like 24GiB" in r.stderr
+
+
+def test_a_worker_with_a_budget_serves_the_resident_answer(tiny: Path, stack: Stack) -> None:
+    """`worker --memory-budget` (what `up --memory-budget` gives every worker): the worker streams the layers
+    beyond its budget, says which, and the gateway serves what a resident `generate` gives."""
+    import grpc
+
+    from shardmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
+    from shardmesh_cli.up import free_port, wait_serving
+
+    refused = generate(tiny, "--memory-budget", "1KiB")
+    need = int(re.findall(r"needs at least (\d+) B", refused.stderr)[0])
+    stack.start_coordinator(tiny, 1, 1, "--kv-slots", "2")
+    gateway = f"127.0.0.1:{free_port()}"
+    stack.spawn("gateway", "gateway", "--listen", gateway, "--coordinator", stack.coordinator)
+    stack.start_worker("a", "--memory-budget", str(need))
+    stack.wait_complete(timeout=120)
+    wait_serving(gateway, [], 60, stack.log_dir)
+    with grpc.insecure_channel(gateway) as ch:
+        params = gateway_pb2.SamplingParams(max_new_tokens=8, temperature=0.0)
+        ids = gateway_pb2.TokenIds(ids=[int(t) for t in PROMPT.split(",")])
+        r = gateway_pb2_grpc.GatewayStub(ch).Generate(gateway_pb2.GenerateRequest(token_ids=ids, params=params),
+                                                      timeout=60)  # fmt: skip
+    want = json.loads(generate(tiny).stdout)
+    assert list(r.token_ids) == want["token_ids"]
+    assert max(abs(a - b) for a, b in zip(r.logprobs, want["logprobs"], strict=True)) < 1e-4
+    loaded = [json.loads(line) for line in (stack.log_dir / "a.log").read_text().splitlines()
+              if '"shard_loaded"' in line]  # fmt: skip
+    assert loaded and loaded[-1]["streamed_layers"], loaded  # most of the 6 layers stream at the least budget
