@@ -129,6 +129,9 @@ class _ShardCollector:
         for direction, value in sorted(i.get("kv_moved_bytes", {}).items()):
             moved.add_metric([direction], value)
         yield moved
+        yield CounterMetricFamily("shardmesh_offload_streamed_bytes", "Weight bytes of the layers beyond the memory "
+                                  "budget, streamed from the checkpoint (per step: the streamed layers' product "
+                                  "weights, each once)", i.get("bytes_streamed", 0))  # fmt: skip
 
 
 def record_step_spans(

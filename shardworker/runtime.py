@@ -618,6 +618,7 @@ class StageWorkerCore:
             "total_slots": 0, "free_slots": 0, "active_sequences": 0, "placement": None, "max_context": 0,
             "kv_cache_id": "", "kv_moved_bytes": dict(self.kv_moved),
             "linear_kernels": list(model.linear_kernels) if model is not None else [],
+            "bytes_streamed": offload.bytes_streamed(model) if model is not None else 0,
         }  # fmt: skip
         if rt is not None:
             kv = rt.placement.limits.kv_slots

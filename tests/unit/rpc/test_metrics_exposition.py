@@ -72,3 +72,13 @@ def test_a_worker_counts_the_kv_bytes_it_moved_in_hand_overs() -> None:
                for s in f.samples}  # fmt: skip
     assert samples[("shardmesh_kv_moved_bytes_total", "received")] == 74304
     assert samples[("shardmesh_kv_moved_bytes_total", "sent")] == 0
+
+
+def test_a_worker_counts_the_weight_bytes_it_streamed() -> None:
+    from shardworker.metrics import WorkerMetrics
+
+    info = {"weights_bytes": 0, "kv_cache_bytes": 0, "total_slots": 0, "free_slots": 0, "placement": None,
+            "state": ShardState.READY, "bytes_streamed": 3 * 1_179_648}  # fmt: skip
+    text = generate_latest(WorkerMetrics(lambda: info, lambda: "w0", "cpu").registry).decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["shardmesh_offload_streamed_bytes_total"] == 3 * 1_179_648
