@@ -508,7 +508,7 @@ MANIFEST_FLAGS = {
     "layers": "the plan (nodes)", "rebalance": "placement.rebalance", "max_stage_ratio": "placement.max_stage_ratio",
     "require_balance": "placement.require_balance", "http_listen": "services.gateway.http_listen",
     "no_http": "services.gateway.http_listen", "served_model_name": "model.served_model_name",
-    "quantize": "model.quantization",
+    "quantize": "model.quantization", "memory_budget": "services.worker.memory_budget",
 }  # fmt: skip
 
 

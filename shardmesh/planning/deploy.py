@@ -157,6 +157,7 @@ def up_args(d: Deployment, base: argparse.Namespace) -> argparse.Namespace:
     out.pp, out.tp, out.dtype = d.pp, d.tp, d.dtype
     out.quantize = m.model.quantization
     out.device = m.services.worker.device
+    out.memory_budget = str(m.services.worker.memory_budget) if m.services.worker.memory_budget is not None else None
     gateway, coordinator = m.services.gateway.listen, m.services.coordinator.listen
     out.listen = gateway if address_port(gateway) else None  # port 0: `up` picks a free one
     out.kv_slots = d.limits.kv_slots
@@ -235,6 +236,8 @@ def service_commands(d: Deployment) -> list[str]:
     for rank in range(d.pp * d.tp):
         worker = ["shardmesh", "worker", "--coordinator", coord, "--worker-id", f"worker-{rank}", "--device",
                   m.services.worker.device, *_telemetry(m), *security_flags(d, "worker")]  # fmt: skip
+        if m.services.worker.memory_budget is not None:
+            worker += ["--memory-budget", str(m.services.worker.memory_budget)]
         if shards:
             node = next(n for n in m.nodes if n.name == shards[rank].device.node)
             labels = sorted({"node": node.name, **node.labels}.items())

@@ -231,6 +231,10 @@ class GatewayService(_Section):
 
 class WorkerService(_Section):
     device: str = Field("cpu", pattern=_DEVICE, description="cpu, cuda or cuda:N")
+    memory_budget: ByteSize | None = Field(
+        None, description="bytes of weights each worker holds in memory (CPU): the leading layers of its shard that "
+                          "fit stay, the others stream from the checkpoint every step (default: the whole shard)",
+    )  # fmt: skip
 
 
 class Security(_Section):

@@ -118,3 +118,13 @@ def test_manifest_quantization_is_planned_and_passed_on(tmp_path: Path) -> None:
     assert max(s.memory.weights for s in q.plan.shards) < 0.6 * max(s.memory.weights for s in d.plan.shards)
     flags = deploy.coordinator_flags(q)
     assert flags[flags.index("--quantize") + 1] == "int8"
+
+
+def test_manifest_memory_budget_reaches_every_worker(tmp_path: Path) -> None:
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["model"]["path"] = str(CONFIGS / "llama-3-70b")
+    data["services"]["worker"]["memory_budget"] = "300MiB"
+    d = deploy.resolve(parse_manifest(data), tmp_path / "m.yaml")
+    workers = [c for c in deploy.service_commands(d) if " worker " in c]
+    assert workers and all("--memory-budget 314572800" in c for c in workers)
+    assert deploy.up_args(d, argparse.Namespace()).memory_budget == "314572800"
