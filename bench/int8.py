@@ -6,7 +6,8 @@
 Writes bench/results/<host>-<date>-int8.{md,json} and prints the markdown. What it measures, all in one process
 and one run, on `--threads` cores:
 
-- shardmesh float32, shardmesh int8 with the kernel chosen at load (float32 activations) and, on a CPU with
+- shardmesh float32, shardmesh int8 with the kernel chosen at load (float32 activations: `int8-cpu` where it
+  builds) and, on a CPU with
   native bfloat16, with `SHARDMESH_LINEAR_KERNEL=int8-bf16` (bfloat16 activations: fast, not chosen by default
   because tp degrees then differ) (`build_shard(..., quantization=Quantization.INT8)`: the decoder layers'
   products as int8 with a float32 scale per output row, the embedding and LM head in float32), one shard holding

@@ -15,12 +15,12 @@ row, 13.4 vs 27.5 ms for 16 rows; the whole SmolLM2 step in process: 42 -> 31 ms
 PyTorch's faster GEMM for few rows (SmolLM2, all weights, one token: 41 -> 28 ms, see bench/).
 
 int8 weights (`Quantization.INT8`: int8 values, one float32 scale per output row) keep the activations in
-float, so every tensor-parallel degree computes the same numbers: on a float32 CPU shard
-`torch._weight_int8pack_mm` with float32 activations (`Int8FP32Kernel`), elsewhere each weight converted to the
-activations' dtype inside the product (`Int8DequantKernel`). Both save memory, not time: on this machine's
-CPUs they are slower than float32's packed product (all SmolLM2 products, one row: 58 and 100 ms against
-22). The fast one, `Int8BF16Kernel` (the same op with bfloat16 activations, 10.5 ms on a CPU with native
-bfloat16), rounds each row-parallel partial sum to bfloat16 before the all-reduce adds them, so tp=3 and
+float, so every tensor-parallel degree computes the same numbers. On a float32 CPU shard: a loop compiled for
+the CPU at first use (`Int8CpuKernel`, `shardmesh.engine.int8_cpu`: all SmolLM2 products, one row, about a
+third of float32's time), else `torch._weight_int8pack_mm` with float32 activations (`Int8FP32Kernel`, slower
+than float32: 58 against 22 ms); elsewhere each weight converted to the activations' dtype inside the product
+(`Int8DequantKernel`). `Int8BF16Kernel` (`_weight_int8pack_mm` with bfloat16 activations, 10.5 ms on a CPU with
+native bfloat16) rounds each row-parallel partial sum to bfloat16 before the all-reduce adds them, so tp=3 and
 tp=1 differ (a greedy token flipped at a near-tie on SmolLM2): it is not chosen, only named.
 `SHARDMESH_LINEAR_KERNEL` names a kernel to use instead of the one chosen.
 """
@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from shardmesh.engine import int8_cpu
 
 # The batch size oneDNN chooses the packed layout for. Not 1, though decode multiplies one row per sequence:
 # the layout picked for 16 rows streams weights faster at every batch size measured (SmolLM2, all 121
@@ -136,6 +138,21 @@ class Int8FP32Kernel(Int8DequantKernel):
         return y + bias if bias is not None else y
 
 
+class Int8CpuKernel(Int8DequantKernel):
+    """`int8_cpu.linear` for up to `int8_cpu.MAX_ROWS` rows (decode), `Int8DequantKernel`'s float GEMM for more
+    (a prompt), float32 in and out (CPU, float32, where the kernel builds)."""
+
+    name = "int8-cpu"
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+        assert scale is not None
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > int8_cpu.MAX_ROWS:
+            return super().__call__(x, weight, bias, scale)
+        y = int8_cpu.linear(rows, weight, scale).reshape(*x.shape[:-1], weight.shape[0])
+        return y + bias if bias is not None else y
+
+
 class Int8BF16Kernel(Int8DequantKernel):
     """`torch._weight_int8pack_mm`: X in bfloat16 times int8 Q, float32 accumulation, times s, rounded to
     bfloat16 (CPUs with native bfloat16). Weight-only: the activations are rounded to bfloat16 on the way in
@@ -157,7 +174,15 @@ class Int8BF16Kernel(Int8DequantKernel):
 DENSE = DenseKernel()
 KERNELS: dict[str, type[LinearKernel]] = {
     k.name: k
-    for k in (DenseKernel, InputMajorKernel, OneDNNPackedKernel, Int8DequantKernel, Int8FP32Kernel, Int8BF16Kernel)
+    for k in (
+        DenseKernel,
+        InputMajorKernel,
+        OneDNNPackedKernel,
+        Int8DequantKernel,
+        Int8FP32Kernel,
+        Int8CpuKernel,
+        Int8BF16Kernel,
+    )
 }
 KERNEL_ENV = "SHARDMESH_LINEAR_KERNEL"
 
@@ -185,7 +210,9 @@ def choose_kernel(dtype: torch.dtype, device: torch.device | str, quantized: boo
             return kernel
     cpu = torch.device(device).type == "cpu"
     if quantized:
-        return Int8FP32Kernel() if cpu and dtype == torch.float32 else Int8DequantKernel()
+        if not (cpu and dtype == torch.float32):
+            return Int8DequantKernel()
+        return Int8CpuKernel() if int8_cpu.available() else Int8FP32Kernel()
     if not cpu:
         return DENSE
     if dtype == torch.float32 and torch.backends.mkldnn.is_available():

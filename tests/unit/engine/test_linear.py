@@ -20,6 +20,7 @@ from shardmesh.engine.linear import (
     DenseKernel,
     InputMajorKernel,
     Int8BF16Kernel,
+    Int8CpuKernel,
     Int8DequantKernel,
     Int8FP32Kernel,
     Linear,
@@ -116,10 +117,12 @@ def test_int8_rows_round_to_the_nearest_step_of_their_own_scale() -> None:
     assert q.tolist() == [[64, -32]]
 
 
-INT8_KERNELS = [Int8DequantKernel(), Int8FP32Kernel()] + ([Int8BF16Kernel()] if cpu_has_native_bf16() else [])
+INT8_KERNELS = [Int8DequantKernel(), Int8FP32Kernel(), Int8CpuKernel()] + (
+    [Int8BF16Kernel()] if cpu_has_native_bf16() else []
+)
 
 
-@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("rows", [1, 3, 7, 9])  # int8-cpu: a row alone, blocks of four and a tail, the GEMM
 @pytest.mark.parametrize("kernel", INT8_KERNELS, ids=lambda k: k.name)
 def test_each_int8_kernel_multiplies_by_the_dequantized_weight(kernel, rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
@@ -137,6 +140,8 @@ def test_int8_kernel_chosen_from_the_cpu_and_named_by_the_environment(monkeypatc
     import shardmesh.engine.linear as linear
 
     monkeypatch.setattr(linear, "cpu_has_native_bf16", lambda: True)  # bfloat16 activations: never chosen
+    assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is Int8CpuKernel
+    monkeypatch.setattr(linear.int8_cpu, "available", lambda: False)  # no compiler here
     assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is Int8FP32Kernel
     assert type(choose_kernel(torch.float16, "cpu", quantized=True)) is Int8DequantKernel
     assert type(choose_kernel(torch.bfloat16, "cuda", quantized=True)) is Int8DequantKernel
