@@ -159,45 +159,10 @@ def time_shardmesh(models: dict[str, Any], prompt_ids: Sequence[int], n: int, st
 def write_q8_0_gguf(source: Path, out_path: Path) -> None:
     """``source`` (any GGUF gguf-py can dequantize) at ``out_path`` as llama.cpp's Q8_0 file type: every 2-D
     tensor quantized to Q8_0 from its float32 values (the very values bench/llamacpp.py's F32 GGUF holds and
-    the mesh serves), the 1-D ones (norms) float32. Metadata as `llamacpp.copy_metadata` copies it, with
-    ``general.file_type`` MOSTLY_Q8_0. One tensor in memory at a time, like `llamacpp.write_f32_gguf`."""
-    from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter, Keys, LlamaFileType
-    from gguf.constants import GGML_QUANT_SIZES
-    from gguf.gguf_writer import GGUFValue
-    from gguf.quants import dequantize, quantize
+    the mesh serves), the 1-D ones (norms) float32, ``general.file_type`` MOSTLY_Q8_0 (`llamacpp.write_gguf`)."""
+    from gguf import GGMLQuantizationType, LlamaFileType
 
-    reader = GGUFReader(str(source))
-    if reader.endianess != GGUFEndian.LITTLE:
-        raise ValueError(f"{source}: big-endian GGUF files are not supported")
-    writer = GGUFWriter(str(out_path), arch=reader.fields[Keys.General.ARCHITECTURE].contents())
-    llamacpp.copy_metadata(reader, writer)  # says ALL_F32; set right below (add_key_value would warn)
-    writer.kv_data[0][Keys.General.FILE_TYPE] = GGUFValue(int(LlamaFileType.MOSTLY_Q8_0), GGUFValueType.UINT32)
-    q8 = GGMLQuantizationType.Q8_0
-    block, block_bytes = GGML_QUANT_SIZES[q8]
-
-    def kind(tensor: Any) -> tuple[tuple[int, ...], bool]:
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # numpy order (slowest first)
-        return shape, len(shape) == 2 and shape[-1] % block == 0
-
-    for tensor in reader.tensors:
-        shape, quantized = kind(tensor)
-        if quantized:
-            byte_shape = (shape[0], shape[1] // block * block_bytes)
-            writer.add_tensor_info(tensor.name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], q8)
-        else:
-            writer.add_tensor_info(tensor.name, shape, np.dtype(np.float32), 4 * int(tensor.n_elements))
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for tensor in reader.tensors:
-            shape, quantized = kind(tensor)
-            values = np.ascontiguousarray(dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type)), np.float32)
-            if values.shape != shape:
-                raise ValueError(f"{tensor.name}: dequantized to {values.shape}, expected {shape}")
-            writer.write_tensor_data(quantize(values, q8) if quantized else values)
-    finally:
-        writer.close()
+    llamacpp.write_gguf(source, out_path, GGMLQuantizationType.Q8_0, int(LlamaFileType.MOSTLY_Q8_0))
 
 
 def q8_0_gguf(model: str) -> Path:

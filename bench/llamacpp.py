@@ -106,28 +106,51 @@ def write_f32_gguf(source: Path, out_path: Path) -> None:
     Tensors are dequantized and written one at a time (header first, then data), so peak memory is one
     float32 tensor, not the whole 538 MB model.
     """
-    from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFWriter, Keys
-    from gguf.quants import dequantize
+    write_gguf(source, out_path)
+
+
+def write_gguf(source: Path, out_path: Path, quantize_as: Any = None, file_type: int | None = None) -> None:
+    """``source`` at ``out_path``, one tensor at a time: every tensor dequantized to float32, then, with
+    ``quantize_as`` (a ``GGMLQuantizationType``), every 2-D one whose rows split into its blocks quantized to it
+    (the 1-D norms stay float32, as llama.cpp's own conversion leaves them). ``file_type``: the
+    ``general.file_type`` to record (default ALL_F32, what `copy_metadata` writes)."""
+    from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter, Keys
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.gguf_writer import GGUFValue
+    from gguf.quants import dequantize, quantize
 
     reader = GGUFReader(str(source))
     if reader.endianess != GGUFEndian.LITTLE:
         raise ValueError(f"{source}: big-endian GGUF files are not supported")
     writer = GGUFWriter(str(out_path), arch=reader.fields[Keys.General.ARCHITECTURE].contents())
     copy_metadata(reader, writer)
-    for tensor in reader.tensors:
+    if file_type is not None:  # copy_metadata wrote ALL_F32; add_key_value would warn about a second one
+        writer.kv_data[0][Keys.General.FILE_TYPE] = GGUFValue(file_type, GGUFValueType.UINT32)
+    block, block_bytes = GGML_QUANT_SIZES[quantize_as] if quantize_as is not None else (0, 0)
+
+    def kind(tensor: Any) -> tuple[tuple[int, ...], bool]:
         # tensor.shape is in ggml order (fastest dimension first); numpy's is the reverse.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        writer.add_tensor_info(tensor.name, shape, np.dtype(np.float32), 4 * int(tensor.n_elements))
+        return shape, bool(block) and len(shape) == 2 and shape[-1] % block == 0
+
+    for tensor in reader.tensors:
+        shape, quantized = kind(tensor)
+        if quantized:
+            byte_shape = (shape[0], shape[1] // block * block_bytes)
+            writer.add_tensor_info(tensor.name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1],
+                                   quantize_as)  # fmt: skip
+        else:
+            writer.add_tensor_info(tensor.name, shape, np.dtype(np.float32), 4 * int(tensor.n_elements))
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for tensor in reader.tensors:
+            shape, quantized = kind(tensor)
             values = np.ascontiguousarray(dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type)), np.float32)
-            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
             if values.shape != shape:
                 raise ValueError(f"{tensor.name}: dequantized to {values.shape}, expected {shape}")
-            writer.write_tensor_data(values)
+            writer.write_tensor_data(quantize(values, quantize_as) if quantized else values)
     finally:
         writer.close()
 

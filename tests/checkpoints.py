@@ -6,6 +6,7 @@ its `*ForCausalLM` classes, so a mismatch is ours.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,34 @@ def reference_greedy(model_dir: Path, prompt: list[int], steps: int) -> tuple[li
         past = out.past_key_values
         logits.append(out.logits[0, -1].float())
     return tokens, logits
+
+
+def make_plain_checkpoint(out_dir: Path, *, layers: int, hidden: int, ffn: int, vocab: int,
+                          scaled: bool = False) -> Path:  # fmt: skip
+    """A Llama checkpoint of any size written straight with safetensors, no transformers model built (multi-head,
+    untied, unit norms, random matrices): for memory measurements. `scaled` divides each matrix by the square
+    root of its input width, so activations keep their size through the layers and logits stay finite."""
+    from safetensors.torch import save_file
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "intermediate_size": ffn,
+           "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": vocab,
+           "max_position_embeddings": 64, "tie_word_embeddings": False}  # fmt: skip
+    (out_dir / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+
+    def matrix(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g) / (cols**0.5 if scaled else 1.0)
+
+    t = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+         "lm_head.weight": matrix(vocab, hidden), "model.norm.weight": torch.ones(hidden)}  # fmt: skip
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for n in "qkvo":
+            t[p + f"self_attn.{n}_proj.weight"] = matrix(hidden, hidden)
+        t[p + "mlp.gate_proj.weight"] = matrix(ffn, hidden)
+        t[p + "mlp.up_proj.weight"] = matrix(ffn, hidden)
+        t[p + "mlp.down_proj.weight"] = matrix(hidden, ffn)
+        t[p + "input_layernorm.weight"] = torch.ones(hidden)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+    save_file(t, out_dir / "model.safetensors")
+    return out_dir

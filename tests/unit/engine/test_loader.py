@@ -18,7 +18,7 @@ from shardmesh.engine.groups import UnboundGroup
 from shardmesh.engine.kv_cache import KVCache
 from shardmesh.engine.loader import build_shard, check_shards
 from shardmesh.models.checkpoint import CheckpointError
-from tests.checkpoints import FAMILIES, make_checkpoint
+from tests.checkpoints import FAMILIES, make_checkpoint, make_plain_checkpoint
 from tests.unit.engine.served import served_blocks
 
 LAYERS = 4
@@ -162,28 +162,7 @@ print(json.dumps({"peak_added": status("VmHWM") - before, "shard_bytes": shard})
 
 @pytest.fixture(scope="module")
 def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("big")
-    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN, "intermediate_size": FFN,
-           "num_hidden_layers": BIG_LAYERS, "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": VOCAB,
-           "max_position_embeddings": 64, "tie_word_embeddings": False}  # fmt: skip
-    (d / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(0)
-    t = {
-        "model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g),
-        "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g),
-        "model.norm.weight": torch.ones(HIDDEN),
-    }
-    for i in range(BIG_LAYERS):
-        p = f"model.layers.{i}."
-        for n in "qkvo":
-            t[p + f"self_attn.{n}_proj.weight"] = torch.randn(HIDDEN, HIDDEN, generator=g)
-        t[p + "mlp.gate_proj.weight"] = torch.randn(FFN, HIDDEN, generator=g)
-        t[p + "mlp.up_proj.weight"] = torch.randn(FFN, HIDDEN, generator=g)
-        t[p + "mlp.down_proj.weight"] = torch.randn(HIDDEN, FFN, generator=g)
-        t[p + "input_layernorm.weight"] = torch.ones(HIDDEN)
-        t[p + "post_attention_layernorm.weight"] = torch.ones(HIDDEN)
-    save_file(t, d / "model.safetensors")
-    return d
+    return make_plain_checkpoint(tmp_path_factory.mktemp("big"), layers=BIG_LAYERS, hidden=HIDDEN, ffn=FFN, vocab=VOCAB)
 
 
 def _peak(checkpoint: Path, start: int, end: int) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
 from shardmesh.core.layout import ShardSpec
@@ -20,7 +20,7 @@ from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.loader import build_shard
 from shardmesh.engine.model import Transformer
 from shardmesh.engine.offload import FAULT_AROUND, OffloadPlan, bytes_streamed, streamer_of
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import make_checkpoint, make_plain_checkpoint
 
 LAYERS = 8
 GEOMETRY = {"hidden_size": 128, "intermediate_size": 256}  # 64 KiB-sized matrices: pages, not rounding, dominate
@@ -231,28 +231,9 @@ print(json.dumps({"peak_added": status("VmHWM") - before, "weights": weights,
 
 @pytest.fixture(scope="module")
 def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("big")
-    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN, "intermediate_size": FFN,
-           "num_hidden_layers": BIG_LAYERS, "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": VOCAB,
-           "max_position_embeddings": 64, "tie_word_embeddings": False}  # fmt: skip
-    (d / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(0)
-    t = {
-        "model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g),
-        "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN**0.5,
-        "model.norm.weight": torch.ones(HIDDEN),
-    }
-    for i in range(BIG_LAYERS):
-        p = f"model.layers.{i}."
-        for n in "qkvo":
-            t[p + f"self_attn.{n}_proj.weight"] = torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5
-        t[p + "mlp.gate_proj.weight"] = torch.randn(FFN, HIDDEN, generator=g) / HIDDEN**0.5
-        t[p + "mlp.up_proj.weight"] = torch.randn(FFN, HIDDEN, generator=g) / HIDDEN**0.5
-        t[p + "mlp.down_proj.weight"] = torch.randn(HIDDEN, FFN, generator=g) / FFN**0.5
-        t[p + "input_layernorm.weight"] = torch.ones(HIDDEN)
-        t[p + "post_attention_layernorm.weight"] = torch.ones(HIDDEN)
-    save_file(t, d / "model.safetensors")
-    return d
+    return make_plain_checkpoint(
+        tmp_path_factory.mktemp("big"), layers=BIG_LAYERS, hidden=HIDDEN, ffn=FFN, vocab=VOCAB, scaled=True
+    )
 
 
 def _measure(checkpoint: Path, budget: int) -> dict:
