@@ -128,7 +128,10 @@ def build_shard(
     tensors = read_tensors(ckpt, reads, dtype, device, progress, finish=int8)
     model.load_state_dict(tensors, strict=True, assign=True)
     del tensors  # the model holds them now; no second reference may outlive `use_kernel`'s copies
-    kernels = {False: choose_kernel(dtype, device), True: choose_kernel(dtype, device, quantized=True)}
+    # The int8 kernel only for a shard with int8 products: choosing it may compile it (`int8_cpu`).
+    kernels = {False: choose_kernel(dtype, device)}
+    if int8 is not None:
+        kernels[True] = choose_kernel(dtype, device, quantized=True)
     for name, module in model.named_modules():
         if isinstance(module, LinearProduct) and not is_streamed(module):
             if int8 is not None and f"{name}.weight" in int8.scales:
