@@ -41,9 +41,7 @@ replaced by renaming over it is fine, the old one stays mapped; one truncated in
 from __future__ import annotations
 
 import ctypes
-import json
 import mmap
-import struct
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
@@ -118,25 +116,10 @@ class _Located:
     dtype: torch.dtype | None  # None: a dtype that cannot be mapped as a float tensor
 
 
-def _data_offsets(path: Path) -> dict[str, tuple[int, str]]:
-    """Each tensor of a safetensors file: the absolute offset of its first byte and its dtype name. The header was
-    validated by `Checkpoint`; data starts after the 8-byte length and the header."""
-    with path.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return {k: (8 + n + v["data_offsets"][0], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
-
-
 def _locate(ckpt: Checkpoint, reads: Iterable[TensorRead]) -> dict[str, _Located]:
-    headers: dict[Path, dict[str, tuple[int, str]]] = {}
-    out = {}
-    for r in reads:
-        path = ckpt.info(r.source).file
-        if path not in headers:
-            headers[path] = _data_offsets(path)
-        offset, dtype = headers[path][r.source]
-        out[r.source] = _Located(path, offset, CHECKPOINT_DTYPES.get(dtype))
-    return out
+    """Where each read's tensor lies, from the headers `Checkpoint` validated."""
+    return {r.source: _Located(i.file, i.offset, CHECKPOINT_DTYPES.get(i.dtype))
+            for r in reads for i in (ckpt.info(r.source),)}  # fmt: skip
 
 
 def _byte_range(r: TensorRead, loc: _Located) -> tuple[int, int]:

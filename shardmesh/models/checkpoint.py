@@ -36,6 +36,7 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: str
+    offset: int = 0  # of its first byte in `file` (after the 8-byte length and the header)
 
     @property
     def nbytes(self) -> int:
@@ -63,7 +64,7 @@ def _parse_header(path: Path, raw: bytes, data_len: int) -> dict[str, TensorInfo
         begin, end = offsets
         if end - begin != DTYPE_SIZES[dtype] * _numel(shape):
             raise ValueError(f"tensor '{name}': data_offsets {offsets} do not fit shape {shape} of {dtype}")
-        tensors[name] = TensorInfo(path, shape, dtype)
+        tensors[name] = TensorInfo(path, shape, dtype, 8 + len(raw) + begin)
         spans.append((begin, end, name))
     at = 0
     for begin, end, name in sorted(spans):

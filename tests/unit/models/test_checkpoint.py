@@ -25,9 +25,9 @@ def test_headers_list_what_safetensors_lists(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     tensors = {
-        "w": torch.zeros(3, 4),
-        "h": torch.zeros(5, dtype=torch.bfloat16),
-        "i": torch.zeros(2, 2, dtype=torch.int64),
+        "w": torch.arange(12.0).reshape(3, 4),
+        "h": torch.arange(5.0).to(torch.bfloat16),
+        "i": torch.arange(4).reshape(2, 2),
     }
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     ours = Checkpoint(tmp_path).tensors
@@ -35,6 +35,12 @@ def test_headers_list_what_safetensors_lists(tmp_path: Path) -> None:
         theirs = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()}  # noqa: SIM118
     assert {name: (t.shape, t.dtype) for name, t in ours.items()} == theirs
     assert ours["w"].nbytes == 48 and ours["h"].nbytes == 10 and ours["i"].nbytes == 32
+    data = (tmp_path / "model.safetensors").read_bytes()
+    for name, t in tensors.items():  # each tensor's bytes start at its offset in the file
+        assert (
+            data[ours[name].offset : ours[name].offset + ours[name].nbytes]
+            == t.contiguous().view(torch.uint8).numpy().tobytes()
+        )
 
 
 def test_reading_headers_imports_no_torch(tmp_path: Path) -> None:
