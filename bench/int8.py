@@ -60,10 +60,10 @@ CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_v
 
 
 def cpu_flags() -> list[str]:
-    """Which of `CPU_FLAGS` /proc/cpuinfo lists."""
-    text = Path("/proc/cpuinfo").read_text()
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    return [f for f in CPU_FLAGS if f in flags]
+    """Which of `CPU_FLAGS` this CPU has."""
+    from shardmesh.engine.cpu_features import cpu_flags as flags
+
+    return [f for f in CPU_FLAGS if f in flags()]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from shardmesh.engine.cpu_features import cpu_flags
 
 MAX_ROWS = 8  # beyond this the product is compute-bound and a dequantized float GEMM is faster
 
@@ -75,18 +76,11 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
 _error = ""
 
 
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("flags")), "")
-
-
 @functools.cache
 def _extension() -> Any | None:
     global _error
-    digest = hashlib.sha256((_SOURCE + _cpu_flags() + torch.__version__).encode()).hexdigest()[:16]
+    flags = " ".join(sorted(cpu_flags()))
+    digest = hashlib.sha256((_SOURCE + flags + torch.__version__).encode()).hexdigest()[:16]
     try:
         from torch.utils.cpp_extension import load_inline
 

@@ -30,13 +30,13 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardmesh.engine import int8_cpu
+from shardmesh.engine.cpu_features import cpu_flags
 
 # The batch size oneDNN chooses the packed layout for. Not 1, though decode multiplies one row per sequence:
 # the layout picked for 16 rows streams weights faster at every batch size measured (SmolLM2, all 121
@@ -188,14 +188,8 @@ KERNEL_ENV = "SHARDMESH_LINEAR_KERNEL"
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16), from its flags: the same
-    torch build runs on hosts with and without them."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def choose_kernel(dtype: torch.dtype, device: torch.device | str, quantized: bool = False) -> LinearKernel:
