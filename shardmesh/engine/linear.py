@@ -122,38 +122,48 @@ class Int8DequantKernel(LinearKernel):
         return y + bias if bias is not None else y
 
 
-class Int8FP32Kernel(Int8DequantKernel):
+class _Int8RowsKernel(Int8DequantKernel):
+    """An int8 product over X's rows as one (rows, in) matrix, `_rows`, for up to `max_rows` rows (None: any);
+    more take `Int8DequantKernel`'s float GEMM."""
+
+    max_rows: int | None = None
+
+    @abstractmethod
+    def _rows(self, rows: Tensor, weight: Tensor, scale: Tensor) -> Tensor: ...
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+        assert scale is not None
+        rows = x.reshape(-1, x.shape[-1])
+        if self.max_rows is not None and rows.shape[0] > self.max_rows:
+            return super().__call__(x, weight, bias, scale)
+        y = self._rows(rows, weight, scale).reshape(*x.shape[:-1], weight.shape[0])
+        return y + bias if bias is not None else y
+
+
+class Int8FP32Kernel(_Int8RowsKernel):
     """`torch._weight_int8pack_mm` with float32 activations and scales for one row, float32 in and out; more rows
     take `Int8DequantKernel`'s product, whose cost hardly grows with them while this op's grows with each row
     (all SmolLM2 products: 58 ms for 1 row, 1.4 s for 16, against 100 and ~110 ms) (CPU, float32)."""
 
     name = "int8-fp32"
+    max_rows = 1
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-        assert scale is not None
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] > 1:
-            return super().__call__(x, weight, bias, scale)
-        y = torch._weight_int8pack_mm(rows, weight, scale).reshape(*x.shape[:-1], weight.shape[0])
-        return y + bias if bias is not None else y
+    def _rows(self, rows: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        return torch._weight_int8pack_mm(rows, weight, scale)
 
 
-class Int8CpuKernel(Int8DequantKernel):
+class Int8CpuKernel(_Int8RowsKernel):
     """`int8_cpu.linear` for up to `int8_cpu.MAX_ROWS` rows (decode), `Int8DequantKernel`'s float GEMM for more
     (a prompt), float32 in and out (CPU, float32, where the kernel builds)."""
 
     name = "int8-cpu"
+    max_rows = int8_cpu.MAX_ROWS
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-        assert scale is not None
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] > int8_cpu.MAX_ROWS:
-            return super().__call__(x, weight, bias, scale)
-        y = int8_cpu.linear(rows, weight, scale).reshape(*x.shape[:-1], weight.shape[0])
-        return y + bias if bias is not None else y
+    def _rows(self, rows: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        return int8_cpu.linear(rows, weight, scale)
 
 
-class Int8BF16Kernel(Int8DequantKernel):
+class Int8BF16Kernel(_Int8RowsKernel):
     """`torch._weight_int8pack_mm`: X in bfloat16 times int8 Q, float32 accumulation, times s, rounded to
     bfloat16 (CPUs with native bfloat16). Weight-only: the activations are rounded to bfloat16 on the way in
     and the product on the way out, elementwise, the same at every tensor-parallel degree except the partial
@@ -164,11 +174,8 @@ class Int8BF16Kernel(Int8DequantKernel):
     def prepare_scale(self, scale: Tensor) -> Tensor:
         return scale.to(torch.bfloat16)
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-        assert scale is not None
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        y = torch._weight_int8pack_mm(rows, weight, scale).to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
-        return y + bias if bias is not None else y
+    def _rows(self, rows: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        return torch._weight_int8pack_mm(rows.to(torch.bfloat16), weight, scale).to(rows.dtype)
 
 
 DENSE = DenseKernel()
