@@ -11,11 +11,11 @@ from shardmesh.core.config import ModelConfig
 from shardmesh.core.dtypes import DType, Quantization
 from shardmesh.core.layout import ShardSpec
 from shardmesh.engine.groups import Collective, UnboundGroup
-from shardmesh.engine.linear import Linear, LinearProduct, choose_kernel, quantize_rows
+from shardmesh.engine.linear import Linear, LinearProduct, choose_kernel, layer_products, quantize_rows
 from shardmesh.engine.model import Transformer
 from shardmesh.engine.offload import is_streamed, stream_layers
 from shardmesh.engine.reads import read_tensors, row_absmax
-from shardmesh.engine.tp import VocabParallelHead, apply_tp, checkpoint_index
+from shardmesh.engine.tp import apply_tp, checkpoint_index
 from shardmesh.models.checkpoint import Checkpoint, TensorRead
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
@@ -142,23 +142,13 @@ def build_shard(
     return model.eval()
 
 
-def quantized_products(model: Transformer) -> set[str]:
-    """The weights `Quantization.INT8` stores as int8: every product of the decoder layers. The embedding is a
-    lookup, and the LM head stays in the serving dtype (int8 there raised SmolLM2's logprob error by a third)."""
-    return {
-        f"{name}.weight"
-        for name, module in model.named_modules()
-        if isinstance(module, LinearProduct) and not isinstance(module, VocabParallelHead) and name != "lm_head"
-    }
-
-
 class _Int8:
     """`read_tensors`' finish step: each quantized product, as soon as it is read, to int8 values (returned, for
     the model to load) and a float32 scale per output row (kept in `scales` for `build_shard` to attach)."""
 
     def __init__(self, ckpt: Checkpoint, model: Transformer) -> None:
         self.ckpt = ckpt
-        self.names = quantized_products(model)
+        self.names = layer_products(model)
         self.scales: dict[str, torch.Tensor] = {}
 
     def __call__(self, target: str, reads: list[TensorRead], loaded: torch.Tensor) -> torch.Tensor:

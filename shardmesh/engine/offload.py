@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from shardmesh.core.config import ModelConfig
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.units import format_bytes
-from shardmesh.engine.linear import LinearKernel, LinearProduct
+from shardmesh.engine.linear import LinearKernel, LinearProduct, layer_products
 from shardmesh.engine.model import Transformer
 from shardmesh.models.checkpoint import Checkpoint, TensorRead
 
@@ -96,15 +96,6 @@ def layer_index(name: str) -> int | None:
     """The global decoder layer a parameter belongs to (`model.layers.7.mlp...` -> 7), None outside the layers."""
     parts = name.split(".")
     return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
-
-
-def streamable(model: nn.Module) -> set[str]:
-    """The parameters that stream when their layer does: the decoder layers' product weights."""
-    return {
-        f"{name}.weight"
-        for name, m in model.named_modules()
-        if isinstance(m, LinearProduct) and layer_index(f"{name}.weight") is not None
-    }
 
 
 @dataclass(frozen=True)
@@ -168,7 +159,7 @@ def plan_offload(
     if torch.device(device).type != "cpu":
         raise ValueError(f"memory budget: offload streams weights on cpu only, not on {device}")
     layers = model.layer_range
-    streams = streamable(model)
+    streams = layer_products(model)
     located = _locate(ckpt, (r for r in reads if r.target in streams))
     zero_copy = all(located[r.source].dtype == dtype and located[r.source].offset % dtype.itemsize == 0
                     for r in reads if r.target in streams)  # fmt: skip
@@ -435,7 +426,7 @@ def stream_layers(
     plan = plan_offload(ckpt, model, reads, dtype, budget, device)
     if not plan.streamed_layers:
         return reads
-    streams = streamable(model)
+    streams = layer_products(model)
     streamed = [r for r in reads if r.target in streams and layer_index(r.target) in plan.streamed_layers]
     located = _locate(ckpt, streamed)
     by_layer: dict[int, list[TensorRead]] = defaultdict(list)

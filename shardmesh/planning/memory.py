@@ -9,7 +9,7 @@ Notation, per shard (stage `s` × tensor rank `r` of `tp`); `b` is the bytes of 
                 exactly as loaded. All decoder layers have the same shapes, so the count is
                 n × (one layer) + embedding (first stage) + norm and LM head (last stage).
                 With int8 (`Quantization.INT8`) each product of a layer (qkv, o, gate_up, down: `Part.products`,
-                as `shardmesh.engine.loader.quantized_products` names them) is out × in × 1 + out × 4 bytes:
+                as `shardmesh.engine.linear.layer_products` names them) is out × in × 1 + out × 4 bytes:
                 int8 values and a float32 scale per local output row. Norms, biases, the embedding and the
                 LM head stay in b.
   kv_cache    = n × 2 × kv_slots × kv_heads_local × max_context × head_dim × b

@@ -19,7 +19,7 @@ This is the layout `shardmesh.engine.loader.meta_shard` builds; tests/unit/plann
 compares the two for every model family, tensor degree and rank.
 
 The matrix products of a layer (qkv_proj, o_proj, gate_up_proj, down_proj: `Part.products`) are what
-`Quantization.INT8` stores as int8 (`shardmesh.engine.loader.quantized_products`); the norms, biases, the
+`Quantization.INT8` stores as int8 (`shardmesh.engine.linear.layer_products`); the norms, biases, the
 embedding and the LM head stay in the serving dtype.
 """
 
