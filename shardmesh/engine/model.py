@@ -21,6 +21,7 @@ a `batch.BatchLayout`; keys and values go to a `kv_cache.KVCache`.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -215,6 +216,7 @@ class Transformer(nn.Module):
         self.rope_cos: Tensor | None = None
         self.rope_sin: Tensor | None = None
         self.linear_kernels: list[str] = []  # the names of the kernels the loader chose for the products
+        self.streamer: Any = None  # an `offload.LayerStreamer` when layers stream from the checkpoint (a budget)
 
     @property
     def dtype(self) -> torch.dtype:

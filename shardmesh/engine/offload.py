@@ -41,8 +41,8 @@ replaced by renaming over it is fine, the old one stays mapped; one truncated in
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
-import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -311,10 +311,8 @@ class LayerStreamer:
             loc = located[r.source]
             assert loc.dtype is not None
             mm, addr = self._map(loc.file)
-            count = 1
-            for d in r.full_shape:
-                count *= d
-            whole = torch.frombuffer(mm, dtype=loc.dtype, count=count, offset=loc.offset).view(r.full_shape)
+            whole = torch.frombuffer(mm, dtype=loc.dtype, count=math.prod(r.full_shape), offset=loc.offset)
+            whole = whole.view(r.full_shape)
             sources[r.target].append(whole[r.index] if r.index is not None else whole)
             begin, end = _byte_range(r, loc)
             page = _align(begin, end, PAGE)
@@ -402,18 +400,14 @@ def _done() -> Future[None]:
     return f
 
 
-_STREAMERS: weakref.WeakKeyDictionary[Transformer, LayerStreamer] = weakref.WeakKeyDictionary()
-
-
 def streamer_of(model: Transformer) -> LayerStreamer | None:
     """The streamer of a shard built with a memory budget that streams layers (None: all resident)."""
-    return _STREAMERS.get(model)
+    return model.streamer
 
 
 def bytes_streamed(model: Transformer) -> int:
     """Weight bytes made available by streaming since the shard was built (0 when nothing streams)."""
-    s = _STREAMERS.get(model)
-    return s.bytes_streamed if s is not None else 0
+    return model.streamer.bytes_streamed if model.streamer is not None else 0
 
 
 def stream_layers(
@@ -448,7 +442,7 @@ def stream_layers(
         layer = model.model.layers[str(index)]
         layer.register_forward_pre_hook(lambda _m, _a, i=index: streamer.acquire(i))
         layer.register_forward_hook(lambda _m, _a, _o, i=index: streamer.release(i), always_call=True)
-    _STREAMERS[model] = streamer
+    model.streamer = streamer
     targets = {r.target for r in streamed}
     return [r for r in reads if r.target not in targets]
 
