@@ -12,13 +12,17 @@ import argparse
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardmesh.core.dtypes import QUANTIZE_HELP, DType, Quantization
 from shardmesh.core.layout import REBALANCES
 from shardmesh.models.hub import MODEL_HELP, REVISION_HELP
 from shardmesh.rpc import telemetry
 from shardmesh.rpc.flags import JOIN_TOKEN_ENV, UsageError, add_tls_flags, env_flags, mesh_security
+
+if TYPE_CHECKING:
+    from shardmesh.core.config import ModelConfig
+    from shardmesh.core.topology import ServingLimits
 
 ENV_PREFIX = "SHARDMESH_COORDINATOR_"
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
@@ -56,6 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--kv-slots", 8, type=int, help="KV-cache slots per shard: sequences in flight (default 8)")
     flag("--max-context", type=int, help="tokens per sequence, prompt + completion (default: the model's)")
     flag("--max-batch-tokens", type=int, help="tokens per step over the batch (default: --max-context)")
+    flag("--kv-block-size", 0, type=int, help="tokens per block of a paged KV cache, e.g. 16: the gateway hands "
+         "blocks out to sequences as they grow and shares a cached prompt prefix's; 0: a slot of --max-context "
+         "tokens per sequence (default 0)")  # fmt: skip
+    flag("--kv-cache-memory", metavar="SIZE", help="with --kv-block-size: bytes per shard for the paged KV cache and "
+         "activation log, e.g. 2GiB; the blocks it buys on the most loaded shard are every shard's (default: what "
+         "the slot cache would take, --kv-slots x --max-context tokens)")  # fmt: skip
     flag("--max-message-mb", 64, type=int, help="gRPC max send/receive message size in MiB (default 64)")
     flag("--layers", help="layers per pipeline stage, e.g. 18,12 (default: as even as possible)")
     flag(
@@ -99,7 +109,8 @@ def _listen_host(listen: str) -> str:
 SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_ca", "join_token_file")  # set by a manifest's services.security, if any
 # Flags a manifest sets (and which may then not be given as well); the rest (log level, heartbeats, ...) stay free.
 MANIFEST_FLAGS = ("model", "revision", "pp", "tp", "dtype", "quantize", "kv_slots", "max_context", "max_batch_tokens",
-                  "store_port", "layers", "rank_nodes", "max_stage_ratio", "rebalance", "require_balance")  # fmt: skip
+                  "kv_block_size", "kv_cache_memory", "store_port", "layers", "rank_nodes", "max_stage_ratio",
+                  "rebalance", "require_balance")  # fmt: skip
 
 
 def from_manifest(args: argparse.Namespace, defaults: argparse.Namespace) -> argparse.Namespace:
@@ -144,7 +155,7 @@ def build_config(args: argparse.Namespace) -> Any:
     from coordinator.process import CoordinatorConfig
     from shardmesh.core.config import ModelConfig
     from shardmesh.core.heads import HeadSplit, TensorParallelError
-    from shardmesh.core.layout import parse_split, shard_specs
+    from shardmesh.core.layout import parse_split, shard_specs, split_layers
     from shardmesh.core.topology import ModelSpec, ServingLimits
     from shardmesh.models.registry import RevisionError, UnknownModelError, resolve
 
@@ -204,6 +215,8 @@ def build_config(args: argparse.Namespace) -> Any:
         split = tuple(parse_split(args.layers, cfg.num_layers, args.pp)) if args.layers else None
     except ValueError as e:
         raise UsageError(f"--layers: {e}") from None
+    limits = _limits(args, cfg, ServingLimits(args.kv_slots, max_context, max_batch),
+                     split or tuple(split_layers(cfg.num_layers, args.pp)))  # fmt: skip
     requires = None
     if args.rank_nodes:
         nodes = args.rank_nodes.split(",")
@@ -234,7 +247,7 @@ def build_config(args: argparse.Namespace) -> Any:
                       quantization=args.quantize)  # fmt: skip
     return CoordinatorConfig(
         listen=args.listen, model=model, pp=args.pp, tp=args.tp,
-        limits=ServingLimits(args.kv_slots, max_context, max_batch), heartbeat_interval=interval,
+        limits=limits, heartbeat_interval=interval,
         heartbeat_timeout=timeout, store_host=store_host, store_port=args.store_port, recovery_grace=grace,
         replan_after=args.replan_after, rebalance_gain=args.move_gain,
         rebalance_interval=args.move_interval,
@@ -242,6 +255,31 @@ def build_config(args: argparse.Namespace) -> Any:
         otlp_endpoint=args.otlp_endpoint, split=split, requires=requires, calibration=calibration,
         tls=tls_files, join_tokens=join_tokens, join_token=join_token,
     )  # fmt: skip
+
+
+def _limits(args: argparse.Namespace, cfg: ModelConfig, slots: ServingLimits,
+            split: tuple[tuple[int, int], ...]) -> ServingLimits:  # fmt: skip
+    """`slots` (the slot cache's `ServingLimits`) or, with --kv-block-size, the paged cache's: its blocks from
+    --kv-cache-memory at what one block costs the most loaded shard of the placement `split` × --tp."""
+    from shardmesh.core.units import parse_bytes
+    from shardmesh.planning.kv_blocks import paged_limits, placement_block_bytes
+
+    if args.kv_block_size < 0:
+        raise UsageError(f"--kv-block-size: must be >= 0 (0: a slot per sequence), got {args.kv_block_size}")
+    if not args.kv_block_size:
+        if args.kv_cache_memory is not None:
+            raise UsageError("--kv-cache-memory: sizes a paged KV cache, give --kv-block-size too (the slot cache is "
+                             "sized by --kv-slots and --max-context)")  # fmt: skip
+        return slots
+    try:
+        memory = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory is not None else None
+    except ValueError as e:
+        raise UsageError(f"--kv-cache-memory: {e}") from None
+    per_block = placement_block_bytes(cfg, split, args.tp, args.kv_block_size, DType.parse(args.dtype).itemsize)
+    try:
+        return paged_limits(slots, args.kv_block_size, per_block, memory)
+    except ValueError as e:
+        raise UsageError(f"--kv-cache-memory: {str(e).removeprefix('kv_cache_memory: ')}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -61,9 +61,10 @@ class CalibrationFailed(Exception):
 
 
 def pass_sizes(topology: Topology, cfg: CalibrationConfig) -> tuple[int, int]:
-    """(decode batch, prefill tokens) within what every shard allocated."""
+    """(decode batch, prefill tokens) within what every shard allocated (a paged cache: a block per sequence)."""
     lim = topology.limits
-    return (max(1, min(cfg.decode_batch, lim.kv_slots)),
+    sequences = min(lim.kv_slots, lim.kv_blocks) if lim.paged else lim.kv_slots
+    return (max(1, min(cfg.decode_batch, sequences)),
             max(1, min(cfg.prefill_tokens, lim.max_batch_tokens, lim.max_context - 1)))  # fmt: skip
 
 

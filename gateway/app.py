@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          help="steps in flight at once (default 0: one per pipeline stage, every stage busy at once; 1: the stages "
               "take turns, for stages that share the same cores)")  # fmt: skip
     flag("--shutdown-grace", 5.0, type=float, help="seconds running requests get to finish on SIGTERM (default 5)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="on a paged mesh (coordinator --kv-block-size), prefill every prompt whole instead of reusing "
+                        "the blocks of a prefix an earlier request computed (on by default)")  # fmt: skip
     flag("--model-dir", help="where to read the tokenizer (default: the model path in the coordinator's topology)")
     flag("--http-listen", help="host:port for the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
          "/v1/models, /health); port 0 picks a free one (default: off)")  # fmt: skip
@@ -109,7 +112,7 @@ def build_config(args: argparse.Namespace) -> Any:
         listen=args.listen, coordinator=args.coordinator, max_queue=args.max_queue,
         max_message_bytes=args.max_message_bytes, default_max_new_tokens=args.default_max_new_tokens,
         step_timeout=args.step_timeout, resume_timeout=args.resume_timeout, pipeline_depth=args.pipeline_depth,
-        shutdown_grace=args.shutdown_grace,
+        shutdown_grace=args.shutdown_grace, prefix_caching=args.prefix_caching,
         model_dir=args.model_dir,
         metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint, trace_decode_steps=args.trace_decode_steps,
         http_listen=args.http_listen, served_model_name=args.served_model_name, api_key=api_key, api_keys=api_keys,

@@ -73,6 +73,8 @@ class MeshView:
     max_batch_tokens: int
     vocab_size: int
     shards: tuple[ShardClient, ...]  # global-rank order: stage-major
+    kv_block_size: int = 0  # a paged KV cache's tokens per block; 0: slots (`ServingLimits`)
+    kv_blocks: int = 0  # a paged KV cache's blocks, the same ids on every shard
 
     @property
     def sampler(self) -> ShardClient:

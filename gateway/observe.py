@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gateway.blocks import PoolStats
 from gateway.service_name import SERVICE_NAME
 from shardmesh.rpc import telemetry
 
@@ -219,7 +220,8 @@ class GatewayMetrics:
     `mesh_changed` follows. The mesh's own metrics (steps, batches, queue, KV slots) have no label: a gateway
     serves one model."""
 
-    def __init__(self, load: Callable[[], tuple[int, int, int, bool]], served_model_name: str | None = None) -> None:
+    def __init__(self, load: Callable[[], tuple[int, int, int, bool]], served_model_name: str | None = None,
+                 blocks: Callable[[], PoolStats | None] | None = None) -> None:  # fmt: skip
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.kv_slots = 0  # none known before the first step
@@ -260,6 +262,8 @@ class GatewayMetrics:
             Gauge(name, doc, registry=r).set_function(lambda i=i: float(load()[i]))
         Gauge("shardmesh_kv_cache_usage_ratio", "Share of the serving mesh's KV slots held by requests (0 to 1; 0 "
               "while no mesh serves)", registry=r).set_function(lambda: self.kv_usage(load()))  # fmt: skip
+        if blocks is not None:
+            r.register(_BlockCollector(blocks))
         self._named(served_model_name or "")
 
     def _named(self, name: str) -> None:
@@ -282,6 +286,41 @@ class GatewayMetrics:
         if not ready or self.kv_slots <= 0:
             return 0.0
         return min(1.0, max(0.0, (self.kv_slots - free) / self.kv_slots))
+
+
+class _BlockCollector:
+    """A paged mesh's KV blocks (the gateway allocates them for every shard: `gateway/blocks.py`) and what prefix
+    caching saved. Nothing while the mesh has slots."""
+
+    def __init__(self, stats: Callable[[], PoolStats | None]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Any]:
+        return []  # collected on each scrape only: the families exist only on a paged mesh
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self._stats()
+        if s is None:
+            return
+        doc = (
+            "KV blocks of every shard, by state: used (held by sequences), cached (a prompt prefix nobody holds, "
+            "evicted when needed), free; reserved: promised to running sequences, not taken yet"
+        )
+        blocks = GaugeMetricFamily("shardmesh_kv_blocks", doc, labels=["state"])
+        for state in ("used", "cached", "free", "reserved"):
+            blocks.add_metric([state], getattr(s, state))
+        yield blocks
+        yield GaugeMetricFamily("shardmesh_kv_block_size", "Tokens per KV block", value=s.block_size)
+        p = s.prefix
+        for name, doc, value in (
+            ("shardmesh_prefix_cache_lookups", "Admissions that looked up a cached prompt prefix", p.lookups),
+            ("shardmesh_prefix_cache_hits", "Lookups that found at least one cached block", p.hits),
+            ("shardmesh_prefix_cache_tokens_looked_up", "Prompt tokens of those lookups", p.tokens_looked_up),
+            ("shardmesh_prefix_cache_tokens_saved", "Prompt tokens found cached, not prefilled", p.tokens_saved),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 class GatewayObserver:

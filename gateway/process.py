@@ -47,6 +47,7 @@ class GatewayConfig:
     step_timeout: float = 120.0
     resume_timeout: float = 60.0
     pipeline_depth: int = 0  # steps in flight at once; 0: one per pipeline stage
+    prefix_caching: bool = True  # a paged mesh reuses the blocks of cached prompt prefixes
     shutdown_grace: float = 5.0
     model_dir: str | None = None  # where this gateway reads the tokenizer; default: the topology's model path
     metrics_port: int = 0  # 0: no metrics endpoint
@@ -84,11 +85,11 @@ class GatewayServer:
         self.scheduler = Scheduler(
             SchedulerConfig(max_queue=cfg.max_queue, default_max_new_tokens=cfg.default_max_new_tokens,
                             step_timeout=cfg.step_timeout, resume_timeout=cfg.resume_timeout,
-                            pipeline_depth=cfg.pipeline_depth),
+                            pipeline_depth=cfg.pipeline_depth, prefix_caching=cfg.prefix_caching),
             logger, observer=observer, report_failure=self.reporter.report,
         )  # fmt: skip
         if observer is not None and cfg.metrics_port:
-            observer.metrics = GatewayMetrics(self.scheduler.load, cfg.served_model_name)
+            observer.metrics = GatewayMetrics(self.scheduler.load, cfg.served_model_name, self.scheduler.block_stats)
         self._metrics_server: Any = None
         self.metrics_port = 0
         if mesh_source is None:

@@ -56,6 +56,7 @@ from typing import Any
 from gateway import wire
 from gateway.admission import Admission, context_refusal
 from gateway.batching import pipeline_depth, plan_micro_batch
+from gateway.blocks import BlockPool, BlockTable, PoolStats, PrefixCounters
 from gateway.dispatch import Dispatcher, PipelineStats, StepInFlight
 from gateway.fanout import MeshView, ShardFailure
 from gateway.observe import GatewayObserver, RequestTrace
@@ -79,11 +80,13 @@ class SchedulerConfig:
     release_timeout: float = 5.0  # seconds to wait for Release answers
     pipeline_depth: int = 0  # steps in flight at once; 0: one per pipeline stage (the mesh's pp)
     resume_timeout: float = 60.0  # seconds a request whose workers were lost may wait for a mesh to resume on
+    prefix_caching: bool = True  # on a paged mesh: reuse the blocks of a cached prompt prefix (`gateway/blocks.py`)
 
 
 @dataclass(frozen=True)
 class Vacated:
-    """A KV slot a sequence held, to release on the mesh that held it (once no step in flight uses it)."""
+    """A KV slot a sequence held, to release on the mesh that held it (once no step in flight uses it), and on
+    a paged mesh the blocks of a sequence that ended, to give back to their pool then."""
 
     view: MeshView | None
     slot: int
@@ -91,15 +94,24 @@ class Vacated:
     request_id: str
     trace_id: str
     keeps_key: bool = False  # the sequence resumes elsewhere under the same key
+    blocks: tuple[BlockPool, BlockTable] | None = None
 
     @classmethod
     def of(cls, s: Sequence, keeps_key: bool = False) -> Vacated:
-        return cls(s.view, s.slot, s.key, s.req.request_id, s.trace_id, keeps_key)
+        return cls(s.view, s.slot, s.key, s.req.request_id, s.trace_id, keeps_key, _take_blocks(s))
 
     @classmethod
     def kept_by(cls, s: Sequence, kept: Kept, keeps_key: bool) -> Vacated:
-        """The slot a resuming sequence had on the mesh it was lost on."""
-        return cls(kept.view, kept.slot, s.key, s.req.request_id, s.trace_id, keeps_key)
+        """The slot a resuming sequence had on the mesh it was lost on (and its blocks, when it ends)."""
+        blocks = None if keeps_key else _take_blocks(s)
+        return cls(kept.view, kept.slot, s.key, s.req.request_id, s.trace_id, keeps_key, blocks)
+
+
+def _take_blocks(s: Sequence) -> tuple[BlockPool, BlockTable] | None:
+    """The sequence's blocks, to release: it holds none after this."""
+    held = (s.block_pool, s.blocks) if s.block_pool is not None and s.blocks is not None else None
+    s.block_pool, s.blocks = None, None
+    return held
 
 
 class Scheduler:
@@ -129,6 +141,8 @@ class Scheduler:
         self._ready_listeners: list[Callable[[bool], None]] = []
         # Changed by the scheduler thread only, under _lock (submit reads how many slots are free):
         self._slots = SlotPool()
+        self._blocks: BlockPool | None = None  # a paged mesh's KV blocks (`gateway/blocks.py`); None: slots only
+        self._prefix_counters = PrefixCounters()  # carried from one block pool to the next, for the metrics
         # Owned by the scheduler thread:
         self._running: list[Sequence] = []
         self._to_release: list[Vacated] = []
@@ -181,6 +195,11 @@ class Scheduler:
         """(waiting, running, free KV slots, ready), for metrics."""
         with self._lock:
             return len(self._admission), len(self._running), self._free_slots_locked(), self._ready_locked()
+
+    def block_stats(self) -> PoolStats | None:
+        """The paged mesh's KV blocks and prefix counters; None while the mesh has slots (or none yet)."""
+        with self._lock:
+            return self._blocks.stats() if self._blocks is not None else None
 
     def pipeline_stats(self) -> PipelineStats:
         """A copy of the pipeline counters."""
@@ -339,6 +358,7 @@ class Scheduler:
                 return  # the old placement's last steps are still out: its slots are not ours to hand out yet
             with self._lock:
                 self._slots.adopt(view)
+                self._adopt_blocks(view)
         while True:
             with self._lock:
                 admitted = self._admission.next_admitted(self._slots)
@@ -351,8 +371,16 @@ class Scheduler:
                     self._slots.put_back(slot)
                 self._end_failed(s, refusal)
                 continue
+            hit = self._hold_blocks(s, view)
+            if hit is None:  # first come, first served: it waits at the front of the queue for blocks
+                with self._lock:
+                    self._slots.put_back(slot)
+                    self._admission.requeue([s])
+                return
             kept = s.kept
             replayed = s.resumed_on(view, slot, lost_stages(kept.view, view) if kept is not None else None)
+            if s.replay is None and s.cached < hit:
+                s.cached = hit  # a cached prefix: prefilled from there on
             if kept is not None and kept.slot != slot:  # its cache is not taken back: free the old slot there
                 self._to_release.append(Vacated.kept_by(s, kept, keeps_key=True))
             s.ready_at = next(self._ready_clock)
@@ -376,6 +404,37 @@ class Scheduler:
                 s.trace.admitted(slot)
             self._running.append(s)
 
+    def _adopt_blocks(self, view: MeshView) -> None:
+        """The block pool for `view` (under _lock, as a new placement is adopted): the same pool when the blocks
+        are the same, with its prefix index forgotten (other workers hold other KV: sequences replay into their
+        blocks); a new one when they were resized (every table of the old one is void then)."""
+        if view.kv_block_size == 0:
+            self._blocks = None
+        elif self._blocks is not None and (self._blocks.num_blocks, self._blocks.block_size) == (
+            view.kv_blocks, view.kv_block_size):  # fmt: skip
+            self._blocks.forget_index()
+        else:
+            self._blocks = BlockPool(view.kv_blocks, view.kv_block_size, self._prefix_counters)
+
+    def _hold_blocks(self, s: Sequence, view: MeshView) -> int | None:
+        """On a paged mesh, make `s` hold the blocks it may need: those it kept through a resume, or a new table
+        with its longest cached prefix and the rest reserved (see `gateway/blocks.py`). Returns the leading
+        tokens of its log found cached (0 but for a new table's prefix hit); None when the pool cannot promise
+        the blocks yet."""
+        pool = self._blocks
+        if pool is None or (s.blocks is not None and s.block_pool is pool):
+            return 0
+        total = min(s.req.max_total_tokens, view.max_context)
+        sampling = s.req.sampling
+        # A penalty counts the tokens the last stage recorded for this sequence: a prefix it skips is not there.
+        penalized = sampling.repetition_penalty != 1 or sampling.frequency_penalty or sampling.presence_penalty
+        with self._lock:
+            table = pool.admit(s.log, total, lookup=self.cfg.prefix_caching and not penalized)
+        if table is None:
+            return None
+        s.blocks, s.block_pool = table, pool
+        return table.cached_tokens
+
     def _fill_pipeline(self, view: MeshView, seq: int) -> None:
         """Dispatch micro-batches while fewer steps than the pipeline depth are in flight."""
         depth = pipeline_depth(self.cfg.pipeline_depth, view.pp)
@@ -385,6 +444,10 @@ class Scheduler:
             planned = plan_micro_batch(self._running, depth, view.max_batch_tokens)
             if not planned:
                 return
+            with self._lock:  # blocks for the positions this step writes, from each sequence's reservation
+                for p in planned:
+                    if p.seq.blocks is not None and p.seq.block_pool is not None:
+                        p.seq.block_pool.grow(p.seq.blocks, p.seq.cached + p.num_tokens)
             self._dispatch.start(view, planned, seq, self._clock())
 
     # -- steps that completed ---------------------------------------------------------------------
@@ -412,8 +475,12 @@ class Scheduler:
             obs.step_done(step.traced, len(planned), tokens, now - step.started, response)
         self._log.debug("step", step_id=step.step_id, entries=len(planned), tokens=tokens,
                         ms=round((now - step.started) * 1000, 3))  # fmt: skip
-        for p in planned:
-            p.seq.cached += p.num_tokens
+        with self._lock:
+            for p in planned:
+                p.seq.cached += p.num_tokens
+                if p.seq.blocks is not None and p.seq.block_pool is self._blocks and self._blocks is not None:
+                    # Every stage wrote these positions: their full blocks can serve other sequences' prefixes.
+                    self._blocks.commit(p.seq.blocks, p.seq.log, p.seq.cached)
         sampled = [(p, ok) for p, ok in zip(step.planned, current, strict=True) if p.sample]
         for (p, ok), token in zip(sampled, response.tokens, strict=True):
             if ok and not p.seq.retired:
@@ -562,6 +629,9 @@ class Scheduler:
                 if not v.keeps_key:
                     self._admission.forget(v.key)
             self._slots.release([(v.view, v.slot) for v in vacated if v.view is not None])
+            for v in vacated:
+                if v.blocks is not None and v.blocks[0] is self._blocks:  # a pool since replaced holds nothing
+                    v.blocks[0].release(v.blocks[1])
 
     def _fail_everything(self, error: MeshError) -> None:
         with self._lock:
@@ -571,3 +641,4 @@ class Scheduler:
         self._dispatch.break_chain()
         with self._lock:
             self._slots.clear()  # rebuilt from kv_slots at the next admission
+            self._blocks = None

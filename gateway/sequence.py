@@ -24,6 +24,7 @@ from gateway.retention import StageRange
 from gateway.text import CompletionText
 
 if TYPE_CHECKING:
+    from gateway.blocks import BlockPool, BlockTable
     from gateway.fanout import MeshView
     from gateway.observe import RequestTrace
     from shardmesh.proto.v1 import worker_pb2
@@ -76,6 +77,10 @@ class Sequence:
     gap_open: bool = False  # resumed, and no token sent since: the next one closes the pause the client saw
     kept: Kept | None = None  # while waiting to resume: where its cache was
     replay: Replay | None = None  # resumed on a mesh where some stages kept its cache
+    # On a paged mesh: its KV blocks, in `block_pool`; kept through a resume (it replays into them) and released
+    # when it ends. A table from another pool (the mesh's blocks were resized) is void.
+    blocks: BlockTable | None = None
+    block_pool: BlockPool | None = None
 
     def __post_init__(self) -> None:
         self.text = CompletionText(self.req.tokenizer, self.req.stop)
@@ -83,6 +88,11 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.req.prompt_ids)
+
+    @property
+    def log(self) -> tuple[int, ...]:
+        """The token log: the prompt, then the generated ids."""
+        return (*self.req.prompt_ids, *self.tokens)
 
     @property
     def prefill_len(self) -> int:
@@ -115,8 +125,7 @@ class Sequence:
         """Log positions [cached, cached + num_tokens): a prompt (or replay) chunk, or the last sampled token
         (while decoding, `cached` is one short of the log: the last token has been sampled, not yet fed)."""
         if self.prefilling:
-            log = (*self.req.prompt_ids, *self.tokens)
-            return log[self.cached : self.cached + num_tokens]
+            return self.log[self.cached : self.cached + num_tokens]
         return (self.tokens[-1],)
 
     def resume(self, now: float, timeout: float, reason: str) -> None:

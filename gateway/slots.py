@@ -13,7 +13,7 @@ from gateway.fanout import MeshView
 
 
 def _pool_key(view: MeshView) -> tuple[Any, int]:
-    return view.placement, view.kv_slots
+    return view.placement, view.kv_slots, view.kv_blocks, view.kv_block_size
 
 
 class SlotPool:

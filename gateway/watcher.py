@@ -217,5 +217,5 @@ class TopologyWatcher:
             version=topology.version, placement=placement, pp=topology.pp, tp=topology.tp,
             kv_slots=limits.kv_slots, max_context=limits.max_context,
             max_batch_tokens=limits.max_batch_tokens or limits.max_context, vocab_size=topology.model.vocab_size,
-            shards=tuple(shards),
+            shards=tuple(shards), kv_block_size=limits.kv_block_size, kv_blocks=limits.kv_blocks,
         ), ""  # fmt: skip

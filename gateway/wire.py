@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from gateway.blocks import blocks_for
 from shardmesh.proto.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -28,20 +30,30 @@ def token_sampling(sampling: Sampling, prompt_tokens: int) -> worker_pb2.TokenSa
     )  # fmt: skip
 
 
-def batch_entry(p: Planned[Sequence], pp: int) -> worker_pb2.BatchEntry:
+def batch_entry(p: Planned[Sequence], pp: int, blocks: Iterable[int] = ()) -> worker_pb2.BatchEntry:
     """`p.num_tokens` of the sequence's log from its cached position, in its slot, on the stages that need it
-    (a replay where some kept its cache: `Sequence.entry_stages`)."""
+    (a replay where some kept its cache: `Sequence.entry_stages`); on a paged mesh with its block table `blocks`,
+    covering positions [0, cached + num_tokens) (worker.proto `BatchEntry.blocks`)."""
     s = p.seq
     first, end = s.entry_stages(pp)
     return worker_pb2.BatchEntry(request_id=s.key, slot=s.slot, start_pos=s.cached, num_tokens=p.num_tokens,
                                  token_ids=s.inputs(p.num_tokens), sampling=s.sampling,
-                                 skip_sampling=not p.sample, first_stage=first, end_stage=end)  # fmt: skip
+                                 skip_sampling=not p.sample, first_stage=first, end_stage=end,
+                                 blocks=blocks)  # fmt: skip
 
 
 def step_request(step_id: int, topology_version: int, after_step_id: int, planned: list[Planned[Sequence]],
                  pp: int) -> worker_pb2.StepRequest:  # fmt: skip
     return worker_pb2.StepRequest(step_id=step_id, topology_version=topology_version, after_step_id=after_step_id,
-                                  entries=[batch_entry(p, pp) for p in planned])  # fmt: skip
+                                  entries=[batch_entry(p, pp, _blocks(p)) for p in planned])  # fmt: skip
+
+
+def _blocks(p: Planned[Sequence]) -> list[int]:
+    """The leading blocks of the sequence's table that hold the positions up to this entry's last (a paged mesh)."""
+    s = p.seq
+    if s.blocks is None or s.block_pool is None:
+        return []
+    return s.blocks.blocks[: blocks_for(s.cached + p.num_tokens, s.block_pool.block_size)]
 
 
 def released_slot(key: str, slot: int) -> worker_pb2.ReleasedSequence:

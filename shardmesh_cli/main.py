@@ -105,8 +105,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             budget = parse_bytes(args.memory_budget)
         except ValueError as e:
             raise UsageError(f"--memory-budget: {e}") from None
+    if args.kv_block_size < 0:
+        raise UsageError(f"--kv-block-size: must be >= 0 (0: one slot), got {args.kv_block_size}")
     result = generate_local(model_dir, request, args.pp, args.tp, args.dtype, args.device, quantization=args.quantize,
-                            memory_budget=budget)  # fmt: skip
+                            memory_budget=budget, kv_block_size=args.kv_block_size)  # fmt: skip
     text = tokenizer.decode(result.token_ids) if tokenizer is not None else ""
     if args.json:
         out = {"token_ids": result.token_ids, "logprobs": result.logprobs, "text": text,
@@ -203,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-budget", metavar="SIZE", default=None,
                    help="weights each process may hold in memory, e.g. 2GiB: the layers that do not fit stream from "
                         "the checkpoint for every step (cpu; default: all resident)")  # fmt: skip
+    g.add_argument("--kv-block-size", type=int, default=0,
+                   help="tokens per block of a paged KV cache (the layout `up --kv-block-size` serves with), e.g. 16; "
+                        "0: one slot (default 0)")  # fmt: skip
     g.add_argument(
         "--json", action="store_true", help="print one JSON object: token_ids, logprobs, text, finish_reason"
     )
@@ -294,6 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--kv-slots", type=int, default=8, help="sequences in flight per shard (default 8)")
     u.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
     u.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step (default: --max-context)")
+    u.add_argument("--kv-block-size", type=int, default=0,
+                   help="tokens per block of a paged KV cache, e.g. 16; 0: a slot per sequence "
+                        "(default 0)")  # fmt: skip
+    u.add_argument("--kv-cache-memory", metavar="SIZE", default=None,
+                   help="with --kv-block-size: bytes per shard for the paged KV cache, e.g. 2GiB (default: what "
+                        "the slot cache would take)")  # fmt: skip
     u.add_argument("--log-dir", default=None, help="where each service's JSON log goes (default: a new temp dir)")
     u.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for SERVING (default 600)")
     u.add_argument("--spares", type=int, default=0,

@@ -60,9 +60,11 @@ def generate_local(
     timeout_s: float = 600.0,
     quantization: str = "none",
     memory_budget: int | None = None,
+    kv_block_size: int = 0,
 ) -> OfflineResult:
     """Run `request` on a fresh P × T mesh of local processes and return what the last stage sampled. With
-    `memory_budget` (bytes of weights per process) layers that do not fit stream in for each step (`offload`)."""
+    `memory_budget` (bytes of weights per process) layers that do not fit stream in for each step (`offload`);
+    with `kv_block_size` the KV cache is paged, blocks of that many tokens, as a paged mesh serves."""
     cfg = ModelConfig.from_dir(model_dir)
     check_shards(model_dir, shard_specs(cfg.num_layers, pp, tp), cfg)  # fail here, not in a child
     if memory_budget is not None:
@@ -90,7 +92,7 @@ def generate_local(
                         "-m", "shardmesh_cli.offline", "--model", str(model_dir), "--pp", str(pp), "--tp", str(tp),
                         "--rank", str(rank), "--store-port", str(store.port), "--request", str(req_file),
                         "--result", str(result_file), "--dtype", dtype, "--device", device,
-                        "--quantize", quantization,
+                        "--quantize", quantization, "--kv-block-size", str(kv_block_size),
                     ]  # fmt: skip
                     if memory_budget is not None:
                         args += ["--memory-budget", str(memory_budget)]
@@ -124,6 +126,7 @@ def _rank_main(argv: list[str]) -> None:
         ap.add_argument(name, required=True)
     ap.add_argument("--quantize", default="none", choices=Quantization.names())
     ap.add_argument("--memory-budget", type=int, default=None)
+    ap.add_argument("--kv-block-size", type=int, default=0)
     for name in ("--pp", "--tp", "--rank", "--store-port"):
         ap.add_argument(name, type=int, required=True)
     a = ap.parse_args(argv)
@@ -151,8 +154,15 @@ def _rank_main(argv: list[str]) -> None:
     streamer = streamer_of(model)
     logger.info("shard_loaded", quantization=a.quantize, linear_kernels=model.linear_kernels,
                 offload=streamer.plan.describe() if streamer is not None else None)  # fmt: skip
-    engine = StageEngine(model, groups, model.make_cache(1, dtype, device), device)
-    result = _decode(engine, request, world, sampler_rank=(a.pp - 1) * a.tp, rank=a.rank, device=device)
+    # One sequence: a slot of max_len positions, or blocks 0, 1, ... covering them, its block table
+    bs = a.kv_block_size
+    blocks = tuple(range(-(-max_len // bs))) if bs else ()
+    cache = model.make_paged_cache(len(blocks), bs, dtype, device) if bs else model.make_cache(1, dtype, device)
+    logger.info("kv_cache", layout="paged" if bs else "slots", block_size=bs, blocks=len(blocks), bytes=cache.nbytes,
+                attention_kernel=cache.attention_kernel)  # fmt: skip
+    engine = StageEngine(model, groups, cache, device)
+    result = _decode(engine, request, world, sampler_rank=(a.pp - 1) * a.tp, rank=a.rank, device=device,
+                     blocks=blocks, block_size=bs)  # fmt: skip
     if a.rank == (a.pp - 1) * a.tp:
         Path(a.result).write_text(json.dumps(asdict(result)))
     logger.info("done", tokens=len(result.token_ids))
@@ -160,7 +170,7 @@ def _rank_main(argv: list[str]) -> None:
 
 def _decode(
     engine: StageEngine, req: OfflineRequest, world: GroupCollective, sampler_rank: int, rank: int,
-    device: torch.device,
+    device: torch.device, blocks: tuple[int, ...] = (), block_size: int = 0,
 ) -> OfflineResult:  # fmt: skip
     sampling = (
         req.sampling
@@ -174,7 +184,7 @@ def _decode(
     opts = dist.BroadcastOptions()
     opts.rootRank = sampler_rank
     for _ in range(req.max_new_tokens):
-        batch = BatchLayout.build([Segment(0, start, len(inputs))], device)
+        batch = BatchLayout.build([Segment(0, start, len(inputs), blocks)], device, block_size)
         logits = engine.step(batch, torch.tensor(inputs) if engine.is_first else None)
         msg = torch.zeros(2, dtype=torch.float64, device=device)
         if rank == sampler_rank:

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from shardmesh.core.topology import CalibrationStatus, MeshWorker, Topology, WorkerState
+from shardmesh.core.topology import CalibrationStatus, MeshWorker, ServingLimits, Topology, WorkerState
 from shardmesh.core.units import format_bytes
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 from shardmesh.rpc.flags import UsageError, add_client_tls_flags
@@ -54,8 +54,7 @@ def render(t: Topology) -> str:
     lines = [
         f"topology v{t.version} ({epoch}): pp={t.pp} tp={t.tp}, {state}",
         f"model {t.model.path} ({t.model.dtype}{_quantized(t.model.quantization)}, {t.model.num_layers} layers); "
-        f"{lim.kv_slots} KV slots × "
-        f"{lim.max_context} tokens, {lim.max_batch_tokens} tokens per step",
+        f"{_kv(lim)}, {lim.max_batch_tokens} tokens per step",
         "",
         f"{'stage':>5}  {'layers':<12} {'rank':>4}  {'worker':<16} {'state':<10} address",
     ]
@@ -85,6 +84,14 @@ def render(t: Topology) -> str:
                              f"{_mib(sh.weights_bytes):>11} {_mib(sh.kv_cache_bytes):>11} "
                              f"{_mib(sh.device_memory_bytes):>11}")  # fmt: skip
     return "\n".join(lines)
+
+
+def _kv(lim: ServingLimits) -> str:
+    """The KV cache every shard holds: slots of a whole context, or blocks shared by up to kv_slots sequences."""
+    if lim.paged:
+        return (f"{lim.kv_blocks} KV blocks × {lim.kv_block_size} tokens ({lim.kv_slots} sequences, "
+                f"{lim.max_context} tokens each at most)")  # fmt: skip
+    return f"{lim.kv_slots} KV slots × {lim.max_context} tokens"
 
 
 _OTHER_STATES = (WorkerState.SPARE, WorkerState.DRAINING, WorkerState.LOST)  # listed after the stages, in this order

@@ -205,6 +205,50 @@ def _worker_rows(cur: Snapshot, prev: Snapshot | None, dt: float) -> list[list[s
     return rows
 
 
+# A streaming worker's counters (`shardworker.metrics._offload`), and what each offload cell divides by.
+OFFLOAD_COUNTERS = ("shardmesh_offload_streamed_bytes_total", "shardmesh_worker_step_tokens_total",
+                    "shardmesh_offload_read_bytes_total", "shardmesh_offload_read_seconds_total",
+                    "shardmesh_offload_wait_seconds_total", "shardmesh_worker_step_seconds_sum")  # fmt: skip
+
+
+def _gb_s(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate / 1e9:.1f} GB/s"
+
+
+def _offload_row(worker_id: str, m: Metrics, old: Metrics | str | None) -> list[str]:
+    """Bytes streamed per token, the plan's per step, the achieved read rate, the bound, their ratio and the
+    share of step time spent waiting for reads: over the window, or since start (in parentheses) when the
+    shard ran no tokens in it."""
+    window = {name: _delta(m, old, name) for name in OFFLOAD_COUNTERS}
+    idle = not window["shardmesh_worker_step_tokens_total"]
+    v = {name: m.value(name) for name in OFFLOAD_COUNTERS} if idle else window
+    streamed, tokens, read, read_s, wait_s, step_s = (v[name] for name in OFFLOAD_COUNTERS)
+    achieved = read / read_s if read_s else None
+    bound = m.value("shardmesh_offload_bound_bytes_per_second") or None
+    cells = [human_bytes(streamed / tokens) if tokens else "-", _gb_s(achieved),
+             f"{achieved / bound:.2f}" if achieved and bound else "-",
+             f"{100 * wait_s / step_s:.0f}%" if step_s else "-"]  # fmt: skip
+    if idle:
+        cells = [c if c == "-" else f"({c})" for c in cells]
+    plan = human_bytes(m.value("shardmesh_offload_planned_bytes_per_step"))
+    return [worker_id, cells[0], plan, cells[1], _gb_s(bound), cells[2], cells[3]]
+
+
+def _offload_lines(cur: Snapshot, prev: Snapshot | None) -> list[str]:
+    """The workers that stream layers (a memory budget), one row each; nothing when none does."""
+    rows = []
+    for worker_id, m in cur.workers.items():
+        if isinstance(m, Metrics) and m.get("shardmesh_offload_planned_bytes_per_step") is not None:
+            rows.append(_offload_row(worker_id, m, prev.workers.get(worker_id) if prev is not None else None))
+    if not rows:
+        return []
+    header = ["OFFLOAD", "STREAMED/TOKEN", "PLAN/STEP", "ACHIEVED", "BOUND", "ACHIEVED/BOUND", "WAIT"]
+    return ["", *_table(header, rows),
+            "STREAMED/TOKEN: weight bytes streamed per token run (one sequence decoding: the plan's bytes per step); "
+            "ACHIEVED: read bytes / read seconds; BOUND: the same reads measured at load, page cache hot (a cold "
+            "file reads at the disk's rate); WAIT: share of step time waiting for reads"]  # fmt: skip
+
+
 def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
     rows = [header, *rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -271,6 +315,7 @@ def render(cur: Snapshot, prev: Snapshot | None, coordinator: str, gateway_metri
     lines += _table(header, _worker_rows(cur, prev, dt))
     lines.append("STEP ms: mean step time on the shard; COMM: its share spent receiving, sending and in tp "
                  "collectives; (...) = since start, no steps in this window")  # fmt: skip
+    lines += _offload_lines(cur, prev)
     lines.append("")
     if gateway_metrics and cur.gateway is not None:
         lines += _gateway_lines(gateway_metrics, cur.gateway, prev.gateway if prev else None, dt)

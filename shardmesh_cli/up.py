@@ -317,6 +317,10 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
             coord += ["--max-context", str(args.max_context)]
         if args.max_batch_tokens:
             coord += ["--max-batch-tokens", str(args.max_batch_tokens)]
+        if getattr(args, "kv_block_size", 0):
+            coord += ["--kv-block-size", str(args.kv_block_size)]
+        if getattr(args, "kv_cache_memory", None) is not None:
+            coord += ["--kv-cache-memory", str(args.kv_cache_memory)]
         coord += _balance_flags(args)
         metrics = getattr(args, "metrics", False)
         telemetry = _otlp_flags(args)
@@ -509,6 +513,7 @@ MANIFEST_FLAGS = {
     "require_balance": "placement.require_balance", "http_listen": "services.gateway.http_listen",
     "no_http": "services.gateway.http_listen", "served_model_name": "model.served_model_name",
     "quantize": "model.quantization", "memory_budget": "services.worker.memory_budget",
+    "kv_block_size": "serving.kv_block_size", "kv_cache_memory": "serving.kv_cache_memory",
 }  # fmt: skip
 
 
@@ -531,8 +536,10 @@ def args_from_manifest(args: argparse.Namespace, defaults: dict[str, object]) ->
              if v and getattr(args, f[2:].replace("-", "_"), None)]  # fmt: skip
     if clash:
         raise ManifestError(str(source), [f"{f}: the manifest sets this (services.security)" for f in clash])
-    notes = [f"manifest {source}: pp={d.pp} × tp={d.tp}, {d.dtype}, {d.limits.kv_slots} KV slots × "
-             f"{d.limits.max_context} tokens", *d.notes]  # fmt: skip
+    lim = d.limits
+    kv = (f"{lim.kv_blocks} KV blocks × {lim.kv_block_size} tokens, {lim.kv_slots} sequences" if lim.paged
+          else f"{lim.kv_slots} KV slots × {lim.max_context} tokens")  # fmt: skip
+    notes = [f"manifest {source}: pp={d.pp} × tp={d.tp}, {d.dtype}, {kv}", *d.notes]
     if d.plan is not None:
         notes.append(f"planned layer split {layer_counts(d.plan.layer_split)} (layers per stage), ranks on nodes "
                      f"{[d.node_of(r) for r in range(d.pp * d.tp)]}; tightest device keeps "

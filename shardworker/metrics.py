@@ -114,6 +114,7 @@ class _ShardCollector:
         slots.add_metric(["used"], i["total_slots"] - i["free_slots"])
         slots.add_metric(["free"], i["free_slots"])
         yield slots
+        yield from _kv_cache(i)
         info = GaugeMetricFamily("shardmesh_shard_info", "The shard this worker holds (value 1)",
                                  labels=["worker_id", "state", "stage", "layer_start", "layer_end", "tp_rank",
                                          "tp_size"])  # fmt: skip
@@ -129,9 +130,54 @@ class _ShardCollector:
         for direction, value in sorted(i.get("kv_moved_bytes", {}).items()):
             moved.add_metric([direction], value)
         yield moved
-        yield CounterMetricFamily("shardmesh_offload_streamed_bytes", "Weight bytes of the layers beyond the memory "
-                                  "budget, streamed from the checkpoint (per step: the streamed layers' product "
-                                  "weights, each once)", i.get("bytes_streamed", 0))  # fmt: skip
+        yield from _offload(i)
+
+
+def _kv_cache(i: dict[str, Any]) -> Iterator[Any]:
+    """The KV cache as this shard allocated it: its bytes by part, and with a paged cache its blocks (the total:
+    which blocks are used or hold a cached prefix is the gateway's to say, it hands them out)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    nbytes = GaugeMetricFamily("shardmesh_kv_cache_bytes", "KV-cache memory this shard allocated, by part: keys and "
+                               "values, and the activation log (what it sent on, kept for replays; not on the last "
+                               "stage)", labels=["part"])  # fmt: skip
+    nbytes.add_metric(["keys_values"], i.get("kv_cache_bytes", 0))
+    nbytes.add_metric(["activation_log"], i.get("activation_log_bytes", 0))
+    yield nbytes
+    if i.get("kv_blocks"):
+        blocks = GaugeMetricFamily("shardmesh_kv_blocks", "Paged KV-cache blocks by state (the worker knows the "
+                                   "total; the gateway, which hands them out, reports used and cached)",
+                                   labels=["state"])  # fmt: skip
+        blocks.add_metric(["total"], i["kv_blocks"])
+        yield blocks
+        yield GaugeMetricFamily("shardmesh_kv_block_tokens", "Positions per block of the paged KV cache",
+                                i["kv_block_size"])  # fmt: skip
+
+
+def _offload(i: dict[str, Any]) -> Iterator[Any]:
+    """A worker over its memory budget (`shardmesh.engine.offload`): the bytes it streams, how fast its reads
+    bring them in, how long the compute waits for them, and the read rate measured at load to compare with."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    yield CounterMetricFamily("shardmesh_offload_streamed_bytes", "Weight bytes of the layers beyond the memory "
+                              "budget, streamed from the checkpoint (per step: the streamed layers' product "
+                              "weights, each once)", i.get("bytes_streamed", 0))  # fmt: skip
+    s = i.get("offload")  # an `offload.StreamStats`; None: nothing streams
+    if s is None:
+        return
+    yield CounterMetricFamily("shardmesh_offload_read_bytes", "Weight bytes the streamer's reads brought in "
+                              "(mapped in, or copied into its buffers)", s.read_bytes)  # fmt: skip
+    yield CounterMetricFamily("shardmesh_offload_read_seconds", "Time those reads took (read bytes / read seconds: "
+                              "the achieved streaming rate)", s.read_seconds)  # fmt: skip
+    yield CounterMetricFamily("shardmesh_offload_wait_seconds", "Time the compute thread waited for a streamed "
+                              "layer's read", s.wait_seconds)  # fmt: skip
+    yield GaugeMetricFamily("shardmesh_offload_bound_bytes_per_second", "The bound: the same reads' rate measured "
+                            "at load with the checkpoint in the page cache (the hot rate; a cold file reads at the "
+                            "disk's)", s.bound_bytes_per_second)  # fmt: skip
+    yield GaugeMetricFamily("shardmesh_offload_planned_bytes_per_step", "Bytes the plan streams per forward",
+                            s.planned_bytes_per_step)  # fmt: skip
+    yield GaugeMetricFamily("shardmesh_offload_huge_pages", "1 when the streamed layers map in huge pages",
+                            int(s.huge_pages))  # fmt: skip
 
 
 def record_step_spans(

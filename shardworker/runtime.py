@@ -35,7 +35,7 @@ from shardmesh.core.topology import HeldShard, Rendezvous, ServingLimits, ShardS
 from shardmesh.engine import kv_transfer, offload
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.groups import Backend, ShardGroups, form_groups
-from shardmesh.engine.kv_cache import ActivationLog, KVCache
+from shardmesh.engine.kv_cache import ActivationLog, AnyKVCache, PagedActivationLog, PagedKVCache
 from shardmesh.engine.loader import build_shard, parse_dtype
 from shardmesh.engine.model import Transformer
 from shardmesh.engine.penalties import TokenHistory
@@ -137,26 +137,62 @@ class _Caches:
     """A shard's per-sequence state, kept from one epoch to the next while the shard is unchanged."""
 
     key: tuple[Any, ...]  # what it was sized for (`_cache_key`)
-    kv: KVCache
-    log: ActivationLog | None  # what this stage sent on (not on the last stage)
+    kv: AnyKVCache  # by slot, or by block (`ServingLimits.kv_block_size`)
+    log: ActivationLog | None  # what this stage sent on (not on the last stage), addressed as `kv` is
     cache_id: str  # names this KV cache: a new one whenever its contents are not the old ones
     seeds: dict[str, int] = field(default_factory=dict)  # for sampled requests that came without a seed
     slots: dict[int, str] = field(default_factory=dict)  # occupied KV slot -> request id
     lengths: dict[int, int] = field(default_factory=dict)  # occupied slot -> positions written (a hand-over sends them)
+    blocks: dict[int, tuple[int, ...]] = field(default_factory=dict)  # paged: occupied slot -> its latest block table
     tokens: TokenHistory | None = None  # the last stage's token ids by slot and position, for the penalties
 
-    def rows(self, slot: int, length: int) -> list[Tensor]:
-        """Views of what this shard holds for positions [0, length) of `slot` (`engine.kv_transfer.SlotRows`)."""
-        out = [self.kv.data[:, :, slot, :, :length]]
-        if self.log is not None:
-            out.append(self.log.data[slot, :length])
+    def rows(self, slot: int, length: int, blocks: tuple[int, ...] = ()) -> list[Tensor]:
+        """Views of what this shard holds for positions [0, length) of `slot` (`engine.kv_transfer.SlotRows`):
+        in its slot, or for a paged cache in `blocks`, its block table (one view per block, so a receiver writes
+        them back at the same block ids)."""
+        if isinstance(self.kv, PagedKVCache):
+            out = self._block_rows(self.kv, length, blocks)
+        else:
+            out = [self.kv.data[:, :, slot, :, :length]]
+            if self.log is not None:
+                out.append(self.log.data[slot, :length])
         if self.tokens is not None:  # the penalties count them: a cache that arrives without them would miscount
             out.append(self.tokens.data[slot, :length])
         return out
 
+    def _block_rows(self, kv: PagedKVCache, length: int, blocks: tuple[int, ...]) -> list[Tensor]:
+        """Per block of `blocks` covering [0, length): all of it, keys and values of every local layer (the pool's
+        block dimension is its third, whatever the layout within a block: `PagedKVCache`), and its activation log
+        rows. Whole blocks, the last one too: how positions lie within a block is the cache's business, and the
+        positions past `length` it carries are written before anything reads them."""
+        needed = -(-length // kv.block_size)
+        if len(blocks) < needed or max(blocks[:needed], default=0) >= kv.num_blocks:
+            raise ValueError(f"a block table of {len(blocks)} blocks does not hold {length} positions in blocks of "
+                             f"{kv.block_size} below {kv.num_blocks}")  # fmt: skip
+        out = []
+        for b in blocks[:needed]:
+            out.append(kv.data[:, :, b])
+            if self.log is not None:
+                out.append(self.log.data[b])
+        return out
+
+    def record(self, e: StepEntry) -> None:
+        """`e` ran here: how far its slot's cache is written, and (paged) in which blocks. A sequence that starts
+        again (start_pos 0) starts afresh; otherwise the longer record stands (a replay rewrites earlier positions
+        with the same table's prefix)."""
+        end, held = e.start_pos + e.num_tokens, self.lengths.get(e.slot, 0)
+        self.lengths[e.slot] = end if e.start_pos == 0 else max(end, held)
+        if e.blocks and (e.start_pos == 0 or len(e.blocks) >= len(self.blocks.get(e.slot, ()))):
+            self.blocks[e.slot] = e.blocks
+
+    def forget(self, slot: int) -> None:
+        self.lengths.pop(slot, None)
+        self.blocks.pop(slot, None)
+
     def header(self) -> kv_transfer.Header:
         slots = tuple((slot, request_id, self.lengths.get(slot, 0)) for slot, request_id in sorted(self.slots.items()))
-        return kv_transfer.Header(kv_transfer.key_digest(self.key), self.cache_id, slots, dict(self.seeds))
+        blocks = {slot: self.blocks[slot] for slot, _, _ in slots if slot in self.blocks}
+        return kv_transfer.Header(kv_transfer.key_digest(self.key), self.cache_id, slots, dict(self.seeds), blocks)
 
 
 def _cache_key(p: Placement) -> tuple[Any, ...]:
@@ -165,7 +201,15 @@ def _cache_key(p: Placement) -> tuple[Any, ...]:
 
 def _key_of(spec: ShardSpec, num_stages: int, model_path: str, dtype: str, limits: ServingLimits,
             quantization: str) -> tuple[Any, ...]:  # fmt: skip
-    return spec, num_stages, model_path, dtype, quantization, limits.kv_slots, limits.max_context
+    return (spec, num_stages, model_path, dtype, quantization, limits.kv_slots, limits.max_context,
+            limits.kv_block_size, limits.kv_blocks)  # fmt: skip
+
+
+def _kv_layout(limits: ServingLimits) -> dict[str, Any]:
+    """The KV cache's layout as the worker logs and reports it."""
+    if limits.paged:
+        return {"kv_layout": "paged", "kv_blocks": limits.kv_blocks, "kv_block_size": limits.kv_block_size}
+    return {"kv_layout": "slots", "kv_slots": limits.kv_slots, "max_context": limits.max_context}
 
 
 KV_TRANSFER_TIMEOUT_S = 10.0  # connecting to the other side of a hand-over, and each message after that
@@ -365,12 +409,21 @@ class StageWorkerCore:
 
     def _new_caches(self, key: tuple[Any, ...], last_stage: bool, limits: ServingLimits,
                     model: Transformer) -> _Caches:  # fmt: skip
-        dtype = model.dtype
-        kv = model.make_cache(limits.kv_slots, dtype, self.device)
-        log = None
-        if not last_stage:
-            log = ActivationLog(limits.kv_slots, limits.max_context, model.cfg.hidden_size, dtype, self.device)
+        dtype, hidden = model.dtype, model.cfg.hidden_size
+        kv: AnyKVCache
+        log: ActivationLog | None = None
+        if limits.paged:  # blocks the gateway hands out; the log by the same block ids
+            kv = model.make_paged_cache(limits.kv_blocks, limits.kv_block_size, dtype, self.device)
+            if not last_stage:
+                log = PagedActivationLog(limits.kv_blocks, limits.kv_block_size, hidden, dtype, self.device)
+        else:
+            kv = model.make_cache(limits.kv_slots, dtype, self.device)
+            if not last_stage:
+                log = ActivationLog(limits.kv_slots, limits.max_context, hidden, dtype, self.device)
         tokens = TokenHistory(limits.kv_slots, limits.max_context, self.device) if last_stage else None  # penalties
+        self.log.info("kv_cache_allocated", **_kv_layout(limits), kv_cache_bytes=kv.nbytes,
+                      activation_log_bytes=log.nbytes if log is not None else 0,
+                      attention_kernel=kv.attention_kernel)  # fmt: skip
         return _Caches(key, kv, log, _new_cache_id(), tokens=tokens)
 
     # ---- hand-overs: the KV cache goes with the slot ----------------------------------------------------
@@ -394,6 +447,7 @@ class StageWorkerCore:
         caches.cache_id, caches.seeds = header.cache_id, dict(header.seeds)
         caches.slots = {slot: request_id for slot, request_id, _ in header.slots}
         caches.lengths = {slot: length for slot, _, length in header.slots}
+        caches.blocks = dict(header.blocks)
         self.kv_moved["received"] += received
         self.log.info("kv_received", source=p.kv_from, rank=p.rank, sequences=len(header.slots), bytes=received,
                       tokens=sum(n for _, _, n in header.slots), kv_cache_id=header.cache_id,
@@ -432,7 +486,7 @@ class StageWorkerCore:
             with self._slots_lock:
                 header = caches.header()
             sent = self._on_compute(kv_transfer.send, pg, header, caches.rows, self.device)
-        except RuntimeError as e:  # the receiver never came, or died: it replays instead
+        except (RuntimeError, ValueError) as e:  # the receiver never came, or died: it replays instead
             self.log.warning("kv_send_failed", target=receiver, rank=rank, error=f"{type(e).__name__}: {e}")
             return
         self.kv_moved["sent"] += sent
@@ -477,11 +531,10 @@ class StageWorkerCore:
                 ):
                     rt.seeds[e.request_id] = random_seed()  # a gateway sends seeds; this covers clients that do not
                 rt.slots[e.slot] = e.request_id
-            for e in computed:  # how far each slot's cache is written here: what a hand-over sends
-                end, held = e.start_pos + e.num_tokens, rt.caches.lengths.get(e.slot, 0)
-                rt.caches.lengths[e.slot] = end if e.start_pos == 0 else max(end, held)
-        batch = BatchLayout.build([Segment(e.slot, e.start_pos, e.num_tokens) for e in computed], self.device) \
-            if computed else None  # fmt: skip
+            for e in computed:  # how far each slot's cache is written here, and where: what a hand-over sends
+                rt.caches.record(e)
+        block_size = p.limits.kv_block_size
+        batch = BatchLayout.build([e.segment for e in computed], self.device, block_size) if computed else None
         ids = torch.tensor([t for e in computed for t in e.token_ids]) if rt.engine.is_first and computed else None
         relay = _relay(entries, computed, p.stage, p.num_stages)
         before = CommCounters.of(rt.engine.groups)
@@ -554,8 +607,10 @@ class StageWorkerCore:
         if total > limits.max_batch_tokens:
             raise ResourceExhausted(f"entries: {total} tokens exceed max_batch_tokens={limits.max_batch_tokens}")
         seen: set[int] = set()
+        writers: dict[int, int] = {}  # paged: block -> the entry writing it in this step
         for i, e in enumerate(entries):
             where = f"entries[{i}]"
+            _validate_blocks(e, i, limits, writers)
             if not 0 <= e.slot < limits.kv_slots:
                 raise ResourceExhausted(f"{where}.slot: {e.slot} outside [0, {limits.kv_slots})")
             if e.slot in seen:
@@ -593,7 +648,7 @@ class StageWorkerCore:
                 rt.seeds.pop(request_id, None)
                 if rt.slots.get(slot) == request_id:
                     del rt.slots[slot]
-                    rt.caches.lengths.pop(slot, None)
+                    rt.caches.forget(slot)
             return rt.placement.limits.kv_slots - len(rt.slots)
 
     # ---- reporting -----------------------------------------------------------------------------------
@@ -619,12 +674,18 @@ class StageWorkerCore:
             "kv_cache_id": "", "kv_moved_bytes": dict(self.kv_moved),
             "linear_kernels": list(model.linear_kernels) if model is not None else [],
             "bytes_streamed": offload.bytes_streamed(model) if model is not None else 0,
+            "offload": offload.stats(model) if model is not None else None,
+            "activation_log_bytes": 0, "kv_blocks": 0, "kv_block_size": 0, "attention_kernel": "",
         }  # fmt: skip
         if rt is not None:
-            kv = rt.placement.limits.kv_slots
+            limits, log = rt.placement.limits, rt.caches.log
+            kv = limits.kv_slots
             out.update(kv_cache_bytes=rt.engine.cache.nbytes, total_slots=kv, free_slots=kv - len(rt.slots),
                        active_sequences=len(rt.slots), placement=rt.placement,
-                       max_context=rt.placement.limits.max_context, kv_cache_id=rt.caches.cache_id)  # fmt: skip
+                       max_context=limits.max_context, kv_cache_id=rt.caches.cache_id,
+                       activation_log_bytes=log.nbytes if log is not None else 0, kv_blocks=limits.kv_blocks,
+                       kv_block_size=limits.kv_block_size,
+                       attention_kernel=rt.engine.cache.attention_kernel)  # fmt: skip
         return out
 
     # ---- calibration -----------------------------------------------------------------------------
@@ -641,23 +702,27 @@ class StageWorkerCore:
     ) -> dict[str, Any]:
         rt = self._ready(topology_version)
         limits = rt.placement.limits
-        if rt.slots:  # the passes write into KV slots: never while a sequence holds one
-            if rt.steps:
-                raise FailedPrecondition(f"{len(rt.slots)} sequences hold KV slots; calibrate before serving")
-            # Slots kept from the epoch before, that nothing has used in this one: the passes overwrite them, so
-            # the cache gets a new id, reported before this answer, and the gateway replays those sequences.
-            with self._slots_lock:
-                rt.caches.slots.clear()
-                rt.caches.lengths.clear()
-                rt.caches.seeds.clear()
-                rt.caches.cache_id = _new_cache_id()
-            self.on_cache_reset()
+        if rt.slots and rt.steps:  # the passes write into KV slots: never while a sequence holds one
+            raise FailedPrecondition(f"{len(rt.slots)} sequences hold KV slots; calibrate before serving")
         longest = min(limits.max_batch_tokens, limits.max_context)
-        bounds = (("decode_batch", decode_batch, limits.kv_slots), ("prefill_tokens", prefill_tokens, longest),
+        sequences = min(limits.kv_slots, limits.kv_blocks) if limits.paged else limits.kv_slots  # a block each, paged
+        bounds = (("decode_batch", decode_batch, sequences), ("prefill_tokens", prefill_tokens, longest),
                   ("iterations", iterations, 100))  # fmt: skip
         for name, value, hi in bounds:
             if not 1 <= value <= hi:
                 raise InvalidArgument(name, f"must be in [1, {hi}], got {value}")
+        # Slots kept from the epoch before, that nothing has used in this one: the passes overwrite them, so the
+        # cache gets a new id, reported before this answer, and the gateway replays those sequences. A paged cache's
+        # blocks may hold a prefix the gateway keeps for reuse though no sequence holds it, which the passes
+        # overwrite as well: a new id always, so the gateway forgets them.
+        if rt.slots or limits.paged:
+            with self._slots_lock:
+                rt.caches.slots.clear()
+                rt.caches.lengths.clear()
+                rt.caches.blocks.clear()
+                rt.caches.seeds.clear()
+                rt.caches.cache_id = _new_cache_id()
+            self.on_cache_reset()
         try:
             timing = calibrate_shard(rt.engine.model, rt.engine.cache, self.device, decode_batch=decode_batch,
                                      prefill_tokens=prefill_tokens, iterations=iterations)  # fmt: skip
@@ -668,6 +733,29 @@ class StageWorkerCore:
         model = rt.engine.model
         return {"timing": timing, "weights_bytes": _nbytes(model), "kv_cache_bytes": rt.engine.cache.nbytes,
                 "num_layers": len(model.layer_range)}  # fmt: skip
+
+
+def _validate_blocks(e: StepEntry, i: int, limits: ServingLimits, writers: dict[int, int]) -> None:
+    """Entry `i`'s block table against the mesh's KV layout: required and covering its positions with ids below
+    kv_blocks on a paged mesh, absent on slots; and no block written by two entries of one step (`writers`,
+    filled here). INVALID_ARGUMENT naming entries[i].blocks and the numbers."""
+    where, bs = f"entries[{i}]", limits.kv_block_size
+    if not limits.paged:
+        if e.blocks:
+            raise InvalidArgument(f"{where}.blocks", f"{len(e.blocks)} block ids, but this mesh's KV cache has slots "
+                                  f"(kv_block_size 0): send none")  # fmt: skip
+        return
+    if not e.blocks:
+        raise InvalidArgument(f"{where}.blocks", f"required: this mesh's KV cache is paged (kv_block_size {bs}), "
+                              f"positions [0, {e.start_pos + e.num_tokens}) need a block table")  # fmt: skip
+    try:
+        e.check_blocks(bs, limits.kv_blocks)
+    except ValueError as err:
+        raise InvalidArgument(f"{where}.blocks", str(err)) from None
+    for b in e.blocks[e.start_pos // bs : -(-(e.start_pos + e.num_tokens) // bs)]:  # the blocks it writes
+        if writers.setdefault(b, i) != i:
+            raise InvalidArgument(f"{where}.blocks", f"block {b} is written by entries[{writers[b]}] too in this "
+                                  f"step (a block has one writer)")  # fmt: skip
 
 
 def _relay(entries: list[StepEntry], computed: list[StepEntry], stage: int, num_stages: int) -> Relay | None:
@@ -686,7 +774,7 @@ def _relay(entries: list[StepEntry], computed: list[StepEntry], stage: int, num_
         if id(e) in rows:
             parts.append((rows[id(e)], e.num_tokens))
         else:  # first_stage == stage + 1: recorded when this stage first computed these positions
-            parts.append(Segment(e.slot, e.start_pos, e.num_tokens))
+            parts.append(e.segment)
     return Relay(tuple(parts))
 
 

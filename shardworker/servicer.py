@@ -33,11 +33,26 @@ def entry_from_pb(pb: worker_pb2.BatchEntry) -> StepEntry:
         )  # fmt: skip
     except ValueError as e:
         raise InvalidArgument("entries.sampling", str(e)) from None
+    # blocks[:] then tuple: 3.7 against 4.9 µs for tuple() over the repeated field itself (256 ids, upb, this CPU)
+    blocks = tuple(pb.blocks[:])
     try:
         return StepEntry(pb.request_id, pb.slot, pb.start_pos, pb.num_tokens, tuple(pb.token_ids), sampling,
-                         pb.skip_sampling, pb.first_stage, pb.end_stage)  # fmt: skip
+                         pb.skip_sampling, pb.first_stage, pb.end_stage, blocks)  # fmt: skip
     except ValueError as e:
-        raise InvalidArgument("entries.token_ids", str(e)) from None
+        raise InvalidArgument(_refused_field(pb, sampling, blocks), str(e)) from None
+
+
+def _refused_field(pb: worker_pb2.BatchEntry, sampling: SamplingParams, blocks: tuple[int, ...]) -> str:
+    """Which field a refused entry was refused for: its block table (a block id twice) if it is fine without one,
+    else its token ids. Only a refusal pays for building it twice."""
+    if not blocks:
+        return "entries.token_ids"
+    try:
+        StepEntry(pb.request_id, pb.slot, pb.start_pos, pb.num_tokens, tuple(pb.token_ids), sampling,
+                  pb.skip_sampling, pb.first_stage, pb.end_stage)  # fmt: skip
+    except ValueError:
+        return "entries.token_ids"
+    return "entries.blocks"
 
 
 def sampled_pb(s: Sampled) -> worker_pb2.SampledToken:

@@ -28,9 +28,10 @@ _prefixes = itertools.count()
 
 def run_mesh(
     model_dir: Path, pp: int, tp: int, body: Callable[[StageEngine, int], Any], *, max_len: int = 128,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, paged: tuple[int, int] | None = None,
 ) -> list[Any]:  # fmt: skip
-    """Build every shard in its own thread, run `body(engine, rank)` in each, return results by rank."""
+    """Build every shard in its own thread, run `body(engine, rank)` in each, return results by rank. `paged`:
+    (num_blocks, block_size) of a paged KV cache instead of two slots."""
     cfg = ModelConfig.from_dir(model_dir)
     specs = shard_specs(cfg.num_layers, pp, tp)
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
@@ -45,7 +46,11 @@ def run_mesh(
             client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=60))
             groups = form_groups(client, prefix, specs[rank], rank // tp, pp, backend)
             model = build_shard(model_dir, specs[rank], groups.tp, dtype=dtype, max_len=max_len, progress=False)
-            engine = StageEngine(model, groups, model.make_cache(2, dtype, "cpu"), torch.device("cpu"))
+            if paged is None:
+                cache = model.make_cache(2, dtype, "cpu")
+            else:
+                cache = model.make_paged_cache(paged[0], paged[1], dtype, "cpu")
+            engine = StageEngine(model, groups, cache, torch.device("cpu"))
             results[rank] = body(engine, rank)
         except BaseException as e:  # surfaced to the test below
             errors.append(e)

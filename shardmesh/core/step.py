@@ -12,13 +12,54 @@ import math
 from dataclasses import dataclass
 
 
+def check_block_table(blocks: tuple[int, ...], start: int, length: int, block_size: int, num_blocks: int | None,
+                      name: str) -> None:  # fmt: skip
+    """Raise a ValueError naming `name` unless `blocks` cover positions [0, start + length) in blocks of
+    `block_size` (block i holds positions [i * block_size, (i + 1) * block_size)), each id below `num_blocks`
+    (None: not checked here). More blocks than needed are allowed (a block allocated ahead); they are not read."""
+    end = start + length
+    needed = -(-end // block_size)
+    if len(blocks) < needed:
+        raise ValueError(f"{name}: positions [0, {end}) need {needed} blocks of {block_size} tokens, the block "
+                         f"table has {len(blocks)}")  # fmt: skip
+    if num_blocks is not None and blocks and max(blocks[:needed]) >= num_blocks:
+        bad = next(b for b in blocks[:needed] if b >= num_blocks)
+        raise ValueError(f"{name}: block id {bad} is out of range: the KV cache has {num_blocks} blocks")
+
+
+def _check_block_ids(blocks: tuple[int, ...], name: str) -> None:
+    """What a block table must be whatever the cache: ids >= 0, none twice (two positions in one cell)."""
+    if blocks and min(blocks) < 0:
+        raise ValueError(f"{name}: block ids must be >= 0, got {min(blocks)}")
+    if len(set(blocks)) != len(blocks):
+        twice = next(b for i, b in enumerate(blocks) if b in blocks[:i])
+        raise ValueError(f"{name}: block id {twice} appears twice in the block table")
+
+
 @dataclass(frozen=True)
 class Segment:
-    """One sequence's share of a step: `length` new tokens at positions [start, start + length)."""
+    """One sequence's share of a step: `length` new tokens at positions [start, start + length).
+
+    `slot` addresses a slot KV cache (`engine.kv_cache.KVCache`); `blocks` a paged one (`PagedKVCache`): the
+    sequence's block table, covering positions [0, start + length). Positions before `start` may be in blocks
+    another sequence wrote (a shared prefix): they are read, never written; only [start, start + length) is."""
 
     slot: int
     start: int
     length: int
+    blocks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.length < 0:
+            raise ValueError(f"{self.name}: start and length must be >= 0")
+        _check_block_ids(self.blocks, self.name)
+
+    @property
+    def name(self) -> str:
+        return f"segment (slot {self.slot}, positions [{self.start}, {self.start + self.length}))"
+
+    def check_blocks(self, block_size: int, num_blocks: int | None = None) -> None:
+        check_block_table(self.blocks, self.start, self.length, block_size, num_blocks, self.name)
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's and vLLM's bound)
@@ -89,11 +130,23 @@ class StepEntry:
     skip_sampling: bool = False
     first_stage: int = 0  # a replay on stages [first_stage, end_stage) only (0, 0: every stage); see worker.proto
     end_stage: int = 0  # 0: through the last stage
+    blocks: tuple[int, ...] = ()  # the block table of a paged KV cache, covering [0, start_pos + num_tokens)
 
     def __post_init__(self) -> None:
         if self.sampling.penalized and len(self.token_ids) != self.num_tokens:
             raise ValueError(f"{len(self.token_ids)} token_ids for num_tokens={self.num_tokens}: the last stage "
                              f"records them for the sampling's penalties")  # fmt: skip
+        _check_block_ids(self.blocks, f"request {self.request_id!r}")
+
+    def check_blocks(self, block_size: int, num_blocks: int | None = None) -> None:
+        """Whether the block table covers this entry's positions in a paged cache of `num_blocks` blocks."""
+        check_block_table(self.blocks, self.start_pos, self.num_tokens, block_size, num_blocks,
+                          f"request {self.request_id!r}")  # fmt: skip
+
+    @property
+    def segment(self) -> Segment:
+        """This entry's share of the packed step."""
+        return Segment(self.slot, self.start_pos, self.num_tokens, self.blocks)
 
     def computed_by(self, stage: int, num_stages: int) -> bool:
         """Whether `stage` runs its layers over this entry."""

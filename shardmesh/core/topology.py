@@ -170,24 +170,50 @@ class Rendezvous:
 class ServingLimits:
     """What every shard allocates for, so that all stages agree on slots and lengths (and what the planner
     sizes KV caches and activations by): KV slots (sequences in flight), tokens per sequence (prompt +
-    completion), tokens per step over the batch."""
+    completion), tokens per step over the batch, and how the KV cache is laid out.
+
+    `kv_block_size` 0: a slot cache, `kv_slots` × `max_context` positions. Otherwise a paged cache of `kv_blocks`
+    blocks of `kv_block_size` positions on every shard (the same block ids on every stage, each for its own
+    layers), which the gateway hands out to sequences; `kv_slots` then bounds only the sequences in flight (their
+    per-slot state is small), and memory is counted in blocks."""
 
     kv_slots: int
     max_context: int
     max_batch_tokens: int
+    kv_block_size: int = 0  # tokens per block of a paged KV cache; 0: the slot cache
+    kv_blocks: int = 0  # blocks per shard of a paged KV cache; 0 with the slot cache
 
     def __post_init__(self) -> None:
         for name in ("kv_slots", "max_context", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_block_size < 0:
+            raise ValueError(f"kv_block_size must be >= 0 (0: slots), got {self.kv_block_size}")
+        if not self.paged:
+            if self.kv_blocks:
+                raise ValueError(f"kv_blocks must be 0 with the slot cache (kv_block_size 0), got {self.kv_blocks}")
+            return
+        if self.kv_blocks < 1:
+            raise ValueError(f"kv_blocks must be >= 1 with kv_block_size {self.kv_block_size}, got {self.kv_blocks}")
+        if self.kv_blocks * self.kv_block_size < self.max_context:
+            needed = -(-self.max_context // self.kv_block_size)
+            raise ValueError(f"kv_blocks: {self.kv_blocks} blocks × {self.kv_block_size} tokens = "
+                             f"{self.kv_blocks * self.kv_block_size} tokens, fewer than one sequence of max_context "
+                             f"{self.max_context} needs ({needed} blocks)")  # fmt: skip
+
+    @property
+    def paged(self) -> bool:
+        """A paged KV cache (blocks and block tables) rather than slots."""
+        return self.kv_block_size > 0
 
     def to_pb(self) -> coordinator_pb2.ServingLimits:
         return coordinator_pb2.ServingLimits(kv_slots=self.kv_slots, max_context=self.max_context,
-                                             max_batch_tokens=self.max_batch_tokens)  # fmt: skip
+                                             max_batch_tokens=self.max_batch_tokens, kv_block_size=self.kv_block_size,
+                                             kv_blocks=self.kv_blocks)  # fmt: skip
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.ServingLimits) -> ServingLimits:
-        return cls(pb.kv_slots, pb.max_context, pb.max_batch_tokens)
+        return cls(pb.kv_slots, pb.max_context, pb.max_batch_tokens, pb.kv_block_size, pb.kv_blocks)
 
 
 class CalibrationStatus(enum.Enum):

@@ -1,9 +1,11 @@
 """The layout of one packed step: which rows of the (T, hidden) batch belong to which sequence.
 
 One step carries several sequences back to back; `BatchLayout` says which rows belong to which sequence,
-at which positions, in which KV-cache slot. The linear layers see all T rows at once; attention takes
-the one-token (decode) segments together, in one call per layer (`DecodeRows`), and each longer segment
-(a prompt chunk) on its own.
+at which positions, and where in the KV cache each token's key and value go (`kv_index`): a slot and a
+position for the slot cache (`kv_cache.KVCache`), a block and an offset in it for the paged cache
+(`kv_cache.PagedKVCache`, a layout built with `block_size`). The linear layers see all T rows at once;
+attention takes the one-token (decode) segments together, in one call per layer (`DecodeRows` for slots,
+`PagedDecodeRows` for blocks), and each longer segment (a prompt chunk) on its own.
 """
 
 from __future__ import annotations
@@ -40,28 +42,99 @@ class DecodeRows:
 
 
 @dataclass(frozen=True)
+class PagedDecodeRows:
+    """The step's one-token segments for a paged cache, all of them (one is enough: the kernel reads blocks in
+    place, so one call per layer costs no copy whatever the block ids; `paged_attention`)."""
+
+    rows: slice | Tensor  # row of each one-token segment in the packed batch (a slice when they are adjacent)
+    tables: Tensor  # (D, max_blocks) int32: each one's blocks covering [0, position], padded with block 0
+    lengths: Tensor  # (D,) int32: positions each one sees, its own included (position + 1)
+
+
+@dataclass(frozen=True)
 class BatchLayout:
     segments: tuple[Segment, ...]
     positions: Tensor  # (T,) int64, the absolute position of every packed token
     last_index: Tensor  # (B,) int64, row of each sequence's last token in the packed batch
-    decode: DecodeRows | None = None  # the one-token segments, when attended together
+    kv_index: tuple[Tensor, Tensor]  # (T,) each: where each token's key goes, (slot, position) or (block, offset)
+    decode: DecodeRows | PagedDecodeRows | None = None  # the one-token segments, when attended together
     looped: tuple[tuple[int, Segment], ...] = ()  # (first row, segment) attended one at a time
+    block_size: int = 0  # the paged cache's block size; 0: a layout for the slot cache
+    chunk_blocks: tuple[Tensor, ...] = ()  # paged: each looped segment's blocks covering [0, start + length)
+    max_block: int = -1  # paged: the largest block id any segment reads (the cache checks its range)
 
     @classmethod
-    def build(cls, segments: list[Segment] | tuple[Segment, ...], device: torch.device | str = "cpu") -> BatchLayout:
+    def build(cls, segments: list[Segment] | tuple[Segment, ...], device: torch.device | str = "cpu",
+              block_size: int = 0) -> BatchLayout:  # fmt: skip
+        """The layout of `segments` for a slot cache, or with `block_size` > 0 for a paged cache of that block
+        size (then each segment's `blocks` must cover its positions)."""
         if not segments:
             raise ValueError("a batch needs at least one segment")
+        segments = tuple(segments)
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
         ends = torch.tensor([s.length for s in segments]).cumsum(0) - 1
         starts = list(accumulate((s.length for s in segments[:-1]), initial=0))  # each segment's first row
+        if block_size:
+            return _paged(segments, positions, ends, starts, block_size, device)
         ones = [(row, s) for row, s in zip(starts, segments, strict=True) if s.length == 1]
         decode = _decode_rows(ones, device)
         looped = tuple((row, s) for row, s in zip(starts, segments, strict=True) if decode is None or s.length > 1)
-        return cls(tuple(segments), positions.to(device), ends.to(device), decode, looped)
+        slots = torch.repeat_interleave(
+            torch.tensor([s.slot for s in segments]), torch.tensor([s.length for s in segments])
+        )
+        kv_index = (slots.to(device), positions.to(device))
+        return cls(segments, positions.to(device), ends.to(device), kv_index, decode, looped)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.length for s in self.segments)
+
+
+def _paged(segments: tuple[Segment, ...], positions: Tensor, ends: Tensor, starts: list[int], block_size: int,
+           device: torch.device | str) -> BatchLayout:  # fmt: skip
+    """A layout for a paged cache: every token's (block, offset), every one-token segment in `PagedDecodeRows`,
+    and the blocks each longer one reads."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    for s in segments:
+        s.check_blocks(block_size)
+    _check_disjoint_writes(segments, block_size)
+    tables = [torch.tensor(s.blocks[: -(-(s.start + s.length) // block_size)]) for s in segments]
+    pairs = zip(segments, tables, strict=True)
+    blocks = torch.cat([t[torch.arange(s.start, s.start + s.length) // block_size] for s, t in pairs])
+    kv_index = (blocks.to(device), (positions % block_size).to(device))
+    ones = [(row, s, t) for row, s, t in zip(starts, segments, tables, strict=True) if s.length == 1]
+    decode = None
+    if ones:
+        width = max(len(t) for _, _, t in ones)
+        table = torch.zeros((len(ones), width), dtype=torch.int32)
+        for i, (_, _, t) in enumerate(ones):
+            table[i, : len(t)] = t
+        lengths = torch.tensor([s.start + 1 for _, s, _ in ones], dtype=torch.int32)
+        decode = PagedDecodeRows(_rows([row for row, _, _ in ones], device), table.to(device), lengths.to(device))
+    chunks = [(row, s, t) for row, s, t in zip(starts, segments, tables, strict=True) if s.length > 1]
+    max_block = max(int(t.max()) for t in tables)
+    return BatchLayout(segments, positions.to(device), ends.to(device), kv_index, decode,
+                       tuple((row, s) for row, s, _ in chunks), block_size, tuple(t.to(device) for _, _, t in chunks),
+                       max_block)  # fmt: skip
+
+
+def _check_disjoint_writes(segments: tuple[Segment, ...], block_size: int) -> None:
+    """No two segments of one step write into the same block: a block is shared only once full and written, and
+    a sequence writes only at its own positions, so two writers of one block is a block-table error."""
+    writer: dict[int, Segment] = {}
+    for s in segments:
+        for b in s.blocks[s.start // block_size : -(-(s.start + s.length) // block_size)]:
+            if b in writer:
+                raise ValueError(f"{s.name} and {writer[b].name} both write block {b} in one step")
+            writer[b] = s
+
+
+def _rows(rows: list[int], device: torch.device | str) -> slice | Tensor:
+    """Rows of the packed batch: a slice when they are adjacent (no index copy), else an index tensor."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, device=device)
 
 
 def _decode_rows(ones: list[tuple[int, Segment]], device: torch.device | str) -> DecodeRows | None:
@@ -87,7 +160,5 @@ def _decode_rows(ones: list[tuple[int, Segment]], device: torch.device | str) ->
         return torch.tensor(xs, device=device)
 
     in_order = index == list(range(span))
-    rows = [row for row, _ in ones]
-    adjacent = rows == list(range(rows[0], rows[0] + len(rows)))
-    return DecodeRows(slice(rows[0], rows[0] + len(rows)) if adjacent else t(rows), t(slots), t(ends), t(index),
-                      first, span, in_order, length, mask)  # fmt: skip
+    return DecodeRows(_rows([row for row, _ in ones], device), t(slots), t(ends), t(index), first, span, in_order,
+                      length, mask)  # fmt: skip

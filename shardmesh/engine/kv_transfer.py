@@ -7,9 +7,13 @@ token. The old holder is still alive in a hand-over, so we send.
 
 Over one two-rank process group (`Backend.group`, Gloo or NCCL; rank 0 sends, rank 1 receives), four messages:
   1. the header's length (int64), 2. the header (JSON, uint8): the sender's cache key digest, the cache id and
-  the occupied slots with how many positions each holds, 3. the receiver's answer (int64: 1 takes it, 0 refuses
-  a cache sized for another shard), 4. every slot's rows, flattened into one tensor per dtype.
-Both sides cut their own buffers into the same views (`SlotRows`), so only lengths travel in the header.
+  the occupied slots with how many positions each holds (and, for a paged cache, each one's block table), 3. the
+  receiver's answer (int64: 1 takes it, 0 refuses a cache sized for another shard), 4. every slot's rows,
+  flattened into one tensor per dtype.
+Both sides cut their own buffers into the same views (`SlotRows`), so only lengths and block tables travel in the
+header. A paged cache's views are its blocks, at the same ids on both sides (block ids are mesh-wide: the gateway's
+tables name them for every stage). A prefix block that several sequences share is sent once per sequence, and
+written as many times with the same rows: simpler than deduplicating, and prefixes are a small part of a cache.
 """
 
 from __future__ import annotations
@@ -17,15 +21,16 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# The views of one slot's first `length` positions, in a fixed order, in every buffer a shard keeps per slot.
-SlotRows = Callable[[int, int], Sequence[Tensor]]
+# The views of one slot's first `length` positions, in a fixed order, in every buffer a shard keeps per slot:
+# (slot, length, block table) -> views; the table is () for a slot cache, the blocks holding them for a paged one.
+SlotRows = Callable[[int, int, tuple[int, ...]], Sequence[Tensor]]
 
 
 @dataclass(frozen=True)
@@ -37,20 +42,23 @@ class Header:
     cache_id: str  # the receiver adopts it: its cache now holds what the sender's held
     slots: tuple[tuple[int, str, int], ...]  # (slot, request id, positions held)
     seeds: dict[str, int]  # seeds picked for sampled requests that came without one
+    blocks: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> block table (a paged cache)
 
     def to_bytes(self) -> bytes:
+        blocks = {str(slot): table for slot, table in self.blocks.items()}
         return json.dumps({"key": self.key_digest, "cache_id": self.cache_id, "slots": self.slots,
-                           "seeds": self.seeds}).encode()  # fmt: skip
+                           "seeds": self.seeds, "blocks": blocks}).encode()  # fmt: skip
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Header:
         d = json.loads(raw)
         return cls(d["key"], d["cache_id"], tuple((int(s), str(r), int(n)) for s, r, n in d["slots"]),
-                   {str(k): int(v) for k, v in d["seeds"].items()})  # fmt: skip
+                   {str(k): int(v) for k, v in d["seeds"].items()},
+                   {int(k): tuple(int(b) for b in v) for k, v in d.get("blocks", {}).items()})  # fmt: skip
 
 
 def key_digest(key: Any) -> str:
-    """A stable digest of a cache key (the shard, the stage count, the model, dtype, slots, context)."""
+    """A stable digest of a cache key (the shard, the stage count, the model, dtype, slots, context, KV layout)."""
     return hashlib.sha256(repr(key).encode()).hexdigest()[:32]
 
 
@@ -62,7 +70,8 @@ def _flat(parts: Sequence[Tensor]) -> dict[torch.dtype, Tensor]:
 
 
 def _views(rows: SlotRows, header: Header) -> list[Tensor]:
-    return [v for slot, _, length in header.slots if length > 0 for v in rows(slot, length)]
+    tables = header.blocks
+    return [v for slot, _, length in header.slots if length > 0 for v in rows(slot, length, tables.get(slot, ()))]
 
 
 def send(pg: dist.ProcessGroup, header: Header, rows: SlotRows, device: torch.device) -> int:

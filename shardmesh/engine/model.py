@@ -15,7 +15,8 @@ SmolLM2's 30 layers, one row, packed fp32, 2 threads: 35.1 -> 32.0 ms of product
 ms; vLLM's QKVParallelLinear and gpt-fast's `wqkv` do the same).
 
 Tokens are packed: one step carries several sequences back to back as a (T, hidden) tensor, laid out by
-a `batch.BatchLayout`; keys and values go to a `kv_cache.KVCache`.
+a `batch.BatchLayout`; keys and values go to a `kv_cache.KVCache` (by slot) or `kv_cache.PagedKVCache` (by
+block), which write and read them for `Attention`: the layout is the cache's, not a branch here.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from torch import Tensor, nn
 
 from shardmesh.core.config import ModelConfig, RopeScaling
 from shardmesh.core.step import Segment
-from shardmesh.engine.batch import BatchLayout, DecodeRows
-from shardmesh.engine.kv_cache import KVCache
+from shardmesh.engine.batch import BatchLayout
+from shardmesh.engine.kv_cache import AnyKVCache, KVCache, PagedKVCache
 from shardmesh.engine.linear import Block, Linear
 
 
@@ -95,42 +96,24 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias, blocks=blocks)
         self.o_proj = Linear(q_out, cfg.hidden_size, bias=cfg.o_proj_bias)
 
-    def forward(self, x: Tensor, batch: BatchLayout, cache: KVCache, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, batch: BatchLayout, cache: AnyKVCache, cos: Tensor, sin: Tensor) -> Tensor:
         T = x.shape[0]
         q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split((q_out, kv_out, kv_out), dim=-1)  # (T, q_out), (T, kv_out) twice
         q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)  # (T, h, hd)
         k = apply_rope(k.view(T, self.n_kv_heads, self.head_dim), cos, sin)  # (T, kvh, hd)
         v = v.view(T, self.n_kv_heads, self.head_dim)
-        keys, values = cache.keys(self.cache_index), cache.values(self.cache_index)
+        # Every new key first, then the reads: a token sees positions up to its own, all written by now.
+        cache.write(self.cache_index, batch, k, v)
         out = torch.empty_like(q)
         if batch.decode is not None:
-            d = batch.decode
-            keys[d.slots, :, d.positions] = k[d.rows]
-            values[d.slots, :, d.positions] = v[d.rows]
-            out[d.rows] = self._attend_decode(q[d.rows], keys, values, d)
-        for row, seg in batch.looped:
+            rows = batch.decode.rows
+            out[rows] = cache.attend_decode(self.cache_index, q[rows], batch.decode)
+        for i, (row, seg) in enumerate(batch.looped):
             rows = slice(row, row + seg.length)
-            end = seg.start + seg.length
-            keys[seg.slot, :, seg.start : end] = k[rows].transpose(0, 1)
-            values[seg.slot, :, seg.start : end] = v[rows].transpose(0, 1)
-            out[rows] = self._attend(q[rows].transpose(0, 1), keys[seg.slot, :, :end], values[seg.slot, :, :end], seg)
+            keys, values = cache.history(self.cache_index, batch, i)
+            out[rows] = self._attend(q[rows].transpose(0, 1), keys, values, seg)
         return self.o_proj(out.view(T, self.n_heads * self.head_dim))
-
-    def _attend_decode(self, q: Tensor, keys: Tensor, values: Tensor, d: DecodeRows) -> Tensor:
-        """q: (D, h, hd), one new query per sequence; keys, values: the layer's whole cache → (D, h, hd).
-
-        The g query heads sharing a kv head become that head's g queries, (span, kvh, g, hd), as in `_attend`."""
-        D, h, hd = q.shape
-        grouped = q.view(D, self.n_kv_heads, h // self.n_kv_heads, hd)
-        if not d.in_order:  # place each query at its slot's index in the range
-            grouped = grouped.new_zeros((d.span, *grouped.shape[1:])).index_copy_(0, d.index, grouped)
-        window = slice(d.first_slot, d.first_slot + d.span)
-        o = F.scaled_dot_product_attention(grouped, keys[window, :, : d.length], values[window, :, : d.length],
-                                           attn_mask=d.mask)  # fmt: skip
-        if not d.in_order:
-            o = o.index_select(0, d.index)
-        return o.reshape(D, h, hd)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment) -> Tensor:
         """q: (h, n, hd) new queries; k, v: (kvh, start + n, hd) everything cached so far → (n, h, hd).
@@ -177,7 +160,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, batch: BatchLayout, cache: KVCache, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, batch: BatchLayout, cache: AnyKVCache, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, cache, cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -226,13 +209,14 @@ class Transformer(nn.Module):
     def init_buffers(self, device: torch.device | str) -> None:
         self.rope_cos, self.rope_sin = (t.to(device) for t in rope_tables(self.cfg, self.max_len))
 
-    def forward(self, inputs: Tensor, batch: BatchLayout, cache: KVCache, all_logits: bool = False) -> Tensor:
+    def forward(self, inputs: Tensor, batch: BatchLayout, cache: AnyKVCache, all_logits: bool = False) -> Tensor:
         """inputs: token ids (T,) on the first stage, hidden states (T, hidden) elsewhere.
 
         Returns hidden states (T, hidden) for the next stage, or on the last stage float32 logits:
         (B, vocab) for each sequence's last token, or (T, vocab) for every token with `all_logits`.
         """
         assert self.rope_cos is not None and self.rope_sin is not None, "call init_buffers() first"
+        cache.check(batch)
         x = self.model.embed_tokens(inputs) if self.model.embed_tokens is not None else inputs
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # (T, 1, hd)
         sin = self.rope_sin[batch.positions].unsqueeze(1)
@@ -246,7 +230,18 @@ class Transformer(nn.Module):
         return self.lm_head(self.model.norm(x)).float()
 
     def make_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
-        attn = next(iter(self.model.layers.values())).self_attn
-        return KVCache(
-            len(self.model.layers), num_slots, attn.n_kv_heads, self.max_len, self.cfg.head_dim, dtype, device
-        )
+        """A slot cache: `num_slots` sequences of up to `max_len` positions each."""
+        return KVCache(len(self.model.layers), num_slots, self._kv_heads, self.max_len, self.cfg.head_dim, dtype,
+                       device)  # fmt: skip
+
+    def make_paged_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                         device: torch.device | str) -> PagedKVCache:  # fmt: skip
+        """A paged cache: `num_blocks` blocks of `block_size` positions, shared through block tables; layouts for it
+        are built with `BatchLayout.build(..., block_size=block_size)`."""
+        return PagedKVCache(len(self.model.layers), num_blocks, self._kv_heads, block_size, self.cfg.head_dim, dtype,
+                            device)  # fmt: skip
+
+    @property
+    def _kv_heads(self) -> int:
+        """kv heads this shard holds (its share under tensor parallelism)."""
+        return next(iter(self.model.layers.values())).self_attn.n_kv_heads

@@ -15,24 +15,37 @@ two reusable buffers (`streamed-copy`). The streamed products' kernel is `Stream
 the kernel `linear.choose_kernel` picks (so streamed and resident products differ by rounding only: the packed
 oneDNN product and the dense one sum in different orders).
 
-Prefetch: while layer i computes, a reader thread brings the next streamed layer in (cyclically: after the last
-one, the first one for the next step), `madvise(MADV_POPULATE_READ)` on its byte ranges (reads them from disk into
-the page cache if they are not there and maps them, so the compute thread takes no page faults), or in copy mode
-copies it into the free buffer. After layer i ran its pages are dropped from the process (`MADV_DONTNEED`: a
-file-backed page leaves the process's RSS and stays in the page cache, so a hot step reads memory, not disk). So
-at most two streamed layers are in the process at a time: the one computing and the one prefetched.
+Bringing a layer in: `madvise(MADV_POPULATE_READ)` on its byte ranges reads them from disk into the page cache if
+they are not there and maps them, so the products take no page faults; or in copy mode the layer is copied into
+the free buffer. After a layer ran its pages are dropped from the process (`MADV_DONTNEED`: a file-backed page
+leaves the process's RSS and stays in the page cache, so a hot step reads memory, not disk). So at most two
+streamed layers are in the process at a time: the one computing and the next one.
+
+Huge pages: mapping and dropping 4 KiB at a time was what a hot step paid for streaming (SmolLM2, half its weights
+streamed: 0.77 ms to populate a 14 MiB layer and 0.15-0.27 ms to drop it, 26 layers a step, against ~1.3 ms for
+the step's own work on the layer). Where the page cache holds the file in huge folios, one entry maps 2 MiB and
+both take ~0.07 ms. The mapping is advised MADV_HUGEPAGE and, at load, `LayerStreamer.settle` has the page cache
+read the streamed layers back in huge folios when they map small (`settle` says how), then times the reads of up
+to `PROBE_BYTES` of them: the bound, the page-cache read rate the streamer's own reads reach.
+
+Who reads: where the layers map in huge pages, the compute thread maps each layer as it comes (`inline`: 0.07 ms
+is less than handing the work to a thread and back, and a cold file was read fastest through the kernel's own
+readahead that way); otherwise a reader thread brings the next streamed layer in while layer i computes
+(cyclically: after the last one, the first one for the next step).
 
 What the budget counts (bytes, per worker): the shard's weights in memory, nothing else (not the KV cache, the
 activations, or torch's own runtime, which `--memory-budget` users add on top): the resident parameters as loaded
 (numel x serving dtype size) plus the streamed layers' working set, which is, zero copy, the mapped pages of the
-two largest streamed layers, each read counted from its first to its last byte rounded out to 64 KiB (the kernel
-maps up to 64 KiB around each page fault, `fault_around_bytes`; a row-parallel slice at tp > 1 therefore counts
-its whole rows), and in copy mode the two buffers plus the mapped pages of the largest single read being copied.
+two largest streamed layers, each read counted from its first to its last byte rounded out to `OffloadPlan.map_unit`
+(a huge page, 2 MiB, where the plan fits with them; else 64 KiB, as the kernel maps up to 64 KiB around each page
+fault, `fault_around_bytes`; a row-parallel slice at tp > 1 therefore counts its whole rows), and in copy mode the
+two buffers plus the mapped pages of the largest single read being copied.
 Layers are kept resident from the first one on while resident bytes plus that working set fit. A budget that
 does not fit even with every layer streamed is refused, naming both numbers.
 
 `bytes_streamed(model)` counts the weight bytes made available by streaming (each streamed layer's products'
 numel x serving dtype size, once per forward): per step exactly `OffloadPlan.streamed_bytes_per_step`.
+`stats(model)` adds the reads' bytes and seconds (the achieved rate), the compute thread's waits and the bound.
 
 A streamed shard reads its checkpoint every step: the files must stay as they are while it serves (a file
 replaced by renaming over it is fine, the old one stays mapped; one truncated in place is not).
@@ -43,6 +56,8 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import os
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -63,7 +78,14 @@ from shardmesh.models.checkpoint import Checkpoint, TensorRead
 
 PAGE = mmap.PAGESIZE
 FAULT_AROUND = 64 * 1024  # Linux maps up to this much around a read fault on a file mapping (fault_around_bytes)
-MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 3, 4, 22  # <sys/mman.h>; POPULATE_READ since Linux 5.14
+MADV_WILLNEED, MADV_DONTNEED, MADV_HUGEPAGE, MADV_POPULATE_READ = 3, 4, 14, 22  # <sys/mman.h>
+THP = Path("/sys/kernel/mm/transparent_hugepage")
+# A read this many times slower than the bound found the file out of the page cache: hot reads of SmolLM2 layers
+# took 0.9x the bound's time at the median, 4.7x at p90 on a busy machine (p99 60x: a stall, which costs one
+# prefetch on the reader thread), reads from its disk 100x and more.
+COLD = 20
+PROBE_BYTES = 256 * 2**20  # the load-time probe of the read rate times at most this many bytes of streamed layers
+PROBE_PASSES = 3
 CHECKPOINT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -78,6 +100,7 @@ class OffloadPlan:
     working_set_bytes: int  # streamed weights in the process at once (mapped pages, or the copy buffers)
     streamed_bytes_per_step: int  # product weights made available by streaming in one forward
     zero_copy: bool
+    map_unit: int = FAULT_AROUND  # each mapped read counts its bytes rounded out to this (`map_unit()`)
 
     @property
     def total_bytes(self) -> int:
@@ -130,15 +153,52 @@ def _align(begin: int, end: int, unit: int) -> tuple[int, int]:
     return begin // unit * unit, -(-end // unit) * unit
 
 
-def _mapped_bytes(spans: list[tuple[Path, int, int]]) -> int:
+def huge_page_size() -> int:
+    """Bytes of a huge (PMD) mapping of a file's page cache, 0 where transparent huge pages are off ("never").
+
+    Where the page cache holds a file in huge folios (ext4 and xfs on recent kernels, read in through a mapping
+    advised MADV_HUGEPAGE), one page-table entry maps 2 MiB: populating and dropping a streamed SmolLM2 layer
+    (14 MiB) took 0.011 + 0.005 ms against 0.73 + 0.15-0.27 ms in 4 KiB pages (Linux 6.18, measured here)."""
+    try:
+        if "[never]" in (THP / "enabled").read_text():
+            return 0
+        return int((THP / "hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def map_unit() -> int:
+    """What one fault (or one populated entry) can map around a byte of a file mapping: a huge page where the
+    kernel may map one, else the fault-around window."""
+    return max(huge_page_size(), FAULT_AROUND)
+
+
+def _mapped_bytes(spans: list[tuple[Path, int, int]], unit: int) -> int:
     """What reading these byte ranges (file, begin, end) through a mapping can bring into the process: their
-    union, each rounded out to `FAULT_AROUND` (an upper bound; a column slice counts its whole rows)."""
+    union, each rounded out to `unit` (an upper bound; a column slice counts its whole rows)."""
     total, last = 0, (None, 0)
-    for path, begin, end in sorted((p, *_align(b, e, FAULT_AROUND)) for p, b, e in spans):
+    for path, begin, end in sorted((p, *_align(b, e, unit)) for p, b, e in spans):
         at = max(begin, last[1]) if path == last[0] else begin
         total += max(0, end - at)
         last = (path, max(end, last[1]) if path == last[0] else end)
     return total
+
+
+def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, overlapping or touching [begin, end) runs joined."""
+    out: list[tuple[int, int]] = []
+    for begin, end in sorted(runs):
+        if out and begin <= out[-1][1]:
+            out[-1] = (out[-1][0], max(end, out[-1][1]))
+        else:
+            out.append((begin, end))
+    return out
+
+
+def _coalesce(ranges: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """(address, length) ranges joined where less than `gap` bytes lie between them."""
+    runs = _merge([(a, a + n + gap) for a, n in ranges])  # widened by the gap, so that near ones touch
+    return [(begin, end - gap - begin) for begin, end in runs]
 
 
 def _two_largest(values: list[int]) -> int:
@@ -152,10 +212,27 @@ def plan_offload(
     dtype: torch.dtype,
     budget: int,
     device: torch.device | str = "cpu",
+    unit: int | None = None,
 ) -> OffloadPlan:
     """The split of a shard (`loader.meta_shard`'s model and reads) under `budget` bytes: as many leading layers
     resident as fit next to the working set of the streamed ones (the module docstring says what counts).
+    `unit`: what a mapped read rounds out to; by default huge pages (`map_unit()`) where the plan fits with them,
+    else the fault-around window: huge pages make the hot path cheaper than any resident layer they may cost.
     Raises ValueError naming the bytes needed and given when even streaming every layer does not fit."""
+    if unit is not None:
+        return _plan(ckpt, model, reads, dtype, budget, device, unit)
+    try:
+        return _plan(ckpt, model, reads, dtype, budget, device, map_unit())
+    except BudgetError:
+        if map_unit() == FAULT_AROUND:
+            raise
+        return _plan(ckpt, model, reads, dtype, budget, device, FAULT_AROUND)
+
+
+def _plan(
+    ckpt: Checkpoint, model: Transformer, reads: list[TensorRead], dtype: torch.dtype, budget: int,
+    device: torch.device | str, unit: int,
+) -> OffloadPlan:  # fmt: skip
     if torch.device(device).type != "cpu":
         raise ValueError(f"memory budget: offload streams weights on cpu only, not on {device}")
     layers = model.layer_range
@@ -178,10 +255,10 @@ def plan_offload(
             if loc.dtype is None:
                 raise ValueError(f"memory budget: tensor '{r.source}' cannot be streamed (not a float dtype)")
             spans[i].append((loc.file, *_byte_range(r, loc)))
-            largest_read = max(largest_read, _mapped_bytes(spans[i][-1:]))
+            largest_read = max(largest_read, _mapped_bytes(spans[i][-1:], unit))
         else:
             kept[i] += size
-    mapped = {i: _mapped_bytes(spans[i]) for i in layers}
+    mapped = {i: _mapped_bytes(spans[i], unit) for i in layers}
     need = 0
     for resident in range(len(layers), -1, -1):
         split = layers.start + resident
@@ -195,7 +272,7 @@ def plan_offload(
         need = bytes_resident + working
         if need <= budget:
             return OffloadPlan(budget, range(layers.start, split), streaming, bytes_resident, working,
-                               sum(streamed[i] for i in streaming), zero_copy)  # fmt: skip
+                               sum(streamed[i] for i in streaming), zero_copy, unit)  # fmt: skip
     raise BudgetError(
         need,
         f"memory budget {budget} B ({format_bytes(budget)}) is too small for layers [{layers.start}, {layers.stop}) "
@@ -273,9 +350,31 @@ class _Layer:
     kernels: dict[str, StreamedKernel]
     sources: dict[str, list[Tensor]]  # mapped (zero copy: what the kernels multiply by)
     ranges: list[tuple[int, int]]  # page-aligned (address, length) of its bytes, for populate
-    drops: list[tuple[int, int]]  # `FAULT_AROUND`-aligned ranges, for dropping what faults mapped
+    drops: list[tuple[int, int]]  # `OffloadPlan.map_unit`-aligned ranges, for dropping what faults mapped
+    files: list[tuple[Path, int, int]]  # (file, offset, length) of `drops` in their files, for the page cache
     read_drops: list[list[tuple[int, int]]] = field(default_factory=list)  # copy mode: per product, after copying
     nbytes: int = 0  # product weight bytes, numel x serving dtype size
+
+
+@dataclass
+class StreamStats:
+    """What a streamer did since it was built (counters) and what it measured at load (the bound)."""
+
+    streamed_bytes: int  # product weights handed to the products: per forward exactly the plan's bytes per step
+    read_bytes: int  # weight bytes the reads brought in (populated, or copied into a buffer)
+    read_seconds: float  # time those reads took, on whichever thread ran them
+    wait_seconds: float  # time the compute thread waited for reads: a prefetch not done yet, or a read it ran
+    bound_bytes_per_second: float  # the same reads timed at load with the checkpoint in the page cache
+    planned_bytes_per_step: int
+    huge_pages: bool  # the streamed layers are mapped in huge pages (`huge_page_size`)
+
+
+def _pmd_mapped() -> int:
+    """Bytes of file pages this process maps in huge (PMD) entries."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("FilePmdMapped:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 class LayerStreamer:
@@ -285,6 +384,16 @@ class LayerStreamer:
     def __init__(self, plan: OffloadPlan, dtype: torch.dtype, buffer_numel: int) -> None:
         self.plan, self.dtype = plan, dtype
         self.bytes_streamed = 0
+        self.read_bytes, self.read_seconds, self.wait_seconds = 0, 0.0, 0.0
+        self.bound_bytes_per_second, self.huge_pages = 0.0, False
+        # Map each layer on the compute thread instead of prefetching it on the reader while reads find the file
+        # in the page cache: chosen by `settle` where the layers map in huge pages. Hot, that is 0.07 ms a
+        # SmolLM2 layer, less than handing work to a thread and back (1.10-1.12x the resident step against
+        # 1.11-1.20x, bench/offload.py). A read that found the file out of the page cache (`cold`) has the reader
+        # prefetch the next layer, as long as reads stay cold, so the disk reads while a layer computes (cold,
+        # the reader was ahead of mapping inline in 18 and 16 of 24 steps with a core to spare, behind in 9 of
+        # 24 on a busier machine; MADV_WILLNEED on the next layers was slower than both).
+        self.inline, self.cold = False, False
         self.layers: dict[int, _Layer] = {}
         self._maps: dict[Path, tuple[mmap.mmap, int]] = {}  # file -> (mapping, its address)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="shardmesh-offload")
@@ -298,7 +407,10 @@ class LayerStreamer:
         if path not in self._maps:
             with path.open("rb") as f:  # a private mapping: writable for `torch.frombuffer`, never written
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8).data_ptr())
+            addr = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
+            if self.plan.map_unit > FAULT_AROUND:  # a huge page may map it (`map_unit`): the plan counted them
+                _madvise([(addr, len(mm))], MADV_HUGEPAGE)
+            self._maps[path] = (mm, addr)
         return self._maps[path]
 
     def add(self, index: int, reads: list[TensorRead], located: dict[str, _Located], kernels: dict[str, StreamedKernel],
@@ -306,7 +418,7 @@ class LayerStreamer:
         """Register streamed layer `index`: `reads` fill the products' weights, whose kernels and (local) shapes
         are keyed by parameter path."""
         sources: dict[str, list[Tensor]] = defaultdict(list)
-        ranges, drops, read_drops = [], [], defaultdict(list)
+        ranges, drops, files, read_drops = [], [], [], defaultdict(list)
         for r in reads:
             loc = located[r.source]
             assert loc.dtype is not None
@@ -317,12 +429,16 @@ class LayerStreamer:
             begin, end = _byte_range(r, loc)
             page = _align(begin, end, PAGE)
             ranges.append((addr + page[0], page[1] - page[0]))
-            wide = _align(begin, end, FAULT_AROUND)
+            wide = _align(begin, end, self.plan.map_unit)
             wide = (wide[0], min(wide[1], len(mm)))
             drops.append((addr + wide[0], wide[1] - wide[0]))
+            files.append((loc.file, wide[0], wide[1] - wide[0]))
             read_drops[r.target].append(drops[-1])
         nbytes = sum(r.numel for r in reads) * self.dtype.itemsize
-        self.layers[index] = _Layer(kernels, dict(sources), ranges, drops,
+        # One madvise per run of the layer's tensors rather than one per tensor (7 -> 1 for a Llama layer, whose
+        # tensors lie together in the file but for its norms, a few KiB that rounding to the unit covers anyway).
+        ranges, drops = _coalesce(ranges, self.plan.map_unit), _coalesce(drops, self.plan.map_unit)
+        self.layers[index] = _Layer(kernels, dict(sources), ranges, drops, files,
                                     [read_drops[t] for t in sources], nbytes)  # fmt: skip
         if not self.plan.zero_copy:
             self._copied[index] = [self._buffer_views(slot, shapes, sources) for slot in range(2)]
@@ -336,11 +452,82 @@ class LayerStreamer:
             at += n
         return views
 
+    def settle(self) -> None:
+        """At load: have the page cache hold the streamed layers in huge folios where it can, and measure the
+        bound (`StreamStats.bound_bytes_per_second`) on up to `PROBE_BYTES` of them.
+
+        A file read by `read()` or written by its maker sits in the page cache in small folios, which a mapping
+        maps 4 KiB at a time however it is advised. Read back through a mapping in long sequential runs, it comes
+        in huge folios (readahead grows its folios; populating layer by layer, out of file order, did not). So
+        when a streamed layer does not map huge, the streamed layers' clean pages are dropped from the page cache
+        (POSIX_FADV_DONTNEED: pages another process maps stay) and read back here once, from the disk, in file
+        order: every later step maps them at one entry per 2 MiB. The timed pass that follows runs with them in
+        the page cache: the hot read rate."""
+        if not self.layers:
+            return
+        huge = self.plan.zero_copy and self.plan.map_unit > FAULT_AROUND
+        if huge and not all(self._maps_huge(layer) for layer in self.layers.values()):
+            self._refill()
+        self.huge_pages = self.inline = huge and all(self._maps_huge(layer) for layer in self.layers.values())
+        self._probe_pass()  # the probe times page-cache reads: bring its layers in first
+        passes = [self._probe_pass() for _ in range(PROBE_PASSES)]  # the best of a few: a busy machine stalls some
+        self.bound_bytes_per_second = max(nbytes / seconds if seconds > 0 else 0.0 for seconds, nbytes in passes)
+
+    def _maps_huge(self, layer: _Layer) -> bool:
+        """Whether populating `layer` maps most of its bytes in huge entries."""
+        before = _pmd_mapped()
+        _madvise(layer.ranges, self._populate or MADV_WILLNEED)
+        mapped = _pmd_mapped() - before
+        _madvise(layer.drops, MADV_DONTNEED)
+        return mapped >= layer.nbytes // 2
+
+    def _refill(self) -> None:
+        """Drop the streamed layers' pages from the page cache and read them back through the mapping, file by
+        file in ascending runs, at most the working set mapped at a time (the budget holds while loading)."""
+        spans: dict[Path, list[tuple[int, int]]] = defaultdict(list)  # file -> [begin, end) in it
+        for layer in self.layers.values():
+            for path, offset, length in layer.files:
+                spans[path].append((offset, offset + length))
+        chunk = max(self.plan.map_unit, self.plan.working_set_bytes // self.plan.map_unit * self.plan.map_unit)
+        for path, runs in spans.items():
+            address = self._maps[path][1]
+            with path.open("rb") as f:
+                for begin, end in _merge(runs):
+                    os.posix_fadvise(f.fileno(), begin, end - begin, os.POSIX_FADV_DONTNEED)
+                    for at in range(begin, end, chunk):
+                        piece = [(address + at, min(chunk, end - at))]
+                        _madvise(piece, self._populate or MADV_WILLNEED)
+                        _madvise(piece, MADV_DONTNEED)
+
+    def _probe_pass(self) -> tuple[float, int]:
+        """Read streamed layers, in order, up to `PROBE_BYTES` (at least one), each dropped again after: the
+        seconds the reads took and their bytes (not counted in the stats)."""
+        seconds, nbytes = 0.0, 0
+        for index in self.plan.streamed_layers:
+            if nbytes >= PROBE_BYTES:
+                break
+            t0 = time.perf_counter()
+            self._read(index, 0)
+            seconds += time.perf_counter() - t0
+            nbytes += self.layers[index].nbytes
+            if self.plan.zero_copy:
+                _madvise(self.layers[index].drops, MADV_DONTNEED)
+        return seconds, nbytes
+
     def _next(self, index: int) -> int:
         order = self.plan.streamed_layers
         return order[(order.index(index) + 1) % len(order)]
 
     def _fetch(self, index: int, slot: int) -> None:
+        """`_read`, timed into the stats; notes whether it found the file out of the page cache (`COLD`)."""
+        t0 = time.perf_counter()
+        self._read(index, slot)
+        took = time.perf_counter() - t0
+        self.read_seconds += took  # one reader at a time: the reader thread, or the caller
+        self.read_bytes += self.layers[index].nbytes
+        self.cold = took * self.bound_bytes_per_second > COLD * self.layers[index].nbytes
+
+    def _read(self, index: int, slot: int) -> None:
         """Bring layer `index` in: populate its mapped pages (zero copy), or copy-convert it into buffer `slot`."""
         layer = self.layers[index]
         if self.plan.zero_copy:
@@ -358,20 +545,11 @@ class LayerStreamer:
             _madvise(drops, MADV_DONTNEED)  # the copy holds them now
 
     def acquire(self, index: int) -> None:
-        """Before layer `index` runs: wait for its prefetch (or fetch it now), give its products their weights,
-        and start prefetching the next streamed layer."""
-        slot = 0
-        if self._pending is not None:
-            pending, pending_slot, future = self._pending
-            self._pending = None
-            future.result()
-            if pending != index:  # out of the usual order: fetch it now, into the other buffer
-                slot = 1 - pending_slot
-                self._fetch(index, slot)
-            else:
-                slot = pending_slot
-        else:
-            self._fetch(index, slot)
+        """Before layer `index` runs: have its weights in (`inline`: map them now; else wait for the reader's
+        prefetch), give its products their weights, and start bringing the next streamed layer in."""
+        t0 = time.perf_counter()
+        slot = self._wait_for(index)
+        self.wait_seconds += time.perf_counter() - t0
         layer = self.layers[index]
         for path, kernel in layer.kernels.items():
             if self.plan.zero_copy:
@@ -380,10 +558,26 @@ class LayerStreamer:
                 kernel.blocks = [self._copied[index][slot][path]]
         self.bytes_streamed += layer.nbytes
         following = self._next(index)
+        if self.inline and not self.cold:
+            return  # nothing in flight: the next acquire maps its layer itself
         if following != index:
             self._pending = (following, 1 - slot, self._reader.submit(self._fetch, following, 1 - slot))
         else:  # the only streamed layer: it stays in (its pages, or its buffer) from step to step
             self._pending = (index, slot, _done())
+
+    def _wait_for(self, index: int) -> int:
+        """The reader's prefetch of layer `index` done (fetched now if another one was prefetched, or `inline`):
+        its slot."""
+        if self._pending is None:
+            self._fetch(index, 0)
+            return 0
+        pending, pending_slot, future = self._pending
+        self._pending = None
+        future.result()
+        if pending == index:
+            return pending_slot
+        self._fetch(index, 1 - pending_slot)  # out of the usual order: into the other buffer
+        return 1 - pending_slot
 
     def release(self, index: int) -> None:
         """After layer `index` ran: its products lose their weights, and its mapped pages leave the process."""
@@ -392,6 +586,11 @@ class LayerStreamer:
             kernel.blocks = None
         if self.plan.zero_copy and self._next(index) != index:
             _madvise(layer.drops, MADV_DONTNEED)
+
+    def stats(self) -> StreamStats:
+        return StreamStats(self.bytes_streamed, self.read_bytes, self.read_seconds, self.wait_seconds,
+                           self.bound_bytes_per_second, self.plan.streamed_bytes_per_step,
+                           self.huge_pages)  # fmt: skip
 
 
 def _done() -> Future[None]:
@@ -408,6 +607,11 @@ def streamer_of(model: Transformer) -> LayerStreamer | None:
 def bytes_streamed(model: Transformer) -> int:
     """Weight bytes made available by streaming since the shard was built (0 when nothing streams)."""
     return model.streamer.bytes_streamed if model.streamer is not None else 0
+
+
+def stats(model: Transformer) -> StreamStats | None:
+    """What the shard's streamer did and measured (None: nothing streams)."""
+    return model.streamer.stats() if model.streamer is not None else None
 
 
 def stream_layers(
@@ -442,6 +646,7 @@ def stream_layers(
         layer = model.model.layers[str(index)]
         layer.register_forward_pre_hook(lambda _m, _a, i=index: streamer.acquire(i))
         layer.register_forward_hook(lambda _m, _a, _o, i=index: streamer.release(i), always_call=True)
+    streamer.settle()
     model.streamer = streamer
     targets = {r.target for r in streamed}
     return [r for r in reads if r.target not in targets]

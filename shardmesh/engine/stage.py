@@ -17,7 +17,7 @@ from torch import Tensor
 from shardmesh.core.step import Segment
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.groups import ShardGroups
-from shardmesh.engine.kv_cache import ActivationLog, KVCache
+from shardmesh.engine.kv_cache import ActivationLog, AnyKVCache
 from shardmesh.engine.model import Transformer
 
 
@@ -25,16 +25,21 @@ from shardmesh.engine.model import Transformer
 class Relay:
     """What a stage sends the next one when that is not simply its whole output (a replay on some stages
     only, `BatchEntry.first_stage`): in the next stage's entry order, runs of this step's output rows
-    (`(first row, count)`) and rows of the activation log (a `Segment`: slot and positions)."""
+    (`(first row, count)`) and rows of the activation log (a `Segment`: slot or block table, and positions)."""
 
     parts: tuple[tuple[int, int] | Segment, ...]
 
 
 class StageEngine:
-    def __init__(self, model: Transformer, groups: ShardGroups, cache: KVCache, device: torch.device,
+    def __init__(self, model: Transformer, groups: ShardGroups, cache: AnyKVCache, device: torch.device,
                  log: ActivationLog | None = None) -> None:  # fmt: skip
+        """`cache` is a `KVCache` (slots) or a `PagedKVCache` (blocks; then `log`, if any, a `PagedActivationLog`
+        of the same block size, and every step's layout built with `BatchLayout.build(..., block_size=...)`)."""
         if model.is_first != (groups.prev is None) or model.is_last != (groups.next is None):
             raise ValueError("model layer range and pipeline position disagree")
+        if log is not None and log.block_size != cache.block_size:
+            raise ValueError(f"the KV cache has block_size={cache.block_size}, the activation log {log.block_size}: "
+                             f"a paged cache needs a PagedActivationLog over the same blocks")  # fmt: skip
         self.model, self.groups, self.cache, self.device = model, groups, cache, device
         self.log = log  # what this stage sent on, kept for replays (`ActivationLog`); never on the last stage
         self.dtype = model.dtype
@@ -77,9 +82,7 @@ class StageEngine:
 
     def _record(self, batch: BatchLayout, out: Tensor) -> None:
         assert self.log is not None
-        slots = torch.tensor([s.slot for s in batch.segments], device=out.device)
-        lengths = torch.tensor([s.length for s in batch.segments], device=out.device)
-        self.log.record(torch.repeat_interleave(slots, lengths), batch.positions.to(out.device), out)
+        self.log.record(batch, out)
 
     def _relayed(self, relay: Relay, out: Tensor | None) -> Tensor | None:
         parts = []
@@ -87,7 +90,7 @@ class StageEngine:
             if isinstance(part, Segment):
                 if self.log is None:
                     raise ValueError("a replay asks for recorded activations, but this stage keeps no log")
-                parts.append(self.log.rows(part.slot, part.start, part.length))
+                parts.append(self.log.rows(part))
             else:
                 assert out is not None
                 row, count = part

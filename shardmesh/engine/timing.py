@@ -25,7 +25,7 @@ from torch import Tensor
 
 from shardmesh.core.step import Segment
 from shardmesh.engine.batch import BatchLayout
-from shardmesh.engine.kv_cache import KVCache
+from shardmesh.engine.kv_cache import AnyKVCache, PagedKVCache
 from shardmesh.engine.model import Transformer
 
 
@@ -44,18 +44,19 @@ class ShardTiming:
 
 
 def calibrate_shard(
-    model: Transformer, cache: KVCache, device: torch.device, *, decode_batch: int, prefill_tokens: int, iterations: int
-) -> ShardTiming:
+    model: Transformer, cache: AnyKVCache, device: torch.device, *, decode_batch: int, prefill_tokens: int,
+    iterations: int,
+) -> ShardTiming:  # fmt: skip
     """Time `iterations` decode passes (`decode_batch` sequences × 1 token, each at the position after a
     `prefill_tokens` prompt) and prefill passes (one sequence of `prefill_tokens`), after a warm-up of each.
 
-    Writes into KV slots [0, decode_batch): call it only while no sequence holds them.
+    Writes into KV slots [0, decode_batch), or the first blocks of a paged cache: call it only while no sequence
+    holds them (a paged cache's blocks may hold a cached prefix: its holder must forget it).
     """
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    pos = min(prefill_tokens, cache.max_len - 1)  # decode at the position a prompt of that length leaves
-    prefill = BatchLayout.build([Segment(0, 0, prefill_tokens)], device)
-    decode = BatchLayout.build([Segment(slot, pos, 1) for slot in range(decode_batch)], device)
+    pos = min(prefill_tokens, model.max_len - 1)  # decode at the position a prompt of that length leaves
+    prefill, decode = _layouts(cache, decode_batch, prefill_tokens, pos, device)
     gen = torch.Generator().manual_seed(0)
     # Only decode passes are split into layers and the rest: the split by speed balances decode steps,
     # which is where a serving pipeline spends its time.
@@ -65,6 +66,31 @@ def calibrate_shard(
                          layers_too=True)  # fmt: skip
     memory, peak = _memory(device)
     return ShardTiming(decode_times, prefill_times, memory, peak)
+
+
+def _layouts(cache: AnyKVCache, decode_batch: int, prefill_tokens: int, pos: int,
+             device: torch.device) -> tuple[BatchLayout, BatchLayout]:  # fmt: skip
+    """The prefill pass's layout and the decode pass's (`decode_batch` sequences at `pos`). In a paged cache each
+    decode sequence gets blocks of its own when the pool holds them all, as distinct sequences read; otherwise
+    they share the blocks before `pos` (a common prefix) and each writes its own last block, at an earlier
+    `pos` if even that does not fit. ValueError when the pool has fewer blocks than `decode_batch`."""
+    if not cache.block_size:
+        return (BatchLayout.build([Segment(0, 0, prefill_tokens)], device),
+                BatchLayout.build([Segment(slot, pos, 1) for slot in range(decode_batch)], device))  # fmt: skip
+    assert isinstance(cache, PagedKVCache)
+    bs, pool = cache.block_size, cache.num_blocks
+    if decode_batch > pool:
+        raise ValueError(f"decode_batch: {decode_batch} sequences need a block each to write, the KV cache has {pool}")
+    prefill = Segment(0, 0, prefill_tokens, tuple(range(-(-prefill_tokens // bs))))
+    own = pos // bs + 1  # blocks covering [0, pos]
+    if decode_batch * own <= pool:
+        tables = [tuple(range(i * own, (i + 1) * own)) for i in range(decode_batch)]
+    else:
+        pos = min(pos, (pool - decode_batch) * bs)
+        shared = tuple(range(pos // bs))
+        tables = [(*shared, len(shared) + i) for i in range(decode_batch)]
+    decode = [Segment(i, pos, 1, table) for i, table in enumerate(tables)]
+    return BatchLayout.build([prefill], device, bs), BatchLayout.build(decode, device, bs)
 
 
 def _inputs(model: Transformer, n: int, gen: torch.Generator, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -81,7 +107,7 @@ def _inputs(model: Transformer, n: int, gen: torch.Generator, device: torch.devi
 
 
 def _time(
-    model: Transformer, cache: KVCache, batch: BatchLayout, inputs: tuple[Tensor, Tensor], iterations: int,
+    model: Transformer, cache: AnyKVCache, batch: BatchLayout, inputs: tuple[Tensor, Tensor], iterations: int,
     device: torch.device, layers_too: bool,
 ) -> PassTimes:  # fmt: skip
     forward_in, layers_in = inputs

@@ -10,14 +10,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardmesh.core.dtypes import DType
 from shardmesh.core.heads import valid_tp_degrees
-from shardmesh.core.layout import format_split, layer_counts
+from shardmesh.core.layout import format_split, layer_counts, split_layers
 from shardmesh.core.topology import ServingLimits
 from shardmesh.models import hub
 from shardmesh.planning.devices import Device, make_devices
+from shardmesh.planning.kv_blocks import paged_limits, placement_block_bytes
 from shardmesh.planning.manifest import Manifest, ManifestError, address_port
 from shardmesh.planning.memory import ModelInfo, RuntimeCosts, load_model
 from shardmesh.planning.planner import Plan, PlanError, PlanOptions, plan
@@ -134,7 +137,8 @@ def resolve(m: Manifest, source: Path | None = None, model: ModelInfo | None = N
                             f"least), got {par.pipeline}")  # fmt: skip
         if problems:
             raise ManifestError(src, problems)
-        return Deployment(m, model, par.pipeline, par.tensor, opts.limits, None, base_dir=base_dir)
+        lim = paged(m, model, par.tensor, split_layers(model.cfg.num_layers, par.pipeline), opts.limits, src)
+        return Deployment(m, model, par.pipeline, par.tensor, lim, None, base_dir=base_dir)
     try:
         chosen = plan(model, devices(m), opts)
     except PlanError as e:
@@ -146,7 +150,22 @@ def resolve(m: Manifest, source: Path | None = None, model: ModelInfo | None = N
         basis = "free memory" if opts.balance == "memory" else "speed"
         notes.append(f"uneven layer split {layer_counts(chosen.layer_split)} (layers per stage), in "
                      f"proportion to each stage's {basis}")  # fmt: skip
-    return Deployment(m, model, chosen.pp, chosen.tp, opts.limits, chosen, notes, base_dir=base_dir)
+    lim = paged(m, model, chosen.tp, chosen.layer_split, opts.limits, src)
+    return Deployment(m, model, chosen.pp, chosen.tp, lim, chosen, notes, base_dir=base_dir)
+
+
+def paged(m: Manifest, model: ModelInfo, tp: int, split: Sequence[tuple[int, int]], slots: ServingLimits,
+          source: str) -> ServingLimits:  # fmt: skip
+    """`slots`, or with `serving.kv_block_size` the paged cache's limits: the blocks `serving.kv_cache_memory` buys
+    on the most loaded shard of the placement, as the coordinator computes them from the same flags."""
+    s = m.serving
+    if not s.kv_block_size:
+        return slots
+    per_block = placement_block_bytes(model.cfg, split, tp, s.kv_block_size, DType.parse(m.model.dtype).itemsize)
+    try:
+        return paged_limits(slots, s.kv_block_size, per_block, s.kv_cache_memory)
+    except ValueError as e:
+        raise ManifestError(source, [f"serving.{e}"]) from None
 
 
 def up_args(d: Deployment, base: argparse.Namespace) -> argparse.Namespace:
@@ -163,6 +182,8 @@ def up_args(d: Deployment, base: argparse.Namespace) -> argparse.Namespace:
     out.kv_slots = d.limits.kv_slots
     out.max_context = d.limits.max_context
     out.max_batch_tokens = d.limits.max_batch_tokens
+    out.kv_block_size = d.limits.kv_block_size
+    out.kv_cache_memory = str(m.serving.kv_cache_memory) if m.serving.kv_cache_memory is not None else None
     out.max_queue = m.serving.max_queue
     out.coordinator_listen = coordinator if address_port(coordinator) else None
     out.store_port = m.services.coordinator.store_port
@@ -217,6 +238,10 @@ def coordinator_flags(d: Deployment) -> list[str]:
              "--rebalance", p.rebalance]  # fmt: skip
     if m.model.quantization != "none":
         flags += ["--quantize", m.model.quantization]
+    if lim.paged:
+        flags += ["--kv-block-size", str(lim.kv_block_size)]
+    if lim.paged and m.serving.kv_cache_memory is not None:
+        flags += ["--kv-cache-memory", str(m.serving.kv_cache_memory)]
     if p.require_balance:
         flags.append("--require-balance")
     layers, nodes = d.layers_flag(), d.rank_nodes_flag()

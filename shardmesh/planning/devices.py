@@ -94,6 +94,11 @@ def compact_bytes(n: int) -> str:
     return format_bytes(n).replace(" ", "")
 
 
+def gb(n: float) -> str:
+    """Decimal gigabytes, two decimals: what a person multiplies out by hand (parameters × bytes)."""
+    return f"{n / 1e9:.2f} GB"
+
+
 def describe_devices(devices: tuple[Device, ...]) -> str:
     """The compact form again: ``nodeA:2x80GiB,nodeB:1x48GiB``."""
     parts: list[str] = []

@@ -205,6 +205,16 @@ class Serving(_Section):
         None, ge=1, le=10_000_000, description="tokens per step over the batch (default: max_context)"
     )
     max_queue: int = Field(256, ge=1, le=1_000_000, description="waiting requests before RESOURCE_EXHAUSTED")
+    kv_block_size: int = Field(
+        0, ge=0, le=65536, description="tokens per block of a paged KV cache, e.g. 16 (blocks handed out to sequences "
+                                       "as they grow, a cached prompt prefix's shared); 0: a slot of max_context "
+                                       "tokens per sequence",
+    )  # fmt: skip
+    kv_cache_memory: ByteSize | None = Field(
+        None, description="with kv_block_size: bytes per shard for the paged KV cache and activation log; the blocks "
+                          "it buys on the most loaded shard are every shard's, at least one max_context sequence "
+                          "(default: what the slot cache would take, kv_slots × max_context tokens)",
+    )  # fmt: skip
 
 
 class Telemetry(_Section):
@@ -292,6 +302,9 @@ class Manifest(_Section):
         if s.max_context is not None and s.max_batch_tokens is not None and s.max_batch_tokens > 64 * s.max_context:
             problems.append("serving.max_batch_tokens: more than 64 × max_context is never useful; got "
                             f"{s.max_batch_tokens}")  # fmt: skip
+        if s.kv_cache_memory is not None and not s.kv_block_size:
+            problems.append("serving.kv_cache_memory: sizes a paged KV cache, set serving.kv_block_size too (the slot "
+                            "cache is sized by kv_slots and max_context)")  # fmt: skip
         if problems:
             raise ValueError("\n".join(problems))
         return self

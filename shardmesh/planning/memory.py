@@ -17,6 +17,9 @@ Notation, per shard (stage `s` × tensor rank `r` of `tp`); `b` is the bytes of 
                 + on every stage but the last: kv_slots × max_context × H × b (the `ActivationLog`: what the
                 stage sent on, kept so that a replacement of the next stage replays without recomputing it;
                 allocated untouched, so it is resident only as far as sequences reach, but planned in full)
+                A paged cache (`limits.kv_block_size` > 0) instead: kv_blocks × the bytes of one block
+                (`planning.kv_blocks.block_bytes`: the same per position, keys, values and log, for kv_blocks ×
+                kv_block_size positions shared by every sequence)
   buffers     = 2 × max_context × head_dim × 4        (rope cos and sin tables, always float32)
   activations = T × ( b × (2H + max(3F, 4Q + 3K)) + 8H + 8·head_dim )  +  T × max_context
                 + on the last stage: B × V × (2b + 16)
@@ -62,6 +65,7 @@ from shardmesh.core.dtypes import DType, Quantization
 from shardmesh.core.heads import HeadSplit, mlp_range
 from shardmesh.core.topology import ServingLimits
 from shardmesh.models.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, TensorRead
+from shardmesh.planning.kv_blocks import block_bytes
 from shardmesh.planning.weights import Part, checkpoint_shapes, weight_parts
 
 # --- measured constants -----------------------------------------------------------------------------------
@@ -189,9 +193,12 @@ def stage_memory(
     weights = sum(count * part.nbytes(serving, quant) for count, part in held)
     split = HeadSplit.of(cfg, rank, tp)
     hd = cfg.head_dim
-    kv = n * 2 * limits.kv_slots * split.kv_count * limits.max_context * hd * b
-    if not last:
-        kv += limits.kv_slots * limits.max_context * cfg.hidden_size * b
+    if limits.kv_block_size:
+        kv = limits.kv_blocks * block_bytes(n, split.kv_count, hd, cfg.hidden_size, limits.kv_block_size, b, last)
+    else:
+        kv = n * 2 * limits.kv_slots * split.kv_count * limits.max_context * hd * b
+        if not last:
+            kv += limits.kv_slots * limits.max_context * cfg.hidden_size * b
     buffers = 2 * limits.max_context * hd * 4
     ffn_start, ffn_end = mlp_range(cfg, rank, tp)
     t, h, f = limits.max_batch_tokens, cfg.hidden_size, ffn_end - ffn_start

@@ -26,8 +26,10 @@ adds a hop to every token; tensor groups stay inside a node), then keeps the mos
 tightest device. When none fits, `Infeasible` says how many bytes are missing, the model's weights in
 the serving dtype and in int8 against the devices' memory, and which single change would fit, each with
 the plan it gives (int8 weights on the same devices, another dtype, more devices of the largest size in
-the serving dtype and with int8, a shorter context, fewer KV slots). Offloading weights to host memory is
-not available: it is named as such, not proposed.
+the serving dtype and with int8, a shorter context, fewer KV slots) and offload: the same devices keeping the
+leading layers of each shard resident and streaming the rest every step (`shardmesh.planning.offload`: the
+budget, each stage's split, the bytes streamed per step, the host memory they need and, from `PlanOptions.rates`,
+the predicted step time; not with int8, which a memory budget does not stream).
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from shardmesh.core.dtypes import DType, Quantization
-from shardmesh.core.heads import valid_tp_degrees
+from shardmesh.core.heads import HeadSplit, valid_tp_degrees
 from shardmesh.core.layout import capped_split, layer_counts, split_layers
 from shardmesh.core.topology import ServingLimits
 from shardmesh.core.units import format_bytes
-from shardmesh.planning.devices import Device, compact_bytes, describe_devices, nodes_of
+from shardmesh.planning.devices import Device, compact_bytes, describe_devices, gb, nodes_of
+from shardmesh.planning.kv_blocks import block_bytes
 from shardmesh.planning.memory import ModelInfo, RuntimeCosts, ShardMemory, shard_memory, stage_memory
+from shardmesh.planning.offload import FAULT_AROUND, LinkRates, OffloadProposal, propose
 from shardmesh.planning.weights import weight_parts
 
 BALANCES = ("memory", "speed")
@@ -51,12 +55,8 @@ class PlanError(ValueError):
     """A request the planner cannot even try (an invalid tensor degree, too few devices per node)."""
 
 
-OFFLOAD_NOTE = "offload (weights kept in host memory, streamed to the devices every step): not available yet"
-
-
-def gb(n: float) -> str:
-    """Decimal gigabytes, two decimals: what a person multiplies out by hand (parameters × bytes)."""
-    return f"{n / 1e9:.2f} GB"
+# Why offload is not proposed with int8 (`shardmesh.engine.offload` streams float weights; a budget refuses int8).
+OFFLOAD_INT8 = "offload: not with --quantize int8 (a memory budget streams weights in the serving dtype only)"
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class Suggestion:
     text: str
     changes: dict[str, object]
     plan: Plan | None = None
+    offload: OffloadProposal | None = None
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,10 @@ class Infeasible(PlanError):
     """The model does not fit the devices; the message says by how much and what would fit."""
 
     def __init__(self, summary: str, missing: int, closest: str, suggestions: list[Suggestion],
-                 totals: Totals | None = None, dtype: str = DType.BFLOAT16) -> None:  # fmt: skip
+                 totals: Totals | None = None, dtype: str = DType.BFLOAT16,
+                 unavailable: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.summary, self.missing, self.closest, self.suggestions = summary, missing, closest, suggestions
-        self.totals = totals
+        self.totals, self.unavailable = totals, unavailable
         lines = [f"{summary}: {format_bytes(missing)} missing ({missing} bytes); closest layout: {closest}"]
         if totals is not None:
             lines.append(totals.describe(dtype))
@@ -99,7 +101,7 @@ class Infeasible(PlanError):
             lines += [f"  - {s.text}" for s in suggestions]
         else:
             lines.append("no single change of quantization, dtype, device count, context or KV slots makes it fit")
-        lines.append(OFFLOAD_NOTE)
+        lines += unavailable
         super().__init__("\n".join(lines))
 
 
@@ -117,6 +119,10 @@ class PlanOptions:
     reserve: int = 0  # bytes every device keeps free beyond the predicted peak
     # A `Quantization` name: how the layers' products are stored. Last, so positional construction keeps working.
     quantization: str = Quantization.NONE.value
+    # The rates an offload proposal's step time is predicted from (None: bytes only, no time).
+    rates: LinkRates | None = None
+    # What a streamed read's mapped pages round out to on the workers' hosts (`engine.offload.map_unit()`).
+    map_unit: int = FAULT_AROUND
 
     def __post_init__(self) -> None:
         try:
@@ -251,17 +257,24 @@ def _layer_cost(model: ModelInfo, tp: int, options: PlanOptions) -> int:
     return total
 
 
-def _attempt(model: ModelInfo, devices: tuple[Device, ...], tp: int, options: PlanOptions) -> _Attempt | None:
-    num_layers = model.cfg.num_layers
+def _stage_groups(model: ModelInfo, devices: tuple[Device, ...], tp: int,
+                  options: PlanOptions) -> list[tuple[Device, ...]]:  # fmt: skip
+    """The tensor groups that become stages, in pipeline order: with `options.pp` the `pp` with the most memory,
+    at most one per layer; [] when there are too few."""
     groups = tensor_groups(devices, tp, options.node_order)
-    if not groups:
-        return None
     if options.pp is not None:
         if options.pp > len(groups):
-            return None
+            return []
         keep = sorted(range(len(groups)), key=lambda i: -min(d.memory for d in groups[i]))[: options.pp]
         groups = [g for i, g in enumerate(groups) if i in keep]
-    groups = groups[:num_layers]
+    return groups[: model.cfg.num_layers]
+
+
+def _attempt(model: ModelInfo, devices: tuple[Device, ...], tp: int, options: PlanOptions) -> _Attempt | None:
+    num_layers = model.cfg.num_layers
+    groups = _stage_groups(model, devices, tp, options)
+    if not groups:
+        return None
     while True:  # a group that cannot hold one layer is left out (unless pp is fixed), and the rest re-sized
         pp = len(groups)
         caps = [stage_capacity(model, g, s == 0, s == pp - 1, num_layers - (pp - 1), options)
@@ -299,7 +312,8 @@ def _attempt(model: ModelInfo, devices: tuple[Device, ...], tp: int, options: Pl
     return _Attempt(tp, groups, caps, None, missing)
 
 
-def _attempts(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> list[_Attempt]:
+def _degrees(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> list[int]:
+    """The tensor degrees to try: valid for the model, `options.tp` if set, within the largest node."""
     degrees = valid_tp_degrees(model.cfg)
     if options.tp is not None:
         if options.tp not in degrees:
@@ -312,6 +326,11 @@ def _attempts(model: ModelInfo, devices: tuple[Device, ...], options: PlanOption
     if not usable:
         raise PlanError(f"tensor degree {degrees[0]} needs {degrees[0]} devices on one node; the largest node has "
                         f"{largest_node} (tensor groups never span nodes)")  # fmt: skip
+    return usable
+
+
+def _attempts(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> list[_Attempt]:
+    usable = _degrees(model, devices, options)
     out = [a for tp in usable if (a := _attempt(model, devices, tp, options)) is not None]
     if not out:
         raise PlanError(f"pipeline degree {options.pp} needs {options.pp} tensor groups; these devices form fewer "
@@ -348,8 +367,28 @@ def plan(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) ->
     quant = ", int8" if options.quantization == Quantization.INT8.value else ""
     summary = (f"{model.name} ({options.dtype}{quant}, {lim.kv_slots} KV slots × {lim.max_context} tokens) does not "
                f"fit on {describe_devices(devices)}")  # fmt: skip
+    unavailable = (OFFLOAD_INT8,) if options.quantization != Quantization.NONE.value else ()
     raise Infeasible(summary, closest.missing, where, suggest(model, devices, options), totals(model, devices, options),
-                     options.dtype)  # fmt: skip
+                     options.dtype, unavailable)  # fmt: skip
+
+
+def fill_kv_blocks(p: Plan, block_size: int) -> int:
+    """The most KV blocks of `block_size` tokens every shard of `p` holds in what its device has left (less
+    `reserve`) beside its weights, buffers, activations and runtime: a paged cache sized from the memory at hand.
+    Block ids are mesh-wide, so the shard with the least room for blocks sets the number (0: no room at all)."""
+    cfg, b = p.model.cfg, DType.parse(p.options.dtype).itemsize
+    counts = []
+    for sh in p.shards:
+        m = sh.memory
+        # Serving peak = runtime + weights + buffers + kv + activations; loading's transient comes before the cache.
+        room = sh.device.memory - p.options.reserve - m.runtime - m.weights - m.buffers - m.activations
+        if room < m.load - m.activations:  # loading alone would not fit what is left
+            return 0
+        split = HeadSplit.of(cfg, sh.tp_rank, p.tp)
+        one = block_bytes(sh.layers[1] - sh.layers[0], split.kv_count, cfg.head_dim, cfg.hidden_size, block_size, b,
+                          sh.layers[1] == cfg.num_layers)  # fmt: skip
+        counts.append(max(0, room) // one)
+    return min(counts)
 
 
 def resplit(p: Plan, split: list[tuple[int, int]]) -> Plan:
@@ -425,18 +464,24 @@ def _more_devices(model: ModelInfo, devices: tuple[Device, ...], options: PlanOp
     def with_extra(k: int) -> tuple[Device, ...]:
         return devices + tuple(Device(node, i, size, speed) for i in range(k))
 
+    planned: dict[int, Plan | None] = {}  # each device count planned once: the search revisits its bounds
+
+    def extra(k: int) -> Plan | None:
+        if k not in planned:
+            planned[k] = _try(model, with_extra(k), options)
+        return planned[k]
+
     limit = 4 * model.cfg.num_layers  # more than a few devices per layer is never the answer
     k = 1
-    while k < limit and not _fits(model, with_extra(k), options):
+    while k < limit and extra(k) is None:
         k *= 2
     k = min(k, limit)
-    if not _fits(model, with_extra(k), options):
+    if extra(k) is None:
         return None
     # The smallest j in (k/2, k] that fits: k/2 did not (or k is 1), so bisect on "does not fit".
-    fewest = 1 + (_largest_fitting(k // 2, k - 1, lambda j: not _fits(model, with_extra(j), options)) or 0)
-    fewest = max(fewest, 1)
+    fewest = max(1, 1 + (_largest_fitting(k // 2, k - 1, lambda j: extra(j) is None) or 0))
     spec = describe_devices(with_extra(fewest))
-    chosen = try_plan(model, with_extra(fewest), options)
+    chosen = extra(fewest)
     assert chosen is not None
     int8 = options.quantization == Quantization.INT8.value
     changes: dict[str, object] = {"devices": spec, **({"quantization": Quantization.INT8.value} if int8 else {})}
@@ -445,10 +490,22 @@ def _more_devices(model: ModelInfo, devices: tuple[Device, ...], options: PlanOp
                       f"{fitted(chosen)}", changes, chosen)  # fmt: skip
 
 
+def offload(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> OffloadProposal | None:
+    """Offload on these devices in the options' dtype (`offload.propose` for every tensor degree): the layout whose
+    predicted step is shortest (without rates: that waits for the fewest streamed bytes); None with int8 or when
+    no layout holds every shard even with all its layers streamed."""
+    if options.quantization != Quantization.NONE.value:
+        return None
+    proposals = [p for tp in _degrees(model, devices, options)
+                 if (groups := _stage_groups(model, devices, tp, options))
+                 and (p := propose(model, groups, tp, options)) is not None]  # fmt: skip
+    return min(proposals, key=OffloadProposal.rank_key, default=None)
+
+
 def suggest(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> list[Suggestion]:
     """Single changes that make the model fit, each checked by planning again: int8 on the same devices first,
     then another dtype, more devices (in the serving dtype, and with int8 when the same devices are not
-    enough for it), a shorter context, fewer KV slots."""
+    enough for it), offload on the same devices, a shorter context, fewer KV slots."""
     out: list[Suggestion] = []
     lim = options.limits
     int8 = replace(options, quantization=Quantization.INT8.value)
@@ -469,6 +526,10 @@ def suggest(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions)
         more_int8 = _more_devices(model, devices, int8)
         if more_int8 is not None:
             out.append(more_int8)
+    streamed = offload(model, devices, options)
+    if streamed is not None:
+        out.append(Suggestion("\n    ".join(streamed.describe()), {"memory_budget": streamed.budget},
+                              offload=streamed))  # fmt: skip
 
     def with_context(n: int) -> PlanOptions:
         return replace(options, limits=ServingLimits(lim.kv_slots, n, min(lim.max_batch_tokens, n)))

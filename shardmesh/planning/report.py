@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardmesh.core.topology import ServingLimits
 from shardmesh.core.units import format_bytes
 from shardmesh.planning.devices import describe_devices
-from shardmesh.planning.planner import OFFLOAD_NOTE, Infeasible, Plan
+from shardmesh.planning.planner import Infeasible, Plan
 
 COLUMNS = ("rank", "stage", "node", "device", "layers", "tp rank", "weights", "KV cache", "other", "total",
            "memory", "headroom")  # fmt: skip
@@ -48,6 +49,16 @@ def notes(plan: Plan) -> list[str]:
     return out
 
 
+def _kv_line(lim: ServingLimits) -> str:
+    """The KV cache in words: slots × context, or a paged cache's blocks and the tokens they hold per shard."""
+    if not lim.kv_block_size:
+        return f"{lim.kv_slots} KV slots × {lim.max_context} tokens"
+    tokens = lim.kv_blocks * lim.kv_block_size
+    return (f"paged KV cache: {lim.kv_blocks} blocks × {lim.kv_block_size} tokens = {tokens} tokens per shard "
+            f"({tokens // lim.max_context} sequences of the whole {lim.max_context}-token context, {tokens // 512} of "
+            f"512 tokens; at most {lim.kv_slots} in flight: --kv-slots)")  # fmt: skip
+
+
 def render_table(plan: Plan) -> str:
     """The plan as an aligned text table with a header and notes."""
     cfg, o = plan.model.cfg, plan.options
@@ -57,8 +68,7 @@ def render_table(plan: Plan) -> str:
     lines = [
         f"model: {plan.model.name} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads / "
         f"{cfg.num_kv_heads} kv heads, vocab {cfg.vocab_size})",
-        f"serving: {o.dtype}{int8}, {o.limits.kv_slots} KV slots × {o.limits.max_context} tokens, "
-        f"{o.limits.max_batch_tokens} tokens per step",
+        f"serving: {o.dtype}{int8}, {_kv_line(o.limits)}, {o.limits.max_batch_tokens} tokens per step",
         f"plan: tp={plan.tp} × pp={plan.pp} on {len(plan.shards)} of {len(plan.shards) + len(plan.unused)} devices "
         f"(balance: {o.balance}); weights {format_bytes(weights)}, KV cache {format_bytes(kv)} in all",
         "",
@@ -82,7 +92,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
                   "has_weights": plan.model.has_weights, "checkpoint_dtype": plan.model.checkpoint_dtype},
         "dtype": o.dtype, "quantization": o.quantization,
         "limits": {"kv_slots": o.limits.kv_slots, "max_context": o.limits.max_context,
-                   "max_batch_tokens": o.limits.max_batch_tokens},
+                   "max_batch_tokens": o.limits.max_batch_tokens, "kv_block_size": o.limits.kv_block_size,
+                   "kv_blocks": o.limits.kv_blocks},
         "runtime": {"process": o.runtime.process, "first_stage": o.runtime.first_stage},
         "balance": o.balance, "reserve": o.reserve,
         "tp": plan.tp, "pp": plan.pp,
@@ -123,7 +134,8 @@ def infeasible_to_json(e: Infeasible) -> dict[str, Any]:
     if t is not None:
         out["weights"] = {"parameters": t.parameters, "bytes": t.weights}
         out["devices"] = {"spec": t.devices, "budget_bytes": t.budget}
-    out["options"] = [{"text": s.text, "changes": s.changes, "plan": _fitted_json(s.plan) if s.plan else None}
+    out["options"] = [{"text": s.text, "changes": s.changes, "plan": _fitted_json(s.plan) if s.plan else None,
+                       **({"offload": s.offload.to_json()} if s.offload else {})}
                       for s in e.suggestions]  # fmt: skip
-    out["unavailable"] = [{"option": "offload", "text": OFFLOAD_NOTE}]
+    out["unavailable"] = [{"option": text.split(":")[0], "text": text} for text in e.unavailable]
     return out

@@ -19,8 +19,10 @@ This is the layout `shardmesh.engine.loader.meta_shard` builds; tests/unit/plann
 compares the two for every model family, tensor degree and rank.
 
 The matrix products of a layer (qkv_proj, o_proj, gate_up_proj, down_proj: `Part.products`) are what
-`Quantization.INT8` stores as int8 (`shardmesh.engine.linear.layer_products`); the norms, biases, the
-embedding and the LM head stay in the serving dtype.
+`Quantization.INT8` stores as int8 (`shardmesh.engine.linear.layer_products`) and what a memory budget streams
+(`shardmesh.engine.offload`); the norms, biases, the embedding and the LM head stay in the serving dtype.
+A streamed product maps its reads' bytes in the checkpoint from first to last (`Part.spans`): a slice of whole
+rows spans its own elements, a slice of some columns (o_proj, down_proj at tp > 1) all rows but the last in full.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class Part:
     largest_read: int = 0  # the largest single slice read from the checkpoint
     products: tuple[tuple[int, int], ...] = ()  # (out, in) of each product int8 can store (a layer's), sorted
     absmax_chunk: int = 0  # elements of the largest chunk of whole checkpoint rows read for int8 scales
+    spans: tuple[int, ...] = ()  # per product read (a layer's), sorted: elements from its first to its last in the file
 
     @property
     def largest_product(self) -> int:
@@ -153,6 +156,14 @@ def _absmax_chunk(s: TensorSlice) -> int:
     return rows * s.full[1]
 
 
+def _span(s: TensorSlice) -> int:
+    """Elements of the checkpoint tensor from the slice's first to its last (row-major; rows and columns step 1):
+    its own for whole rows, `(rows - 1) × full columns + its columns` for a slice of some columns."""
+    if len(s.full) != 2:
+        return s.numel
+    return (s.local[0] - 1) * s.full[1] + s.local[1]
+
+
 def _part(slices: list[TensorSlice], relaid: bool = True, quantizable: bool = False) -> Part:
     params: dict[str, tuple[int, ...]] = {}  # the slices stacked by rows into their parameters
     for s in slices:
@@ -161,8 +172,9 @@ def _part(slices: list[TensorSlice], relaid: bool = True, quantizable: bool = Fa
     matrices = [math.prod(shape) for shape in params.values() if len(shape) == 2] if relaid else []
     products = sorted((shape[0], shape[1]) for shape in params.values() if len(shape) == 2) if quantizable else []
     chunk = max((_absmax_chunk(s) for s in slices), default=0) if quantizable else 0
+    spans = sorted(_span(s) for s in slices if len(params[s.target]) == 2) if quantizable else []
     return Part(sum(s.numel for s in slices), max(matrices, default=0), max((s.numel for s in slices), default=0),
-                tuple(products), chunk)  # fmt: skip
+                tuple(products), chunk, tuple(spans))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=512)

@@ -60,6 +60,44 @@ def test_logits_match_transformers(checkpoints, family: str, pp: int, tp: int) -
     _assert_matches(results, ref_tokens, ref_logits, family, pp, tp)
 
 
+BLOCK = 4
+TABLE = (13, 2, 7, 11, 0, 5, 9)  # 28 positions in shuffled, non-contiguous blocks of a pool of 16
+
+
+def _teacher_forced_paged(tokens: list[int]):
+    """`_teacher_forced` on a paged KV cache: the prompt in two chunks, then one token at a time, each step's
+    segment carrying the block table up to its last position."""
+
+    def seg(start: int, length: int) -> BatchLayout:
+        end = start + length
+        return BatchLayout.build([Segment(0, start, length, TABLE[: -(-end // BLOCK)])], block_size=BLOCK)
+
+    def body(engine, rank):
+        outs = [engine.step(seg(0, 5), torch.tensor(PROMPT[:5]), all_logits=True)]
+        outs.append(engine.step(seg(5, len(PROMPT) - 5), torch.tensor(PROMPT[5:]), all_logits=True))
+        pos = len(PROMPT)
+        for t in tokens:
+            logits = engine.step(seg(pos, 1), torch.tensor([t]))
+            outs.append(None if logits is None else logits[0])
+            pos += 1
+        if outs[0] is not None:  # the two prompt chunks' logits, as one prefill's
+            outs[:2] = [torch.cat(outs[:2])]
+        else:
+            outs[:2] = [None]
+        return outs
+
+    return body
+
+
+@pytest.mark.parametrize("pp,tp", LAYOUTS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_paged_cache_logits_match_transformers(checkpoints, family: str, pp: int, tp: int) -> None:
+    """The same comparison through a paged KV cache (`PagedKVCache`, the C++ decode kernel where it builds)."""
+    model_dir, ref_tokens, ref_logits = checkpoints[family]
+    results = run_mesh(model_dir, pp, tp, _teacher_forced_paged(ref_tokens[:DECODE_STEPS]), paged=(16, BLOCK))
+    _assert_matches(results, ref_tokens, ref_logits, family, pp, tp)
+
+
 def _assert_matches(results, ref_tokens: list[int], ref_logits: list[torch.Tensor], family: str, pp: int,
                     tp: int) -> None:  # fmt: skip
     for rank in range((pp - 1) * tp, pp * tp):  # every tensor rank of the last stage holds the logits

@@ -881,22 +881,36 @@ class ServingLimits(_message.Message):
     KV_SLOTS_FIELD_NUMBER: _builtins.int
     MAX_CONTEXT_FIELD_NUMBER: _builtins.int
     MAX_BATCH_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    KV_BLOCKS_FIELD_NUMBER: _builtins.int
     kv_slots: _builtins.int
     """KV-cache slots per shard: the most sequences in flight at once."""
     max_context: _builtins.int
     """Longest sequence (prompt + completion) a slot holds, in tokens."""
     max_batch_tokens: _builtins.int
     """Most tokens in one step, summed over the batch."""
+    kv_block_size: _builtins.int
+    """Tokens per block of a paged KV cache; 0: the slot cache (kv_slots x max_context positions per shard).
+    With blocks, every shard holds kv_blocks blocks of this many positions, the same block ids on every
+    stage (each for its own layers); the gateway hands blocks out to sequences and sends each sequence's
+    block table with every step (BatchEntry.blocks). kv_slots then bounds only the sequences in flight.
+    """
+    kv_blocks: _builtins.int
+    """Blocks per shard of a paged KV cache, the same on every shard; 0 with the slot cache. When
+    kv_block_size > 0: at least 1, and kv_blocks x kv_block_size >= max_context (one whole sequence fits).
+    """
     def __init__(
         self,
         *,
         kv_slots: _builtins.int = ...,
         max_context: _builtins.int = ...,
         max_batch_tokens: _builtins.int = ...,
+        kv_block_size: _builtins.int = ...,
+        kv_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_slots", b"kv_slots", "max_batch_tokens", b"max_batch_tokens", "max_context", b"max_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_block_size", b"kv_block_size", "kv_blocks", b"kv_blocks", "kv_slots", b"kv_slots", "max_batch_tokens", b"max_batch_tokens", "max_context", b"max_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

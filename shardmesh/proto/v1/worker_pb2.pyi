@@ -107,6 +107,7 @@ class BatchEntry(_message.Message):
     SKIP_SAMPLING_FIELD_NUMBER: _builtins.int
     FIRST_STAGE_FIELD_NUMBER: _builtins.int
     END_STAGE_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request this sequence belongs to; keys per-request state such as the sampler stream."""
     slot: _builtins.int
@@ -139,6 +140,15 @@ class BatchEntry(_message.Message):
     def sampling(self) -> Global___TokenSampling:
         """How to sample this sequence's next token; read by the last stage only."""
 
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The sequence's block table in a paged KV cache (ServingLimits.kv_block_size > 0): block i holds positions
+        [i x kv_block_size, (i + 1) x kv_block_size), each id in [0, kv_blocks), none twice, covering at least
+        positions [0, start_pos + num_tokens); the same ids on every stage. Blocks before start_pos may be shared
+        with other sequences (a cached prompt prefix): they are read, never written. Required on a paged mesh,
+        empty on a slot cache (INVALID_ARGUMENT otherwise).
+        """
+
     def __init__(
         self,
         *,
@@ -151,10 +161,11 @@ class BatchEntry(_message.Message):
         skip_sampling: _builtins.bool = ...,
         first_stage: _builtins.int = ...,
         end_stage: _builtins.int = ...,
+        blocks: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_stage", b"end_stage", "first_stage", b"first_stage", "num_tokens", b"num_tokens", "request_id", b"request_id", "sampling", b"sampling", "skip_sampling", b"skip_sampling", "slot", b"slot", "start_pos", b"start_pos", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "end_stage", b"end_stage", "first_stage", b"first_stage", "num_tokens", b"num_tokens", "request_id", b"request_id", "sampling", b"sampling", "skip_sampling", b"skip_sampling", "slot", b"slot", "start_pos", b"start_pos", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

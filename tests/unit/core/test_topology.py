@@ -3,8 +3,10 @@ the store that hands the newest version to waiting watchers."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -73,3 +75,19 @@ def test_serving_limits_refuse_what_no_shard_can_allocate() -> None:
     for field in ("kv_slots", "max_context", "max_batch_tokens"):
         with pytest.raises(ValueError, match=f"^{field} must be >= 1, got 0$"):
             ServingLimits(**{"kv_slots": 4, "max_context": 128, "max_batch_tokens": 128, field: 0})
+
+
+def test_paged_serving_limits_need_blocks_that_hold_one_whole_sequence() -> None:
+    paged = ServingLimits(kv_slots=4, max_context=128, max_batch_tokens=128, kv_block_size=16, kv_blocks=8)
+    assert paged.paged and not LIMITS.paged and ServingLimits.from_pb(paged.to_pb()) == paged
+    cases = {
+        "kv_block_size must be >= 0 (0: slots), got -1": {"kv_block_size": -1},
+        "kv_blocks must be 0 with the slot cache (kv_block_size 0), got 8": {"kv_block_size": 0},
+        "kv_blocks must be >= 1 with kv_block_size 16, got 0": {"kv_blocks": 0},
+        "kv_blocks: 7 blocks × 16 tokens = 112 tokens, fewer than one sequence of max_context 128 needs (8 blocks)":
+            {"kv_blocks": 7},
+    }  # fmt: skip
+    for message, change in cases.items():
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            replace(paged, **change)
+    assert replace(paged, max_context=100, kv_blocks=7).kv_blocks == 7  # 112 tokens hold 100

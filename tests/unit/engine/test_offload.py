@@ -4,6 +4,7 @@ give the resident shard's output; the split, the streamed bytes and the process'
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -134,12 +135,79 @@ def test_split_and_bytes_streamed_are_the_computed_numbers(ck32: Path) -> None:
     per_layer = layer_bytes(ck32, torch.float32, range(1), products_only=True)
     assert plan.streamed_bytes_per_step == layer_bytes(ck32, torch.float32, streamed, products_only=True)
     assert plan.streamed_bytes_per_step == per_layer * len(streamed)
-    # Working set: the two layers in the process at once, each its bytes rounded out to the fault-around window.
-    assert 2 * per_layer <= plan.working_set_bytes <= 2 * (per_layer + 2 * FAULT_AROUND)
+    # Working set: the two layers in the process at once, each its bytes rounded out to the mapping unit (here the
+    # fault-around window: huge pages would not fit this budget, see the test below).
+    assert plan.map_unit == FAULT_AROUND
+    assert 2 * per_layer <= plan.working_set_bytes <= 2 * (per_layer + 2 * plan.map_unit)
     assert plan.total_bytes <= budget < plan.total_bytes + per_layer  # one more resident layer would not fit
     assert bytes_streamed(model) == 0
     run(model, torch.float32, steps=3)
     assert bytes_streamed(model) == 4 * plan.streamed_bytes_per_step  # the prefill and 3 decode steps
+
+
+def test_the_worker_counter_grows_by_the_plans_bytes_every_step(ck32: Path) -> None:
+    """Through a real shard and the worker's metrics: each forward adds exactly the plan's bytes to
+    shardmesh_offload_streamed_bytes_total, and the reads' bytes, their seconds and the bound are exported."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from shardmesh.core.topology import ShardState
+    from shardmesh.engine.offload import stats
+    from shardworker.metrics import WorkerMetrics
+
+    spec = ShardSpec(0, LAYERS, LAYERS)
+    model = build_shard(ck32, spec, progress=False, memory_budget=half_budget(ck32, torch.float32, spec))
+    plan = plan_of(model)
+    info = {"weights_bytes": 0, "kv_cache_bytes": 0, "total_slots": 0, "free_slots": 0, "placement": None,
+            "state": ShardState.READY}  # fmt: skip
+    registry = WorkerMetrics(lambda: {**info, "bytes_streamed": bytes_streamed(model), "offload": stats(model)},
+                             lambda: "w0", "cpu").registry  # fmt: skip
+
+    def scrape() -> dict[str, float]:
+        text = generate_latest(registry).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    before = scrape()
+    assert before["shardmesh_offload_planned_bytes_per_step"] == plan.streamed_bytes_per_step
+    assert before["shardmesh_offload_bound_bytes_per_second"] > 0  # measured at load
+    cache = model.make_cache(1, torch.float32, "cpu")
+    ids = PROMPT
+    with torch.inference_mode():
+        for start in range(4):  # one token at a time: a step per token
+            model(torch.tensor(ids[start : start + 1]), BatchLayout.build([Segment(0, start, 1)]), cache)
+            after = scrape()
+            grew = after["shardmesh_offload_streamed_bytes_total"] - before["shardmesh_offload_streamed_bytes_total"]
+            assert grew == plan.streamed_bytes_per_step
+            # Every layer handed over was read, and at most one more: the next step's first, prefetched by now
+            # or not (the reader thread's; the shard may map its layers inline instead).
+            read = after["shardmesh_offload_read_bytes_total"]
+            streamed = after["shardmesh_offload_streamed_bytes_total"]
+            assert streamed <= read <= streamed + plan.streamed_bytes_per_step // len(plan.streamed_layers)
+            assert after["shardmesh_offload_read_seconds_total"] > before["shardmesh_offload_read_seconds_total"]
+            assert after["shardmesh_offload_wait_seconds_total"] >= before["shardmesh_offload_wait_seconds_total"]
+            before = after
+
+
+def test_huge_page_mappings_are_planned_only_where_they_fit(ck32: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A huge page maps 2 MiB around each read: a layer's bytes count rounded out to it. A budget that fits only
+    with the fault-around window gets that plan instead; an ample one gets huge pages."""
+    from shardmesh.engine import offload
+    from shardmesh.engine.loader import meta_shard
+    from shardmesh.models.checkpoint import Checkpoint
+
+    huge = 2 * 2**20
+    monkeypatch.setattr(offload, "map_unit", lambda: huge)
+    spec = ShardSpec(0, LAYERS, LAYERS)
+    model, reads = meta_shard(build_shard(ck32, spec, progress=False).cfg, spec, LocalRank(0, 1), None)
+    ckpt = Checkpoint(ck32)
+    small = offload.plan_offload(ckpt, model, reads, torch.float32, 10**9, unit=FAULT_AROUND)
+    half = half_budget(ck32, torch.float32, spec)
+    assert offload.plan_offload(ckpt, model, reads, torch.float32, half).map_unit == FAULT_AROUND
+    with pytest.raises(offload.BudgetError):
+        offload.plan_offload(ckpt, model, reads, torch.float32, half, unit=huge)
+    ample = small.resident_bytes + 2 * huge + 2 * layer_bytes(ck32, torch.float32, range(1), products_only=True)
+    plan = offload.plan_offload(ckpt, model, reads, torch.float32, ample)
+    assert plan.map_unit == huge and plan.working_set_bytes % huge == 0 and plan.total_bytes <= ample
 
 
 def test_a_budget_the_whole_shard_fits_streams_nothing(ck32: Path) -> None:
@@ -225,15 +293,19 @@ with torch.inference_mode():
 weights = sum(p.numel() * p.element_size() for p in model.parameters())
 s = streamer_of(model)
 print(json.dumps({"peak_added": status("VmHWM") - before, "weights": weights,
-                  "planned": s.plan.total_bytes if s else weights}))
+                  "planned": s.plan.total_bytes if s else weights, "huge_pages": s.huge_pages if s else None}))
 """
 
 
 @pytest.fixture(scope="module")
 def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_plain_checkpoint(
+    path = make_plain_checkpoint(
         tmp_path_factory.mktemp("big"), layers=BIG_LAYERS, hidden=HIDDEN, ffn=FFN, vocab=VOCAB, scaled=True
     )
+    for f in path.glob("*.safetensors"):  # written back: clean pages, which a streamer may have read back in huge
+        with f.open("rb") as fh:  # folios (`LayerStreamer.settle`), as a checkpoint written long ago would be
+            os.fsync(fh.fileno())
+    return path
 
 
 def _measure(checkpoint: Path, budget: int) -> dict:

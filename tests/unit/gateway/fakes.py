@@ -101,6 +101,7 @@ class FakeShard:
         self.slots: dict[int, tuple[str, int]] = {}  # slot -> (request id, tokens cached)
         self.steps: list[worker_pb2.StepRequest] = []
         self.releases: list[worker_pb2.ReleaseRequest] = []
+        self.blocks: dict[int, dict[int, int]] = {}  # paged: block -> {offset: token id written there}
         self.lock = threading.Lock()
 
     @property
@@ -129,15 +130,39 @@ class FakeShard:
                 owner = self.slots.get(e.slot)
                 if e.start_pos == 0 and owner is not None and owner[0] != e.request_id:
                     raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"slot {e.slot} held by {owner[0]}")
-                if e.start_pos and (owner is None or owner[0] != e.request_id or owner[1] < e.start_pos):
+                paged_hit = mesh.kv_block_size and owner is None  # positions before it in shared blocks
+                if e.start_pos and not paged_hit and (owner is None or owner[0] != e.request_id
+                                                      or owner[1] < e.start_pos):  # fmt: skip
                     wanted = f"{e.request_id} up to {e.start_pos}"
                     raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"slot {e.slot} has {owner}, not {wanted}")
                 if len(e.token_ids) != e.num_tokens or e.start_pos + e.num_tokens > mesh.max_context:
                     raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"bad entry {e}")
+                if mesh.kv_block_size:
+                    self._paged(e)
                 self.slots[e.slot] = (e.request_id, e.start_pos + e.num_tokens)
                 if self.is_sampler and not e.skip_sampling:
                     tokens.append(mesh.draw(e))
         return worker_pb2.StepResponse(step_id=req.step_id, tokens=tokens if self.is_sampler else [])
+
+    def _paged(self, e: worker_pb2.BatchEntry) -> None:
+        """A paged mesh's entry: its table covers its positions with ids in range, every position before
+        start_pos was written (by it or by the sequence whose prefix it shares), and its tokens go in."""
+        bs, table = self.mesh.kv_block_size, list(e.blocks)
+        end = e.start_pos + e.num_tokens
+        if len(table) < -(-end // bs) or any(not 0 <= b < self.mesh.kv_blocks for b in table):
+            raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"blocks {table} for [0, {end})")
+        missing = [p for p in range(e.start_pos) if p % bs not in self.blocks.get(table[p // bs], {})]
+        if missing:
+            raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"positions {missing[:4]}... were never written")
+        for i, token in enumerate(e.token_ids):
+            p = e.start_pos + i
+            self.blocks.setdefault(table[p // bs], {})[p % bs] = token
+
+    def tokens_in(self, table: list[int], length: int) -> list[int]:
+        """The token ids written at positions [0, length) of a block table."""
+        bs = self.mesh.kv_block_size
+        with self.lock:
+            return [self.blocks.get(table[p // bs], {}).get(p % bs, -1) for p in range(length)]
 
     def release(self, req: worker_pb2.ReleaseRequest) -> worker_pb2.ReleaseResponse:
         with self.lock:
@@ -175,8 +200,10 @@ class FakeMesh:
     token and the ids after it, each one nat less likely."""
 
     def __init__(self, pp: int = 2, tp: int = 2, kv_slots: int = 4, max_context: int = 64,
-                 max_batch_tokens: int = 64, filler: int = 72) -> None:  # fmt: skip
+                 max_batch_tokens: int = 64, filler: int = 72, kv_block_size: int = 0,
+                 kv_blocks: int = 0) -> None:  # fmt: skip
         self.pp, self.tp, self.kv_slots = pp, tp, kv_slots
+        self.kv_block_size, self.kv_blocks = kv_block_size, kv_blocks
         self.max_context, self.max_batch_tokens, self.filler = max_context, max_batch_tokens, filler
         self.script: dict[str, list[int]] = {}
         self.default_script: list[int] = []
@@ -206,7 +233,7 @@ class FakeMesh:
                                    (sh.stage, sh.stage + 1), self.cache_ids[i])
                        for i, sh in enumerate(self.shards))  # fmt: skip
         return MeshView(version, (placement,), self.pp, self.tp, self.kv_slots, self.max_context,
-                        self.max_batch_tokens, VOCAB, shards)  # fmt: skip
+                        self.max_batch_tokens, VOCAB, shards, self.kv_block_size, self.kv_blocks)  # fmt: skip
 
     def topology(self, version: int = 1, complete: bool = True, model_path: str = "/m", epoch: int = 1) -> Topology:
         stages = tuple(
@@ -219,7 +246,8 @@ class FakeMesh:
         return Topology(version, ModelSpec(model_path, "float32", "LlamaForCausalLM", self.pp, 8, VOCAB,
                                            self.max_context), self.pp, self.tp, stages,
                         Rendezvous("127.0.0.1", 1, f"topo/v{epoch}", epoch, self.pp * self.tp), complete,
-                        ServingLimits(self.kv_slots, self.max_context, self.max_batch_tokens),
+                        ServingLimits(self.kv_slots, self.max_context, self.max_batch_tokens, self.kv_block_size,
+                                      self.kv_blocks),
                         Calibration(CalibrationStatus.BALANCED, epoch, passed=True))  # fmt: skip
 
     def all_steps(self) -> list[list[worker_pb2.StepRequest]]:

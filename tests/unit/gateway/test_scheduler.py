@@ -194,7 +194,7 @@ def test_no_topology_is_unavailable(scheduler: Scheduler, model_files: ModelFile
 def observed(logger: Any) -> Iterator[tuple[Scheduler, GatewayMetrics]]:
     """A scheduler with its metrics on, the model served as `MODEL_NAME` (their `model_name` label)."""
     holder: list[Scheduler] = []
-    metrics = GatewayMetrics(lambda: holder[0].load(), MODEL_NAME)
+    metrics = GatewayMetrics(lambda: holder[0].load(), MODEL_NAME, lambda: holder[0].block_stats())
     s = Scheduler(SchedulerConfig(max_queue=8, step_timeout=5.0), logger, observer=GatewayObserver(None, metrics))
     holder.append(s)
     s.start()
@@ -424,3 +424,100 @@ def test_a_new_epoch_that_kept_every_cache_replays_nothing(scheduler: Scheduler,
 def test_unknown_cache_ids_replay_on_every_stage(scheduler: Scheduler, model_files: ModelFiles) -> None:
     replay = resumed_entries(scheduler, FakeMesh(pp=2, tp=1, kv_slots=2), model_files, ["", ""])[0]
     assert (replay.first_stage, replay.end_stage, replay.start_pos) == (0, 0, 0)
+
+
+# -- a paged mesh: block tables, prefix caching, admission by blocks ---------------------------------------------
+
+
+def test_paged_entries_carry_block_tables_and_a_shared_prefix_is_prefilled_once(
+    observed: tuple[Scheduler, GatewayMetrics], model_files: ModelFiles
+) -> None:
+    scheduler, metrics = observed
+    mesh = FakeMesh(pp=2, tp=1, kv_slots=4, max_context=64, kv_block_size=4, kv_blocks=32)
+    scheduler.update_mesh(mesh_state(mesh, model_files))
+    system = "You are terse. "  # 15 tokens: 3 full blocks of 4, and 3 tokens
+    first = collect(scheduler.submit(request(model_files, "first", system + "Hi", max_new=5)))
+    second = collect(scheduler.submit(request(model_files, "second", system + "Yo!", max_new=5)))
+    assert len(tokens(first)) == len(tokens(second)) == 5
+    shard = mesh.shards[0]
+    entries = {e.request_id: [] for e in shard.steps[0].entries}
+    for step in shard.steps:
+        for e in step.entries:
+            entries.setdefault(e.request_id, []).append(e)
+    # The second found the first's three full blocks of the system prompt: its prefill starts after them.
+    prompt2 = ids_of(model_files, system + "Yo!")
+    head = entries["second"][0]
+    assert (head.start_pos, head.num_tokens) == (12, len(prompt2) - 12)
+    assert list(head.blocks[:3]) == list(entries["first"][0].blocks[:3])
+    assert shard.tokens_in(list(head.blocks), 12) == prompt2[:12]
+    # Every entry's table covers its positions (the fake shards check it), and grows block by block.
+    last = entries["second"][-1]
+    assert len(last.blocks) == -(-(last.start_pos + 1) // 4)
+    assert metrics.registry.get_sample_value("shardmesh_prefix_cache_tokens_saved_total") == 12
+
+
+def test_paged_admission_waits_for_blocks_and_never_runs_out(logger: Any, model_files: ModelFiles) -> None:
+    scheduler = Scheduler(SchedulerConfig(max_queue=8, step_timeout=5.0), logger)
+    scheduler.start()
+    try:
+        # 6 blocks of 4: each request may need 3 (2 prompt tokens + up to 10 new), so two run at once.
+        mesh = FakeMesh(pp=1, tp=1, kv_slots=4, max_context=24, kv_block_size=4, kv_blocks=6)
+        scheduler.update_mesh(mesh_state(mesh, model_files))
+        handles = [scheduler.submit(request(model_files, f"r{i}", max_new=10)) for i in range(4)]
+        assert [len(tokens(collect(h))) for h in handles] == [10] * 4
+        concurrent = max(len(step.entries) for step in mesh.shards[0].steps)
+        assert concurrent == 2  # four slots, but blocks for two
+        for step in mesh.shards[0].steps:
+            held = [b for e in step.entries for b in e.blocks]
+            assert len(held) == len(set(held))  # no block in two running sequences' tables
+    finally:
+        scheduler.shutdown(grace=0.0)
+
+
+def test_paged_sequences_keep_their_blocks_through_a_failure_and_the_index_is_forgotten(
+    scheduler: Scheduler, model_files: ModelFiles
+) -> None:
+    mesh = FakeMesh(pp=2, tp=1, kv_slots=2, max_context=64, kv_block_size=4, kv_blocks=32)
+    mesh.default_script = list(range(30, 50))
+    scheduler.update_mesh(mesh_state(mesh, model_files, seq=1))
+    mesh.step_delay = 0.01
+    prompt = "0123456789"
+    done = collect(scheduler.submit(request(model_files, "done", prompt, max_new=2)))
+    assert finish(done) is FinishReason.LENGTH
+    running = scheduler.submit(request(model_files, "running", prompt + "ab", max_new=12))
+    sent = [running.events.get(timeout=WAIT_S) for _ in range(3)]
+    mesh.failures[(1, 0)] = (grpc.StatusCode.UNAVAILABLE, "Connection refused")
+    wait_until(lambda: scheduler.snapshot()[1] is False)
+    for shard in mesh.shards:  # the new workers hold nothing
+        shard.blocks.clear()
+    scheduler.update_mesh(mesh_state(mesh, model_files, seq=2, version=2, placement="epoch-2"))
+    events = sent + collect(running)
+    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == list(range(30, 42))
+    steps = mesh.shards[0].steps
+    before = [e for s in steps if s.topology_version == 1 for e in s.entries if e.request_id == "running"]
+    replay = next(e for s in steps if s.topology_version == 2 for e in s.entries if e.request_id == "running")
+    assert before[0].start_pos == 8  # a prefix hit on the first mesh
+    assert replay.start_pos == 0 and list(replay.blocks) == list(before[-1].blocks)[: len(replay.blocks)]
+    # After the move, the index was forgotten: the same prompt finds nothing cached on the new workers.
+    again = scheduler.submit(request(model_files, "again", prompt, max_new=2))
+    assert finish(collect(again)) is FinishReason.LENGTH
+    first = next(e for s in steps for e in s.entries if e.request_id == "again")
+    assert first.start_pos == 0
+
+
+def test_paged_prefix_caching_can_be_turned_off(logger: Any, model_files: ModelFiles) -> None:
+    scheduler = Scheduler(SchedulerConfig(max_queue=8, step_timeout=5.0, prefix_caching=False), logger)
+    scheduler.start()
+    try:
+        mesh = FakeMesh(pp=1, tp=1, kv_slots=2, max_context=64, kv_block_size=4, kv_blocks=32)
+        scheduler.update_mesh(mesh_state(mesh, model_files))
+        for rid in ("a", "b"):
+            collect(scheduler.submit(request(model_files, rid, "the same prompt", max_new=2)))
+        firsts = {}
+        for step in mesh.shards[0].steps:
+            for e in step.entries:
+                firsts.setdefault(e.request_id, e)
+        assert firsts["b"].start_pos == 0 and firsts["b"].num_tokens == len(ids_of(model_files, "the same prompt"))
+        assert scheduler.block_stats().prefix.lookups == 0  # type: ignore[union-attr]
+    finally:
+        scheduler.shutdown(grace=0.0)

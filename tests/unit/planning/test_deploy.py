@@ -7,10 +7,11 @@ import argparse
 import shlex
 from pathlib import Path
 
+import pytest
 import yaml
 
 from shardmesh.planning import deploy
-from shardmesh.planning.manifest import load_manifest, parse_manifest
+from shardmesh.planning.manifest import ManifestError, load_manifest, parse_manifest
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "compose" / "manifest.example.yaml"
@@ -128,3 +129,29 @@ def test_manifest_memory_budget_reaches_every_worker(tmp_path: Path) -> None:
     workers = [c for c in deploy.service_commands(d) if " worker " in c]
     assert workers and all("--memory-budget 314572800" in c for c in workers)
     assert deploy.up_args(d, argparse.Namespace()).memory_budget == "314572800"
+
+
+def test_a_paged_kv_cache_reaches_the_coordinator_which_counts_the_same_blocks(tmp_path: Path) -> None:
+    from coordinator.app import build_config
+    from shardmesh_cli.main import build_parser
+
+    data = {"model": {"path": str(CONFIGS / "llama-3-8b"), "dtype": "bfloat16"},
+            "parallelism": {"pipeline": 2, "tensor": 1},
+            "serving": {"max_context": 4096, "kv_block_size": 16, "kv_cache_memory": "1GiB"}}  # fmt: skip
+    d = deploy.resolve(parse_manifest(data), tmp_path / "m.yaml")
+    # Stage 0 of 16 layers: 2 × 16 × 8 kv heads × 128 × 16 tokens × 2 B = 1 MiB of keys and values a block, and
+    # 16 × 4096 × 2 B = 128 KiB of activation log: 1 GiB buys 910 blocks of 1.125 MiB.
+    assert (d.limits.kv_block_size, d.limits.kv_blocks) == (16, 910)
+    flags = deploy.coordinator_flags(d)
+    assert flags[flags.index("--kv-block-size") + 1] == "16"
+    assert flags[flags.index("--kv-cache-memory") + 1] == str(2**30)
+    coordinator = build_config(build_parser().parse_args(["coordinator", *flags]))
+    assert coordinator.limits == d.limits
+    up = deploy.up_args(d, argparse.Namespace())
+    assert (up.kv_block_size, up.kv_cache_memory) == (16, str(2**30))
+    data["serving"]["kv_cache_memory"] = "200MiB"  # 177 blocks: 2832 tokens, not one 4096-token sequence
+    with pytest.raises(ManifestError, match=r"serving\.kv_cache_memory: 209715200 bytes buy 177 blocks of 16 tokens"):
+        deploy.resolve(parse_manifest(data), tmp_path / "m.yaml")
+    del data["serving"]["kv_block_size"], data["serving"]["kv_cache_memory"]
+    slots = deploy.resolve(parse_manifest(data), tmp_path / "m.yaml")
+    assert not slots.limits.paged and "--kv-block-size" not in deploy.coordinator_flags(slots)

@@ -62,6 +62,16 @@ BAD = {
          "mdl: unknown field; expected one of: version, model, parallelism, nodes, placement, serving, telemetry, "
          "services"],
     ),
+    "paged KV cache": (
+        "model: {path: /m}\nserving: {kv_block_size: -16, kv_cache_memory: 2 gigs}\n",
+        ["serving.kv_block_size: must be >= 0, got -16",
+         "serving.kv_cache_memory: must be a size like 80GiB, 48GB or 512MiB, or a number of bytes, got '2 gigs'"],
+    ),
+    "KV memory without blocks": (
+        "model: {path: /m}\nserving: {kv_cache_memory: 2GiB}\n",
+        ["serving.kv_cache_memory: sizes a paged KV cache, set serving.kv_block_size too (the slot cache is sized by "
+         "kv_slots and max_context)"],
+    ),
     "not a mapping": ("- just\n- a list\n", ["(top level): must be a mapping of key: value, got list"]),
     "YAML syntax": ("model: {path: /m\n",
                     ["not valid YAML: line 2, column 1: expected ',' or '}', but got '<stream end>'"]),

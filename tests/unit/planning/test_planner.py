@@ -15,7 +15,8 @@ from shardmesh.core.topology import ServingLimits
 from shardmesh.core.units import format_bytes
 from shardmesh.planning.devices import Device, make_devices, parse_devices
 from shardmesh.planning.memory import ModelInfo, RuntimeCosts, load_model, shard_memory
-from shardmesh.planning.planner import Infeasible, Plan, PlanError, PlanOptions, plan, try_plan
+from shardmesh.planning.offload import residency
+from shardmesh.planning.planner import Infeasible, Plan, PlanError, PlanOptions, Suggestion, plan, try_plan
 
 CONFIGS = Path(__file__).resolve().parents[2] / "data" / "configs"
 GiB = 2**30
@@ -74,7 +75,7 @@ def test_random_uneven_device_sets_give_valid_plans_or_actionable_errors() -> No
             seen["infeasible"] += 1
             assert e.missing > 0 and "missing" in str(e) and "closest layout: tp=" in str(e)
             for s in e.suggestions[:3]:  # each option really fits
-                assert fits_after(model, devices, opts, s.changes), s.text
+                assert option_fits(model, devices, opts, s), s.text
             continue
         seen["fit"] += 1
         seen["uneven"] += not p.even_split
@@ -97,6 +98,19 @@ def fits_after(model: ModelInfo, devices: tuple[Device, ...], opts: PlanOptions,
     return try_plan(model, devices, replace(opts, limits=lim)) is not None
 
 
+def option_fits(model: ModelInfo, devices: tuple[Device, ...], opts: PlanOptions, s: Suggestion) -> bool:
+    """A proposal fits: planned again with its changes, or (offload) every worker's split under the budget it
+    names, derived again, and its peak within its device less the reserve."""
+    if s.offload is None:
+        return fits_after(model, devices, opts, s.changes)
+    p, budget = s.offload, int(str(s.changes["memory_budget"]))
+    for sh in p.shards:
+        again = residency(model, sh.residency.layers, p.tp, sh.tp_rank, opts.dtype, budget, p.mode)
+        if again != sh.residency or sh.memory.total + opts.reserve > sh.device.memory:
+            return False
+    return {sh.device for sh in p.shards} <= set(devices)
+
+
 def test_infeasible_names_missing_bytes_and_each_kind_of_option() -> None:
     model = load_model(CONFIGS / "llama-3-70b")
     opts = PlanOptions(dtype="float32", limits=ServingLimits(16, 8192, 2048), runtime=RuntimeCosts.for_device("cuda"))
@@ -107,10 +121,10 @@ def test_infeasible_names_missing_bytes_and_each_kind_of_option() -> None:
     # logs: tens of GiB short (counted as the closest layout leaves them: its stages hold 67 of 80 layers).
     assert 10 * GiB < e.value.missing < 120 * GiB and f"{format_bytes(e.value.missing)} missing" in text
     kinds = {next(iter(s.changes)) for s in e.value.suggestions}
-    assert kinds == {"quantization", "dtype", "devices", "max_context", "kv_slots"}, text
+    assert kinds == {"quantization", "dtype", "devices", "max_context", "kv_slots", "memory_budget"}, text
     assert "--dtype bfloat16 instead of float32" in text and "more 80GiB device" in text
     for s in e.value.suggestions:
-        assert fits_after(model, parse_devices("4x80GiB"), opts, s.changes), s.text
+        assert option_fits(model, parse_devices("4x80GiB"), opts, s), s.text
     # The shortest context that fits is the longest that does: one more token would not.
     ctx = next(s.changes["max_context"] for s in e.value.suggestions if "max_context" in s.changes)
     longer = {"max_context": ctx + 1, "max_batch_tokens": min(2048, ctx + 1)}

@@ -30,6 +30,17 @@ def _config(family: str, variant: str) -> ModelConfig:
     return ModelConfig.from_hf({"architectures": [arch], **BASE, **spec, **VARIANTS[variant]})
 
 
+def _span(shape: tuple[int, ...], index: Any) -> int:
+    """Elements of a row-major tensor from a read's first to its last, as `engine.offload._byte_range` counts."""
+    index = (index or ()) + (slice(None),) * (len(shape) - len(index or ()))
+    stride, first, last = 1, 0, 0
+    for dim, s in zip(reversed(shape), reversed(index), strict=True):
+        start, stop, _ = s.indices(dim)
+        first, last = first + start * stride, last + (stop - 1) * stride
+        stride *= dim
+    return last + 1 - first
+
+
 def _meta_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
     """The engine's count: parameters and checkpoint reads of one-layer meta shards at each end of the model;
     the products int8 stores (`layer_products`) and the whole rows `reads.row_absmax` reads for them."""
@@ -37,6 +48,7 @@ def _meta_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
     reads: dict[str, list[int]] = {"embedding": [], "layer": [], "head": []}
     products: dict[str, list[tuple[int, int]]] = {"embedding": [], "layer": [], "head": []}
     chunks: dict[str, list[int]] = {"embedding": [], "layer": [], "head": []}
+    spans: dict[str, list[int]] = {"embedding": [], "layer": [], "head": []}  # products' reads, first to last element
 
     def part_of(name: str) -> str:
         return "embedding" if name.startswith("model.embed_tokens.") else "layer" if ".layers." in name else "head"
@@ -57,11 +69,13 @@ def _meta_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
                 if r.target in quantized and r.index is not None and any(i != slice(None) for i in r.index[1:]):
                     rows = min(r.full_shape[0], max(1, ABSMAX_CHUNK_BYTES // (4 * r.full_shape[1])))
                     chunks[part_of(r.target)].append(rows * r.full_shape[1])  # row_absmax's chunk of whole rows
+                if r.target in quantized:
+                    spans[part_of(r.target)].append(_span(r.full_shape, r.index))
 
     def part(key: str) -> Part:
         matrices = [n for n, dim in params[key] if dim == 2 and key != "embedding"]  # lookups are not re-laid out
         return Part(sum(n for n, _ in params[key]), max(matrices, default=0), max(reads[key], default=0),
-                    tuple(sorted(products[key])), max(chunks[key], default=0))  # fmt: skip
+                    tuple(sorted(products[key])), max(chunks[key], default=0), tuple(sorted(spans[key])))  # fmt: skip
 
     return WeightParts(part("embedding"), part("layer"), part("head"))
 

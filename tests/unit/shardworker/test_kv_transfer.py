@@ -132,11 +132,11 @@ def test_the_receiver_refuses_a_cache_sized_for_another_shard(store: dist.TCPSto
     src, dst = torch.arange(12.0).view(3, 4), torch.zeros(3, 4)
     header = kv_transfer.Header(kv_transfer.key_digest(("shard", 1)), "abc", ((1, "r", 4),), {})
     sent: list[int] = []
-    t = threading.Thread(target=lambda: sent.append(kv_transfer.send(send_pg, header, lambda s, n: [src[s, :n]],
+    t = threading.Thread(target=lambda: sent.append(kv_transfer.send(send_pg, header, lambda s, n, _: [src[s, :n]],
                                                                        torch.device("cpu"))))  # fmt: skip
     t.start()
     with pytest.raises(ValueError, match="sized for another shard"):
-        kv_transfer.receive(recv_pg, kv_transfer.key_digest(("shard", 2)), lambda s, n: [dst[s, :n]],
+        kv_transfer.receive(recv_pg, kv_transfer.key_digest(("shard", 2)), lambda s, n, _: [dst[s, :n]],
                             torch.device("cpu"))  # fmt: skip
     t.join(30)
     assert sent == [0] and not dst.any()
@@ -148,10 +148,10 @@ def test_rows_arrive_where_they_came_from(store: dist.TCPStore) -> None:
     src_kv, src_ids = torch.randn(4, 8, 2), torch.randint(0, 100, (4, 8))
     dst_kv, dst_ids = torch.zeros(4, 8, 2), torch.zeros(4, 8, dtype=torch.int64)
     header = kv_transfer.Header(key, "abc", ((0, "r", 3), (2, "s", 8), (3, "t", 0)), {"s": 11})
-    t = threading.Thread(target=kv_transfer.send, args=(send_pg, header, lambda s, n: [src_kv[s, :n], src_ids[s, :n]],
-                                                        torch.device("cpu")))  # fmt: skip
+    rows = lambda s, n, _: [src_kv[s, :n], src_ids[s, :n]]  # noqa: E731
+    t = threading.Thread(target=kv_transfer.send, args=(send_pg, header, rows, torch.device("cpu")))
     t.start()
-    got, received = kv_transfer.receive(recv_pg, key, lambda s, n: [dst_kv[s, :n], dst_ids[s, :n]],
+    got, received = kv_transfer.receive(recv_pg, key, lambda s, n, _: [dst_kv[s, :n], dst_ids[s, :n]],
                                         torch.device("cpu"))  # fmt: skip
     t.join(30)
     assert got == header and received == (3 + 8) * (2 * 4 + 8)
