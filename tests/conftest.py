@@ -12,6 +12,18 @@ os.environ.setdefault("SHARDMESH_LOG_LEVEL", "warning")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels() -> None:
+    """Build the C++ kernels (int8 products, paged decode attention) once, before the first test: a worker builds
+    them at first use (about a minute each on 2 cores, then cached under ~/.cache/torch_extensions), which on a
+    fresh machine would otherwise fall inside some test's wait for a worker to load. Where they cannot be built the
+    engine falls back to its torch paths, as it would in service."""
+    from shardmesh.engine import int8_cpu, paged_attention
+
+    int8_cpu.available()
+    paged_attention.available()
+
+
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator["Stack"]:  # noqa: F821  (imported below, after sys.path is set)
     """Services started one by one, as compose would (tests/stack.py); whatever still runs is stopped after."""
