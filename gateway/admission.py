@@ -29,6 +29,10 @@ class Admission:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def waiting(self) -> list[Sequence]:
+        """The waiting sequences, oldest first (a copy)."""
+        return list(self._waiting)
+
     def queued(self, free_slots: int) -> int:
         """Requests still without a slot after the next step boundary: cancelled ones are dropped there,
         and the `free_slots` (counting those that cancelled running requests free there) take waiting ones."""

@@ -209,6 +209,10 @@ class BlockPool:
         self._reserved -= table.reserved
         table.blocks, table.reserved, table.digests = [], 0, []
 
+    def shares(self, table: BlockTable) -> bool:
+        """Whether another table holds one of this table's blocks too (a prefix they share)."""
+        return any(self._refs[b] > 1 for b in table.blocks)
+
     def forget_index(self) -> None:
         """The KV behind the blocks is no longer what the index says (the mesh moved to other workers, which
         rebuild it by replay): no prefix is found any more, and cached blocks nobody holds are free. Blocks held

@@ -413,8 +413,22 @@ class Scheduler:
         elif self._blocks is not None and (self._blocks.num_blocks, self._blocks.block_size) == (
             view.kv_blocks, view.kv_block_size):  # fmt: skip
             self._blocks.forget_index()
+            self._unshare(self._blocks)
         else:
             self._blocks = BlockPool(view.kv_blocks, view.kv_block_size, self._prefix_counters)
+
+    def _unshare(self, pool: BlockPool) -> None:
+        """On a new placement, the resuming sequences that share prefix blocks give their tables up (under _lock):
+        each of them would replay its log from position 0 into the shared blocks, several sequences writing one
+        block. They take new, private blocks at admission instead, and replay everything on every stage (their
+        caches kept elsewhere sit in the old blocks). Sequences with blocks of their own keep them, and replay only
+        where their cache was lost."""
+        for s in self._admission.waiting():
+            if s.block_pool is pool and s.blocks is not None and pool.shares(s.blocks):
+                pool.release(s.blocks)
+                s.blocks, s.block_pool = None, None
+                if s.kept is not None:  # nothing of it is where its new table points
+                    s.kept = Kept(s.kept.view, s.kept.slot, 0, None)
 
     def _hold_blocks(self, s: Sequence, view: MeshView) -> int | None:
         """On a paged mesh, make `s` hold the blocks it may need: those it kept through a resume, or a new table

@@ -29,10 +29,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            eos_token_id=95)  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=lambda p: f"pp{p[0]}-tp{p[1]}")
+# The paged mesh: sequences keep their block tables through the loss and replay into them (gateway/blocks.py).
+@pytest.fixture(scope="module", params=[(2, 1, ()), (1, 2, ()), (2, 1, ("--kv-block-size", "4"))],
+                ids=lambda p: f"pp{p[0]}-tp{p[1]}{'-paged' if p[2] else ''}")  # fmt: skip
 def mesh(request, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    pp, tp = request.param
-    m = Mesh(model, pp, tp, tmp_path_factory.mktemp(f"failover{pp}{tp}"))
+    pp, tp, extra = request.param
+    m = Mesh(model, pp, tp, tmp_path_factory.mktemp(f"failover{pp}{tp}"), *extra)
     yield m
     m.close()
 

@@ -122,6 +122,14 @@ class FakeShard:
             if req.topology_version not in mesh.versions:
                 raise FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, f"version {req.topology_version}")
             tokens = []
+            if mesh.kv_block_size:  # like a real worker: a block has one writer per step
+                writers: dict[int, str] = {}
+                for e in req.entries:
+                    if e.first_stage <= self.stage < (e.end_stage or mesh.pp):
+                        for p in range(e.start_pos, e.start_pos + e.num_tokens):
+                            block = e.blocks[p // mesh.kv_block_size] if p // mesh.kv_block_size < len(e.blocks) else -1
+                            if writers.setdefault(block, e.request_id) != e.request_id:
+                                raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"block {block} written twice")
             for e in req.entries:
                 if not 0 <= e.slot < mesh.kv_slots:
                     raise FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"slot {e.slot} out of range")

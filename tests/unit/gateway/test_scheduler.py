@@ -521,3 +521,30 @@ def test_paged_prefix_caching_can_be_turned_off(logger: Any, model_files: ModelF
         assert scheduler.block_stats().prefix.lookups == 0  # type: ignore[union-attr]
     finally:
         scheduler.shutdown(grace=0.0)
+
+
+def test_paged_sequences_sharing_a_prefix_replay_into_blocks_of_their_own(
+    scheduler: Scheduler, model_files: ModelFiles
+) -> None:
+    """Two running sequences share the blocks of a cached prefix; their workers are lost and the mesh moves. Both
+    would replay from position 0 into the shared blocks in one step (two writers of one block), so they take private
+    blocks instead and replay everything; their tokens are those of an undisturbed run."""
+    mesh = FakeMesh(pp=2, tp=1, kv_slots=4, max_context=64, kv_block_size=4, kv_blocks=32)
+    mesh.default_script = list(range(30, 50))
+    scheduler.update_mesh(mesh_state(mesh, model_files, seq=1))
+    system = "0123456789ab"  # 3 full blocks
+    collect(scheduler.submit(request(model_files, "warm", system + "!", max_new=1)))
+    mesh.step_delay = 0.01
+    handles = [scheduler.submit(request(model_files, rid, system + rid, max_new=12)) for rid in ("x", "y")]
+    sent = {id(h): [h.events.get(timeout=WAIT_S) for _ in range(2)] for h in handles}
+    mesh.failures[(1, 0)] = (grpc.StatusCode.UNAVAILABLE, "Connection refused")
+    wait_until(lambda: scheduler.snapshot()[1] is False)
+    for shard in mesh.shards:
+        shard.blocks.clear()
+    scheduler.update_mesh(mesh_state(mesh, model_files, seq=2, version=2, placement="epoch-2"))
+    for h in handles:
+        events = sent[id(h)] + collect(h)
+        assert [e.token_id for e in events if isinstance(e, TokenEvent)] == list(range(30, 42))
+    replays = [e for s in mesh.shards[0].steps if s.topology_version == 2 for e in s.entries]
+    tables = {e.request_id: set(e.blocks) for e in replays if e.start_pos == 0}
+    assert set(tables) == {"x", "y"} and not tables["x"] & tables["y"]  # private blocks, each written once
