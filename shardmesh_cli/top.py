@@ -272,6 +272,7 @@ def _gateway_lines(address: str, cur: Metrics | str, prev: Metrics | str | None,
         + (f"{cur.value('shardmesh_batch_size_sum') / batches:.1f} sequences, "
            f"{cur.value('shardmesh_batch_tokens_sum') / batches:.1f} tokens" if batches else "-"),
     ]  # fmt: skip
+    lines += _kv_block_lines(cur)
     header = ["  latency since start", "p50", "p90", "p99", "mean", "count"]
     rows = []
     for title, name in (("time to first token", "shardmesh_time_to_first_token_seconds"),
@@ -283,6 +284,24 @@ def _gateway_lines(address: str, cur: Metrics | str, prev: Metrics | str | None,
         mean = cur.value(f"{name}_sum") / n if n else None
         rows.append([f"    {title}", *(_ms(quantile(q, b)) for q in (0.5, 0.9, 0.99)), _ms(mean), f"{n:.0f}"])
     return lines + _table(header, rows)
+
+
+def _kv_block_lines(cur: Metrics) -> list[str]:
+    """A paged mesh's KV blocks (the same ids on every shard: the gateway hands them out) and what prefix caching
+    saved since the gateway started; nothing on a mesh of slots."""
+    if cur.get("shardmesh_kv_blocks", state="used") is None:
+        return []
+    used, cached, free, reserved = (cur.value("shardmesh_kv_blocks", state=s) for s in ("used", "cached", "free",
+                                                                                         "reserved"))  # fmt: skip
+    total = used + cached + free
+    lookups, hits = cur.value("shardmesh_prefix_cache_lookups_total"), cur.value("shardmesh_prefix_cache_hits_total")
+    looked = cur.value("shardmesh_prefix_cache_tokens_looked_up_total")
+    saved = cur.value("shardmesh_prefix_cache_tokens_saved_total")
+    hit_rate = f"{100 * hits / lookups:.0f}% of {lookups:.0f} prompts" if lookups else "no prompt yet"
+    share = f" ({100 * saved / looked:.0f}% of prompt tokens)" if looked else ""
+    return [f"  KV blocks per shard {total:.0f} × {cur.value('shardmesh_kv_block_size'):.0f} tokens: used {used:.0f}, "
+            f"cached {cached:.0f}, free {free:.0f} (reserved {reserved:.0f})   prefix hits {hit_rate}, "
+            f"tokens saved {saved:.0f}{share}"]  # fmt: skip
 
 
 def _workers_line(t: Any) -> str:
