@@ -38,8 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
               "take turns, for stages that share the same cores)")  # fmt: skip
     flag("--shutdown-grace", 5.0, type=float, help="seconds running requests get to finish on SIGTERM (default 5)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   default=os.environ.get(ENV_PREFIX + "NO_PREFIX_CACHING", "") in ("", "0", "false"),
                    help="on a paged mesh (coordinator --kv-block-size), prefill every prompt whole instead of reusing "
-                        "the blocks of a prefix an earlier request computed (on by default)")  # fmt: skip
+                        "the blocks of a prefix an earlier request computed (on by default) "
+                        f"[env {ENV_PREFIX}NO_PREFIX_CACHING]")  # fmt: skip
     flag("--model-dir", help="where to read the tokenizer (default: the model path in the coordinator's topology)")
     flag("--http-listen", help="host:port for the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
          "/v1/models, /health); port 0 picks a free one (default: off)")  # fmt: skip
