@@ -17,14 +17,9 @@ reason is in `build_error()`, and the loader chooses another int8 kernel.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-from typing import Any
-
-import torch
 from torch import Tensor
 
-from shardmesh.engine.cpu_features import cpu_flags
+from shardmesh.engine.native import InlineKernel
 
 MAX_ROWS = 8  # beyond this the product is compute-bound and a dequantized float GEMM is faster
 
@@ -73,36 +68,21 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale)
 }
 """
 
-_error = ""
-
-
-@functools.cache
-def _extension() -> Any | None:
-    global _error
-    flags = " ".join(sorted(cpu_flags()))
-    digest = hashlib.sha256((_SOURCE + flags + torch.__version__).encode()).hexdigest()[:16]
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline(f"shardmesh_int8_{digest}", cpp_sources=_SOURCE, functions=["int8_linear"],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp-simd"])  # fmt: skip
-    except Exception as e:  # no compiler, no ninja, a failed build: the loader picks another kernel
-        _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        return None
+_KERNEL = InlineKernel("shardmesh_int8", _SOURCE, ["int8_linear"], ["-O3", "-march=native", "-fopenmp-simd"])
 
 
 def available() -> bool:
     """Whether the kernel is built (building it now if it is not cached)."""
-    return _extension() is not None
+    return _KERNEL.module() is not None
 
 
 def build_error() -> str:
     """Why the kernel could not be built ("" when it was, or was not tried)."""
-    return _error
+    return _KERNEL.build_error
 
 
 def linear(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
     """(M, K) float32 rows times int8 (N, K) weights with float32 scales (N,) -> (M, N) float32."""
-    ext = _extension()
+    ext = _KERNEL.module()
     assert ext is not None, build_error()
     return ext.int8_linear(x.contiguous(), weight, scale)

@@ -21,7 +21,7 @@ Why it is shaped so (measured on SmolLM2's shapes, 16 sequences of ~500 tokens, 
 - No software prefetch: fetching the next block's tiles gained 13% on an earlier, slower version of these loops
   and was not measured again on these; the blocks' order mattered nothing there (shuffled ids as fast as in order).
 
-Built like `int8_cpu` with `torch.utils.cpp_extension.load_inline` at first use, cached under
+Built by `native.InlineKernel` (as `int8_cpu` is: `torch.utils.cpp_extension.load_inline`) at first use, cached under
 `~/.cache/torch_extensions` by a digest of the source and the CPU's flags (`-march=native`). Where it cannot be
 built (no compiler or ninja), or off the CPU, `choose` returns `GatherDecode`: the blocks gathered into a
 contiguous tensor and SDPA, correct but copying. The choice is named (`name`), as the linear kernels are.
@@ -29,16 +29,14 @@ contiguous tensor and SDPA, correct but copying. The choice is named (`name`), a
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from shardmesh.engine.cpu_features import cpu_flags
+from shardmesh.engine.native import InlineKernel
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -286,32 +284,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, 
 }
 """
 
-_error = ""
-
-
-@functools.cache
-def _extension() -> Any | None:
-    global _error
-    flags = " ".join(sorted(cpu_flags()))
-    digest = hashlib.sha256((_SOURCE + flags + torch.__version__).encode()).hexdigest()[:16]
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline(f"shardmesh_paged_{digest}", cpp_sources=_SOURCE, functions=["paged_decode"],
-                           extra_cflags=["-O3", "-march=native", "-ffp-contract=fast"])  # fmt: skip
-    except Exception as e:  # no compiler, no ninja, a failed build: `choose` falls back to GatherDecode
-        _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        return None
+_KERNEL = InlineKernel("shardmesh_paged", _SOURCE, ["paged_decode"], ["-O3", "-march=native", "-ffp-contract=fast"])
 
 
 def available() -> bool:
     """Whether the kernel is built (building it now if it is not cached)."""
-    return _extension() is not None
+    return _KERNEL.module() is not None
 
 
 def build_error() -> str:
     """Why the kernel could not be built ("" when it was, or was not tried)."""
-    return _error
+    return _KERNEL.build_error
 
 
 class DecodeKernel(Protocol):
@@ -341,7 +324,7 @@ class CpuDecode:
     name = "paged-cpu"
 
     def __call__(self, q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, lengths: Tensor) -> Tensor:
-        ext = _extension()
+        ext = _KERNEL.module()
         assert ext is not None, build_error()
         return ext.paged_decode(q.contiguous(), keys, values, tables, lengths, 1 / math.sqrt(q.shape[-1]))
 

@@ -1,0 +1,70 @@
+"""C++ kernels compiled at first use, for the CPU they run on (`int8_cpu`, `paged_attention`).
+
+Each is built with `torch.utils.cpp_extension.load_inline` under a name that carries a digest of its source, this
+CPU's flags and torch's version, so a machine with other flags or another torch builds its own, and cached under
+~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR): about a minute per kernel on 2 cores the first time, a
+fraction of a second after. A kernel that cannot be built (no compiler, no ninja, a failed build) is None with the
+reason in `build_error`, and its module falls back to a torch path.
+
+A build holds a `lock` file in its directory, and torch waits for that file to go, without a timeout. A process
+killed while building (SIGKILL, a container stopped during the first start) leaves the file behind, and every
+later start would wait forever, silently. A lock older than any build takes is therefore removed, with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from shardmesh.engine.cpu_features import cpu_flags
+
+STALE_LOCK_S = 15 * 60  # a build takes about a minute on 2 cores; a lock this old was left by a dead process
+
+
+class InlineKernel:
+    """One C++ source with the functions it exports, built at first use (`module`)."""
+
+    def __init__(self, prefix: str, source: str, functions: list[str], cflags: list[str]) -> None:
+        self.prefix, self.source, self.functions, self.cflags = prefix, source, functions, cflags
+        self.build_error = ""  # why it could not be built ("" when it was, or was not tried)
+
+    @property
+    def name(self) -> str:
+        flags = " ".join(sorted(cpu_flags()))
+        digest = hashlib.sha256((self.source + flags + torch.__version__).encode()).hexdigest()[:16]
+        return f"{self.prefix}_{digest}"
+
+    @functools.cache  # noqa: B019  (one instance per kernel module, alive as long as the process)
+    def module(self) -> Any | None:
+        """The built extension (building it now if it is not cached), or None."""
+        try:
+            from torch.utils import cpp_extension
+
+            name = self.name
+            _remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
+            return cpp_extension.load_inline(name, cpp_sources=self.source, functions=self.functions,
+                                             extra_cflags=self.cflags)  # fmt: skip
+        except Exception as e:  # no compiler, no ninja, a failed build: the caller falls back
+            message = str(e).strip()
+            self.build_error = f"{type(e).__name__}: {message.splitlines()[-1] if message else ''}"
+            return None
+
+
+def _remove_stale_lock(lock: Path, now: float | None = None) -> bool:
+    """Remove `lock` when it is older than STALE_LOCK_S (see the module docstring); whether it did."""
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    structlog.get_logger().warning("stale_build_lock_removed", path=str(lock), age_s=round(age),
+                                   reason="older than any build: the process that was building is gone")  # fmt: skip
+    lock.unlink(missing_ok=True)
+    return True

@@ -1,0 +1,36 @@
+"""The C++ kernels' builder (`engine/native.py`): a build lock left by a killed process does not hang later starts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from shardmesh.engine import native
+
+
+def test_a_lock_older_than_any_build_is_removed_and_a_fresh_one_kept(tmp_path: Path) -> None:
+    lock = tmp_path / "lock"
+    assert not native._remove_stale_lock(lock)  # none there
+    lock.touch()
+    now = lock.stat().st_mtime
+    assert not native._remove_stale_lock(lock, now + native.STALE_LOCK_S - 1)  # a build may be running
+    assert lock.exists()
+    assert native._remove_stale_lock(lock, now + native.STALE_LOCK_S)
+    assert not lock.exists()
+
+
+def test_a_stale_lock_in_the_build_directory_does_not_block_the_build(tmp_path: Path, monkeypatch) -> None:
+    """A fresh builder over a build directory holding a stale lock builds (or loads) the kernel instead of waiting
+    for that lock forever."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    kernel = native.InlineKernel("shardmesh_native_test", "int twice(int x) { return 2 * x; }", ["twice"], ["-O1"])
+    build = Path(cpp_extension._get_build_directory(kernel.name, verbose=False))
+    (build / "lock").touch()
+    old = (build / "lock").stat().st_mtime - native.STALE_LOCK_S - 1
+    os.utime(build / "lock", (old, old))
+    module = kernel.module()
+    assert module is not None, kernel.build_error
+    assert module.twice(21) == 42
+
