@@ -33,4 +33,3 @@ def test_a_stale_lock_in_the_build_directory_does_not_block_the_build(tmp_path: 
     module = kernel.module()
     assert module is not None, kernel.build_error
     assert module.twice(21) == 42
-
