@@ -32,11 +32,12 @@ keeps its blocks through a fail-over.
 from __future__ import annotations
 
 import hashlib
-import math
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from shardmesh.core.step import blocks_for
 
 ROOT = b""  # the digest before the first block
 
@@ -47,11 +48,6 @@ def block_digest(previous: bytes, tokens: Sequence[int]) -> bytes:
     SHA-256, not Python's `hash`: a collision would serve one prompt's KV to another (vLLM moved to SHA-256
     for prefix hashes for this reason), and 32 bytes per cached block cost nothing."""
     return hashlib.sha256(previous + array("q", tokens).tobytes()).digest()
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    """Blocks that hold `tokens` positions."""
-    return math.ceil(tokens / block_size)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any
 
 from gateway.tokenizing import TokenizerPool, shared_pool
 from shardmesh.core.errors import InvalidArgument
-from shardmesh.core.step import MAX_TOP_LOGPROBS, PENALTY_RANGE
+from shardmesh.core.step import MAX_TOP_LOGPROBS, PENALTY_RANGE, penalized
 from shardmesh.proto.v1 import gateway_pb2
 
 MAX_REQUEST_ID_CHARS = 128
@@ -73,6 +73,11 @@ class Sampling:
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument("params.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got "
                                                          f"{self.top_logprobs}")  # fmt: skip
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is set: the draw then depends on the sequence's token history."""
+        return penalized(self.repetition_penalty, self.frequency_penalty, self.presence_penalty)
 
 
 @dataclass(frozen=True)

@@ -439,11 +439,10 @@ class Scheduler:
         if pool is None or (s.blocks is not None and s.block_pool is pool):
             return 0
         total = min(s.req.max_total_tokens, view.max_context)
-        sampling = s.req.sampling
         # A penalty counts the tokens the last stage recorded for this sequence: a prefix it skips is not there.
-        penalized = sampling.repetition_penalty != 1 or sampling.frequency_penalty or sampling.presence_penalty
+        lookup = self.cfg.prefix_caching and not s.req.sampling.penalized
         with self._lock:
-            table = pool.admit(s.log, total, lookup=self.cfg.prefix_caching and not penalized)
+            table = pool.admit(s.log, total, lookup=lookup)
         if table is None:
             return None
         s.blocks, s.block_pool = table, pool

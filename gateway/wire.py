@@ -6,7 +6,7 @@ import secrets
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from gateway.blocks import blocks_for
+from shardmesh.core.step import blocks_for
 from shardmesh.proto.v1 import worker_pb2
 
 if TYPE_CHECKING:

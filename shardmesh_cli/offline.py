@@ -25,7 +25,7 @@ import torch.distributed as dist
 from shardmesh.core.config import ModelConfig
 from shardmesh.core.dtypes import Quantization
 from shardmesh.core.layout import shard_specs
-from shardmesh.core.step import SamplingParams, Segment
+from shardmesh.core.step import SamplingParams, Segment, blocks_for
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.groups import Backend, GroupCollective, form_groups
 from shardmesh.engine.loader import build_shard, check_shards, parse_dtype
@@ -156,7 +156,7 @@ def _rank_main(argv: list[str]) -> None:
                 offload=streamer.plan.describe() if streamer is not None else None)  # fmt: skip
     # One sequence: a slot of max_len positions, or blocks 0, 1, ... covering them, its block table
     bs = a.kv_block_size
-    blocks = tuple(range(-(-max_len // bs))) if bs else ()
+    blocks = tuple(range(blocks_for(max_len, bs))) if bs else ()
     cache = model.make_paged_cache(len(blocks), bs, dtype, device) if bs else model.make_cache(1, dtype, device)
     logger.info("kv_cache", layout="paged" if bs else "slots", block_size=bs, blocks=len(blocks), bytes=cache.nbytes,
                 attention_kernel=cache.attention_kernel)  # fmt: skip

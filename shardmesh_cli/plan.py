@@ -77,6 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _flag_options(args: argparse.Namespace) -> tuple[ModelInfo, tuple[Device, ...], PlanOptions]:
+    from shardmesh.core.step import blocks_for
     from shardmesh.core.topology import ServingLimits
     from shardmesh.core.units import parse_bytes
     from shardmesh.models import hub
@@ -117,7 +118,7 @@ def _flag_options(args: argparse.Namespace) -> tuple[ModelInfo, tuple[Device, ..
         if args.kv_block_size < 1:
             raise UsageError(f"--kv-block-size: must be >= 1, got {args.kv_block_size}")
         # Planned first with the blocks of one whole sequence (what must fit at least); `_paged` sizes them after.
-        blocks = -(-ctx // args.kv_block_size)
+        blocks = blocks_for(ctx, args.kv_block_size)
         limits = ServingLimits(limits.kv_slots, ctx, limits.max_batch_tokens, args.kv_block_size, blocks)
     opts = PlanOptions(dtype=args.dtype or DType.FLOAT32, quantization=args.quantize or Quantization.NONE.value,
                        limits=limits, runtime=runtime, tp=args.tp, pp=args.pp, balance=args.balance or "memory",

@@ -30,7 +30,7 @@ from shardmesh.core.config import ModelConfig
 from shardmesh.core.dtypes import Quantization
 from shardmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from shardmesh.core.layout import ShardSpec
-from shardmesh.core.step import Sampled, SamplingParams, Segment, StepEntry
+from shardmesh.core.step import Sampled, SamplingParams, Segment, StepEntry, blocks_for, written_blocks
 from shardmesh.core.topology import HeldShard, Rendezvous, ServingLimits, ShardState, Topology
 from shardmesh.engine import kv_transfer, offload
 from shardmesh.engine.batch import BatchLayout
@@ -165,7 +165,7 @@ class _Caches:
         block dimension is its third, whatever the layout within a block: `PagedKVCache`), and its activation log
         rows. Whole blocks, the last one too: how positions lie within a block is the cache's business, and the
         positions past `length` it carries are written before anything reads them."""
-        needed = -(-length // kv.block_size)
+        needed = blocks_for(length, kv.block_size)
         if len(blocks) < needed or max(blocks[:needed], default=0) >= kv.num_blocks:
             raise ValueError(f"a block table of {len(blocks)} blocks does not hold {length} positions in blocks of "
                              f"{kv.block_size} below {kv.num_blocks}")  # fmt: skip
@@ -752,7 +752,7 @@ def _validate_blocks(e: StepEntry, i: int, limits: ServingLimits, writers: dict[
         e.check_blocks(bs, limits.kv_blocks)
     except ValueError as err:
         raise InvalidArgument(f"{where}.blocks", str(err)) from None
-    for b in e.blocks[e.start_pos // bs : -(-(e.start_pos + e.num_tokens) // bs)]:  # the blocks it writes
+    for b in written_blocks(e.blocks, e.start_pos, e.num_tokens, bs):
         if writers.setdefault(b, i) != i:
             raise InvalidArgument(f"{where}.blocks", f"block {b} is written by entries[{writers[b]}] too in this "
                                   f"step (a block has one writer)")  # fmt: skip

@@ -12,13 +12,24 @@ import math
 from dataclasses import dataclass
 
 
+def blocks_for(positions: int, block_size: int) -> int:
+    """Blocks of `block_size` that hold positions [0, positions): block i holds [i * block_size, (i + 1) *
+    block_size)."""
+    return -(-positions // block_size)
+
+
+def written_blocks(blocks: tuple[int, ...], start: int, length: int, block_size: int) -> tuple[int, ...]:
+    """The blocks of a block table that positions [start, start + length) are written into."""
+    return blocks[start // block_size : blocks_for(start + length, block_size)]
+
+
 def check_block_table(blocks: tuple[int, ...], start: int, length: int, block_size: int, num_blocks: int | None,
                       name: str) -> None:  # fmt: skip
     """Raise a ValueError naming `name` unless `blocks` cover positions [0, start + length) in blocks of
     `block_size` (block i holds positions [i * block_size, (i + 1) * block_size)), each id below `num_blocks`
     (None: not checked here). More blocks than needed are allowed (a block allocated ahead); they are not read."""
     end = start + length
-    needed = -(-end // block_size)
+    needed = blocks_for(end, block_size)
     if len(blocks) < needed:
         raise ValueError(f"{name}: positions [0, {end}) need {needed} blocks of {block_size} tokens, the block "
                          f"table has {len(blocks)}")  # fmt: skip
@@ -60,6 +71,12 @@ class Segment:
 
     def check_blocks(self, block_size: int, num_blocks: int | None = None) -> None:
         check_block_table(self.blocks, self.start, self.length, block_size, num_blocks, self.name)
+
+
+def penalized(repetition_penalty: float, frequency_penalty: float, presence_penalty: float) -> bool:
+    """Whether these penalties make a draw depend on the sequence's token history (the worker's `SamplingParams`
+    and the gateway's `Sampling` both ask)."""
+    return repetition_penalty != 1 or frequency_penalty != 0 or presence_penalty != 0
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's and vLLM's bound)
@@ -111,7 +128,7 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Whether a penalty is set: the draw then depends on the sequence's token history."""
-        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+        return penalized(self.repetition_penalty, self.frequency_penalty, self.presence_penalty)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from shardmesh.core.step import Segment
+from shardmesh.core.step import Segment, blocks_for, written_blocks
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def _paged(segments: tuple[Segment, ...], positions: Tensor, ends: Tensor, start
     for s in segments:
         s.check_blocks(block_size)
     _check_disjoint_writes(segments, block_size)
-    tables = [torch.tensor(s.blocks[: -(-(s.start + s.length) // block_size)]) for s in segments]
+    tables = [torch.tensor(s.blocks[: blocks_for(s.start + s.length, block_size)]) for s in segments]
     pairs = zip(segments, tables, strict=True)
     blocks = torch.cat([t[torch.arange(s.start, s.start + s.length) // block_size] for s, t in pairs])
     kv_index = (blocks.to(device), (positions % block_size).to(device))
@@ -124,7 +124,7 @@ def _check_disjoint_writes(segments: tuple[Segment, ...], block_size: int) -> No
     a sequence writes only at its own positions, so two writers of one block is a block-table error."""
     writer: dict[int, Segment] = {}
     for s in segments:
-        for b in s.blocks[s.start // block_size : -(-(s.start + s.length) // block_size)]:
+        for b in written_blocks(s.blocks, s.start, s.length, block_size):
             if b in writer:
                 raise ValueError(f"{s.name} and {writer[b].name} both write block {b} in one step")
             writer[b] = s

@@ -23,7 +23,7 @@ import psutil
 import torch
 from torch import Tensor
 
-from shardmesh.core.step import Segment
+from shardmesh.core.step import Segment, blocks_for
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.kv_cache import AnyKVCache, PagedKVCache
 from shardmesh.engine.model import Transformer
@@ -81,7 +81,7 @@ def _layouts(cache: AnyKVCache, decode_batch: int, prefill_tokens: int, pos: int
     bs, pool = cache.block_size, cache.num_blocks
     if decode_batch > pool:
         raise ValueError(f"decode_batch: {decode_batch} sequences need a block each to write, the KV cache has {pool}")
-    prefill = Segment(0, 0, prefill_tokens, tuple(range(-(-prefill_tokens // bs))))
+    prefill = Segment(0, 0, prefill_tokens, tuple(range(blocks_for(prefill_tokens, bs))))
     own = pos // bs + 1  # blocks covering [0, pos]
     if decode_batch * own <= pool:
         tables = [tuple(range(i * own, (i + 1) * own)) for i in range(decode_batch)]

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from shardmesh.core.config import ModelConfig
 from shardmesh.core.heads import HeadSplit
+from shardmesh.core.step import blocks_for
 from shardmesh.core.topology import ServingLimits
 
 
@@ -47,7 +48,7 @@ def slot_cache_blocks(kv_slots: int, max_context: int, block_size: int) -> int:
     """Blocks holding what the slot cache holds (kv_slots × max_context positions, in whole blocks), and at least
     one whole sequence: the default, so a paged cache takes no more memory than slots would (but for the last
     block of a single slot's context, rounded up)."""
-    return max(kv_slots * max_context // block_size, -(-max_context // block_size))
+    return max(kv_slots * max_context // block_size, blocks_for(max_context, block_size))
 
 
 def paged_limits(limits: ServingLimits, block_size: int, per_block: int, memory: int | None) -> ServingLimits:
@@ -60,7 +61,7 @@ def paged_limits(limits: ServingLimits, block_size: int, per_block: int, memory:
         blocks = slot_cache_blocks(limits.kv_slots, limits.max_context, block_size)
     else:
         blocks = memory // per_block
-        needed = -(-limits.max_context // block_size)
+        needed = blocks_for(limits.max_context, block_size)
         if blocks < needed:
             raise ValueError(f"kv_cache_memory: {memory} bytes buy {blocks} blocks of {block_size} tokens at "
                              f"{per_block} bytes each (the most loaded shard's), fewer than one sequence of "

@@ -7,7 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gateway.blocks import BlockPool, BlockTable, blocks_for
+from gateway.blocks import BlockPool, BlockTable
+from shardmesh.core.step import blocks_for
 
 BS = 4
 
