@@ -18,7 +18,7 @@ from typing import Any
 
 from coordinator import placement, rebalance
 from coordinator.replan import MemoryCheck
-from shardmesh.core.errors import InvalidArgument, NotFound
+from shardmesh.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from shardmesh.core.layout import check_split, split_layers
 from shardmesh.core.topology import (
     Calibration,
@@ -62,12 +62,20 @@ class Device:
     type: str  # "cpu" | "cuda"
     name: str
     memory_bytes: int
+    uuid: str = ""  # the GPU's UUID; "" for cpu (or a worker that does not say)
+    index: int = 0  # cuda:N as the worker's process knows it
 
     @classmethod
     def from_pb(cls, pb: common_pb2.Device) -> Device:
         if pb.type == common_pb2.DEVICE_TYPE_UNSPECIFIED or pb.type not in common_pb2.DeviceType.values():
             raise InvalidArgument("device.type", "must be DEVICE_TYPE_CPU or DEVICE_TYPE_CUDA")
-        return cls(common_pb2.DeviceType.Name(pb.type).removeprefix("DEVICE_TYPE_").lower(), pb.name, pb.memory_bytes)
+        if len(pb.uuid) > 256:
+            raise InvalidArgument("device.uuid", f"at most 256 characters, got {len(pb.uuid)}")
+        return cls(common_pb2.DeviceType.Name(pb.type).removeprefix("DEVICE_TYPE_").lower(), pb.name, pb.memory_bytes,
+                   pb.uuid, pb.index)  # fmt: skip
+
+    def describe(self) -> str:
+        return f"{self.type}:{self.index}" if self.type == "cuda" else self.type
 
 
 @dataclass(frozen=True)
@@ -270,6 +278,7 @@ class Registry:
             # An address names one live process: anyone else still registered there is gone.
             same_address = [w for w in self._workers.values() if w.address == reg.address]
             worker_id = reg.requested_id or (same_address[0].worker_id if same_address else self._new_id())
+            self._check_own_gpu(worker_id, reg, same_address)
             for stale in same_address:
                 if stale.worker_id != worker_id:
                     self._forget(stale.worker_id, reason="address_reused")
@@ -326,6 +335,26 @@ class Registry:
             if broken or record.timed_out or prepared:
                 self._refill()
             return True, self._publish_if_changed("lost" if broken else "drain" if prepared else "join").version
+
+    def _check_own_gpu(self, worker_id: str, reg: Registration, same_address: Sequence[WorkerRecord]) -> None:
+        """Refuse a second live worker on one GPU (by UUID): NCCL would refuse the pair at the next rendezvous, and
+        until then both would hold memory on it. The same id re-registering (a restart) keeps its GPU; a worker that
+        was at this address, or is lost, is gone and frees it."""
+        uuid = reg.device.uuid
+        if not uuid:
+            return
+        gone = {w.worker_id for w in same_address}
+        holders = [w for w in self._workers.values() if w.device.uuid == uuid and not w.timed_out
+                   and w.worker_id != worker_id and w.worker_id not in gone]  # fmt: skip
+        if not holders:
+            return
+        other = holders[0]
+        self._emit("registration_refused", worker_id=worker_id, reason="gpu_in_use", uuid=uuid, holder=other.worker_id)
+        mine, theirs = reg.device.describe(), other.device.describe()
+        where = mine if mine == theirs else f"{mine} and {theirs} in their processes"
+        raise FailedPrecondition(
+            f"device.uuid: {worker_id} and {other.worker_id} are both on GPU {uuid} ({where}): one GPU per rank"
+        )
 
     def deregister(self, worker_id: str) -> int:
         """Remove a worker for good; its slot goes to the next standby. Returns the new version."""

@@ -71,7 +71,7 @@ class CoreShare:
         return f"pipeline: full (one step in flight per stage), each worker on {self.worker_threads} threads"
 
 
-def share_cores(pp: int, tp: int, device: str, pipeline: str, worker_threads: int | None, cores: int,
+def share_cores(pp: int, tp: int, device: str | Sequence[str], pipeline: str, worker_threads: int | None, cores: int,
                 env: Mapping[str, str] | None = None) -> CoreShare:  # fmt: skip
     """The thread counts and pipeline depth for P x T workers on one host's `cores`.
 
@@ -82,17 +82,23 @@ def share_cores(pp: int, tp: int, device: str, pipeline: str, worker_threads: in
     stream 22 vs 28 ms/token; 16 streams 327 vs 250 tok/s). A full pipeline doubles the weight reads per
     token (two micro-batches) and its stages preempt each other and the gateway on the shared cores.
     With devices of their own (GPUs) the stages do work in parallel: `auto` keeps the pipeline full.
+
+    `device`: one for every rank, or each rank's (`worker_devices`). Only the CPU ranks compute on the cores: with
+    some ranks on GPUs, the cores are split among the CPU ranks (GPU ranks need few threads).
     """
     if pipeline not in PIPELINES:
         raise ValueError(f"--pipeline: must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
     env = os.environ if env is None else env
+    devices = [device] * (pp * tp) if isinstance(device, str) else list(device)
+    on_cpu = sum(d == "cpu" for d in devices)
     if pipeline == "auto":
-        pipeline = "turns" if device == "cpu" and pp > 1 else "full"
+        pipeline = "turns" if on_cpu == len(devices) and pp > 1 else "full"
     if pipeline == "turns":
         extra = {} if "GOMP_SPINCOUNT" in env or "OMP_WAIT_POLICY" in env else {"GOMP_SPINCOUNT": TURNS_SPINCOUNT}
         threads = worker_threads or max(1, cores // tp)
         return CoreShare("turns", threads, 1, extra)
-    return CoreShare("full", worker_threads or max(1, cores // (pp * tp)), 0, {})
+    computing = on_cpu or len(devices)  # all on GPUs: every worker still gets its share of the cores
+    return CoreShare("full", worker_threads or max(1, cores // computing), 0, {})
 
 
 def free_port() -> int:
@@ -265,15 +271,28 @@ def _balance_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def worker_commands(args: argparse.Namespace, coordinator: str,
-                    security: Sequence[str] = ()) -> list[tuple[str, list[str]]]:  # fmt: skip
+def worker_devices(args: argparse.Namespace, visible_gpus: int | None = None) -> list[str]:
+    """The `--device` of every worker `worker_commands` starts: one per global rank (`assign_devices`: each rank on
+    a GPU of its own with `--device cuda`), then one per spare (a GPU no rank uses). `visible_gpus`: None asks
+    torch, only when `--device` names a GPU. Raises ValueError naming the flag and the counts."""
+    from shardmesh.core import device_map
+
+    if visible_gpus is None:
+        visible_gpus = device_map.visible_gpu_count() if device_map.needs_gpus(args.device) else 0
+    ranks = device_map.assign_devices(args.device, args.pp, args.tp, visible_gpus)
+    return ranks + device_map.spare_devices(ranks, getattr(args, "spares", 0), visible_gpus)
+
+
+def worker_commands(args: argparse.Namespace, coordinator: str, security: Sequence[str] = (),
+                    devices: Sequence[str] | None = None) -> list[tuple[str, list[str]]]:  # fmt: skip
     """(process name, `shardmesh` arguments) of every worker: the pp × tp stage workers, then `--spares` more.
 
     The spares get the ids after the stage workers' and the same flags; they register beyond the plan, so the
     coordinator keeps them as hot spares for a slot that is lost or drained. `security`: the workers' TLS and join
-    token flags (`MeshTls.service_flags`).
+    token flags (`MeshTls.service_flags`). `devices`: each worker's `--device` (default: `worker_devices`).
     """
     world = args.pp * args.tp
+    devices = worker_devices(args) if devices is None else devices
     nodes = args.rank_nodes.split(",") if getattr(args, "rank_nodes", None) else None
     telemetry = _otlp_flags(args)
     # -1: any free port, published in the topology, so a restarted worker binds a fresh one and
@@ -285,7 +304,7 @@ def worker_commands(args: argparse.Namespace, coordinator: str,
         # the node the plan put this rank on; a spare is on no node of the plan, so it gets no label
         labels = ["--label", f"node={nodes[rank]}"] if nodes and rank < world else []
         out.append((f"worker{rank}", ["worker", "--coordinator", coordinator, "--worker-id", f"worker-{rank}",
-                                      "--device", args.device, *labels, *telemetry, *worker_metrics,
+                                      "--device", devices[rank], *labels, *telemetry, *worker_metrics,
                                       *security, *budget]))  # fmt: skip
     return out
 
@@ -328,11 +347,12 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
             coord += _metrics_flags(mesh, "coordinator", mesh.coordinator)
         mesh.spawn("coordinator", coord + telemetry + mesh.security_flags("coordinator"))
         wait_serving(mesh.coordinator, mesh.children, 60, log_dir, mesh.client_tls)
-        share = share_cores(args.pp, args.tp, args.device, getattr(args, "pipeline", "auto"),
+        devices = worker_devices(args)  # checked by `cmd_up` already: a refusal there is a usage error
+        share = share_cores(args.pp, args.tp, devices[: args.pp * args.tp], getattr(args, "pipeline", "auto"),
                             getattr(args, "worker_threads", None), procs.cores())  # fmt: skip
         mesh.share = share
         env = {**os.environ, **share.worker_env, "OMP_NUM_THREADS": str(share.worker_threads)}
-        for name, command in worker_commands(args, mesh.coordinator, mesh.security_flags("worker")):
+        for name, command in worker_commands(args, mesh.coordinator, mesh.security_flags("worker"), devices):
             mesh.spawn(name, command, env=env)
         mesh.gateway = args.listen or f"127.0.0.1:{free_port()}"
         gateway = ["gateway", "--listen", mesh.gateway, "--coordinator", mesh.coordinator,
@@ -545,6 +565,9 @@ def args_from_manifest(args: argparse.Namespace, defaults: dict[str, object]) ->
                      f"{[d.node_of(r) for r in range(d.pp * d.tp)]}; tightest device keeps "
                      f"{d.plan.min_headroom / 2**30:.2f} GiB free")  # fmt: skip
     out = deploy.up_args(d, args)
+    if d.plan is not None and out.device == "cuda":  # `up_device`: a plan over several nodes, run on this one host
+        notes.append("the plan spans several nodes; on this one host every rank takes a GPU of its own in rank "
+                     "order (cuda:0, cuda:1, ...)")  # fmt: skip
     gateway = d.manifest.services.gateway
     out.http_listen, out.no_http = gateway.http_listen, gateway.http_listen is None  # port 0: `up` picks a free one
     out.served_model_name = d.manifest.model.served_model_name or d.manifest.model.path  # the name as written

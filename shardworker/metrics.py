@@ -19,7 +19,8 @@ MEMORY_KINDS = ("weights", "kv_cache", "other", "free")
 
 
 class WorkerMetrics:
-    def __init__(self, info: Callable[[], dict[str, Any]], worker_id: Callable[[], str], device_type: str) -> None:
+    def __init__(self, info: Callable[[], dict[str, Any]], worker_id: Callable[[], str], device: str) -> None:
+        """`device`: the worker's, "cpu" or "cuda:N" (its memory is the one reported)."""
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry(auto_describe=True)
@@ -47,7 +48,7 @@ class WorkerMetrics:
             "shardmesh_collective_bytes", "Bytes this rank put into collectives", registry=r
         )
         self.collective_calls = Counter("shardmesh_collective_calls", "Tensor-parallel collectives run", registry=r)
-        r.register(_ShardCollector(info, worker_id, device_type))
+        r.register(_ShardCollector(info, worker_id, device))
 
     def observe(self, result: StepResult, tokens: int) -> None:
         c, stage = result.comm, result.placement.stage
@@ -79,10 +80,10 @@ class WorkerMetrics:
 class _ShardCollector:
     """Read at scrape time: memory by kind, KV slots, and which shard this is."""
 
-    def __init__(self, info: Callable[[], dict[str, Any]], worker_id: Callable[[], str], device_type: str) -> None:
+    def __init__(self, info: Callable[[], dict[str, Any]], worker_id: Callable[[], str], device: str) -> None:
         import psutil
 
-        self._info, self._worker_id, self._device = info, worker_id, device_type
+        self._info, self._worker_id, self._device = info, worker_id, device
         self._process = psutil.Process(os.getpid())
 
     def describe(self) -> list[Any]:
@@ -95,15 +96,18 @@ class _ShardCollector:
         i = self._info()
         rss = self._process.memory_info().rss
         weights, kv = int(i["weights_bytes"]), int(i["kv_cache_bytes"])
-        if self._device == "cuda":  # the shard lives in device memory; RSS is reported on its own
+        if self._device.startswith("cuda"):  # the shard lives in device memory; RSS is reported on its own
             import torch
 
-            free, _ = torch.cuda.mem_get_info()
-            used = torch.cuda.memory_reserved()
+            # This worker's GPU, named: the scrape runs on a server thread, whose current device need not be it.
+            device = torch.device(self._device)
+            free, _ = torch.cuda.mem_get_info(device)
+            used = torch.cuda.memory_reserved(device)
         else:
             free, used = psutil.virtual_memory().available, rss
+        kind_of_device = self._device.partition(":")[0]  # the same help text on every worker of a kind
         memory = GaugeMetricFamily("shardmesh_shard_memory_bytes",
-                                   f"Shard memory by kind on its device ({self._device}); other = used - weights - "
+                                   f"Shard memory by kind on its device ({kind_of_device}); other = used - weights - "
                                    "kv_cache (used: process RSS on CPU, reserved memory on CUDA); free = available",
                                    labels=["kind"])  # fmt: skip
         for kind, value in zip(MEMORY_KINDS, (weights, kv, used - weights - kv, free), strict=True):

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import grpc
+import torch
 
 from shardmesh.core.dtypes import DType
 from shardmesh.core.errors import InvalidArgument, MeshError
@@ -119,7 +120,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         i = self.core.info()
         out = worker_pb2.ShardInfo(
             worker_id=self.core.worker_id, topology_version=i["applied_version"], state=i["state"].to_pb(),
-            device=device_pb(self.core.device.type), weights_bytes=i["weights_bytes"],
+            device=device_pb(self.core.device), weights_bytes=i["weights_bytes"],
             kv_cache_bytes=i["kv_cache_bytes"], total_slots=i["total_slots"], free_slots=i["free_slots"],
             max_context=i["max_context"],
         )  # fmt: skip
@@ -144,12 +145,21 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         )  # fmt: skip
 
 
-def device_pb(kind: str) -> common_pb2.Device:
-    if kind == "cuda":
-        import torch
-
-        props = torch.cuda.get_device_properties(0)
-        return common_pb2.Device(type=common_pb2.DEVICE_TYPE_CUDA, name=props.name, memory_bytes=props.total_memory)
+def device_pb(device: torch.device | str) -> common_pb2.Device:
+    """What this worker computes on, as it registers and reports it: for a GPU, that GPU's own name, memory, UUID
+    (the coordinator refuses two workers on one GPU by it) and index; not GPU 0's whatever the device."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return common_pb2.Device(type=common_pb2.DEVICE_TYPE_CUDA, name=props.name, memory_bytes=props.total_memory,
+                                 uuid=_uuid(props), index=index)  # fmt: skip
     import psutil
 
     return common_pb2.Device(type=common_pb2.DEVICE_TYPE_CPU, name="cpu", memory_bytes=psutil.virtual_memory().total)
+
+
+def _uuid(props: Any) -> str:
+    """The GPU's UUID as text; "" where the build does not report one (its duplicate check is then off)."""
+    uuid = getattr(props, "uuid", None)
+    return str(uuid) if uuid is not None else ""

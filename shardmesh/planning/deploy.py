@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardmesh.core.device_map import assign_devices
 from shardmesh.core.dtypes import DType
 from shardmesh.core.heads import valid_tp_degrees
 from shardmesh.core.layout import format_split, layer_counts, split_layers
@@ -57,11 +58,45 @@ class Deployment:
         raw = Path(value).expanduser()
         return raw if raw.is_absolute() or self.base_dir is None else self.base_dir / raw
 
+    def worker_devices(self) -> list[str]:
+        """Each global rank's `--device`: with `services.worker.device: cuda` and a plan, the GPU of the plan's
+        shard, by its index within its node (each node starts at cuda:0); without a plan, cuda:RANK. cpu and
+        cuda:N (one rank only, checked by `resolve`) as written."""
+        spec, world = self.manifest.services.worker.device, self.pp * self.tp
+        if spec == "cuda" and self.plan is not None:
+            return [f"cuda:{shard.device.index}" for shard in self.plan.shards]
+        # The commands run on hosts of their own: the GPU count there is not ours to check, only the ranks'.
+        return assign_devices(spec, self.pp, self.tp, visible_gpus=world + _index_of(spec) + 1,
+                              flag="services.worker.device")  # fmt: skip
+
+    def up_device(self) -> str:
+        """`up --device` for this deployment on one host: the plan's GPUs when it places every rank on one node;
+        a plan over several nodes would put ranks of different nodes on the same cuda:N here, so there every rank
+        takes a GPU of its own in rank order (`cuda`)."""
+        spec = self.manifest.services.worker.device
+        if spec == "cuda" and self.plan is not None and len({sh.device.node for sh in self.plan.shards}) == 1:
+            return ",".join(self.worker_devices())
+        return spec
+
     def rank_nodes_flag(self) -> str | None:
         """`--rank-nodes`: the node the plan put each global rank on, e.g. "a,a,b"; None without a plan."""
         if self.plan is None:
             return None
         return ",".join(self.node_of(r) or "" for r in range(self.pp * self.tp))
+
+
+def _index_of(spec: str) -> int:
+    """N of cuda:N, else 0."""
+    return int(spec.partition(":")[2] or 0)
+
+
+def check_device(m: Manifest, pp: int, tp: int, source: str) -> None:
+    """`services.worker.device` for pp × tp ranks: cuda:N names one GPU, for one rank only."""
+    spec = m.services.worker.device
+    try:
+        assign_devices(spec, pp, tp, visible_gpus=pp * tp + _index_of(spec) + 1, flag="services.worker.device")
+    except ValueError as e:
+        raise ManifestError(source, [str(e)]) from None
 
 
 def model_dir(m: Manifest, source: Path | None, resolve_name: bool = True) -> Path:
@@ -137,6 +172,7 @@ def resolve(m: Manifest, source: Path | None = None, model: ModelInfo | None = N
                             f"least), got {par.pipeline}")  # fmt: skip
         if problems:
             raise ManifestError(src, problems)
+        check_device(m, par.pipeline, par.tensor, src)
         lim = paged(m, model, par.tensor, split_layers(model.cfg.num_layers, par.pipeline), opts.limits, src)
         return Deployment(m, model, par.pipeline, par.tensor, lim, None, base_dir=base_dir)
     try:
@@ -145,6 +181,7 @@ def resolve(m: Manifest, source: Path | None = None, model: ModelInfo | None = N
         if type(e) is PlanError:  # a request that cannot be tried: name the manifest fields
             raise ManifestError(src, [f"parallelism: {e}"]) from None
         raise
+    check_device(m, chosen.pp, chosen.tp, src)
     notes = []
     if not chosen.even_split:
         basis = "free memory" if opts.balance == "memory" else "speed"
@@ -175,7 +212,7 @@ def up_args(d: Deployment, base: argparse.Namespace) -> argparse.Namespace:
     out.model = str(d.model.path)
     out.pp, out.tp, out.dtype = d.pp, d.tp, d.dtype
     out.quantize = m.model.quantization
-    out.device = m.services.worker.device
+    out.device = d.up_device()
     out.memory_budget = str(m.services.worker.memory_budget) if m.services.worker.memory_budget is not None else None
     gateway, coordinator = m.services.gateway.listen, m.services.coordinator.listen
     out.listen = gateway if address_port(gateway) else None  # port 0: `up` picks a free one
@@ -258,9 +295,10 @@ def service_commands(d: Deployment) -> list[str]:
     coordinator = ["shardmesh", "coordinator", *coordinator_flags(d)]
     lines = [shlex.join(coordinator)]
     shards = d.plan.shards if d.plan is not None else ()
+    devices = d.worker_devices()
     for rank in range(d.pp * d.tp):
         worker = ["shardmesh", "worker", "--coordinator", coord, "--worker-id", f"worker-{rank}", "--device",
-                  m.services.worker.device, *_telemetry(m), *security_flags(d, "worker")]  # fmt: skip
+                  devices[rank], *_telemetry(m), *security_flags(d, "worker")]  # fmt: skip
         if m.services.worker.memory_budget is not None:
             worker += ["--memory-budget", str(m.services.worker.memory_budget)]
         if shards:

@@ -308,7 +308,10 @@ def test_services_parse_and_fit_together(
         assert len(workers) == shards, "one worker service per GPU, one shard each"
         pinned = []
         for name in workers:
-            assert args[name].device == "cuda", name
+            # Its container sees one GPU: an explicit index, which the worker checks against what it sees at start
+            assert args[name].device == "cuda:0", name
+            # NCCL's shared-memory transport between the workers' containers needs one /dev/shm for them all
+            assert services[name].get("ipc") == "host", f"{name}: host IPC, so NCCL can use SHM/P2P, not sockets"
             (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
             assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"], name
             assert "count" not in device, f"{name}: count and device_ids exclude each other"

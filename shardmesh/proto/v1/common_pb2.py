@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19shardmesh/v1/common.proto\x12\x0cshardmesh.v1\"T\n\x06\x44\x65vice\x12&\n\x04type\x18\x01 \x01(\x0e\x32\x18.shardmesh.v1.DeviceType\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\"\xd6\x01\n\tModelSpec\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.shardmesh.v1.DType\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12\x19\n\x11served_model_name\x18\x08 \x01(\t\x12\x14\n\x0cquantization\x18\t \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03*T\n\nDeviceType\x12\x1b\n\x17\x44\x45VICE_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45VICE_TYPE_CPU\x10\x01\x12\x14\n\x10\x44\x45VICE_TYPE_CUDA\x10\x02*\xd8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1a\n\x12\x46INISH_REASON_STOP\x10\x02\x1a\x02\x08\x01\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x05\x1a\x02\x10\x01*\x8d\x01\n\nShardState\x12\x1b\n\x17SHARD_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13SHARD_STATE_PENDING\x10\x01\x12\x17\n\x13SHARD_STATE_LOADING\x10\x02\x12\x15\n\x11SHARD_STATE_READY\x10\x03\x12\x19\n\x15SHARD_STATE_UNHEALTHY\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19shardmesh/v1/common.proto\x12\x0cshardmesh.v1\"q\n\x06\x44\x65vice\x12&\n\x04type\x18\x01 \x01(\x0e\x32\x18.shardmesh.v1.DeviceType\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04uuid\x18\x04 \x01(\t\x12\r\n\x05index\x18\x05 \x01(\r\"\xd6\x01\n\tModelSpec\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.shardmesh.v1.DType\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12\x19\n\x11served_model_name\x18\x08 \x01(\t\x12\x14\n\x0cquantization\x18\t \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03*T\n\nDeviceType\x12\x1b\n\x17\x44\x45VICE_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45VICE_TYPE_CPU\x10\x01\x12\x14\n\x10\x44\x45VICE_TYPE_CUDA\x10\x02*\xd8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1a\n\x12\x46INISH_REASON_STOP\x10\x02\x1a\x02\x08\x01\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x05\x1a\x02\x10\x01*\x8d\x01\n\nShardState\x12\x1b\n\x17SHARD_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13SHARD_STATE_PENDING\x10\x01\x12\x17\n\x13SHARD_STATE_LOADING\x10\x02\x12\x15\n\x11SHARD_STATE_READY\x10\x03\x12\x19\n\x15SHARD_STATE_UNHEALTHY\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,18 +35,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FINISHREASON']._serialized_options = b'\020\001'
   _globals['_FINISHREASON'].values_by_name["FINISH_REASON_STOP"]._loaded_options = None
   _globals['_FINISHREASON'].values_by_name["FINISH_REASON_STOP"]._serialized_options = b'\010\001'
-  _globals['_DTYPE']._serialized_start=397
-  _globals['_DTYPE']._serialized_end=485
-  _globals['_DEVICETYPE']._serialized_start=487
-  _globals['_DEVICETYPE']._serialized_end=571
-  _globals['_FINISHREASON']._serialized_start=574
-  _globals['_FINISHREASON']._serialized_end=790
-  _globals['_SHARDSTATE']._serialized_start=793
-  _globals['_SHARDSTATE']._serialized_end=934
+  _globals['_DTYPE']._serialized_start=426
+  _globals['_DTYPE']._serialized_end=514
+  _globals['_DEVICETYPE']._serialized_start=516
+  _globals['_DEVICETYPE']._serialized_end=600
+  _globals['_FINISHREASON']._serialized_start=603
+  _globals['_FINISHREASON']._serialized_end=819
+  _globals['_SHARDSTATE']._serialized_start=822
+  _globals['_SHARDSTATE']._serialized_end=963
   _globals['_DEVICE']._serialized_start=43
-  _globals['_DEVICE']._serialized_end=127
-  _globals['_MODELSPEC']._serialized_start=130
-  _globals['_MODELSPEC']._serialized_end=344
-  _globals['_TOKENLOGPROB']._serialized_start=346
-  _globals['_TOKENLOGPROB']._serialized_end=395
+  _globals['_DEVICE']._serialized_end=156
+  _globals['_MODELSPEC']._serialized_start=159
+  _globals['_MODELSPEC']._serialized_end=373
+  _globals['_TOKENLOGPROB']._serialized_start=375
+  _globals['_TOKENLOGPROB']._serialized_end=424
 # @@protoc_insertion_point(module_scope)

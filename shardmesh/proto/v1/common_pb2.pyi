@@ -179,22 +179,32 @@ class Device(_message.Message):
     TYPE_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    UUID_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     type: Global___DeviceType.ValueType
     """CPU or CUDA."""
     name: _builtins.str
     """Human-readable device name, e.g. "NVIDIA H100 80GB HBM3" or "cpu"."""
     memory_bytes: _builtins.int
     """Memory available to the worker on that device, in bytes (host RAM for CPU workers)."""
+    uuid: _builtins.str
+    """The GPU's UUID, as CUDA reports it; empty for cpu. The coordinator refuses a second live worker on the same
+    GPU (NCCL refuses two ranks on one GPU), whatever index each process knows it by.
+    """
+    index: _builtins.int
+    """The CUDA device index the worker computes on (cuda:N), among the GPUs its process sees; 0 for cpu."""
     def __init__(
         self,
         *,
         type: Global___DeviceType.ValueType = ...,
         name: _builtins.str = ...,
         memory_bytes: _builtins.int = ...,
+        uuid: _builtins.str = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["memory_bytes", b"memory_bytes", "name", b"name", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "memory_bytes", b"memory_bytes", "name", b"name", "type", b"type", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

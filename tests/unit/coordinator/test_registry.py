@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from coordinator.registry import LOST_RETENTION, Device, HeartbeatReport, Load, Registration, Registry
-from shardmesh.core.errors import InvalidArgument, NotFound
+from shardmesh.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from shardmesh.core.topology import (
     Calibration,
     CalibrationStatus,
@@ -501,3 +501,49 @@ def test_a_drained_holder_is_named_as_its_successors_kv_source_until_the_success
     assert all(sh.kv_from == "" for _, sh in t.shards() if sh.rank != 2)
     _beat(reg, "spare")  # it joined the new epoch, the cache received (or replayed): the source is forgotten
     assert reg.store.current().find("spare")[1].kv_from == ""  # type: ignore[index]
+
+
+def _on_gpu(address: str, worker_id: str, uuid: str, index: int = 0) -> Registration:
+    return Registration(address, Device("cuda", "NVIDIA H100 80GB HBM3", 80 * 2**30, uuid, index), (), worker_id)
+
+
+def test_a_second_live_worker_on_one_gpu_is_refused_by_its_uuid(registry: tuple[Registry, Clock]) -> None:
+    """NCCL refuses two ranks on one GPU: the coordinator says so at registration, naming both workers."""
+    reg, clock = registry
+    reg.register(_on_gpu("10.0.0.1:7000", "worker-0", "GPU-aaaa", 0))
+    version = reg.store.current().version
+    with pytest.raises(FailedPrecondition) as e:
+        reg.register(_on_gpu("10.0.0.2:7000", "worker-1", "GPU-aaaa", 0))
+    assert e.value.code == "FAILED_PRECONDITION"
+    assert str(e.value) == "device.uuid: worker-1 and worker-0 are both on GPU GPU-aaaa (cuda:0): one GPU per rank"
+    assert "worker-1" not in reg.workers() and reg.store.current().version == version  # nothing changed
+    with pytest.raises(FailedPrecondition, match=r"\(cuda:2 and cuda:0 in their processes\)"):
+        reg.register(_on_gpu("10.0.0.2:7000", "worker-1", "GPU-aaaa", 2))  # another index, the same GPU
+    # Another GPU is fine; the same worker re-registering (a restart) keeps its GPU.
+    reg.register(_on_gpu("10.0.0.2:7000", "worker-1", "GPU-bbbb", 1))
+    reg.register(_on_gpu("10.0.0.1:7000", "worker-0", "GPU-aaaa", 0))
+    # A lost worker's GPU is free again: a process that took it over may register.
+    clock.now += 10.0
+    _beat(reg, "worker-1")
+    assert reg.expire() == ["worker-0"]
+    reg.register(_on_gpu("10.0.0.3:7000", "worker-2", "GPU-aaaa", 0))
+    assert "worker-2" in reg.workers()
+
+
+def test_cpu_workers_and_workers_without_a_uuid_are_never_refused(registry: tuple[Registry, Clock]) -> None:
+    reg, _ = registry
+    for i in range(3):
+        reg.register(_reg(f"10.0.0.{i}:7000", f"cpu{i}"))
+        reg.register(_on_gpu(f"10.0.1.{i}:7000", f"old{i}", ""))  # a build that reports no UUID
+    assert len(reg.workers()) == 6
+
+
+def test_the_uuid_and_index_come_from_the_wire() -> None:
+    gpu = common_pb2.Device(type=common_pb2.DEVICE_TYPE_CUDA, name="NVIDIA H100", memory_bytes=2**30, uuid="GPU-aaaa",
+                            index=3)  # fmt: skip
+    pb = coordinator_pb2.RegisterRequest(address="10.0.0.1:7000", device=gpu)
+    device = Registration.from_pb(pb).device
+    assert (device.uuid, device.index, device.describe()) == ("GPU-aaaa", 3, "cuda:3")
+    pb.device.uuid = "x" * 257
+    with pytest.raises(InvalidArgument, match=r"device.uuid: at most 256 characters"):
+        Registration.from_pb(pb)

@@ -155,3 +155,56 @@ def test_a_paged_kv_cache_reaches_the_coordinator_which_counts_the_same_blocks(t
     del data["serving"]["kv_block_size"], data["serving"]["kv_cache_memory"]
     slots = deploy.resolve(parse_manifest(data), tmp_path / "m.yaml")
     assert not slots.limits.paged and "--kv-block-size" not in deploy.coordinator_flags(slots)
+
+
+def _gpu_manifest(nodes: list[dict], device: str = "cuda", **parallelism: int) -> dict:
+    return {"model": {"path": str(CONFIGS / "llama-3-8b"), "dtype": "bfloat16"}, "nodes": nodes,
+            "parallelism": parallelism or {"pipeline": 2, "tensor": 2},
+            "serving": {"kv_slots": 4, "max_context": 4096}, "services": {"worker": {"device": device}}}  # fmt: skip
+
+
+def _worker_devices(commands: list[str]) -> list[str]:
+    workers = [shlex.split(c) for c in commands if c.startswith("shardmesh worker")]
+    return [argv[argv.index("--device") + 1] for argv in workers]
+
+
+def test_each_worker_runs_on_the_gpu_the_plan_gives_its_rank(tmp_path: Path) -> None:
+    """Over 2 nodes, each node's GPUs count from cuda:0 (the plan's index within the node), one rank per GPU."""
+    two = [{"name": "a", "devices": [{"count": 2, "memory": "24GiB"}]},
+           {"name": "b", "devices": [{"count": 2, "memory": "24GiB"}]}]  # fmt: skip
+    d = deploy.resolve(parse_manifest(_gpu_manifest(two)), tmp_path / "m.yaml")
+    assert d.plan is not None and (d.pp, d.tp) == (2, 2)
+    commands = deploy.service_commands(d)
+    assert _worker_devices(commands) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert [shlex.split(c)[-1] for c in commands[1:-1]] == ["node=a", "node=a", "node=b", "node=b"]
+    # The device the plan chose, not the rank: a small GPU first on each node holds no shard, so each rank is on
+    # its node's cuda:1.
+    skip_small = [{"name": n, "devices": [{"memory": "2GiB"}, {"memory": "24GiB"}]} for n in ("a", "b")]
+    d = deploy.resolve(parse_manifest(_gpu_manifest(skip_small, pipeline=2, tensor=1)), tmp_path / "m.yaml")
+    assert d.plan is not None and [(s.device.node, s.device.index) for s in d.plan.shards] == [("a", 1), ("b", 1)]
+    assert _worker_devices(deploy.service_commands(d)) == ["cuda:1", "cuda:1"]
+    # `up --manifest` runs every rank on this one host: two nodes' cuda:1 would be one GPU, so rank order instead
+    assert deploy.up_args(d, argparse.Namespace()).device == "cuda"
+
+
+def test_up_on_a_one_node_plan_uses_the_planned_gpus(tmp_path: Path) -> None:
+    one = [{"name": "a", "devices": [{"memory": "2GiB"}, {"count": 2, "memory": "24GiB"}]}]
+    d = deploy.resolve(parse_manifest(_gpu_manifest(one, pipeline=2, tensor=1)), tmp_path / "m.yaml")
+    assert deploy.up_args(d, argparse.Namespace()).device == "cuda:1,cuda:2"
+    assert _worker_devices(deploy.service_commands(d)) == ["cuda:1", "cuda:2"]
+
+
+def test_without_nodes_rank_r_is_on_cuda_r_and_cpu_stays_cpu(tmp_path: Path) -> None:
+    d = deploy.resolve(parse_manifest(_gpu_manifest([], pipeline=2, tensor=2)), tmp_path / "m.yaml")
+    assert _worker_devices(deploy.service_commands(d)) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    cpu = deploy.resolve(parse_manifest(_gpu_manifest([], "cpu", pipeline=2, tensor=1)), tmp_path / "m.yaml")
+    assert _worker_devices(deploy.service_commands(cpu)) == ["cpu", "cpu"]
+    one = deploy.resolve(parse_manifest(_gpu_manifest([], "cuda:3", pipeline=1, tensor=1)), tmp_path / "m.yaml")
+    assert _worker_devices(deploy.service_commands(one)) == ["cuda:3"]
+
+
+def test_one_named_gpu_for_several_ranks_is_a_manifest_error(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError) as e:
+        deploy.resolve(parse_manifest(_gpu_manifest([], "cuda:1", pipeline=2, tensor=2)), tmp_path / "m.yaml")
+    assert e.value.errors == ["services.worker.device cuda:1: 4 ranks cannot share one GPU (NCCL refuses two ranks on "
+                              "one GPU); give services.worker.device cuda for one GPU per rank, or a list"]  # fmt: skip
