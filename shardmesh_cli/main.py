@@ -13,6 +13,11 @@ from shardmesh.core.layout import REBALANCES
 from shardmesh.models.hub import MODEL_HELP, REVISION_HELP
 from shardmesh.rpc.flags import EXIT_USAGE, UsageError, add_client_tls_flags
 
+# `--device` of `up` and `generate` (shardmesh/core/device_map.py): NCCL refuses two ranks on one GPU.
+DEVICE_HELP = ("cpu; cuda: a GPU of its own for each of the pp×tp ranks, rank r on cuda:r; cuda:N: the one rank "
+               "(pp=tp=1) on GPU N; or a comma-separated list, one entry per stage or one per rank, each cpu, cuda "
+               "(the next GPU no entry names) or cuda:N, e.g. cpu,cuda (default cpu)")  # fmt: skip
+
 
 def resolve_model(arg: str, revision: str | None = None, cache_dir: Path | None = None, flag: str = "--model") -> Path:
     """`--model` (and `--revision`) as every command resolves them (`registry.resolve`): a name that cannot be
@@ -82,10 +87,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from shardmesh.core.config import ModelConfig
     from shardmesh.core.step import SamplingParams
-    from shardmesh_cli.offline import OfflineRequest, generate_local
+    from shardmesh_cli.offline import OfflineRequest, generate_local, rank_devices
 
     if args.model is None:
         raise UsageError("--model is required (or --gateway ADDR to use a running gateway)")
+    try:  # each rank on a device of its own (`generate_local` checks it again, for callers of its own)
+        rank_devices(args.device, args.pp, args.tp)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.stop:
         raise UsageError("--stop: stop strings need --gateway")
     model_dir = resolve_model(args.model, args.revision)
@@ -108,7 +117,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.kv_block_size < 0:
         raise UsageError(f"--kv-block-size: must be >= 0 (0: one slot), got {args.kv_block_size}")
     result = generate_local(model_dir, request, args.pp, args.tp, args.dtype, args.device, quantization=args.quantize,
-                            memory_budget=budget, kv_block_size=args.kv_block_size)  # fmt: skip
+                            memory_budget=budget, kv_block_size=args.kv_block_size,
+                            link_staging=args.link_staging)  # fmt: skip
     text = tokenizer.decode(result.token_ids) if tokenizer is not None else ""
     if args.json:
         out = {"token_ids": result.token_ids, "logprobs": result.logprobs, "text": text,
@@ -148,6 +158,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise UsageError(f"--spares: must be >= 0, got {args.spares}")
     if args.worker_threads is not None and args.worker_threads < 1:
         raise UsageError(f"--worker-threads: must be >= 1, got {args.worker_threads}")
+    try:  # every rank on a device of its own, before anything starts
+        up.worker_devices(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.http_listen is not None:
         _, sep, port = args.http_listen.rpartition(":")
         if not sep or not port.isdigit() or int(port) > 65535:
@@ -201,7 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--dtype", default="float32", choices=DType.names())
     g.add_argument("--quantize", default="none", choices=Quantization.names(), help=QUANTIZE_HELP)
-    g.add_argument("--device", default="cpu", help="cpu or cuda")
+    g.add_argument("--link-staging", default="auto", choices=["auto", "host"], help="how stage links move "
+                   "activations: auto (NCCL between two GPUs, else Gloo through host memory) or host (always Gloo "
+                   "through host memory)")  # fmt: skip
+    g.add_argument("--device", default="cpu", help=DEVICE_HELP)
     g.add_argument("--memory-budget", metavar="SIZE", default=None,
                    help="weights each process may hold in memory, e.g. 2GiB: the layers that do not fit stream from "
                         "the checkpoint for every step (cpu; default: all resident)")  # fmt: skip
@@ -276,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes of weights each worker holds in memory, e.g. "
         "300MiB; the layers beyond it stream from the checkpoint every step (CPU; default: all)",
     )
-    u.add_argument("--device", default="cpu", help="cpu or cuda")
+    u.add_argument("--device", default="cpu", help=DEVICE_HELP + "; --spares take the GPUs no rank uses")
     u.add_argument("--listen", default=None, help="gateway host:port (default 127.0.0.1 and a free port)")
     u.add_argument("--http-listen", default=None,
                    help="host:port of the gateway's OpenAI-compatible HTTP API, printed as 'http: http://HOST:PORT/v1' "

@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shardmesh.core import device_map
 from shardmesh.core.config import ModelConfig
 from shardmesh.core.dtypes import Quantization
 from shardmesh.core.layout import shard_specs
 from shardmesh.core.step import SamplingParams, Segment, blocks_for
 from shardmesh.engine.batch import BatchLayout
-from shardmesh.engine.groups import Backend, GroupCollective, form_groups
+from shardmesh.engine.groups import STAGINGS, Backend, GroupCollective, form_groups
 from shardmesh.engine.loader import build_shard, check_shards, parse_dtype
 from shardmesh.engine.offload import check_budget, streamer_of
 from shardmesh.engine.sampling import random_seed, sample
@@ -50,6 +51,14 @@ class OfflineResult:
     finish_reason: str  # "length" | "stop"
 
 
+def rank_devices(device: str, pp: int, tp: int, visible_gpus: int | None = None) -> list[str]:
+    """Each rank's `--device` (`device_map.assign_devices`: with cuda, rank r on cuda:r, one GPU each). Raises
+    ValueError naming `--device` and the counts, before any process starts. `visible_gpus`: None asks torch."""
+    if visible_gpus is None:
+        visible_gpus = device_map.visible_gpu_count() if device_map.needs_gpus(device) else 0
+    return device_map.assign_devices(device, pp, tp, visible_gpus)
+
+
 def generate_local(
     model_dir: Path,
     request: OfflineRequest,
@@ -61,17 +70,21 @@ def generate_local(
     quantization: str = "none",
     memory_budget: int | None = None,
     kv_block_size: int = 0,
+    link_staging: str = "auto",
 ) -> OfflineResult:
     """Run `request` on a fresh P × T mesh of local processes and return what the last stage sampled. With
     `memory_budget` (bytes of weights per process) layers that do not fit stream in for each step (`offload`);
     with `kv_block_size` the KV cache is paged, blocks of that many tokens, as a paged mesh serves."""
+    devices = rank_devices(device, pp, tp)
     cfg = ModelConfig.from_dir(model_dir)
     check_shards(model_dir, shard_specs(cfg.num_layers, pp, tp), cfg)  # fail here, not in a child
     if memory_budget is not None:
         if Quantization(quantization) is not Quantization.NONE:
             raise ValueError(f"--memory-budget with --quantize {quantization} is not supported yet")
         specs = shard_specs(cfg.num_layers, pp, tp)
-        check_budget(model_dir, cfg, specs, parse_dtype(dtype), memory_budget, device)
+        # offload streams on cpu only: a GPU rank anywhere is refused, naming its device
+        check_budget(model_dir, cfg, specs, parse_dtype(dtype), memory_budget,
+                     next((d for d in devices if d != "cpu"), "cpu"))  # fmt: skip
     if len(request.input_ids) + request.max_new_tokens > cfg.max_context:
         raise ValueError(
             f"max_new_tokens: prompt ({len(request.input_ids)}) + max_new_tokens ({request.max_new_tokens}) "
@@ -91,8 +104,9 @@ def generate_local(
                     args = [
                         "-m", "shardmesh_cli.offline", "--model", str(model_dir), "--pp", str(pp), "--tp", str(tp),
                         "--rank", str(rank), "--store-port", str(store.port), "--request", str(req_file),
-                        "--result", str(result_file), "--dtype", dtype, "--device", device,
+                        "--result", str(result_file), "--dtype", dtype, "--device", devices[rank],
                         "--quantize", quantization, "--kv-block-size", str(kv_block_size),
+                        "--link-staging", link_staging,
                     ]  # fmt: skip
                     if memory_budget is not None:
                         args += ["--memory-budget", str(memory_budget)]
@@ -127,6 +141,7 @@ def _rank_main(argv: list[str]) -> None:
     ap.add_argument("--quantize", default="none", choices=Quantization.names())
     ap.add_argument("--memory-budget", type=int, default=None)
     ap.add_argument("--kv-block-size", type=int, default=0)
+    ap.add_argument("--link-staging", default="auto", choices=STAGINGS)
     for name in ("--pp", "--tp", "--rank", "--store-port"):
         ap.add_argument(name, type=int, required=True)
     a = ap.parse_args(argv)
@@ -137,15 +152,21 @@ def _rank_main(argv: list[str]) -> None:
         req["input_ids"], req["max_new_tokens"], SamplingParams(**req["sampling"]), tuple(req["stop_ids"])
     )
     device = torch.device(a.device)
+    if device.type == "cuda":  # this rank's own GPU (the launcher gives each a cuda:N) before NCCL forms groups
+        torch.cuda.set_device(device)
     cfg = ModelConfig.from_dir(a.model)
     spec = shard_specs(cfg.num_layers, a.pp, a.tp)[a.rank]
     stage = a.rank // a.tp
     store = dist.TCPStore("127.0.0.1", a.store_port, None, False, timeout=timedelta(seconds=120))
-    backend = Backend.for_device(device)
-    groups = form_groups(store, "offline", spec, stage, a.pp, backend)
-    # One group over all ranks, used only to share each sampled token.
-    world = GroupCollective(backend.group(store, "offline/world", a.rank, a.pp * a.tp), a.rank, a.pp * a.tp)
-    logger.info("shard_loading", stage=stage, layers=[spec.layer_start, spec.layer_end], tp_rank=spec.tp_rank)
+    timeout = timedelta(seconds=120)
+    groups = form_groups(store, "offline", spec, stage, a.pp, device, a.link_staging, timeout)
+    # One group over all ranks, used only to share each sampled token. Gloo over host tensors whatever the devices:
+    # NCCL cannot span a GPU rank and a CPU rank, and the message is 16 bytes per token, far too small for a copy to
+    # or from the GPU to matter next to the step that produced it.
+    world_pg = Backend("gloo", timeout).group(store, "offline/world", a.rank, a.pp * a.tp)
+    world = GroupCollective(world_pg, a.rank, a.pp * a.tp)
+    logger.info("shard_loading", stage=stage, layers=[spec.layer_start, spec.layer_end], tp_rank=spec.tp_rank,
+                device=str(device), **groups.describe_links())  # fmt: skip
     dtype = parse_dtype(a.dtype)
     max_len = len(request.input_ids) + request.max_new_tokens
     model = build_shard(a.model, spec, groups.tp, dtype=dtype, device=device, max_len=max_len,
@@ -163,6 +184,8 @@ def _rank_main(argv: list[str]) -> None:
     engine = StageEngine(model, groups, cache, device)
     result = _decode(engine, request, world, sampler_rank=(a.pp - 1) * a.tp, rank=a.rank, device=device,
                      blocks=blocks, block_size=bs)  # fmt: skip
+    links = [link for link in (groups.prev, groups.next) if link is not None]
+    logger.info("links", staged_bytes=sum(link.staged_bytes for link in links), **groups.describe_links())
     if a.rank == (a.pp - 1) * a.tp:
         Path(a.result).write_text(json.dumps(asdict(result)))
     logger.info("done", tokens=len(result.token_ids))
@@ -186,11 +209,11 @@ def _decode(
     for _ in range(req.max_new_tokens):
         batch = BatchLayout.build([Segment(0, start, len(inputs), blocks)], device, block_size)
         logits = engine.step(batch, torch.tensor(inputs) if engine.is_first else None)
-        msg = torch.zeros(2, dtype=torch.float64, device=device)
+        msg = torch.zeros(2, dtype=torch.float64)  # on the host: `world` is a Gloo group (`_rank_main`)
         if rank == sampler_rank:
             assert logits is not None
             drawn = sample(logits, [sampling], [start + len(inputs)])
-            msg = torch.tensor([drawn.token_ids[0], drawn.logprobs[0]], dtype=torch.float64, device=device)
+            msg = torch.tensor([drawn.token_ids[0], drawn.logprobs[0]], dtype=torch.float64)
         world.pg.broadcast([msg], opts).wait()
         token = int(msg[0].item())
         token_ids.append(token)

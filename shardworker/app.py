@@ -23,7 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--listen", "127.0.0.1:0", help="host:port for this worker's gRPC server; port 0 picks a free one")
     flag("--advertise", help="host:port others reach this worker at (default: the --listen address)")
     flag("--worker-id", help="stable id; a restarted worker with the same id takes its slot back")
-    flag("--device", "cpu", help="cpu, cuda or cuda:N")
+    flag("--device", "cpu", help="cpu, or the GPU this worker computes on: cuda:N (its index among the GPUs this "
+         "process sees); plain cuda takes GPU 0, as a worker in a container that sees one GPU; `shardmesh up` and "
+         "a manifest's commands always give each worker an index of its own (NCCL refuses two ranks on one "
+         "GPU)")  # fmt: skip
+    flag("--link-staging", "auto", choices=("auto", "host"), help="how stage links move activations: auto (NCCL "
+         "between two GPUs, else Gloo through host memory) or host (always Gloo through host memory)")  # fmt: skip
     flag("--label", action="append", default=[], help="placement label key=value (repeatable), e.g. node_group=a")
     flag("--group-timeout", 60.0, type=float, help="seconds a collective or stage link may wait (default 60)")
     flag("--max-message-mb", 64, type=int, help="gRPC max send/receive message size in MiB (default 64)")
@@ -40,6 +45,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--join-token-file", help="the join token (the file's first line) presented to the coordinator to register; "
          "the worker also asks it of every caller of its StageWorker methods: the coordinator and the gateways "
          f"(default: ${JOIN_TOKEN_ENV}; neither: none presented or asked)")  # fmt: skip
+
+
+def worker_device(spec: str, visible_gpus: int | None = None) -> str:
+    """`--device` as the worker uses it ("cpu" or "cuda:N"), checked against the GPUs this process sees (asked of
+    torch only for a GPU, so a CPU worker's flags are checked without importing it); a UsageError otherwise."""
+    from shardmesh.core import device_map
+
+    if visible_gpus is None:
+        visible_gpus = device_map.visible_gpu_count() if device_map.needs_gpus(spec) else 0
+    try:
+        return device_map.check_worker_device(spec, visible_gpus)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -73,10 +91,11 @@ def build_config(args: argparse.Namespace) -> Any:
             budget = parse_bytes(args.memory_budget)
         except ValueError as e:
             raise UsageError(f"--memory-budget: {e}") from None
+    device = worker_device(args.device)
     tls, join_tokens, join_token = mesh_security(args)
-    return WorkerConfig(args.coordinator, args.listen, args.advertise, args.worker_id, args.device, labels,
+    return WorkerConfig(args.coordinator, args.listen, args.advertise, args.worker_id, device, labels,
                         args.group_timeout, args.max_message_mb * 1024 * 1024, args.metrics_port,
-                        args.otlp_endpoint, speed, tls, join_tokens, join_token, budget)  # fmt: skip
+                        args.otlp_endpoint, speed, tls, join_tokens, join_token, budget, args.link_staging)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -48,6 +48,7 @@ class WorkerConfig:
     join_tokens: TokenSource | None = None  # what callers of StageWorker must present; None: nothing
     join_token: str | None = field(default=None, repr=False)  # presented to the coordinator
     memory_budget: int | None = None  # bytes of weights in memory (`shardmesh.engine.offload`); None: the whole shard
+    link_staging: str = "auto"  # --link-staging: "host" forces Gloo + host staging on links and hand-overs
 
 
 def should_exit(topology: Topology, worker_id: str) -> bool:
@@ -70,6 +71,10 @@ class WorkerProcess:
         self.worker_id = cfg.worker_id or ""
         self.core: StageWorkerCore | None = None
         self.device = torch.device(cfg.device)
+        if self.device.type == "cuda":
+            # Before any CUDA work (the speed test, the weights, NCCL): this process's default device is its own GPU,
+            # so nothing it allocates without naming a device lands on GPU 0, which another rank may hold.
+            torch.cuda.set_device(self.device)
         self.address = ""
         self.heartbeat_s = 1.0
         self._latest: Topology | None = None
@@ -121,7 +126,7 @@ class WorkerProcess:
             return {"weights_bytes": 0, "kv_cache_bytes": 0, "total_slots": 0, "free_slots": 0, "placement": None,
                     "state": ShardState.PENDING}  # fmt: skip
 
-        self.metrics = WorkerMetrics(info, lambda: self.worker_id, self.device.type)
+        self.metrics = WorkerMetrics(info, lambda: self.worker_id, str(self.device))
         bind = listen_host.strip("[]")
         self._metrics_server = telemetry.serve_metrics(self.metrics.registry, bind, self.cfg.metrics_port)
         advertised = self.address.rpartition(":")[0]
@@ -139,7 +144,7 @@ class WorkerProcess:
 
         gflops = measure_gflops(self.device)
         self.log.info("speed_measured", gflops=round(gflops, 1))
-        return gflops, speed_class(self.device, device_pb(self.device.type).name)
+        return gflops, speed_class(self.device, device_pb(self.device).name)
 
     def _register(self) -> None:
         """Register, retrying while the coordinator starts; keeps our id so a restart takes its slot back.
@@ -151,7 +156,7 @@ class WorkerProcess:
         if self.metrics_address:
             labels[telemetry.METRICS_LABEL] = self.metrics_address
         latest = self._latest
-        req = coordinator_pb2.RegisterRequest(address=self.address, device=device_pb(self.device.type),
+        req = coordinator_pb2.RegisterRequest(address=self.address, device=device_pb(self.device),
                                               labels=labels, pid=os.getpid(),
                                               last_topology_version=latest.version if latest else 0,
                                               speed_gflops=self.speed[0], speed_class=self.speed[1])  # fmt: skip
@@ -181,7 +186,8 @@ class WorkerProcess:
         log.bind_identity(worker_id=self.worker_id)
         if self.core is None:
             self.core = StageWorkerCore(self.worker_id, self.device, self.log, self.cfg.group_timeout_s,
-                                        memory_budget=self.cfg.memory_budget)  # fmt: skip
+                                        memory_budget=self.cfg.memory_budget,
+                                        link_staging=self.cfg.link_staging)  # fmt: skip
             self.core.on_cache_reset = self._heartbeat_once  # the coordinator must know before the calibration ends
         self.log.info("registered", heartbeat_s=self.heartbeat_s)
         self._offer(Topology.from_pb(resp.topology))

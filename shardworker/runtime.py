@@ -34,7 +34,7 @@ from shardmesh.core.step import Sampled, SamplingParams, Segment, StepEntry, blo
 from shardmesh.core.topology import HeldShard, Rendezvous, ServingLimits, ShardState, Topology
 from shardmesh.engine import kv_transfer, offload
 from shardmesh.engine.batch import BatchLayout
-from shardmesh.engine.groups import Backend, ShardGroups, form_groups
+from shardmesh.engine.groups import STAGINGS, Backend, ShardGroups, form_groups, form_link
 from shardmesh.engine.kv_cache import ActivationLog, AnyKVCache, PagedActivationLog, PagedKVCache
 from shardmesh.engine.loader import build_shard, parse_dtype
 from shardmesh.engine.model import Transformer
@@ -241,8 +241,14 @@ class _Runtime:
 
 class StageWorkerCore:
     def __init__(self, worker_id: str, device: torch.device, logger: Any, group_timeout_s: float = 60.0,
-                 order_timeout_s: float = 10.0, memory_budget: int | None = None) -> None:  # fmt: skip
+                 order_timeout_s: float = 10.0, memory_budget: int | None = None,
+                 link_staging: str = "auto") -> None:  # fmt: skip
+        if link_staging not in STAGINGS:
+            raise ValueError(f"--link-staging: {link_staging!r} is not one of {', '.join(STAGINGS)}")
         self.worker_id = worker_id
+        # How this worker's stage links and hand-over pairs move tensors: "auto" agrees with each peer (NCCL
+        # between two GPUs, else Gloo through host memory), "host" always goes through host memory over Gloo.
+        self.link_staging = link_staging
         self.memory_budget = memory_budget  # bytes of weights in memory; the rest of a shard streams (offload)
         self.device = device
         self.log = logger
@@ -331,7 +337,8 @@ class StageWorkerCore:
         spec = placement.spec
         self.log.info("ready", epoch=placement.rendezvous.epoch, stage=placement.stage,
                       layers=[spec.layer_start, spec.layer_end], tp_rank=spec.tp_rank,
-                      waited_s=round(waited, 3), seconds=round(time.perf_counter() - t0 - waited, 3))  # fmt: skip
+                      waited_s=round(waited, 3), seconds=round(time.perf_counter() - t0 - waited, 3),
+                      **runtime.engine.groups.describe_links())  # fmt: skip
 
     def _load(self, p: Placement) -> Transformer:
         return self._load_shard(p.spec, p.model_path, p.dtype, p.limits.max_context, p.quantization)
@@ -402,7 +409,8 @@ class StageWorkerCore:
         if p.kv_from and p.kv_from != self.worker_id and fresh and transfer not in self._transfers:
             self._transfers.add(transfer)
             self._receive(store, caches, p)
-        groups = form_groups(store, r.prefix, p.spec, p.stage, p.num_stages, self.backend)
+        groups = form_groups(store, r.prefix, p.spec, p.stage, p.num_stages, self.device, self.link_staging,
+                             self.backend.timeout)  # fmt: skip
         bind_group(model, groups.tp)
         engine = StageEngine(model, groups, caches.kv, self.device, caches.log)
         return _Runtime(p, engine, r.epoch, caches, order=StepOrder(self.order_timeout_s))
@@ -428,10 +436,17 @@ class StageWorkerCore:
 
     # ---- hand-overs: the KV cache goes with the slot ----------------------------------------------------
 
-    def _pair(self, store: dist.Store, sender: str, receiver: str, rank: int, me: int) -> dist.ProcessGroup:
-        """The two-rank group of one hand-over: named after both workers and the slot, which are paired once."""
-        backend = Backend(self.backend.name, timedelta(seconds=KV_TRANSFER_TIMEOUT_S))
-        return backend.group(store, f"kv/{sender}/{receiver}/rank{rank}", me, 2)
+    def _pair(self, store: dist.Store, sender: str, receiver: str, rank: int,
+              me: int) -> tuple[dist.ProcessGroup, torch.device]:  # fmt: skip
+        """The two-rank group of one hand-over, named after both workers and the slot, which are paired once; and
+        the device its messages travel on. The two workers agree on the backend as a stage link's sides do: a CUDA
+        worker handing over to a CPU one (or the other way) gets Gloo, and its cache goes through host memory."""
+        other = receiver if me == 0 else sender
+        pg, plan = form_link(store, f"kv/{sender}/{receiver}/rank{rank}", me, self.device, self.link_staging,
+                             timedelta(seconds=KV_TRANSFER_TIMEOUT_S), f"worker {other} (hand-over of rank {rank})",
+                             timeout_flag="the hand-over's timeout")  # fmt: skip
+        self.log.info("kv_pair_formed", peer=other, rank=rank, link=plan.describe())
+        return pg, self.device if plan.backend == "nccl" else torch.device("cpu")
 
     def _receive(self, store: dist.Store, caches: _Caches, p: Placement) -> None:
         """Take the KV cache (and activation log) of the worker this slot was handed over from, and its id, so
@@ -439,8 +454,8 @@ class StageWorkerCore:
         under a new id, and the gateway replays this stage instead. Compute thread."""
         t0 = time.perf_counter()
         try:
-            pg = self._pair(store, p.kv_from, self.worker_id, p.rank, 1)
-            header, received = kv_transfer.receive(pg, kv_transfer.key_digest(caches.key), caches.rows, self.device)
+            pg, wire = self._pair(store, p.kv_from, self.worker_id, p.rank, 1)
+            header, received = kv_transfer.receive(pg, kv_transfer.key_digest(caches.key), caches.rows, wire)
         except (RuntimeError, ValueError) as e:  # the sender died, or its cache was sized for another shard
             self.log.warning("kv_receive_failed", source=p.kv_from, rank=p.rank, error=f"{type(e).__name__}: {e}")
             return
@@ -482,10 +497,10 @@ class StageWorkerCore:
         t0 = time.perf_counter()
         try:
             store = dist.TCPStore(r.host, r.port, None, False, timeout=timedelta(seconds=KV_TRANSFER_TIMEOUT_S))
-            pg = self._pair(store, self.worker_id, receiver, rank, 0)
+            pg, wire = self._pair(store, self.worker_id, receiver, rank, 0)
             with self._slots_lock:
                 header = caches.header()
-            sent = self._on_compute(kv_transfer.send, pg, header, caches.rows, self.device)
+            sent = self._on_compute(kv_transfer.send, pg, header, caches.rows, wire)
         except (RuntimeError, ValueError) as e:  # the receiver never came, or died: it replays instead
             self.log.warning("kv_send_failed", target=receiver, rank=rank, error=f"{type(e).__name__}: {e}")
             return

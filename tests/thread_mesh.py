@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from shardmesh.core.config import ModelConfig
 from shardmesh.core.layout import shard_specs
-from shardmesh.engine.groups import Backend, form_groups
+from shardmesh.engine.groups import form_groups
 from shardmesh.engine.loader import build_shard
 from shardmesh.engine.stage import StageEngine
 
@@ -28,15 +28,15 @@ _prefixes = itertools.count()
 
 def run_mesh(
     model_dir: Path, pp: int, tp: int, body: Callable[[StageEngine, int], Any], *, max_len: int = 128,
-    dtype: torch.dtype = torch.float32, paged: tuple[int, int] | None = None,
+    dtype: torch.dtype = torch.float32, paged: tuple[int, int] | None = None, staging: str = "auto",
 ) -> list[Any]:  # fmt: skip
     """Build every shard in its own thread, run `body(engine, rank)` in each, return results by rank. `paged`:
-    (num_blocks, block_size) of a paged KV cache instead of two slots."""
+    (num_blocks, block_size) of a paged KV cache instead of two slots. `staging`: every rank's link staging
+    (`form_groups`; "host" copies activations through host buffers, as a GPU stage next to a CPU one does)."""
     cfg = ModelConfig.from_dir(model_dir)
     specs = shard_specs(cfg.num_layers, pp, tp)
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
     prefix = f"test{next(_prefixes)}"
-    backend = Backend("gloo", timedelta(seconds=60))
     results: list[Any] = [None] * len(specs)
     errors: list[BaseException] = []
 
@@ -44,7 +44,8 @@ def run_mesh(
         try:
             # Its own store client, as a process would have: one client shared by threads serialises waits.
             client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=60))
-            groups = form_groups(client, prefix, specs[rank], rank // tp, pp, backend)
+            groups = form_groups(client, prefix, specs[rank], rank // tp, pp, torch.device("cpu"), staging,
+                                 timedelta(seconds=60))  # fmt: skip
             model = build_shard(model_dir, specs[rank], groups.tp, dtype=dtype, max_len=max_len, progress=False)
             if paged is None:
                 cache = model.make_cache(2, dtype, "cpu")
@@ -55,7 +56,8 @@ def run_mesh(
         except BaseException as e:  # surfaced to the test below
             errors.append(e)
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(len(specs))]
+    # Named by rank: a test can tell the ranks apart inside code they share (e.g. pretend one is on a GPU).
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}", daemon=True) for r in range(len(specs))]
     for t in threads:
         t.start()
     for t in threads:

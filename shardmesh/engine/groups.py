@@ -9,10 +9,16 @@ Rank layout: global rank = stage * tp + tp_rank, i.e. `torch.arange(pp * tp).res
 A stage's tensor-parallel group is one row; rank t of stage s sends activations to rank t of s+1
 (after the row-parallel all-reduce every tp rank holds the same hidden state, so each pair of
 neighbours forms its own point-to-point link and no extra broadcast is needed).
+
+Neighbouring stages may sit on different device types (a GPU stage next to one in host memory, for a
+model larger than the GPU): each link agrees on its backend through the store (`negotiate_link`), NCCL
+between two GPUs and Gloo otherwise, and a GPU side of a Gloo link stages its tensors through host memory.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -105,11 +111,112 @@ class GroupCollective:
         self.bytes += x.numel() * x.element_size()
 
 
-class StageLink:
-    """A point-to-point link between rank t of stage s (sender) and rank t of stage s + 1 (receiver)."""
+STAGINGS = ("auto", "host")  # `form_groups(staging=...)`, `--link-staging`
 
-    def __init__(self, pg: dist.ProcessGroup, is_sender: bool) -> None:
+
+def device_type(device: torch.device) -> str:
+    """The device type this side of a link announces to its peer. A function of its own so that tests on a
+    machine without a GPU can make one side announce "cuda" and exercise the mixed-device branch."""
+    return device.type
+
+
+@dataclass(frozen=True)
+class LinkPlan:
+    """What both sides of a two-rank link agreed on (`negotiate_link`), as seen from one side."""
+
+    backend: str  # "nccl" or "gloo"
+    staged: bool  # this side copies through a host buffer around every send and recv
+    local: str  # this side's device type
+    peer: str  # the other side's device type
+
+    def describe(self) -> str:
+        how = "host-staged" if self.staged else "direct"
+        return f"{self.backend} {how} ({self.local} <-> {self.peer})"
+
+
+def plan_link(local: str, local_staging: str, peer: str, peer_staging: str) -> LinkPlan:
+    """The backend both sides compute from the same two announcements, and this side's staging.
+
+    NCCL only when both sides are on CUDA and neither forces host staging: NCCL moves device memory only, and
+    a CPU peer has none. Otherwise Gloo, which moves host memory only: a CUDA side copies through a host buffer,
+    and a side that forces staging ("host") copies even on the CPU, so that path runs without a GPU too."""
+    if local_staging not in STAGINGS:
+        raise ValueError(f"--link-staging: {local_staging!r} is not one of {', '.join(STAGINGS)}")
+    if peer_staging not in STAGINGS:
+        raise ValueError(f"the peer's --link-staging {peer_staging!r} is not one of {', '.join(STAGINGS)}")
+    nccl = local == peer == "cuda" and local_staging == peer_staging == "auto"
+    backend = "nccl" if nccl else "gloo"
+    staged = backend == "gloo" and (local == "cuda" or local_staging == "host")
+    return LinkPlan(backend, staged, local, peer)
+
+
+def negotiate_link(store: dist.Store, prefix: str, side: int, device: torch.device, staging: str,
+                   timeout: timedelta, peer_name: str, timeout_flag: str = "--group-timeout") -> LinkPlan:  # fmt: skip
+    """Announce this side's device type and staging under `prefix` (side 0 or 1) and read the other side's.
+
+    Both sides already share the rendezvous store and the link's prefix, which names the topology version (or
+    the hand-over), so the keys are fresh for every link. Raises RuntimeError naming the link and the peer when
+    the peer has not announced itself within `timeout` (set by `timeout_flag`)."""
+    if side not in (0, 1):
+        raise ValueError(f"a link has sides 0 and 1, got {side}")
+    mine = device_type(device)
+    store.set(f"{prefix}/device/{side}", json.dumps({"device": mine, "staging": staging}))
+    key = f"{prefix}/device/{1 - side}"
+    try:
+        store.wait([key], timeout)
+        theirs = json.loads(store.get(key))
+    except RuntimeError:  # DistStoreError: the peer never came (or the store is gone)
+        raise RuntimeError(f"link {prefix}: {peer_name} did not announce its device within "
+                           f"{timeout.total_seconds():g} s ({timeout_flag})") from None  # fmt: skip
+    return plan_link(mine, staging, str(theirs["device"]), str(theirs["staging"]))
+
+
+class HostStaging:
+    """Host buffers a staged link sends from and receives into, one per dtype, grown as needed and reused.
+
+    One flat buffer per dtype rather than one per shape: a serving stage sees a new token count in almost every
+    step, and buffers by shape would pile up. Pinned when the data lives on a GPU (the copy is a DMA then); a
+    CPU side that forces staging gets a plain buffer, and its copies are clones through the same code."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.dtype, bool], Tensor] = {}
+        self.bytes = 0  # copied device -> host before a send plus host -> device after a recv
+        self.copies = 0
+
+    def buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, pinned: bool) -> Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers.get((dtype, pinned))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, pin_memory=pinned)
+            self._buffers[(dtype, pinned)] = buf
+        return buf[:numel].view(shape)
+
+    def to_host(self, x: Tensor) -> Tensor:
+        host = self.buffer(x.shape, x.dtype, pinned=x.is_cuda)
+        host.copy_(x)
+        self._count(x)
+        return host
+
+    def from_host(self, host: Tensor, device: torch.device | str) -> Tensor:
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        out.copy_(host)  # a copy even on the CPU: the buffer is overwritten by the next recv
+        self._count(out)
+        return out
+
+    def _count(self, x: Tensor) -> None:
+        self.bytes += x.numel() * x.element_size()
+        self.copies += 1
+
+
+class StageLink:
+    """A point-to-point link between rank t of stage s (sender) and rank t of stage s + 1 (receiver).
+
+    `plan` says how (`negotiate_link`): over NCCL between two GPUs, or over Gloo, staged through host memory on a
+    side whose tensors live on a GPU (or that forces it). `staged_bytes` counts what this side copied."""
+
+    def __init__(self, pg: dist.ProcessGroup, is_sender: bool, plan: LinkPlan | None = None) -> None:
         self.pg = pg
+        self.plan = plan or LinkPlan("gloo", False, "cpu", "cpu")
         self.peer = 1 if is_sender else 0
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -117,19 +224,42 @@ class StageLink:
         self.messages_received = 0
         self.wait_s = 0.0  # time spent in recv: compute upstream plus the transfer itself
         self.send_s = 0.0  # time spent in send, until the transfer completed
+        self._staging = HostStaging() if self.plan.staged else None
+
+    @property
+    def backend(self) -> str:
+        return self.plan.backend
+
+    @property
+    def staged(self) -> bool:
+        return self.plan.staged
+
+    @property
+    def staged_bytes(self) -> int:
+        return self._staging.bytes if self._staging is not None else 0
+
+    def describe(self) -> str:
+        return self.plan.describe()
 
     def send(self, x: Tensor) -> None:
         x = x.contiguous()
         t0 = time.perf_counter()
-        self.pg.send([x], self.peer, 0).wait()
+        wire = self._staging.to_host(x) if self._staging is not None else x
+        # Waited for: the staging buffer is reused by the next send.
+        self.pg.send([wire], self.peer, 0).wait()
         self.send_s += time.perf_counter() - t0
         self.bytes_sent += x.numel() * x.element_size()
         self.messages_sent += 1
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
-        x = torch.empty(shape, dtype=dtype, device=device)
         t0 = time.perf_counter()
-        self.pg.recv([x], self.peer, 0).wait()
+        if self._staging is None:
+            x = torch.empty(shape, dtype=dtype, device=device)
+            self.pg.recv([x], self.peer, 0).wait()
+        else:
+            host = self._staging.buffer(shape, dtype, pinned=torch.device(device).type == "cuda")
+            self.pg.recv([host], self.peer, 0).wait()
+            x = self._staging.from_host(host, device)
         self.wait_s += time.perf_counter() - t0
         self.bytes_received += x.numel() * x.element_size()
         self.messages_received += 1
@@ -147,9 +277,15 @@ class ShardGroups:
     prev: StageLink | None  # receives activations from the previous stage
     next: StageLink | None  # sends activations to the next stage
 
+    def describe_links(self) -> dict[str, str]:
+        """How each link moves its tensors, for log lines: {"prev_link": "gloo host-staged (cuda <-> cpu)", ...}."""
+        links = {"prev_link": self.prev, "next_link": self.next}
+        return {name: link.describe() for name, link in links.items() if link is not None}
+
 
 class Backend:
-    """Builds process groups for one communication library; picked once, at start-up."""
+    """Builds process groups for one communication library: a stage's tp group uses its device's
+    (`for_device`), a link the one both sides agreed on (`negotiate_link`)."""
 
     name: str
 
@@ -173,25 +309,42 @@ class Backend:
         return dist.ProcessGroupGloo(prefixed, rank, size, self.timeout)
 
 
+def form_link(store: dist.Store, prefix: str, side: int, device: torch.device, staging: str, timeout: timedelta,
+              peer_name: str, timeout_flag: str = "--group-timeout") -> tuple[dist.ProcessGroup, LinkPlan]:  # fmt: skip
+    """Negotiate a two-rank link under `prefix` (`negotiate_link`) and build its group on the agreed backend:
+    side 0 is the group's rank 0."""
+    plan = negotiate_link(store, prefix, side, device, staging, timeout, peer_name, timeout_flag)
+    return Backend(plan.backend, timeout).group(store, prefix, side, 2), plan
+
+
 def form_groups(
-    store: dist.Store, prefix: str, spec: ShardSpec, stage: int, num_stages: int, backend: Backend
-) -> ShardGroups:
+    store: dist.Store, prefix: str, spec: ShardSpec, stage: int, num_stages: int, device: torch.device,
+    staging: str = "auto", timeout: timedelta = timedelta(seconds=60),
+) -> ShardGroups:  # fmt: skip
     """Join this shard's tensor-parallel group and its links to the neighbouring stages.
 
     Every shard forms, in order: its stage's tp group, the link from the previous stage, the link
     to the next. Stage 0 has no previous link, so by induction stage s reaches its `prev` link only
     after stage s - 1 has formed its tp group, and the chain cannot deadlock.
     `prefix` should name the topology version: groups of different versions never collide.
+    The tp group uses `device`'s own backend (a stage's ranks share a device type); each link agrees on
+    its backend with its peer (`negotiate_link`), so a CUDA stage can feed a CPU stage. `staging`: "auto",
+    or "host" to force Gloo and host staging on this rank's links.
     """
+    if staging not in STAGINGS:
+        raise ValueError(f"--link-staging: {staging!r} is not one of {', '.join(STAGINGS)}")
     tp: Collective = SingleRank()
     if spec.tp_size > 1:
-        pg = backend.group(store, f"{prefix}/tp/stage{stage}", spec.tp_rank, spec.tp_size)
+        pg = Backend.for_device(device, timeout).group(store, f"{prefix}/tp/stage{stage}", spec.tp_rank, spec.tp_size)
         tp = GroupCollective(pg, spec.tp_rank, spec.tp_size)
     prev = nxt = None
+    t = spec.tp_rank
     if stage > 0:
-        pg = backend.group(store, f"{prefix}/pp/{stage - 1}-{stage}/tp{spec.tp_rank}", 1, 2)
-        prev = StageLink(pg, is_sender=False)
+        peer = f"stage {stage - 1} tp rank {t} (global rank {(stage - 1) * spec.tp_size + t})"
+        pg, plan = form_link(store, f"{prefix}/pp/{stage - 1}-{stage}/tp{t}", 1, device, staging, timeout, peer)
+        prev = StageLink(pg, is_sender=False, plan=plan)
     if stage < num_stages - 1:
-        pg = backend.group(store, f"{prefix}/pp/{stage}-{stage + 1}/tp{spec.tp_rank}", 0, 2)
-        nxt = StageLink(pg, is_sender=True)
+        peer = f"stage {stage + 1} tp rank {t} (global rank {(stage + 1) * spec.tp_size + t})"
+        pg, plan = form_link(store, f"{prefix}/pp/{stage}-{stage + 1}/tp{t}", 0, device, staging, timeout, peer)
+        nxt = StageLink(pg, is_sender=True, plan=plan)
     return ShardGroups(spec, stage, num_stages, tp, prev, nxt)

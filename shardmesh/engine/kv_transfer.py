@@ -5,7 +5,8 @@ keys and values for its layers exist only in its memory. Sending them costs a fe
 cached tokens over a link; replaying the sequences on the new holder costs a forward pass over every cached
 token. The old holder is still alive in a hand-over, so we send.
 
-Over one two-rank process group (`Backend.group`, Gloo or NCCL; rank 0 sends, rank 1 receives), four messages:
+Over one two-rank process group (`groups.form_link`: NCCL between two GPU workers, else Gloo; rank 0 sends, rank 1
+receives), four messages:
   1. the header's length (int64), 2. the header (JSON, uint8): the sender's cache key digest, the cache id and
   the occupied slots with how many positions each holds (and, for a paged cache, each one's block table), 3. the
   receiver's answer (int64: 1 takes it, 0 refuses a cache sized for another shard), 4. every slot's rows,
@@ -14,6 +15,11 @@ Both sides cut their own buffers into the same views (`SlotRows`), so only lengt
 header. A paged cache's views are its blocks, at the same ids on both sides (block ids are mesh-wide: the gateway's
 tables name them for every stage). A prefix block that several sequences share is sent once per sequence, and
 written as many times with the same rows: simpler than deduplicating, and prefixes are a small part of a cache.
+
+The messages travel on the `wire` device both functions are given: the cache's own device over NCCL, the CPU over
+Gloo (which moves host memory only). A GPU cache on a Gloo pair, as between a CUDA and a CPU worker, is then staged
+through host memory: each dtype's rows are copied to the host in one piece before they are sent, and written back
+to the GPU views from the host tensor they arrive in.
 """
 
 from __future__ import annotations
@@ -75,7 +81,8 @@ def _views(rows: SlotRows, header: Header) -> list[Tensor]:
 
 
 def send(pg: dist.ProcessGroup, header: Header, rows: SlotRows, device: torch.device) -> int:
-    """Send `header` and the rows it lists to rank 1 of `pg`; returns the bytes of rows sent (0: refused)."""
+    """Send `header` and the rows it lists to rank 1 of `pg`; returns the bytes of rows sent (0: refused).
+    `device`: the wire device (see the module's docstring), whatever device the rows are on."""
     raw = torch.frombuffer(bytearray(header.to_bytes()), dtype=torch.uint8).to(device)
     pg.send([torch.tensor([raw.numel()], dtype=torch.int64, device=device)], 1, 0).wait()
     pg.send([raw], 1, 0).wait()
@@ -85,13 +92,14 @@ def send(pg: dist.ProcessGroup, header: Header, rows: SlotRows, device: torch.de
         return 0
     sent = 0
     for _, flat in sorted(_flat(_views(rows, header)).items(), key=lambda kv: str(kv[0])):
-        pg.send([flat.contiguous()], 1, 0).wait()
+        pg.send([flat.to(device).contiguous()], 1, 0).wait()  # staged through host memory: a GPU cache over Gloo
         sent += flat.numel() * flat.element_size()
     return sent
 
 
 def receive(pg: dist.ProcessGroup, my_key_digest: str, rows: SlotRows, device: torch.device) -> tuple[Header, int]:
     """Receive from rank 0 of `pg` into the views `rows` gives; returns the header and the bytes received.
+    `device`: the wire device; the views may be on another (the copy into them moves the rows there).
     Raises ValueError (after telling the sender) when the sender's cache was sized for another shard."""
     size = torch.zeros(1, dtype=torch.int64, device=device)
     pg.recv([size], 0, 0).wait()
@@ -110,7 +118,7 @@ def receive(pg: dist.ProcessGroup, my_key_digest: str, rows: SlotRows, device: t
         pg.recv([flat], 0, 0).wait()
         offset = 0
         for v in (v for v in views if v.dtype == dtype):
-            v.copy_(flat[offset : offset + v.numel()].view(v.shape))
+            v.copy_(flat[offset : offset + v.numel()].view(v.shape))  # host -> GPU when staged
             offset += v.numel()
         received += flat.numel() * flat.element_size()
     return header, received

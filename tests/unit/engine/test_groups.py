@@ -1,0 +1,201 @@
+"""Stage links agree on their backend through the store, and a side that must stages through host memory.
+
+Each test forms real two-rank Gloo links between two threads, one store client each, as two processes would.
+No GPU here: a side "on CUDA" is one whose `groups.device_type` answers "cuda", which is all the negotiation
+reads; its copies are then CPU clones through the same staging code.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardmesh.core.layout import ShardSpec
+from shardmesh.engine import groups
+from shardmesh.engine.groups import HostStaging, LinkPlan, ShardGroups, SingleRank, StageLink, plan_link
+
+TIMEOUT = timedelta(seconds=20)
+
+
+@pytest.fixture
+def store() -> Iterator[dist.TCPStore]:
+    s = dist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
+    yield s
+
+
+def pretend_cuda(monkeypatch: pytest.MonkeyPatch, *sides: int) -> None:
+    """Make the threads of `sides` (named "side0", "side1") announce "cuda"."""
+    names = {f"side{s}" for s in sides}
+    monkeypatch.setattr(groups, "device_type", lambda d: "cuda" if threading.current_thread().name in names else d.type)
+
+
+def on_both_sides(store: dist.TCPStore, fn: Callable[[dist.Store, int], Any]) -> list[Any]:
+    """`fn(client, side)` in two threads named side0 and side1, each with its own store client."""
+    results: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def main(side: int) -> None:
+        try:
+            client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=TIMEOUT)
+            results[side] = fn(client, side)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=main, args=(s,), name=f"side{s}", daemon=True) for s in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a side never finished"
+    return results
+
+
+def link_pair(store: dist.TCPStore, prefix: str, stagings: tuple[str, str],
+              messages: list[torch.Tensor]) -> tuple[list[StageLink], list[torch.Tensor]]:  # fmt: skip
+    """Form a link under `prefix`, send `messages` from side 0 to side 1; returns both links and what arrived."""
+
+    def side_main(client: dist.Store, side: int) -> tuple[StageLink, list[torch.Tensor]]:
+        pg, plan = groups.form_link(client, prefix, side, torch.device("cpu"), stagings[side], TIMEOUT,
+                                    f"side {1 - side}")  # fmt: skip
+        link = StageLink(pg, is_sender=side == 0, plan=plan)
+        got = []
+        for m in messages:
+            if side == 0:
+                link.send(m)
+            else:
+                got.append(link.recv(tuple(m.shape), m.dtype, "cpu"))
+        return link, got
+
+    (a, _), (b, got) = on_both_sides(store, side_main)
+    return [a, b], got
+
+
+MESSAGES = [torch.randn(5, 8), torch.randn(2, 8), torch.arange(12, dtype=torch.float16).view(3, 4)]
+NBYTES = sum(m.numel() * m.element_size() for m in MESSAGES)
+
+
+def assert_arrived(got: list[torch.Tensor]) -> None:
+    assert len(got) == len(MESSAGES)
+    for a, b in zip(got, MESSAGES, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "local,local_staging,peer,peer_staging,backend,staged",
+    [
+        ("cpu", "auto", "cpu", "auto", "gloo", False),
+        ("cuda", "auto", "cuda", "auto", "nccl", False),
+        ("cuda", "auto", "cpu", "auto", "gloo", True),  # the GPU side of a mixed link copies
+        ("cpu", "auto", "cuda", "auto", "gloo", False),  # its CPU side does not
+        ("cuda", "auto", "cuda", "host", "gloo", True),  # either side forcing staging takes NCCL away
+        ("cuda", "host", "cuda", "auto", "gloo", True),
+        ("cpu", "host", "cpu", "auto", "gloo", True),  # forced on a CPU side: copies anyway
+        ("cpu", "auto", "cpu", "host", "gloo", False),
+    ],
+)
+def test_plan_link(local: str, local_staging: str, peer: str, peer_staging: str, backend: str, staged: bool) -> None:
+    plan = plan_link(local, local_staging, peer, peer_staging)
+    assert (plan.backend, plan.staged) == (backend, staged)
+    # The other side computes the same backend from the same two announcements.
+    assert plan_link(peer, peer_staging, local, local_staging).backend == backend
+
+
+def test_an_unknown_staging_names_the_flag() -> None:
+    with pytest.raises(ValueError, match="--link-staging: 'device' is not one of auto, host"):
+        plan_link("cpu", "device", "cpu", "auto")
+
+
+def test_cpu_sides_link_over_gloo_without_staging(store: dist.TCPStore) -> None:
+    links, got = link_pair(store, "t/plain", ("auto", "auto"), MESSAGES)
+    assert_arrived(got)
+    for link in links:
+        assert (link.backend, link.staged, link.staged_bytes) == ("gloo", False, 0)
+        assert link.describe() == "gloo direct (cpu <-> cpu)"
+    assert links[0].bytes_sent == links[1].bytes_received == NBYTES
+
+
+def test_forced_host_staging_copies_every_message_on_both_sides(store: dist.TCPStore) -> None:
+    links, got = link_pair(store, "t/host", ("host", "host"), MESSAGES)
+    assert_arrived(got)
+    for link in links:
+        assert link.backend == "gloo" and link.staged
+        assert link.staged_bytes == NBYTES  # each message once: out of the sender, into the receiver's tensor
+        assert link.describe() == "gloo host-staged (cpu <-> cpu)"
+
+
+def test_a_cuda_side_next_to_a_cpu_side_agrees_on_gloo_and_stages_alone(
+    store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    pretend_cuda(monkeypatch, 0)
+    links, got = link_pair(store, "t/mixed", ("auto", "auto"), MESSAGES)
+    assert_arrived(got)
+    sender, receiver = links
+    assert (sender.backend, receiver.backend) == ("gloo", "gloo")
+    assert sender.staged and sender.staged_bytes == NBYTES
+    assert not receiver.staged and receiver.staged_bytes == 0
+    assert sender.describe() == "gloo host-staged (cuda <-> cpu)"
+    assert receiver.describe() == "gloo direct (cpu <-> cuda)"
+
+
+def test_a_cpu_sender_feeds_a_cuda_receiver_that_stages(store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    pretend_cuda(monkeypatch, 1)
+    (sender, receiver), got = link_pair(store, "t/mixed-back", ("auto", "auto"), MESSAGES)
+    assert_arrived(got)
+    assert not sender.staged and receiver.staged and receiver.staged_bytes == NBYTES
+
+
+def test_two_cuda_sides_agree_on_nccl_unless_one_forces_host(
+    store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """Only the negotiation: an NCCL group cannot be built here."""
+    pretend_cuda(monkeypatch, 0, 1)
+
+    def negotiate(stagings: tuple[str, str], prefix: str) -> list[LinkPlan]:
+        return on_both_sides(store, lambda client, side: groups.negotiate_link(
+            client, prefix, side, torch.device("cpu"), stagings[side], TIMEOUT, "peer"))  # fmt: skip
+
+    assert [p.backend for p in negotiate(("auto", "auto"), "t/nccl")] == ["nccl", "nccl"]
+    forced = negotiate(("auto", "host"), "t/forced")
+    assert [(p.backend, p.staged) for p in forced] == [("gloo", True), ("gloo", True)]
+
+
+def test_a_peer_that_never_announces_itself_is_named(store: dist.TCPStore) -> None:
+    with pytest.raises(RuntimeError, match=r"link t/alone: stage 1 tp rank 0 did not announce its device within 0.2 s "
+                       r"\(--group-timeout\)"):  # fmt: skip
+        groups.negotiate_link(store, "t/alone", 0, torch.device("cpu"), "auto", timedelta(seconds=0.2),
+                              "stage 1 tp rank 0")  # fmt: skip
+
+
+def test_staging_buffers_are_reused_and_received_tensors_are_not() -> None:
+    staging = HostStaging()
+    big = staging.to_host(torch.ones(4, 8))
+    small = staging.to_host(torch.full((2, 8), 2.0))
+    assert small.data_ptr() == big.data_ptr()  # one buffer per dtype, cut to each shape
+    first = staging.from_host(small, "cpu")
+    staging.to_host(torch.full((2, 8), 3.0))  # the next message overwrites the buffer ...
+    assert torch.equal(first, torch.full((2, 8), 2.0))  # ... not what was handed out
+    assert staging.bytes == 4 * 8 * 4 + 2 * 8 * 4 * 3 and staging.copies == 4
+
+
+def test_form_groups_links_neighbouring_stages_and_describes_them(store: dist.TCPStore) -> None:
+    """pp=2, tp=1 through `form_groups`: the middle of the API the worker and the offline ranks call."""
+
+    def rank_main(client: dist.Store, rank: int) -> ShardGroups:
+        spec = ShardSpec(rank * 2, rank * 2 + 2, 4, 0, 1)
+        return groups.form_groups(client, "t/fg", spec, rank, 2, torch.device("cpu"), "host" if rank else "auto",
+                                  TIMEOUT)  # fmt: skip
+
+    first, second = on_both_sides(store, rank_main)
+    assert isinstance(first.tp, SingleRank) and first.prev is None and second.next is None
+    assert first.describe_links() == {"next_link": "gloo direct (cpu <-> cpu)"}
+    assert second.describe_links() == {"prev_link": "gloo host-staged (cpu <-> cpu)"}
+    with pytest.raises(ValueError, match="--link-staging: 'gpu'"):
+        groups.form_groups(store, "t/bad", ShardSpec(0, 4, 4, 0, 1), 0, 1, torch.device("cpu"), "gpu")
