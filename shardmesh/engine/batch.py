@@ -42,6 +42,18 @@ class DecodeRows:
 
 
 @dataclass(frozen=True)
+class GatheredDecodeRows:
+    """One-token segments whose slots are read by gathering them, up to a fixed `length`, whatever the slots and
+    positions: the fixed-shape form a captured CUDA graph replays (`cuda_graph.DecodeGraphs`). Its tensors are the
+    graph's static buffers, refilled before each replay."""
+
+    rows: slice  # every row of the step, in order
+    slots: Tensor  # (D,) each row's KV slot
+    length: int  # positions read per slot (a bucket at least the largest position + 1)
+    mask: Tensor  # (D, 1, 1, length) bool: each row sees the positions up to its own
+
+
+@dataclass(frozen=True)
 class PagedDecodeRows:
     """The step's one-token segments for a paged cache, all of them (one is enough: the kernel reads blocks in
     place, so one call per layer costs no copy whatever the block ids; `paged_attention`)."""
@@ -57,7 +69,9 @@ class BatchLayout:
     positions: Tensor  # (T,) int64, the absolute position of every packed token
     last_index: Tensor  # (B,) int64, row of each sequence's last token in the packed batch
     kv_index: tuple[Tensor, Tensor]  # (T,) each: where each token's key goes, (slot, position) or (block, offset)
-    decode: DecodeRows | PagedDecodeRows | None = None  # the one-token segments, when attended together
+    decode: DecodeRows | PagedDecodeRows | GatheredDecodeRows | None = (
+        None  # the one-token segments, when attended together
+    )
     looped: tuple[tuple[int, Segment], ...] = ()  # (first row, segment) attended one at a time
     block_size: int = 0  # the paged cache's block size; 0: a layout for the slot cache
     chunk_blocks: tuple[Tensor, ...] = ()  # paged: each looped segment's blocks covering [0, start + length)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from shardmesh.core.step import Segment
 from shardmesh.engine import paged_attention
-from shardmesh.engine.batch import BatchLayout, DecodeRows, PagedDecodeRows
+from shardmesh.engine.batch import BatchLayout, DecodeRows, GatheredDecodeRows, PagedDecodeRows
 from shardmesh.engine.paged_attention import DecodeKernel
 
 
@@ -82,15 +82,20 @@ class KVCache(_Cache):
                 raise ValueError(f"{s.name} does not fit a KV cache of {self.num_slots} slots of {self.max_len} "
                                  f"positions")  # fmt: skip
 
-    def attend_decode(self, layer: int, q: Tensor, d: DecodeRows | PagedDecodeRows) -> Tensor:
+    def attend_decode(self, layer: int, q: Tensor, d: DecodeRows | PagedDecodeRows | GatheredDecodeRows) -> Tensor:
         """q: (D, h, hd), one new query per sequence, read against the slot range as a view → (D, h, hd).
 
         The g query heads sharing a kv head become that head's g queries, (span, kvh, g, hd), as in
         `Attention._attend`."""
-        assert isinstance(d, DecodeRows)
         D, h, hd = q.shape
         kvh = self.data.shape[3]
         grouped = q.view(D, kvh, h // kvh, hd)
+        if isinstance(d, GatheredDecodeRows):  # fixed shapes for a CUDA graph: each row's slot gathered
+            keys = self.keys(layer)[:, :, : d.length].index_select(0, d.slots)  # (D, kvh, length, hd)
+            values = self.values(layer)[:, :, : d.length].index_select(0, d.slots)
+            o = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=d.mask)
+            return o.reshape(D, h, hd)
+        assert isinstance(d, DecodeRows)
         if not d.in_order:  # place each query at its slot's index in the range
             grouped = grouped.new_zeros((d.span, *grouped.shape[1:])).index_copy_(0, d.index, grouped)
         window = slice(d.first_slot, d.first_slot + d.span)

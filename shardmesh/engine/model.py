@@ -43,8 +43,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # Normalise in float32 whatever the activation dtype, as the reference implementation does.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # One fused kernel where PyTorch has one (CUDA: 8 kernels -> 4 per norm with the casts; the same numbers).
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
 
 
@@ -99,9 +99,11 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, batch: BatchLayout, cache: AnyKVCache, cos: Tensor, sin: Tensor) -> Tensor:
         T = x.shape[0]
         q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split((q_out, kv_out, kv_out), dim=-1)  # (T, q_out), (T, kv_out) twice
-        q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)  # (T, h, hd)
-        k = apply_rope(k.view(T, self.n_kv_heads, self.head_dim), cos, sin)  # (T, kvh, hd)
+        qk, v = self.qkv_proj(x).split((q_out + kv_out, kv_out), dim=-1)  # (T, q_out + kv_out), (T, kv_out)
+        # Queries and keys rotated together: one pass of rope's kernels, not two (a decode step's kernels are
+        # mostly this small; on a GPU each costs a few microseconds whatever its size).
+        qk = apply_rope(qk.view(T, self.n_heads + self.n_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)  # (T, h, hd), (T, kvh, hd)
         v = v.view(T, self.n_kv_heads, self.head_dim)
         # Every new key first, then the reads: a token sees positions up to its own, all written by now.
         cache.write(self.cache_index, batch, k, v)
