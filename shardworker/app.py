@@ -47,12 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          f"(default: ${JOIN_TOKEN_ENV}; neither: none presented or asked)")  # fmt: skip
 
 
-def worker_device(spec: str, visible_gpus: int | None = None) -> str:
+def worker_device(spec: str, visible_gpus: int | None = None, check_visible: bool = True) -> str:
     """`--device` as the worker uses it ("cpu" or "cuda:N"), checked against the GPUs this process sees (asked of
-    torch only for a GPU, so a CPU worker's flags are checked without importing it); a UsageError otherwise."""
+    torch only for a GPU, so a CPU worker's flags are checked without importing it; `check_visible=False`: the
+    spelling only); a UsageError otherwise."""
     from shardmesh.core import device_map
 
-    if visible_gpus is None:
+    if visible_gpus is None and check_visible:
         visible_gpus = device_map.visible_gpu_count() if device_map.needs_gpus(spec) else 0
     try:
         return device_map.check_worker_device(spec, visible_gpus)
@@ -91,7 +92,8 @@ def build_config(args: argparse.Namespace) -> Any:
             budget = parse_bytes(args.memory_budget)
         except ValueError as e:
             raise UsageError(f"--memory-budget: {e}") from None
-    device = worker_device(args.device)
+    # The spelling here (a config may be checked where it does not run); the GPU itself when the worker starts (`run`).
+    device = worker_device(args.device, check_visible=False)
     tls, join_tokens, join_token = mesh_security(args)
     return WorkerConfig(args.coordinator, args.listen, args.advertise, args.worker_id, device, labels,
                         args.group_timeout, args.max_message_mb * 1024 * 1024, args.metrics_port,
@@ -106,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from shardworker.process import WorkerProcess
 
     cfg = build_config(args)  # a UsageError reaches the command's main: one line, exit 2
+    worker_device(args.device)  # the GPU it names exists here
     if args.threads:
         import torch
 

@@ -180,10 +180,11 @@ def spare_devices(devices: Sequence[str], spares: int, visible_gpus: int, flag: 
     return [f"cuda:{i}" for i in free[:spares]]
 
 
-def check_worker_device(spec: str, visible_gpus: int) -> str:
+def check_worker_device(spec: str, visible_gpus: int | None) -> str:
     """One worker process's `--device`, as it will use it: "cpu" or "cuda:N". Plain `cuda` is `cuda:0` (a worker
     alone in a container that sees one GPU; `up` and the manifest's commands always give an index). Raises
-    ValueError naming `--device`, the index and the GPU count."""
+    ValueError naming `--device`, the index and the GPU count; `visible_gpus` None checks the spelling only (a
+    config read on another machine than the one that runs it)."""
     entry = spec.strip()
     try:
         index = _index(entry)
@@ -192,7 +193,7 @@ def check_worker_device(spec: str, visible_gpus: int) -> str:
     if entry == "cpu":
         return "cpu"
     index = 0 if index is None else index
-    if index >= visible_gpus:
+    if visible_gpus is not None and index >= visible_gpus:
         seen = f"cuda:0..cuda:{visible_gpus - 1}" if visible_gpus else "no CUDA device"
         raise ValueError(f"--device {entry}: GPU {index} does not exist: {_gpus_visible(visible_gpus)} "
                          f"({seen}; {VISIBLE_HINT})")  # fmt: skip

@@ -130,3 +130,14 @@ def test_the_worker_process_makes_its_gpu_current_before_any_cuda_work(monkeypat
                         Quiet())  # fmt: skip
     cpu.stop(grace=0.0)
     assert current == [torch.device("cuda:2")]  # a CPU worker touches no GPU
+
+
+def test_a_config_read_elsewhere_checks_the_spelling_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest or pod spec for GPU workers is checked on a machine without one: the config parses, a bad spelling
+    does not; the GPU itself is checked by the worker that runs it."""
+    monkeypatch.setattr(device_map, "visible_gpu_count", lambda: 0)
+    assert app.worker_device("cuda:3", check_visible=False) == "cuda:3"
+    with pytest.raises(UsageError, match="expected cpu, cuda or cuda:N"):
+        app.worker_device("gpu:1", check_visible=False)
+    with pytest.raises(UsageError, match="GPU 3 does not exist: 0 GPUs are visible"):
+        app.worker_device("cuda:3")
