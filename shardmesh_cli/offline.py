@@ -55,7 +55,7 @@ def rank_devices(device: str, pp: int, tp: int, visible_gpus: int | None = None)
     """Each rank's `--device` (`device_map.assign_devices`: with cuda, rank r on cuda:r, one GPU each). Raises
     ValueError naming `--device` and the counts, before any process starts. `visible_gpus`: None asks torch."""
     if visible_gpus is None:
-        visible_gpus = device_map.visible_gpu_count() if device_map.needs_gpus(device) else 0
+        visible_gpus = device_map.visible_gpus_for(device)
     return device_map.assign_devices(device, pp, tp, visible_gpus)
 
 
@@ -157,8 +157,8 @@ def _rank_main(argv: list[str]) -> None:
     cfg = ModelConfig.from_dir(a.model)
     spec = shard_specs(cfg.num_layers, a.pp, a.tp)[a.rank]
     stage = a.rank // a.tp
-    store = dist.TCPStore("127.0.0.1", a.store_port, None, False, timeout=timedelta(seconds=120))
     timeout = timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", a.store_port, None, False, timeout=timeout)
     groups = form_groups(store, "offline", spec, stage, a.pp, device, a.link_staging, timeout)
     # One group over all ranks, used only to share each sampled token. Gloo over host tensors whatever the devices:
     # NCCL cannot span a GPU rank and a CPU rank, and the message is 16 bytes per token, far too small for a copy to

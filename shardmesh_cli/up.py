@@ -278,7 +278,7 @@ def worker_devices(args: argparse.Namespace, visible_gpus: int | None = None) ->
     from shardmesh.core import device_map
 
     if visible_gpus is None:
-        visible_gpus = device_map.visible_gpu_count() if device_map.needs_gpus(args.device) else 0
+        visible_gpus = device_map.visible_gpus_for(args.device)
     ranks = device_map.assign_devices(args.device, args.pp, args.tp, visible_gpus)
     return ranks + device_map.spare_devices(ranks, getattr(args, "spares", 0), visible_gpus)
 

@@ -54,7 +54,7 @@ def worker_device(spec: str, visible_gpus: int | None = None, check_visible: boo
     from shardmesh.core import device_map
 
     if visible_gpus is None and check_visible:
-        visible_gpus = device_map.visible_gpu_count() if device_map.needs_gpus(spec) else 0
+        visible_gpus = device_map.visible_gpus_for(spec)
     try:
         return device_map.check_worker_device(spec, visible_gpus)
     except ValueError as e:

@@ -34,7 +34,7 @@ from shardmesh.core.step import Sampled, SamplingParams, Segment, StepEntry, blo
 from shardmesh.core.topology import HeldShard, Rendezvous, ServingLimits, ShardState, Topology
 from shardmesh.engine import kv_transfer, offload
 from shardmesh.engine.batch import BatchLayout
-from shardmesh.engine.groups import STAGINGS, Backend, ShardGroups, form_groups, form_link
+from shardmesh.engine.groups import Backend, ShardGroups, check_staging, form_groups, form_link
 from shardmesh.engine.kv_cache import ActivationLog, AnyKVCache, PagedActivationLog, PagedKVCache
 from shardmesh.engine.loader import build_shard, parse_dtype
 from shardmesh.engine.model import Transformer
@@ -243,8 +243,7 @@ class StageWorkerCore:
     def __init__(self, worker_id: str, device: torch.device, logger: Any, group_timeout_s: float = 60.0,
                  order_timeout_s: float = 10.0, memory_budget: int | None = None,
                  link_staging: str = "auto") -> None:  # fmt: skip
-        if link_staging not in STAGINGS:
-            raise ValueError(f"--link-staging: {link_staging!r} is not one of {', '.join(STAGINGS)}")
+        check_staging(link_staging)
         self.worker_id = worker_id
         # How this worker's stage links and hand-over pairs move tensors: "auto" agrees with each peer (NCCL
         # between two GPUs, else Gloo through host memory), "host" always goes through host memory over Gloo.

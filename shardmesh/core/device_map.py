@@ -19,6 +19,7 @@ Pure: no torch at module level. The caller passes the visible GPU count (`visibl
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 
@@ -36,6 +37,12 @@ def visible_gpu_count() -> int:
 def needs_gpus(spec: str) -> bool:
     """Whether `spec` names a GPU anywhere: only then is the (slow, torch-importing) GPU count worth asking."""
     return "cuda" in spec
+
+
+def visible_gpus_for(spec: str) -> int:
+    """The GPUs this process sees, asked of torch only when `spec` names one (0 otherwise: a CPU mesh's flags are
+    checked without importing torch)."""
+    return visible_gpu_count() if needs_gpus(spec) else 0
 
 
 def _ranks(world: int, pp: int, tp: int) -> str:
@@ -64,19 +71,21 @@ def _index(entry: str) -> int | None:
     return int(m.group(1))
 
 
-def _check_index(flag: str, spec: str, index: int, visible_gpus: int, rank: int | None = None) -> None:
-    if index >= visible_gpus:
+def _check_index(flag: str, spec: str, index: int, visible_gpus: int | None, rank: int | None = None) -> None:
+    if visible_gpus is not None and index >= visible_gpus:
         what = f"cuda:{index} (rank {rank})" if rank is not None else f"GPU {index}"
         seen = f"cuda:0..cuda:{visible_gpus - 1}" if visible_gpus else "no CUDA device"
         raise ValueError(f"{flag} {spec}: {what} does not exist: {_gpus_visible(visible_gpus)} "
                          f"({seen}; {VISIBLE_HINT})")  # fmt: skip
 
 
-def assign_devices(spec: str, pp: int, tp: int, visible_gpus: int, flag: str = "--device") -> list[str]:
+def assign_devices(spec: str, pp: int, tp: int, visible_gpus: int | None, flag: str = "--device") -> list[str]:
     """One device string per global rank ("cpu" or "cuda:N"), each GPU used by one rank at most.
 
     Raises ValueError naming `flag` and the counts: more ranks than GPUs, `cuda:N` for several ranks, an index
-    that is not visible, two ranks on one GPU, a stage whose tensor-parallel ranks mix cpu and cuda."""
+    that is not visible, two ranks on one GPU, a stage whose tensor-parallel ranks mix cpu and cuda.
+    `visible_gpus` None: the GPUs are on hosts of their own (a manifest's commands), so whether they exist is not
+    checked here; everything else is."""
     if pp < 1 or tp < 1:
         raise ValueError(f"pp and tp must be >= 1, got pp={pp}, tp={tp}")
     entries = [e.strip() for e in spec.strip().split(",")]
@@ -85,7 +94,7 @@ def assign_devices(spec: str, pp: int, tp: int, visible_gpus: int, flag: str = "
     return _listed(flag, spec.strip(), entries, pp, tp, visible_gpus)
 
 
-def _one_for_all(flag: str, entry: str, pp: int, tp: int, visible_gpus: int) -> list[str]:
+def _one_for_all(flag: str, entry: str, pp: int, tp: int, visible_gpus: int | None) -> list[str]:
     world = pp * tp
     try:
         index = _index(entry)
@@ -95,7 +104,7 @@ def _one_for_all(flag: str, entry: str, pp: int, tp: int, visible_gpus: int) -> 
     if entry == "cpu":
         return ["cpu"] * world
     if entry == "cuda":
-        if world > visible_gpus:
+        if visible_gpus is not None and world > visible_gpus:
             raise ValueError(f"{flag} cuda: {_ranks(world, pp, tp)} need {_gpus(world)}, one each, but "
                              f"{_are_visible(visible_gpus)} ({VISIBLE_HINT})")  # fmt: skip
         return [f"cuda:{r}" for r in range(world)]
@@ -122,7 +131,7 @@ def _per_rank_entries(flag: str, spec: str, entries: Sequence[str], pp: int, tp:
     return [entry for entry in entries for _ in range(tp)]
 
 
-def _listed(flag: str, spec: str, entries: Sequence[str], pp: int, tp: int, visible_gpus: int) -> list[str]:
+def _listed(flag: str, spec: str, entries: Sequence[str], pp: int, tp: int, visible_gpus: int | None) -> list[str]:
     per_rank = _per_rank_entries(flag, spec, entries, pp, tp)
     indices: list[int | None] = []
     for rank, entry in enumerate(per_rank):
@@ -140,7 +149,8 @@ def _listed(flag: str, spec: str, entries: Sequence[str], pp: int, tp: int, visi
                              "two ranks on one GPU)")  # fmt: skip
         owner[index] = rank
     # Plain `cuda`: the GPUs no entry names, lowest first, in rank order.
-    free = iter(i for i in range(visible_gpus) if i not in owner)
+    indices_seen = range(visible_gpus) if visible_gpus is not None else itertools.count()
+    free = iter(i for i in indices_seen if i not in owner)
     plain = sum(e == "cuda" for e in per_rank)
     out: list[str] = []
     for entry, index in zip(per_rank, indices, strict=True):
@@ -193,8 +203,5 @@ def check_worker_device(spec: str, visible_gpus: int | None) -> str:
     if entry == "cpu":
         return "cpu"
     index = 0 if index is None else index
-    if visible_gpus is not None and index >= visible_gpus:
-        seen = f"cuda:0..cuda:{visible_gpus - 1}" if visible_gpus else "no CUDA device"
-        raise ValueError(f"--device {entry}: GPU {index} does not exist: {_gpus_visible(visible_gpus)} "
-                         f"({seen}; {VISIBLE_HINT})")  # fmt: skip
+    _check_index("--device", entry, index, visible_gpus)
     return f"cuda:{index}"

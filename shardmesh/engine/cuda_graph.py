@@ -113,7 +113,7 @@ class DecodeGraphs:
 
     def _layout(self, rows: int, length: int) -> BatchLayout:
         slots, positions = self.slots[:rows], self.positions[:rows]
-        mask = (torch.arange(length, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+        mask = torch.empty((rows, 1, 1, length), dtype=torch.bool, device=self.device)  # filled by `_forward`
         decode = GatheredDecodeRows(slice(0, rows), slots, length, mask)
         # Segments only for the cache's range check (slot 0, position 0: always in range).
         segments = tuple(Segment(0, 0, 1) for _ in range(rows))

@@ -114,6 +114,12 @@ class GroupCollective:
 STAGINGS = ("auto", "host")  # `form_groups(staging=...)`, `--link-staging`
 
 
+def check_staging(staging: str, whose: str = "--link-staging") -> None:
+    """Raise a ValueError naming `whose` unless `staging` is one of STAGINGS."""
+    if staging not in STAGINGS:
+        raise ValueError(f"{whose}: {staging!r} is not one of {', '.join(STAGINGS)}")
+
+
 def device_type(device: torch.device) -> str:
     """The device type this side of a link announces to its peer. A function of its own so that tests on a
     machine without a GPU can make one side announce "cuda" and exercise the mixed-device branch."""
@@ -140,10 +146,8 @@ def plan_link(local: str, local_staging: str, peer: str, peer_staging: str) -> L
     NCCL only when both sides are on CUDA and neither forces host staging: NCCL moves device memory only, and
     a CPU peer has none. Otherwise Gloo, which moves host memory only: a CUDA side copies through a host buffer,
     and a side that forces staging ("host") copies even on the CPU, so that path runs without a GPU too."""
-    if local_staging not in STAGINGS:
-        raise ValueError(f"--link-staging: {local_staging!r} is not one of {', '.join(STAGINGS)}")
-    if peer_staging not in STAGINGS:
-        raise ValueError(f"the peer's --link-staging {peer_staging!r} is not one of {', '.join(STAGINGS)}")
+    check_staging(local_staging)
+    check_staging(peer_staging, "the peer's --link-staging")
     nccl = local == peer == "cuda" and local_staging == peer_staging == "auto"
     backend = "nccl" if nccl else "gloo"
     staged = backend == "gloo" and (local == "cuda" or local_staging == "host")
@@ -331,8 +335,7 @@ def form_groups(
     its backend with its peer (`negotiate_link`), so a CUDA stage can feed a CPU stage. `staging`: "auto",
     or "host" to force Gloo and host staging on this rank's links.
     """
-    if staging not in STAGINGS:
-        raise ValueError(f"--link-staging: {staging!r} is not one of {', '.join(STAGINGS)}")
+    check_staging(staging)
     tp: Collective = SingleRank()
     if spec.tp_size > 1:
         pg = Backend.for_device(device, timeout).group(store, f"{prefix}/tp/stage{stage}", spec.tp_rank, spec.tp_size)

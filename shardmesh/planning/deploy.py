@@ -62,12 +62,11 @@ class Deployment:
         """Each global rank's `--device`: with `services.worker.device: cuda` and a plan, the GPU of the plan's
         shard, by its index within its node (each node starts at cuda:0); without a plan, cuda:RANK. cpu and
         cuda:N (one rank only, checked by `resolve`) as written."""
-        spec, world = self.manifest.services.worker.device, self.pp * self.tp
+        spec = self.manifest.services.worker.device
         if spec == "cuda" and self.plan is not None:
             return [f"cuda:{shard.device.index}" for shard in self.plan.shards]
         # The commands run on hosts of their own: the GPU count there is not ours to check, only the ranks'.
-        return assign_devices(spec, self.pp, self.tp, visible_gpus=world + _index_of(spec) + 1,
-                              flag="services.worker.device")  # fmt: skip
+        return assign_devices(spec, self.pp, self.tp, visible_gpus=None, flag="services.worker.device")
 
     def up_device(self) -> str:
         """`up --device` for this deployment on one host: the plan's GPUs when it places every rank on one node;
@@ -85,16 +84,11 @@ class Deployment:
         return ",".join(self.node_of(r) or "" for r in range(self.pp * self.tp))
 
 
-def _index_of(spec: str) -> int:
-    """N of cuda:N, else 0."""
-    return int(spec.partition(":")[2] or 0)
-
-
 def check_device(m: Manifest, pp: int, tp: int, source: str) -> None:
     """`services.worker.device` for pp × tp ranks: cuda:N names one GPU, for one rank only."""
     spec = m.services.worker.device
     try:
-        assign_devices(spec, pp, tp, visible_gpus=pp * tp + _index_of(spec) + 1, flag="services.worker.device")
+        assign_devices(spec, pp, tp, visible_gpus=None, flag="services.worker.device")
     except ValueError as e:
         raise ManifestError(source, [str(e)]) from None
 
