@@ -15,19 +15,44 @@ from pathlib import Path
 import psutil
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+# The flags that choose the kernels (linear.cpu_has_native_bf16, the int8 paths) or bound what bfloat16 and
+# int8 can gain on a CPU: the same torch build picks different code on hosts with and without them.
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16",
+             "amx_int8")  # fmt: skip
+
+
+def cpu_flags() -> list[str]:
+    """Which of `CPU_FLAGS` this CPU has, in `CPU_FLAGS`' order."""
+    from shardmesh.engine.cpu_features import cpu_flags as flags
+
+    return [f for f in CPU_FLAGS if f in flags()]
+
+
+def cpu_id() -> str:
+    """The CPU's vendor, family, model and stepping: a virtual machine's model name ("AMD EPYC") alone does
+    not tell the generation."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]  # the first CPU's block
+    except OSError:
+        return ""
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    return ", ".join(f"{k} {fields[k]}" for k in ("vendor_id", "cpu family", "model", "stepping") if k in fields)
 
 
 def machine() -> dict:
-    """The host, CPU model, cores, memory and versions: absolute times move by 30% between hosts, so every
-    result is recorded beside these."""
+    """The host, CPU model and the flags that pick its kernels, cores, memory and versions: absolute times move
+    by 30% between hosts, and bfloat16 or int8 speeds by far more between CPUs with and without native
+    instructions for them, so every result is recorded beside these."""
     import torch
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())  # fmt: skip
     return {
-        "host": socket.gethostname(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)),
+        "host": socket.gethostname(), "cpu": cpu, "cpu_id": cpu_id(), "cpu_flags": cpu_flags(),
+        "cores": len(os.sched_getaffinity(0)),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
         "torch": torch.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "load_avg_1m": round(os.getloadavg()[0], 2),  # at the start: above the core count, other work competed
     }  # fmt: skip
 
 

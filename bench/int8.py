@@ -50,20 +50,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+# cpu_flags is bench/conditions.py's (every bench records the flags); offload.py and paged_kv.py import it here.
 from bench import llamacpp  # noqa: E402  (the repository root is on the path only now)
-from bench.conditions import PROMPT, machine, save_results  # noqa: E402
+from bench.conditions import CPU_FLAGS, PROMPT, cpu_flags, machine, save_results  # noqa: E402, F401
 
 Q8_0_GGUF_NAME = "model-q8_0.gguf"
-# The flags that choose the kernels (linear.cpu_has_native_bf16) or bound what int8 can gain on a CPU.
-CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16",
-             "amx_int8")  # fmt: skip
-
-
-def cpu_flags() -> list[str]:
-    """Which of `CPU_FLAGS` this CPU has."""
-    from shardmesh.engine.cpu_features import cpu_flags as flags
-
-    return [f for f in CPU_FLAGS if f in flags()]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -353,7 +344,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     model_dir = resolve(a.model)
     prompt_ids = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])
-    info = {**machine(), "cpu_flags": cpu_flags()}
+    info = machine()  # CPU model and flags included
     print(f"machine: {info}", file=sys.stderr)
     models = load_shardmesh(model_dir, max_len=len(prompt_ids) + a.steps + 2)
     extra: dict[str, Any] = {

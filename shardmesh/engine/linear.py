@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shardmesh.engine import int8_cpu
+from shardmesh.engine import cpu_kernels, int8_cpu
 from shardmesh.engine.cpu_features import cpu_flags
 
 # The batch size oneDNN chooses the packed layout for. Not 1, though decode multiplies one row per sequence:
@@ -102,6 +102,23 @@ class OneDNNPackedKernel(LinearKernel):
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class BlockedCpuKernel(LinearKernel):
+    """`cpu_kernels.linear`: weights in blocks of output features, multiplied by a loop compiled for this CPU (float32,
+    or bfloat16 through AVX512-BF16 where the CPU has it); the layout and the measurements are in `cpu_kernels`. The
+    decode runner (`cpu_decode`) reads these weights too (CPU, float32 and bfloat16, where the kernels build)."""
+
+    name = "cpu-blocked"
+
+    def prepare(self, weight: Tensor) -> Tensor:
+        return cpu_kernels.pack(weight)
+
+    def dense(self, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+        return cpu_kernels.unpack(weight)
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+        return cpu_kernels.linear(x, weight, bias)
 
 
 class Int8DequantKernel(LinearKernel):
@@ -185,6 +202,7 @@ KERNELS: dict[str, type[LinearKernel]] = {
         DenseKernel,
         InputMajorKernel,
         OneDNNPackedKernel,
+        BlockedCpuKernel,
         Int8DequantKernel,
         Int8FP32Kernel,
         Int8CpuKernel,
@@ -216,6 +234,8 @@ def choose_kernel(dtype: torch.dtype, device: torch.device | str, quantized: boo
         return Int8CpuKernel() if int8_cpu.available() else Int8FP32Kernel()
     if not cpu:
         return DENSE
+    if dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available():
+        return BlockedCpuKernel()
     if dtype == torch.float32 and torch.backends.mkldnn.is_available():
         return OneDNNPackedKernel()
     return InputMajorKernel()

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from shardmesh.core.step import Segment
 from shardmesh.engine.batch import BatchLayout
+from shardmesh.engine.cpu_decode import cpu_decode
 from shardmesh.engine.cuda_graph import decode_graphs
 from shardmesh.engine.groups import ShardGroups
 from shardmesh.engine.kv_cache import ActivationLog, AnyKVCache
@@ -34,7 +35,7 @@ class Relay:
 class StageEngine:
     def __init__(self, model: Transformer, groups: ShardGroups, cache: AnyKVCache, device: torch.device,
                  log: ActivationLog | None = None, cuda_graphs: bool = True,
-                 compile: bool = False) -> None:  # fmt: skip
+                 compile: bool = False, native_decode: bool = True) -> None:  # fmt: skip
         """`cache` is a `KVCache` (slots) or a `PagedKVCache` (blocks; then `log`, if any, a `PagedActivationLog`
         of the same block size, and every step's layout built with `BatchLayout.build(..., block_size=...)`)."""
         if model.is_first != (groups.prev is None) or model.is_last != (groups.next is None):
@@ -45,11 +46,14 @@ class StageEngine:
         self.model, self.groups, self.cache, self.device = model, groups, cache, device
         self.log = log  # what this stage sent on, kept for replays (`ActivationLog`); never on the last stage
         self.dtype = model.dtype
-        # Decode steps from captured CUDA graphs where the shard allows it (`cuda_graph`), else eager.
+        # Decode steps from captured CUDA graphs (`cuda_graph`) or compiled CPU layer halves (`cpu_decode`) where the
+        # shard allows it, else eager.
         self.graphs = decode_graphs(model, cache, device, groups.tp.size, compile) if cuda_graphs else None
-        self.decode_runner = (
-            ("cuda-graphs+compile" if compile else "cuda-graphs") if self.graphs is not None else "eager"
-        )
+        self.native = cpu_decode(model, cache, device) if native_decode and self.graphs is None else None
+        if self.graphs is not None:
+            self.decode_runner = "cuda-graphs+compile" if compile else "cuda-graphs"
+        else:
+            self.decode_runner = "cpu-native" if self.native is not None else "eager"
 
     @property
     def is_first(self) -> bool:
@@ -76,6 +80,8 @@ class StageEngine:
                 x = self.groups.prev.recv((batch.num_tokens, self.model.cfg.hidden_size), self.dtype, self.device)
             if self.graphs is not None and self.graphs.accepts(batch, all_logits):
                 out = self.graphs.run(batch, x)
+            elif self.native is not None and self.native.accepts(batch, all_logits):
+                out = self.native.run(batch, x)
             else:
                 out = self.model(x, batch, self.cache, all_logits=all_logits)
             if self.is_last:

@@ -12,11 +12,13 @@ from torch import Tensor, nn
 
 from shardmesh.core.dtypes import Quantization
 from shardmesh.core.layout import ShardSpec
+from shardmesh.engine import cpu_kernels
 from shardmesh.engine.groups import UnboundGroup
 from shardmesh.engine.linear import (
     DENSE,
     KERNEL_ENV,
     Block,
+    BlockedCpuKernel,
     DenseKernel,
     InputMajorKernel,
     Int8BF16Kernel,
@@ -58,8 +60,18 @@ def test_input_major_stores_the_transpose_contiguously() -> None:
 def test_kernel_chosen_from_device_dtype_and_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_kernel(torch.float32, "cuda") is DENSE
     assert choose_kernel(torch.bfloat16, torch.device("cuda", 0)) is DENSE
-    assert type(choose_kernel(torch.bfloat16, "cpu")) is InputMajorKernel
     assert type(choose_kernel(torch.float16, "cpu")) is InputMajorKernel
+    # float32 and bfloat16: the blocked kernel where it builds, else oneDNN's packed product / the input-major layout
+    for dtype in (torch.float32, torch.bfloat16):
+        assert type(choose_kernel(dtype, "cpu")) is (
+            BlockedCpuKernel
+            if cpu_kernels.available()
+            else InputMajorKernel
+            if dtype == torch.bfloat16 or not ONEDNN
+            else OneDNNPackedKernel
+        )
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert type(choose_kernel(torch.bfloat16, "cpu")) is InputMajorKernel
     assert type(choose_kernel(torch.float32, "cpu")) is (OneDNNPackedKernel if ONEDNN else InputMajorKernel)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     assert type(choose_kernel(torch.float32, "cpu")) is InputMajorKernel

@@ -1,0 +1,488 @@
+"""Tensor-parallel collectives through a shared-memory segment, for the ranks of a group that share a host.
+
+Over Gloo every all-reduce of a decode step crosses loopback TCP (about 0.6 ms each, two per layer); through a
+segment in /dev/shm that every rank maps it is a copy, one barrier and a sum. Rank 0 creates the segment and every
+rank maps it while the group forms (`negotiate`, called by `groups.form_groups`); it is unlinked as soon as all
+ranks have mapped it (or given up), so no file is left in /dev/shm even when a rank is later killed.
+
+Layout: a header (a nonce that proves a rank mapped the segment rank 0 created, then one sequence counter per rank,
+each on its own cache line) and two buffers of `size` slots of `capacity` bytes each. Collective n uses buffer
+n % 2: every rank copies its input into its own slot, publishes n in its counter (release), waits until every
+counter reads at least n (acquire), then sums all slots in rank order 0..size-1 (every rank adds the same numbers
+in the same order, so every rank gets the same bits), or concatenates them for an all-gather.
+
+Why one barrier per collective is enough with two buffers: a rank writes buffer n % 2 again only in collective
+n + 2, after its wait of collective n + 1 saw every rank publish n + 1; a rank publishes n + 1 only after it has
+finished reading the slots of collective n. So nobody overwrites a slot that someone still reads. (With one buffer,
+a fast rank could overwrite its slot of collective n + 1 while a slow one still sums collective n.)
+
+Tensors bigger than a slot go through in slot-sized chunks, one collective each (all-reduce: any split of the flat
+tensor; all-gather: whole rows), rather than growing the segment or falling back to Gloo: the segment stays small
+(/dev/shm is 64 MiB in a default container) and a prefill of thousands of tokens keeps the same transport and the
+same rank-order sum. Only an all-gather whose single row exceeds a slot, or a dtype other than float32 and
+bfloat16, goes over the wrapped Gloo group.
+
+The wait is C++ (std::atomic on the mapped memory), built at first use like `int8_cpu`: a short spin with the
+pause instruction, then sched_yield, then short sleeps, so that a host with fewer cores than ranks still makes
+progress. Every millisecond it checks that each peer it waits for is alive (kill(pid, 0), and not a zombie) and
+that the group timeout has not passed; either failure raises RuntimeError naming the peer, as a broken Gloo group
+would, and the worker treats it as a lost peer. Without a C++ compiler the kernel is not built and `negotiate`
+reports shm as unavailable, so every rank keeps Gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from shardmesh.engine.native import InlineKernel
+
+SHM_DIR = Path("/dev/shm")
+DEFAULT_CAPACITY = 1 << 20  # bytes per slot: 455 tokens of a 576-wide float32 hidden state in one collective
+NONCE_BYTES = 16
+LINE = 64  # one cache line per rank's counter: ranks publishing at once do not contend for a line
+TRANSPORTS = ("auto", "shm", "gloo")  # SHARDMESH_TP_TRANSPORT
+SUPPORTED = {torch.float32: 0, torch.bfloat16: 1}  # dtype -> the kernel's dtype code
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <sched.h>
+#include <signal.h>
+#include <time.h>
+#include <unistd.h>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int64_t LINE = 64;
+constexpr double SPIN_S = 50e-6;     // spin this long: a peer on another core usually arrives within it
+constexpr double YIELD_S = 2e-3;     // then hand the core over while the peer may need it (oversubscribed host)
+constexpr long SLEEP_NS = 50000;     // then sleep: a peer that is this late is computing, not about to arrive
+constexpr double CHECK_S = 1e-3;     // how often peers' liveness and the timeout are checked
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+inline std::atomic<int64_t>* counter(uint8_t* base, int64_t r) {
+  return reinterpret_cast<std::atomic<int64_t>*>(base + LINE * (1 + r));
+}
+
+// Gone: no such process, or a zombie (killed but not yet reaped by its parent, which kill(pid, 0) still finds).
+bool peer_dead(int64_t pid) {
+  if (pid == static_cast<int64_t>(getpid())) return false;  // ranks as threads of one process
+  if (kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH) return true;
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* f = fopen(path, "r");
+  if (f == nullptr) return false;  // no /proc: kill(pid, 0) is all we can tell
+  char buf[512];
+  size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char* paren = strrchr(buf, ')');  // the command name may hold spaces and parentheses
+  return paren != nullptr && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+}
+
+// Publish `seq` and wait until every rank has. 0: all did; p + 1: peer p died; -(p + 1): timed out waiting on p.
+int64_t barrier(uint8_t* base, int64_t rank, int64_t size, int64_t seq, const int64_t* pids, double timeout_s) {
+  counter(base, rank)->store(seq, std::memory_order_release);
+  const auto start = Clock::now();
+  double next_check = CHECK_S;
+  int64_t waiting = 0;  // peers before this one have published
+  uint64_t spins = 0;
+  while (true) {
+    while (waiting < size && counter(base, waiting)->load(std::memory_order_acquire) >= seq) ++waiting;
+    if (waiting == size) return 0;
+    if ((++spins & 63) != 0) {  // the clock costs more than a pause: read it every 64 tries
+      cpu_relax();
+      continue;
+    }
+    const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    if (elapsed < SPIN_S) {
+      cpu_relax();
+    } else if (elapsed < YIELD_S) {
+      sched_yield();
+    } else {
+      timespec ts{0, SLEEP_NS};
+      nanosleep(&ts, nullptr);
+    }
+    if (elapsed >= next_check) {
+      next_check = elapsed + CHECK_S;
+      for (int64_t p = waiting; p < size; ++p) {
+        if (counter(base, p)->load(std::memory_order_acquire) < seq && peer_dead(pids[p])) return p + 1;
+      }
+      if (elapsed >= timeout_s) return -(waiting + 1);
+    }
+  }
+}
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch rounds
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+uint8_t* slot(uint8_t* base, int64_t data_offset, int64_t capacity, int64_t size, int64_t seq, int64_t r) {
+  return base + data_offset + ((seq & 1) * size + r) * capacity;
+}
+
+}  // namespace
+
+// x (in and out, contiguous, at most `capacity` bytes): the sum over ranks, in rank order. dtype 0 float32, 1 bf16.
+int64_t shm_all_reduce(torch::Tensor seg, torch::Tensor x, int64_t dtype, int64_t rank, int64_t size, int64_t seq,
+                       int64_t capacity, int64_t data_offset, torch::Tensor pids, double timeout_s) {
+  uint8_t* base = seg.data_ptr<uint8_t>();
+  const int64_t* pid = pids.data_ptr<int64_t>();
+  const int64_t n = x.numel();
+  void* data = x.data_ptr();
+  pybind11::gil_scoped_release no_gil;  // ranks may be threads of one process
+  std::memcpy(slot(base, data_offset, capacity, size, seq, rank), data, n * x.element_size());
+  const int64_t status = barrier(base, rank, size, seq, pid, timeout_s);
+  if (status != 0) return status;
+  if (dtype == 0) {
+    float* out = static_cast<float*>(data);
+    std::memcpy(out, slot(base, data_offset, capacity, size, seq, 0), n * 4);
+    for (int64_t r = 1; r < size; ++r) {
+      const float* s = reinterpret_cast<const float*>(slot(base, data_offset, capacity, size, seq, r));
+      for (int64_t i = 0; i < n; ++i) out[i] += s[i];
+    }
+  } else {
+    uint16_t* out = static_cast<uint16_t*>(data);
+    const uint16_t* s[64];
+    for (int64_t r = 0; r < size; ++r) {
+      s[r] = reinterpret_cast<const uint16_t*>(slot(base, data_offset, capacity, size, seq, r));
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      float acc = bf16_to_float(s[0][i]);
+      for (int64_t r = 1; r < size; ++r) acc += bf16_to_float(s[r][i]);
+      out[i] = float_to_bf16(acc);
+    }
+  }
+  return 0;
+}
+
+// x (rows, d) contiguous, at most `capacity` bytes; out (rows, size * d): every rank's rows side by side.
+int64_t shm_all_gather(torch::Tensor seg, torch::Tensor x, torch::Tensor out, int64_t rank, int64_t size,
+                       int64_t seq, int64_t capacity, int64_t data_offset, torch::Tensor pids, double timeout_s) {
+  uint8_t* base = seg.data_ptr<uint8_t>();
+  const int64_t* pid = pids.data_ptr<int64_t>();
+  const int64_t rows = x.size(0), row_bytes = x.size(1) * x.element_size();
+  const void* in = x.data_ptr();
+  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
+  pybind11::gil_scoped_release no_gil;
+  std::memcpy(slot(base, data_offset, capacity, size, seq, rank), in, rows * row_bytes);
+  const int64_t status = barrier(base, rank, size, seq, pid, timeout_s);
+  if (status != 0) return status;
+  for (int64_t r = 0; r < size; ++r) {
+    const uint8_t* s = slot(base, data_offset, capacity, size, seq, r);
+    for (int64_t i = 0; i < rows; ++i) {
+      std::memcpy(dst + (i * size + r) * row_bytes, s + i * row_bytes, row_bytes);
+    }
+  }
+  return 0;
+}
+"""
+
+_KERNEL = InlineKernel("shardmesh_shm", _SOURCE, ["shm_all_reduce", "shm_all_gather"], ["-O3"])
+MAX_RANKS = 64  # the bfloat16 sum keeps one pointer per rank on the stack
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it now if it is not cached)."""
+    return _KERNEL.module() is not None
+
+
+def build_error() -> str:
+    """Why the kernel could not be built ("" when it was, or was not tried)."""
+    return _KERNEL.build_error
+
+
+class Fallback(Protocol):
+    """What a ShmCollective hands the collectives it does not do itself to (a `groups.GroupCollective`)."""
+
+    def all_reduce(self, x: Tensor) -> Tensor: ...
+
+    def all_gather(self, x: Tensor) -> Tensor: ...
+
+
+def data_offset(size: int) -> int:
+    """Where the slots start: after the nonce's line and one line per rank, page-aligned."""
+    return math.ceil(LINE * (1 + size) / mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def segment_bytes(size: int, capacity: int) -> int:
+    return data_offset(size) + 2 * size * capacity
+
+
+@dataclass
+class Segment:
+    """One mapping of a group's segment; `name` is its file in SHM_DIR (unlinked once every rank mapped it)."""
+
+    name: str
+    nonce: bytes
+    mm: mmap.mmap
+
+    def close(self) -> None:
+        self.mm.close()
+
+
+def _map(fd: int, length: int) -> mmap.mmap:
+    return mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def create_segment(size: int, capacity: int) -> Segment:
+    """Rank 0: a new segment with a random name and nonce. Its pages are reserved now (posix_fallocate): a full
+    /dev/shm fails here with an OSError, not later with SIGBUS in the middle of a collective."""
+    name = f"shardmesh-tp-{os.getpid()}-{secrets.token_hex(8)}"
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    path = SHM_DIR / name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, segment_bytes(size, capacity))
+        mm = _map(fd, segment_bytes(size, capacity))
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    mm[:NONCE_BYTES] = nonce
+    return Segment(name, nonce, mm)
+
+
+def attach_segment(name: str, nonce: bytes, size: int, capacity: int) -> Segment:
+    """Another rank: map the segment rank 0 announced and check its nonce (the file of that name in this rank's
+    /dev/shm may be another one: another host's, or another container's). Raises OSError or ValueError."""
+    fd = os.open(SHM_DIR / name, os.O_RDWR)
+    try:
+        found = os.fstat(fd).st_size
+        if found != segment_bytes(size, capacity):
+            raise ValueError(f"{SHM_DIR / name} holds {found} bytes, not {segment_bytes(size, capacity)}")
+        mm = _map(fd, found)
+    finally:
+        os.close(fd)
+    if mm[:NONCE_BYTES] != nonce:
+        mm.close()
+        raise ValueError(f"{SHM_DIR / name} is not the segment rank 0 created (its nonce differs)")
+    return Segment(name, nonce, mm)
+
+
+def unlink_segment(name: str) -> None:
+    (SHM_DIR / name).unlink(missing_ok=True)
+
+
+class ShmCollective:
+    """A `Collective` over a shared-memory segment every rank of the group has mapped (see the module docstring).
+
+    `pids`: every rank's process id, by rank, whose liveness a waiting rank checks. `fallback`: the group's Gloo
+    collective, for what the segment does not carry. Counts like `groups.GroupCollective`: `calls`, `bytes` (this
+    rank's input) and `wait_s` (until the collective completed). After a failed collective the group is broken
+    (ranks may be at different collectives) and every later call raises at once; the next topology forms anew.
+    """
+
+    transport = "shm"
+
+    def __init__(self, segment: Segment, rank: int, size: int, pids: list[int], timeout: timedelta,
+                 fallback: Fallback, capacity: int = DEFAULT_CAPACITY) -> None:  # fmt: skip
+        if not 1 < size <= MAX_RANKS:
+            raise ValueError(f"a shared-memory group has 2 to {MAX_RANKS} ranks, got {size}")
+        ext = _KERNEL.module()
+        if ext is None:
+            raise RuntimeError(f"shared-memory collectives need their C++ kernel: {build_error()}")
+        self._ext = ext
+        self.segment, self.rank, self.size, self.capacity = segment, rank, size, capacity
+        self.timeout_s = timeout.total_seconds()
+        self.fallback = fallback
+        self._seg = torch.frombuffer(segment.mm, dtype=torch.uint8)
+        self._pids = torch.tensor(pids, dtype=torch.int64)
+        self._offset = data_offset(size)
+        self._seq = 0
+        self._broken = ""
+        self.calls = 0
+        self.bytes = 0
+        self.wait_s = 0.0
+
+    def describe(self) -> str:
+        return f"shm ({self.size} ranks, {self.capacity >> 10} KiB slots)"
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """Sum over ranks, in place on `x.contiguous()` (returned), as `GroupCollective.all_reduce` does."""
+        x = x.contiguous()
+        t0 = time.perf_counter()
+        if x.dtype not in SUPPORTED:
+            x = self.fallback.all_reduce(x)
+        else:
+            flat = x.view(-1)
+            step = self.capacity // x.element_size()
+            for start in range(0, max(flat.numel(), 1), step):
+                chunk = flat[start : start + step]
+                self._run("all_reduce", self._ext.shm_all_reduce, chunk, SUPPORTED[x.dtype])
+        self._count(x, t0)
+        return x
+
+    def all_gather(self, x: Tensor) -> Tensor:
+        """Every rank's `x` concatenated along the last dim (all ranks pass the same shape)."""
+        x = x.contiguous()
+        t0 = time.perf_counter()
+        width = x.shape[-1] if x.dim() else 1
+        row_bytes = width * x.element_size()
+        if x.dtype not in SUPPORTED or row_bytes > self.capacity or x.dim() == 0:
+            out = self.fallback.all_gather(x)
+        else:
+            rows = x.reshape(-1, width)
+            gathered = torch.empty(rows.shape[0], self.size * width, dtype=x.dtype)
+            step = self.capacity // row_bytes
+            for start in range(0, max(rows.shape[0], 1), step):
+                self._run("all_gather", self._ext.shm_all_gather, rows[start : start + step],
+                          gathered[start : start + step])  # fmt: skip
+            out = gathered.view(*x.shape[:-1], self.size * width)
+        self._count(x, t0)
+        return out
+
+    def _run(self, what: str, fn: Any, *args: Any) -> None:
+        """One collective through the segment; a failure names the peer, and breaks the group."""
+        if self._broken:
+            raise RuntimeError(f"tensor-parallel {what} over shm: the group broke earlier ({self._broken})")
+        self._seq += 1
+        t0 = time.perf_counter()
+        status = fn(self._seg, *args, self.rank, self.size, self._seq, self.capacity, self._offset, self._pids,
+                    self.timeout_s)  # fmt: skip
+        if status == 0:
+            return
+        peer = abs(status) - 1
+        waited = time.perf_counter() - t0
+        if status > 0:
+            why = f"rank {peer} (pid {int(self._pids[peer])}) died while rank {self.rank} waited {waited:.3f} s"
+        else:
+            why = (f"rank {peer} (pid {int(self._pids[peer])}) did not arrive within the group timeout of "
+                   f"{self.timeout_s:g} s (--group-timeout); rank {self.rank} waited {waited:.3f} s")  # fmt: skip
+        self._broken = why
+        raise RuntimeError(f"tensor-parallel {what} #{self._seq} over shm: {why}")
+
+    def _count(self, x: Tensor, t0: float) -> None:
+        self.wait_s += time.perf_counter() - t0
+        self.calls += 1
+        self.bytes += x.numel() * x.element_size()
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace ("" if unknown): peers' liveness can be checked only within one."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def negotiate(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta, fallback: Fallback,
+              wanted: str = "auto", capacity: int = DEFAULT_CAPACITY) -> tuple[ShmCollective | None, str]:  # fmt: skip
+    """Whether every rank of a group can use a shared segment, agreed through `store` under `prefix`.
+
+    Rank 0 creates a segment and announces its name and nonce; every other rank maps it and checks the nonce
+    (which proves the same host and the same /dev/shm); every rank reports whether it could, with its pid and pid
+    namespace; rank 0 then unlinks the file. All ranks read the same reports and so reach the same answer: a
+    ShmCollective when every rank succeeded and all share a pid namespace, else None and the first reason.
+    `wanted` "gloo" makes this rank refuse (and so every rank). Raises RuntimeError when a rank never reports
+    within `timeout`."""
+    if wanted not in TRANSPORTS:
+        raise ValueError(f"SHARDMESH_TP_TRANSPORT={wanted!r} is not one of {', '.join(TRANSPORTS)}")
+    # Built before any wait: ranks on one host build it together (one waits on the other's lock).
+    refusal = "SHARDMESH_TP_TRANSPORT=gloo" if wanted == "gloo" else _unavailable()
+    segment: Segment | None = None
+    created = ""
+    try:
+        if rank == 0:
+            offer: dict[str, Any] = {"name": "", "nonce": "", "reason": refusal}
+            if not refusal:
+                try:
+                    segment = create_segment(size, capacity)
+                    created = segment.name
+                    offer.update(name=segment.name, nonce=segment.nonce.hex())
+                except OSError as e:
+                    refusal = offer["reason"] = f"cannot create a segment in {SHM_DIR}: {e}"
+            store.set(f"{prefix}/offer", json.dumps(offer))
+        else:
+            offer = json.loads(_wait_get(store, f"{prefix}/offer", timeout, "rank 0"))
+            if not refusal and offer["name"]:
+                try:
+                    segment = attach_segment(offer["name"], bytes.fromhex(offer["nonce"]), size, capacity)
+                except (OSError, ValueError) as e:
+                    refusal = f"cannot map rank 0's segment: {e}"
+            elif not refusal:
+                refusal = f"rank 0 offered none ({offer['reason']})"
+        mine = {"reason": refusal, "pid": os.getpid(), "pidns": pid_namespace()}
+        store.set(f"{prefix}/rank/{rank}", json.dumps(mine))
+        reports = [json.loads(_wait_get(store, f"{prefix}/rank/{r}", timeout, f"rank {r}")) for r in range(size)]
+    except BaseException:
+        if segment is not None:
+            segment.close()
+        raise
+    finally:
+        if created:  # every rank has reported (or will never): none maps it any more
+            unlink_segment(created)
+    reason = _verdict(reports)
+    if reason:
+        if segment is not None:
+            segment.close()
+        return None, reason
+    assert segment is not None
+    pids = [int(r["pid"]) for r in reports]
+    return ShmCollective(segment, rank, size, pids, timeout, fallback, capacity), ""
+
+
+def _unavailable() -> str:
+    """Why this rank cannot use shm, or ""."""
+    if not SHM_DIR.is_dir():
+        return f"no {SHM_DIR}"
+    if not available():
+        return f"no C++ build of the shm kernel ({build_error()})"
+    return ""
+
+
+def _verdict(reports: list[dict[str, Any]]) -> str:
+    """The first reason a group cannot use shm, from every rank's report (the same on every rank), or ""."""
+    for r, report in enumerate(reports):
+        if report["reason"]:
+            return f"rank {r}: {report['reason']}"
+    namespaces = {report["pidns"] for report in reports}
+    if len(namespaces) > 1 or "" in namespaces:
+        return "the ranks do not share one known pid namespace, so they cannot watch each other's liveness"
+    return ""
+
+
+def _wait_get(store: dist.Store, key: str, timeout: timedelta, who: str) -> str:
+    try:
+        store.wait([key], timeout)
+        return store.get(key).decode()
+    except RuntimeError:  # DistStoreError: that rank never came (or the store is gone)
+        raise RuntimeError(f"shared-memory tp group: {who} did not report within {timeout.total_seconds():g} s "
+                           f"(--group-timeout)") from None  # fmt: skip

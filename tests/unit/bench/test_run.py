@@ -1,0 +1,155 @@
+"""Tests for bench/run.py's options, its plan of meshes and the targets it derives from the rows (no mesh is
+started: rows are made up here, so every ratio and verdict can be worked out by hand)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from bench import conditions, llamacpp, run
+
+
+def _row(dtype: str, pp: int, tp: int, streams: int, ms: float, tok_s: float, pipeline: str = "full",
+         threads: int = 2, deployed: bool = True) -> dict:  # fmt: skip
+    return {"dtype": dtype, "pp": pp, "tp": tp, "pipeline": pipeline, "threads": threads, "streams": streams,
+            "ms_per_token": ms, "aggregate_tok_s": tok_s, "ttft_ms": 50.0, "deployed": deployed,
+            "layers": [30]}  # fmt: skip
+
+
+def _by_name(found: list[dict], dtype: str, start: str) -> dict:
+    return next(t for t in found if t["dtype"] == dtype and t["name"].startswith(start))
+
+
+def _llama(ms: float, kind: str = "F32") -> dict:
+    return {"ms_per_token_median": ms, "decode_tok_s": 1e3 / ms, "ttft_ms": 40.0, "threads": 2, "llama_cpp": "0.3",
+            "gguf_type": kind}  # fmt: skip
+
+
+def test_defaults_and_quick() -> None:
+    a = run.parse_args([])
+    assert (a.layouts, a.streams, a.dtype_list) == (run.LAYOUTS, run.STREAMS, ["float32", "bfloat16"])
+    q = run.parse_args(["--quick"])
+    assert (q.layout_list, q.stream_list) == ([(1, 1), (2, 1), (1, 3)], [1, 16])
+    # Explicit layouts and streams win over --quick's.
+    q = run.parse_args(["--quick", "--layouts", "1x1", "--streams", "1"])
+    assert (q.layout_list, q.stream_list) == ([(1, 1)], [1])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--dtypes", "float32,int8"], "--dtypes: each must be one of float32, bfloat16, float16; got 'float32,int8'"),
+    (["--layouts", "2"], "--layouts: each must be PPxTP, e.g. 2x1, got '2'"),
+    (["--streams", "1,0"], "--streams: each must be a positive whole number, got '0'"),
+])  # fmt: skip
+def test_wrong_options_name_the_flag(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        run.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_plan_runs_every_layout_in_the_dtype_and_the_boundary_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run, "cores", lambda: 2)
+    runs = run.plan_runs([(1, 1), (2, 1)], [1, 16], "bfloat16")
+    assert {r["dtype"] for r in runs} == {"bfloat16"}
+    got = [(r["pp"], r["tp"], r["pipeline"], r["threads"], r["streams"], r["deployed"]) for r in runs]
+    # pp=2 twice (turns: all cores per stage, full: one each); pp=1 again on one thread, one stream only.
+    assert got == [(1, 1, "full", 2, [1, 16], True), (2, 1, "turns", 2, [1, 16], True),
+                   (2, 1, "full", 1, [1, 16], True), (1, 1, "full", 1, [1], False)]  # fmt: skip
+
+
+def test_targets_from_rows() -> None:
+    rows = [
+        _row("float32", 1, 1, 1, ms=20.0, tok_s=50.0),
+        _row("float32", 1, 1, 16, ms=40.0, tok_s=400.0),
+        _row("float32", 1, 1, 1, ms=24.0, tok_s=41.0, threads=1, deployed=False),
+        _row("float32", 2, 1, 1, ms=24.3, tok_s=40.0, pipeline="full", threads=1),
+        _row("float32", 2, 1, 16, ms=50.0, tok_s=380.0, pipeline="full", threads=1),
+        _row("float32", 1, 3, 1, ms=32.0, tok_s=31.0),
+        _row("bfloat16", 1, 1, 1, ms=10.0, tok_s=100.0),
+    ]
+    bases = {"float32": {"llama_cpp": _llama(22.0)}, "bfloat16": {"llama_cpp": _llama(9.0, "BF16")}}
+    found = run.targets(bases, rows, ["avx512f", "avx512_bf16"])
+    vs = _by_name(found, "float32", "pp=1 one stream vs llama.cpp")
+    assert (vs["value"], vs["met"]) == (pytest.approx(1.1), True)  # 22 / 20: faster than llama.cpp
+    vs = _by_name(found, "bfloat16", "pp=1 one stream vs llama.cpp")
+    assert (vs["value"], vs["met"]) == (pytest.approx(0.9), False)
+    assert "BF16" in vs["detail"]
+    tp = _by_name(found, "float32", "tp=3 vs pp=1")
+    assert (tp["value"], tp["met"]) == (pytest.approx(1.6), False)  # 32 / 20 > 1.5
+    boundary = _by_name(found, "float32", "stage boundary, `--pipeline full`")
+    assert (boundary["value"], boundary["met"]) == (pytest.approx(0.3), True)  # 24.3 - 24.0 on 1 thread
+    assert "+4.30 ms against pp=1 as deployed" in boundary["detail"]
+    pipe = _by_name(found, "float32", "pp=2 `--pipeline full` ÷ pp=1")
+    assert (pipe["value"], pipe["met"]) == (pytest.approx(0.95), True)
+    scale = _by_name(found, "float32", "16 streams ÷ one stream, pp=1")
+    assert (scale["value"], scale["met"]) == (pytest.approx(8.0), True)
+    scale = _by_name(found, "float32", "16 streams ÷ one stream, pp=2 `full`")
+    assert (scale["value"], scale["met"]) == (pytest.approx(9.5), True)
+    scale = _by_name(found, "bfloat16", "16 streams ÷ one stream, pp=1")
+    assert scale["value"] is None and scale["note"] == "needs --streams 1,16"
+    # bfloat16 measured pp=1 only: every other line says what it needs rather than a number.
+    assert _by_name(found, "bfloat16", "tp=3")["note"] == "needs --layouts 1x1,1x3 and --streams 1"
+    assert _by_name(found, "bfloat16", "stage boundary")["met"] is None
+
+
+def test_bfloat16_target_needs_native_bf16() -> None:
+    rows = [_row("bfloat16", 1, 1, 1, ms=10.0, tok_s=100.0)]
+    found = run.targets({"bfloat16": {"llama_cpp": _llama(8.0, "BF16")}}, rows, ["avx2", "avx512f"])
+    vs = _by_name(found, "bfloat16", "pp=1 one stream vs llama.cpp")
+    assert vs["value"] == pytest.approx(0.8) and vs["met"] is None and vs["target"] is None
+    assert vs["note"] == "no target: this CPU lacks avx512_bf16 and amx_bf16"
+
+
+def test_skipped_llama_and_failed_rows_are_reported(tmp_path: Path) -> None:
+    rows = [_row("float32", 1, 1, 1, ms=20.0, tok_s=50.0),
+            {"dtype": "bfloat16", "pp": 1, "tp": 1, "pipeline": "full", "threads": 2, "deployed": True,
+             "failed": "RuntimeError: shardmesh up failed; logs in /tmp/x"}]  # fmt: skip
+    bases = {
+        "float32": {"decode_tok_s": 40.0, "ms_per_token": 25.0, "ttft_ms": 60.0, "llama_cpp": {"skipped": "no llama"}},
+        "bfloat16": {"decode_tok_s": 80.0, "ms_per_token": 12.5, "ttft_ms": 60.0, "llama_cpp": _llama(9.0, "BF16")},
+    }
+    info = {"cpu": "AMD EPYC", "cpu_id": "family 25", "cpu_flags": ["avx512_bf16"], "cores": 2, "torch": "2",
+            "date": "2026-01-01T00:00:00+00:00", "host": "h"}  # fmt: skip
+    a = argparse.Namespace(model="m", new_tokens=8, rebalance="none", layouts="1x1", streams="1",
+                           dtypes="float32,bfloat16", quick=False)  # fmt: skip
+    md = run.markdown(info, bases, rows, run.targets(bases, rows, info["cpu_flags"]), a)
+    assert "CPU flags that pick kernels: avx512_bf16." in md
+    assert "llama.cpp, float32: not measured (no llama)." in md
+    assert "float32: pp=1 one stream vs llama.cpp, same dtype" in md and "not measured (llama.cpp not measured" in md
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert len({line.count("|") for line in table}) == 1  # every row has the header's columns
+    assert "| 1.25 |" in table[1]  # 50 tok/s ÷ transformers' 40, same dtype
+    assert "failed: RuntimeError: shardmesh up failed" in table[2]
+    # bfloat16's only row failed, so its pp=1 line is not measured, not a division by a missing row.
+    assert _by_name(run.targets(bases, rows, []), "bfloat16", "pp=1 one stream")["value"] is None
+
+
+def test_llamacpp_baseline_falls_back_to_f16(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llamacpp, "available", lambda: None)
+    monkeypatch.setattr(llamacpp, "gguf_for", lambda kind, model: Path(f"/x/{kind}.gguf"))
+    seen = []
+
+    def measure(path: Path, ids: list[int], n: int, threads: int) -> dict:
+        seen.append(path.name)
+        if path.name == "bfloat16.gguf":
+            raise ValueError("Failed to load model from file: /x/bfloat16.gguf\nmore")
+        return {"ms_per_token_median": 9.0, "token_ids": [1, 2]}
+
+    monkeypatch.setattr(llamacpp, "measure", measure)
+    out = run.baseline_llamacpp("m", [1], 8, 2, "bfloat16")
+    assert seen == ["bfloat16.gguf", "float16.gguf"]
+    assert out == {"ms_per_token_median": 9.0, "gguf_type": "F16",
+                   "fallback": "BF16: ValueError: Failed to load model from file: /x/bfloat16.gguf"}  # fmt: skip
+    seen.clear()
+    assert run.baseline_llamacpp("m", [1], 8, 2, "float32")["gguf_type"] == "F32"
+    assert seen == ["float32.gguf"]
+
+
+def test_machine_records_cpu_model_and_kernel_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardmesh.engine import cpu_features
+
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx512_bf16", "avx2", "sse2", "amx_int8"}))
+    info = conditions.machine()
+    assert info["cpu_flags"] == ["avx2", "avx512_bf16", "amx_int8"]  # only those that pick kernels, in order
+    assert info["cpu"]

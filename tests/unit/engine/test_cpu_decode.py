@@ -1,0 +1,127 @@
+"""The compiled CPU decode path: the blocked product (`cpu_kernels.pack` / `linear`) and the layer halves the decode
+runner calls (`cpu_decode.CpuDecode`). Each must give what the eager model gives, for float32 and bfloat16, with
+biases, grouped or full heads, any slots, positions and order, and write the same keys and values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardmesh.core.layout import ShardSpec
+from shardmesh.core.step import Segment
+from shardmesh.engine import cpu_kernels
+from shardmesh.engine.batch import BatchLayout
+from shardmesh.engine.cpu_decode import CpuDecode, cpu_decode
+from shardmesh.engine.groups import ShardGroups, SingleRank
+from shardmesh.engine.kv_cache import KVCache
+from shardmesh.engine.linear import KERNEL_ENV, BlockedCpuKernel
+from shardmesh.engine.loader import build_shard
+from shardmesh.engine.model import Transformer
+from shardmesh.engine.stage import StageEngine
+from tests.checkpoints import make_checkpoint
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C++ build: {cpu_kernels.build_error()}")
+
+PROMPTS = [[1, 5, 9, 4], [1, 7], [1, 3, 3, 8, 2, 6], [1, 11, 12], [1, 4, 4, 4, 4]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64, 96), (3, 70, 33), (4, 576, 64), (9, 17, 5), (5, 32, 1)])
+def test_blocked_product_equals_a_dense_one(dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    """Any rows (groups of four and the rest), any width (a last block padded), odd K (bfloat16 pairs padded)."""
+    rows, n, k = shape
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    packed = cpu_kernels.pack(w)
+    assert packed.shape == (n, k)
+    assert torch.equal(cpu_kernels.unpack(packed), w)  # the layout round-trips exactly
+    got = cpu_kernels.linear(x, packed, bias)
+    want = (x.double() @ w.double().T + bias.double()).to(dtype)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bfloat16: one rounding of the output
+    assert ((got.double() - want.double()).abs() / (want.double().abs() + 1)).max() < tol
+
+
+def test_pack_refuses_other_dtypes() -> None:
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_kernels.pack(torch.zeros(4, 4, dtype=torch.float16))
+
+
+def prefilled(model: Transformer, slots: list[int], dtype: torch.dtype) -> KVCache:
+    cache = model.make_cache(12, dtype, "cpu")
+    with torch.inference_mode():
+        for slot, prompt in zip(slots, PROMPTS, strict=False):
+            model(torch.tensor(prompt), BatchLayout.build([Segment(slot, 0, len(prompt))]), cache)
+    return cache
+
+
+@pytest.mark.parametrize("family", ["llama-gqa-tied", "llama-mha-untied", "qwen2-bias-tied", "llama31-rope-scaling"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_steps_equal_eager(tmp_path: pytest.TempPathFactory, family: str, dtype: torch.dtype) -> None:
+    d = make_checkpoint(tmp_path, family, num_layers=2, seed=3)
+    model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
+    assert model.linear_kernels == [BlockedCpuKernel.name]
+    slots, order = [3, 0, 7, 1], [2, 0, 3, 1]
+    eager_cache, native_cache = prefilled(model, slots, dtype), prefilled(model, slots, dtype)
+    runner = cpu_decode(model, native_cache, torch.device("cpu"))
+    assert isinstance(runner, CpuDecode)
+    positions = {i: len(PROMPTS[i]) for i in order}
+    for step in range(3):
+        segments = [Segment(slots[i], positions[i], 1) for i in order[: 4 - step]]  # fewer rows each step
+        ids = torch.tensor([7 + 3 * i + step for i in order[: 4 - step]])
+        batch = BatchLayout.build(segments)
+        assert runner.accepts(batch, all_logits=False)
+        with torch.inference_mode():
+            eager = model(ids, batch, eager_cache)
+            native = runner.run(batch, ids)
+        assert native.dtype == torch.float32 and native.shape == eager.shape
+        scale = eager.abs().max()
+        # float32: the order of sums only; bfloat16: the same roundings, a bfloat16 ulp apart at most here and there
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        assert (native - eager).abs().max() / scale < tol
+        assert torch.equal(native.argmax(-1), eager.argmax(-1))
+        for i in order[: 4 - step]:
+            positions[i] += 1
+    cache_tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (native_cache.data.float() - eager_cache.data.float()).abs().max() < cache_tol
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Transformer:
+    d = make_checkpoint(tmp_path_factory.mktemp("gqa"), "llama-gqa-tied", num_layers=2, seed=5)
+    return build_shard(d, ShardSpec(0, 2, 2), progress=False, max_len=64)
+
+
+def test_declines_what_it_cannot_compute(small: Transformer) -> None:
+    runner = cpu_decode(small, small.make_cache(2, torch.float32, "cpu"), torch.device("cpu"))
+    assert runner is not None
+    assert not runner.accepts(BatchLayout.build([Segment(0, 4, 1), Segment(1, 0, 2)]), all_logits=False)  # a prompt
+    assert not runner.accepts(BatchLayout.build([Segment(0, 4, 1)]), all_logits=True)
+    assert runner.accepts(BatchLayout.build([Segment(0, 4, 1)]), all_logits=False)
+    # a paged cache, another device: eager
+    assert cpu_decode(small, small.make_paged_cache(8, 4, torch.float32, "cpu"), torch.device("cpu")) is None
+    assert cpu_decode(small, small.make_cache(2, torch.float32, "cpu"), torch.device("cuda")) is None
+
+
+def test_other_kernels_stay_eager(tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights the layer halves cannot read (another kernel chosen) leave every step to the eager model."""
+    monkeypatch.setenv(KERNEL_ENV, "dense")
+    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=2, seed=5)
+    model = build_shard(d, ShardSpec(0, 2, 2), progress=False, max_len=64)
+    groups = ShardGroups(ShardSpec(0, 2, 2), 0, 1, SingleRank(), None, None)
+    engine = StageEngine(model, groups, model.make_cache(2, torch.float32, "cpu"), torch.device("cpu"))
+    assert engine.decode_runner == "eager"
+
+
+def test_stage_engine_runs_decode_natively(small: Transformer) -> None:
+    groups = ShardGroups(ShardSpec(0, 2, 2), 0, 1, SingleRank(), None, None)
+    engine = StageEngine(small, groups, small.make_cache(2, torch.float32, "cpu"), torch.device("cpu"))
+    assert engine.decode_runner == "cpu-native"
+    calls = []
+    run = engine.native.run  # type: ignore[union-attr]
+    engine.native.run = lambda batch, x: calls.append(batch) or run(batch, x)  # type: ignore[union-attr,method-assign]
+    engine.step(BatchLayout.build([Segment(0, 0, 3)]), torch.tensor([1, 2, 3]))  # a prompt: eager
+    out = engine.step(BatchLayout.build([Segment(0, 3, 1)]), torch.tensor([4]))
+    assert len(calls) == 1 and out is not None and out.shape == (1, small.cfg.vocab_size)
