@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from shardmesh.core.dtypes import Quantization
 from shardmesh.core.layout import ShardSpec
-from shardmesh.engine import cpu_kernels
+from shardmesh.engine import cpu_features, cpu_kernels, linear
 from shardmesh.engine.groups import UnboundGroup
 from shardmesh.engine.linear import (
     DENSE,
@@ -61,15 +61,14 @@ def test_kernel_chosen_from_device_dtype_and_cpu(monkeypatch: pytest.MonkeyPatch
     assert choose_kernel(torch.float32, "cuda") is DENSE
     assert choose_kernel(torch.bfloat16, torch.device("cuda", 0)) is DENSE
     assert type(choose_kernel(torch.float16, "cpu")) is InputMajorKernel
-    # float32 and bfloat16: the blocked kernel where it builds, else oneDNN's packed product / the input-major layout
+    # float32 and bfloat16: the blocked kernel on AVX-512 where it builds, else oneDNN's packed product / input-major
+    blocked = cpu_kernels.available() and "avx512f" in cpu_features.cpu_flags()
     for dtype in (torch.float32, torch.bfloat16):
-        assert type(choose_kernel(dtype, "cpu")) is (
-            BlockedCpuKernel
-            if cpu_kernels.available()
-            else InputMajorKernel
-            if dtype == torch.bfloat16 or not ONEDNN
-            else OneDNNPackedKernel
-        )
+        fallback = InputMajorKernel if dtype == torch.bfloat16 or not ONEDNN else OneDNNPackedKernel
+        assert type(choose_kernel(dtype, "cpu")) is (BlockedCpuKernel if blocked else fallback)
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # no AVX-512: PyTorch's products
+    assert type(choose_kernel(torch.float32, "cpu")) is (OneDNNPackedKernel if ONEDNN else InputMajorKernel)
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx512f"}))
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     assert type(choose_kernel(torch.bfloat16, "cpu")) is InputMajorKernel
     assert type(choose_kernel(torch.float32, "cpu")) is (OneDNNPackedKernel if ONEDNN else InputMajorKernel)
