@@ -25,8 +25,11 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C++ bui
 PROMPTS = [[1, 5, 9, 4], [1, 7], [1, 3, 3, 8, 2, 6], [1, 11, 12], [1, 4, 4, 4, 4]]
 
 
+SHAPES = [(1, 64, 96), (3, 70, 33), (4, 576, 64), (9, 17, 5), (5, 32, 1), (13, 40, 24), (16, 33, 8)]  # rows, N, K
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 64, 96), (3, 70, 33), (4, 576, 64), (9, 17, 5), (5, 32, 1), (13, 40, 24), (16, 33, 8)])
+@pytest.mark.parametrize("shape", SHAPES)
 def test_blocked_product_equals_a_dense_one(dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
     """Any rows (groups of eight, four and the rest), any width (a last block padded), odd K (bfloat16 pairs padded)."""
     rows, n, k = shape

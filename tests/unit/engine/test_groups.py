@@ -35,27 +35,33 @@ def pretend_cuda(monkeypatch: pytest.MonkeyPatch, *sides: int) -> None:
     monkeypatch.setattr(groups, "device_type", lambda d: "cuda" if threading.current_thread().name in names else d.type)
 
 
-def on_both_sides(store: dist.TCPStore, fn: Callable[[dist.Store, int], Any]) -> list[Any]:
-    """`fn(client, side)` in two threads named side0 and side1, each with its own store client."""
-    results: list[Any] = [None, None]
+def on_threads(store: dist.TCPStore, names: list[str], fn: Callable[[dist.Store, int], Any],
+               timeout: timedelta = TIMEOUT) -> list[Any]:  # fmt: skip
+    """`fn(client, i)` in one thread per name (`names[i]`), each with its own store client; results by index."""
+    results: list[Any] = [None] * len(names)
     errors: list[BaseException] = []
 
-    def main(side: int) -> None:
+    def main(i: int) -> None:
         try:
-            client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=TIMEOUT)
-            results[side] = fn(client, side)
+            client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=timeout)
+            results[i] = fn(client, i)
         except BaseException as e:  # surfaced below
             errors.append(e)
 
-    threads = [threading.Thread(target=main, args=(s,), name=f"side{s}", daemon=True) for s in (0, 1)]
+    threads = [threading.Thread(target=main, args=(i,), name=name, daemon=True) for i, name in enumerate(names)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(120)
     if errors:
         raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a side never finished"
+    assert not any(t.is_alive() for t in threads), "a thread never finished"
     return results
+
+
+def on_both_sides(store: dist.TCPStore, fn: Callable[[dist.Store, int], Any]) -> list[Any]:
+    """`fn(client, side)` in two threads named side0 and side1, each with its own store client."""
+    return on_threads(store, ["side0", "side1"], fn)
 
 
 def link_pair(store: dist.TCPStore, prefix: str, stagings: tuple[str, str],

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from shardmesh.engine import groups, shm_collective
 from shardmesh.engine.groups import GroupCollective, form_tp_collective
 from shardmesh.engine.shm_collective import SHM_DIR, ShmCollective, negotiate
+from tests.unit.engine.test_groups import on_threads
 
 TIMEOUT = timedelta(seconds=60)
 
@@ -50,25 +51,7 @@ def our_segments() -> set[str]:
 
 def on_ranks(store: dist.TCPStore, size: int, fn: Callable[[dist.Store, int], Any]) -> list[Any]:
     """`fn(client, rank)` in `size` threads named rank0.., each with its own store client; results by rank."""
-    results: list[Any] = [None] * size
-    errors: list[BaseException] = []
-
-    def main(rank: int) -> None:
-        try:
-            client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=TIMEOUT)
-            results[rank] = fn(client, rank)
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=main, args=(r,), name=f"rank{r}", daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a rank never finished"
-    return results
+    return on_threads(store, [f"rank{r}" for r in range(size)], fn, TIMEOUT)
 
 
 def tp_groups(store: dist.TCPStore, size: int, body: Callable[[Any, int], Any], prefix: str = "t") -> list[Any]:
