@@ -1,19 +1,20 @@
 """Decode-speed CPU kernels, compiled for the CPU they run on: a blocked matrix product and a decoder layer's two
 halves.
 
-**The product** (`pack`, `linear`). A decode step multiplies a few rows by every weight, so it runs at the speed
-weights stream from memory. Weights are re-stored once, at load, in blocks of `NB` output features: block b holds
-W[b·NB : (b+1)·NB, :] as (K, NB), features innermost, so the loop over K broadcasts one input value and multiplies it
-by NB weights at once (no horizontal sums; the compiler vectorizes the NB-wide loop for the CPU: `-march=native`,
-`#pragma omp simd`). bfloat16 weights are stored as (K/2, NB, 2) pairs, the operand layout of AVX512-BF16's
-`vdpbf16ps`, which multiplies bfloat16 activations by them two at a time with float32 sums; CPUs without it widen
-each weight to float32 in registers. Rows are taken eight (then four) at a time per pass over a block, their sums
-in registers, so a block is read from memory once per step whatever the rows (it stays in L2 while they use it).
-Parallel over blocks on PyTorch's threads. Measured on a 2-core Zen 4 (SmolLM2, 2 threads): all products for one
-row, float32 16.6 ms (32.5 GB/s) against oneDNN's packed product 22.8 ms, bfloat16 7.5-10 ms against 20-22 ms for
-PyTorch's bfloat16 product; the whole decode step of 16 sequences (with `cpu_decode`) float32 35.8 ms against
-57.7 eager on oneDNN's, bfloat16 26.8 against 49.2; a prefill of 16 x 46 tokens float32 1036 against 1015 ms,
-bfloat16 652 against 611 ms.
+**The product** (`pack`, `linear`), for float32, bfloat16 and int8 weights. A decode step multiplies a few rows by
+every weight, so it runs at the speed weights stream from memory. Weights are re-stored once, at load, in blocks of
+`NB` output features: block b holds W[b·NB : (b+1)·NB, :] as (K, NB), features innermost, so the loop over K
+broadcasts one input value and multiplies it by NB weights at once (no horizontal sums). bfloat16 weights are stored
+as (K/2, NB, 2) pairs, the operand layout of AVX512-BF16's `vdpbf16ps`, which multiplies bfloat16 activations by them
+two at a time with float32 sums; CPUs without it widen each weight to float32 in registers. int8 weights (a float32
+scale per output feature, applied to the sums) are stored as float32's and widened in registers: a quarter of the
+bytes. Rows are taken eight (then four) at a time per pass over a block, their sums in registers (AVX-512; other CPUs
+get a loop the compiler vectorizes, `-march=native`), so a block is read from memory once per step whatever the rows
+(it stays in L2 while they use it). Parallel over blocks on PyTorch's threads. Measured on a 2-core Zen 4 (SmolLM2,
+2 threads): all products for one row, float32 16.6 ms (32.5 GB/s) against oneDNN's packed product 22.8 ms, bfloat16
+7.5-10 ms against 20-22 ms for PyTorch's bfloat16 product; the whole decode step of 16 sequences (with `cpu_decode`)
+float32 35.8 ms against 57.7 eager on oneDNN's, bfloat16 26.8 against 49.2; a prefill of 16 x 46 tokens float32
+1036 against 1015 ms, bfloat16 652 against 611 ms.
 
 The packed weight is returned as an (N, K) view over the blocked buffer (`pack`): `weight.shape` stays what the
 checkpoint says and its storage holds the padded blocks, as oneDNN's packed weights do; `unpack` gives the (N, K)
@@ -146,6 +147,38 @@ static inline void block_bf16(const float* x, int64_t xs, int64_t K, const uint1
 }
 #endif
 
+// int8 weights (a scale per output feature, applied when the sums are stored): block b holds w[b*NB + j, k] at
+// [b][k][j], as float32's, each widened to float32 in registers.
+#ifdef __AVX512F__
+template <int MB>
+static inline void block_i8(const float* x, int64_t xs, int64_t K, const int8_t* w, float* acc) {
+  in_registers<MB>(K, acc, [&](Sums* a, int64_t k) {
+    const __m128i* wk = reinterpret_cast<const __m128i*>(w + k * NB);
+    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(wk)));
+    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(wk + 1)));
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * xs + k]);
+      a[m][0] = _mm512_fmadd_ps(xv, w0, a[m][0]);
+      a[m][1] = _mm512_fmadd_ps(xv, w1, a[m][1]);
+    }
+  });
+}
+#else
+template <int MB>
+static inline void block_i8(const float* x, int64_t xs, int64_t K, const int8_t* w, float* acc) {
+  float a[MB][NB] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const int8_t* wk = w + k * NB;
+    for (int m = 0; m < MB; ++m) {
+      const float xv = x[m * xs + k];
+#pragma omp simd
+      for (int j = 0; j < NB; ++j) a[m][j] += xv * static_cast<float>(wk[j]);
+    }
+  }
+  std::memcpy(acc, a, sizeof(a));
+}
+#endif
+
 #ifdef __AVX512BF16__
 // x as bfloat16 pairs, one uint32 per (k, k + 1).
 template <int MB>
@@ -165,12 +198,15 @@ static inline void block_dp(const uint32_t* x, int64_t xs, int64_t K2, const uin
 // Every block of N, in parallel, times the rows eight (then four) at a time, then the rest: kernel(m, rows, block,
 // acc) with rows a compile-time constant (so the accumulators stay in registers), then each result stored.
 template <typename F>
-static void over_blocks(int64_t M, int64_t N, const float* bias, float* y, bool round_bf16, F&& kernel) {
+static void over_blocks(int64_t M, int64_t N, const float* scale, const float* bias, float* y, bool round_bf16,
+                        F&& kernel) {
   auto store = [&](int64_t b, int64_t m, int rows, const float* acc) {
     const int64_t n0 = b * NB, nn = std::min(NB, N - n0);
     for (int i = 0; i < rows; ++i)
-      for (int64_t j = 0; j < nn; ++j)
-        y[(m + i) * N + n0 + j] = round_to(round_bf16, acc[i * NB + j] + (bias ? bias[n0 + j] : 0.f));
+      for (int64_t j = 0; j < nn; ++j) {
+        const float sum = scale ? acc[i * NB + j] * scale[n0 + j] : acc[i * NB + j];
+        y[(m + i) * N + n0 + j] = round_to(round_bf16, sum + (bias ? bias[n0 + j] : 0.f));
+      }
   };
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
     float acc[8 * NB];
@@ -189,17 +225,26 @@ static void over_blocks(int64_t M, int64_t N, const float* bias, float* y, bool 
   });
 }
 
-// y (M, N) float32 = x (M, K) float32 times the packed w, + bias; `round_bf16` rounds each result to bfloat16.
-static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, int64_t N, const float* bias, float* y,
-                 bool round_bf16) {
+// y (M, N) float32 = x (M, K) float32 times the packed w (times `scale` per output feature for int8 weights),
+// + bias; `round_bf16` rounds each result to bfloat16.
+static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, int64_t N, const float* scale,
+                 const float* bias, float* y, bool round_bf16) {
   if (w.scalar_type() == at::kFloat) {
     const float* wp = w.data_ptr<float>();
-    over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
+    over_blocks(M, N, nullptr, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
       block_f32<decltype(rows)::value>(x + m * K, K, K, wp + b * K * NB, acc);
     });
     return;
   }
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "packed weights must be float32 or bfloat16");
+  if (w.scalar_type() == at::kChar) {
+    TORCH_CHECK(scale != nullptr, "int8 weights need their scales");
+    const int8_t* wp = w.data_ptr<int8_t>();
+    over_blocks(M, N, scale, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
+      block_i8<decltype(rows)::value>(x + m * K, K, K, wp + b * K * NB, acc);
+    });
+    return;
+  }
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "packed weights must be float32, bfloat16 or int8");
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const int64_t K2 = (K + 1) / 2;
 #ifdef __AVX512BF16__
@@ -209,11 +254,11 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, i
       const uint32_t lo = f2bf(x[m * K + 2 * p]), hi = 2 * p + 1 < K ? f2bf(x[m * K + 2 * p + 1]) : 0u;
       xq[m * K2 + p] = lo | (hi << 16);
     }
-  over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
+  over_blocks(M, N, nullptr, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
     block_dp<decltype(rows)::value>(xq.data() + m * K2, K2, K2, wp + b * K2 * 2 * NB, acc);
   });
 #else
-  over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
+  over_blocks(M, N, nullptr, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
     block_bf16<decltype(rows)::value>(x + m * K, K, K, wp + b * K2 * 2 * NB, acc);
   });
 #endif
@@ -226,13 +271,15 @@ static const float* opt_ptr(const c10::optional<torch::Tensor>& t, torch::Tensor
   return keep.data_ptr<float>();
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::optional<torch::Tensor> bias) {
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::optional<torch::Tensor> bias,
+                     c10::optional<torch::Tensor> scale) {
   TORCH_CHECK(x.dim() == 2, "linear: x must be (rows, in)");
   auto xf = as_float(x);
   const int64_t M = xf.size(0), K = xf.size(1);
   auto y = torch::empty({M, n}, xf.options());
-  torch::Tensor b;
-  gemm(xf.data_ptr<float>(), M, K, w, n, opt_ptr(bias, b), y.data_ptr<float>(), x.scalar_type() == at::kBFloat16);
+  torch::Tensor b, s;
+  gemm(xf.data_ptr<float>(), M, K, w, n, opt_ptr(scale, s), opt_ptr(bias, b), y.data_ptr<float>(),
+       x.scalar_type() == at::kBFloat16);
   return y.to(x.scalar_type());
 }
 
@@ -339,10 +386,11 @@ static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T
 
 using Opt = c10::optional<torch::Tensor>;
 
+// Each product comes as its packed weight, its output features, its bias and (int8 weights) its scales.
 torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, torch::Tensor w_qkv, int64_t n_qkv,
-                              Opt b_qkv, torch::Tensor w_o, Opt b_o, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor slots, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                              int64_t n_heads, int64_t n_kv, bool residual) {
+                              Opt b_qkv, Opt s_qkv, torch::Tensor w_o, Opt b_o, Opt s_o, torch::Tensor k_cache,
+                              torch::Tensor v_cache, torch::Tensor slots, torch::Tensor positions, torch::Tensor cos,
+                              torch::Tensor sin, int64_t n_heads, int64_t n_kv, bool residual) {
   const int64_t M = x.size(0), H = x.size(1), hd = k_cache.size(3), max_len = k_cache.size(2);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(n_qkv == (n_heads + 2 * n_kv) * hd, "attention_block: qkv width does not match the heads");
@@ -351,7 +399,8 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, t
   std::vector<float> h(M * H), qkv(M * n_qkv), att(M * n_heads * hd), y(M * H);
   rms_norm(x, norm, eps, bf16, h.data());
   torch::Tensor keep_b, keep_o;
-  gemm(h.data(), M, H, w_qkv, n_qkv, opt_ptr(b_qkv, keep_b), qkv.data(), bf16);
+  torch::Tensor keep_s, keep_so;
+  gemm(h.data(), M, H, w_qkv, n_qkv, opt_ptr(s_qkv, keep_s), opt_ptr(b_qkv, keep_b), qkv.data(), bf16);
   auto sl = slots.to(torch::kLong).contiguous(), ps = positions.to(torch::kLong).contiguous();
   auto c = as_float(cos), s = as_float(sin);
   auto run = [&](auto* kc, auto* vc) {
@@ -362,24 +411,26 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, t
     run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
   else
     run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  gemm(att.data(), M, n_heads * hd, w_o, H, opt_ptr(b_o, keep_o), y.data(), bf16);
+  gemm(att.data(), M, n_heads * hd, w_o, H, opt_ptr(s_o, keep_so), opt_ptr(b_o, keep_o), y.data(), bf16);
   return finish(x, y, residual, bf16);
 }
 
 torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, torch::Tensor w_gate_up, int64_t n_gate_up,
-                        Opt b_gate_up, torch::Tensor w_down, Opt b_down, bool residual) {
+                        Opt b_gate_up, Opt s_gate_up, torch::Tensor w_down, Opt b_down, Opt s_down, bool residual) {
   const int64_t M = x.size(0), H = x.size(1), inter = n_gate_up / 2;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   std::vector<float> h(M * H), gu(M * n_gate_up), act(M * inter), y(M * H);
   rms_norm(x, norm, eps, bf16, h.data());
   torch::Tensor keep_gu, keep_d;
-  gemm(h.data(), M, H, w_gate_up, n_gate_up, opt_ptr(b_gate_up, keep_gu), gu.data(), bf16);
+  torch::Tensor keep_sgu, keep_sd;
+  gemm(h.data(), M, H, w_gate_up, n_gate_up, opt_ptr(s_gate_up, keep_sgu), opt_ptr(b_gate_up, keep_gu), gu.data(),
+       bf16);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < inter; ++i) {  // silu(gate) * up, each rounded as the model rounds it
       const float g = gu[m * n_gate_up + i], u = gu[m * n_gate_up + inter + i];
       act[m * inter + i] = round_to(bf16, round_to(bf16, g / (1.0f + std::exp(-g))) * u);
     }
-  gemm(act.data(), M, inter, w_down, H, opt_ptr(b_down, keep_d), y.data(), bf16);
+  gemm(act.data(), M, inter, w_down, H, opt_ptr(s_down, keep_sd), opt_ptr(b_down, keep_d), y.data(), bf16);
   return finish(x, y, residual, bf16);
 }
 """
@@ -406,11 +457,11 @@ def module() -> object:
 
 
 def pack(weight: Tensor) -> Tensor:
-    """W (N, K), float32 or bfloat16, in blocks of NB output features, as an (N, K) view of the blocked buffer:
-    float32 blocks (K, NB), bfloat16 blocks (K/2, NB, 2) with K padded to even. Rows past N are zeros."""
+    """W (N, K), float32, bfloat16 or int8, in blocks of NB output features, as an (N, K) view of the blocked buffer:
+    float32 and int8 blocks (K, NB), bfloat16 blocks (K/2, NB, 2) with K padded to even. Rows past N are zeros."""
     n, k = weight.shape
     blocks = -(-n // NB)
-    if weight.dtype == torch.float32:
+    if weight.dtype in (torch.float32, torch.int8):
         padded = torch.zeros(blocks * NB, k, dtype=weight.dtype)
         padded[:n] = weight
         buffer = padded.view(blocks, NB, k).transpose(1, 2).contiguous()
@@ -420,7 +471,7 @@ def pack(weight: Tensor) -> Tensor:
         padded[:n, :k] = weight
         buffer = padded.view(blocks, NB, k2, 2).permute(0, 2, 1, 3).contiguous()
     else:
-        raise ValueError(f"blocked weights are float32 or bfloat16, not {weight.dtype}")
+        raise ValueError(f"blocked weights are float32, bfloat16 or int8, not {weight.dtype}")
     return buffer.view(-1).as_strided((n, k), (k, 1))
 
 
@@ -429,7 +480,7 @@ def unpack(packed: Tensor) -> Tensor:
     n, k = packed.shape
     blocks = -(-n // NB)
     flat = torch.empty(0, dtype=packed.dtype).set_(packed.untyped_storage())
-    if packed.dtype == torch.float32:
+    if packed.dtype in (torch.float32, torch.int8):
         dense = flat[: blocks * k * NB].view(blocks, k, NB).transpose(1, 2).reshape(blocks * NB, k)
     else:
         k2 = -(-k // 2)
@@ -437,8 +488,9 @@ def unpack(packed: Tensor) -> Tensor:
     return dense[:n, :k].contiguous()
 
 
-def linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (..., K) times a `pack`ed weight (N, K), + bias -> (..., N) in x's dtype."""
+def linear(x: Tensor, packed: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+    """x (..., K) times a `pack`ed weight (N, K) (times `scale` (N,) per output feature for int8), + bias
+    -> (..., N) in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
-    y = module().linear(rows, packed, packed.shape[0], bias)  # type: ignore[attr-defined]
+    y = module().linear(rows, packed, packed.shape[0], bias, scale)  # type: ignore[attr-defined]
     return y.reshape(*x.shape[:-1], packed.shape[0])

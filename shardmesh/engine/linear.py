@@ -6,9 +6,10 @@ picks one kernel per shard from the dtype, the device and what the CPU offers (`
 re-stores each weight for it once (`LinearProduct.use_kernel`). A new way to multiply (int8, offload)
 is a new `LinearKernel` class and a line in `choose_kernel`.
 
-On a CPU with AVX-512, float32 and bfloat16 shards take `BlockedCpuKernel` (`shardmesh.engine.cpu_kernels`: weights in
-blocks of output features, a loop compiled for the CPU; float32 one row 16.6 against oneDNN's 22.8 ms, bfloat16 7.5-10
-against 20-22 ms), which the compiled decode path (`cpu_decode`) also reads. Elsewhere, PyTorch's products below.
+On a CPU with AVX-512, float32 and bfloat16 shards take `BlockedCpuKernel`, int8 ones `BlockedInt8Kernel`
+(`shardmesh.engine.cpu_kernels`: weights in blocks of output features, a loop compiled for the CPU; float32 one row
+16.6 against oneDNN's 22.8 ms, bfloat16 7.5-10 against 20-22 ms), which the compiled decode path (`cpu_decode`) also
+reads. Elsewhere, PyTorch's products and the int8 kernels below.
 
 Why the CPU kernels: a decode step is a few rows times every weight matrix, memory-bound matrix-vector
 work. On a 2-core machine PyTorch's default GEMM for such shapes streams weights at ~16-20 GB/s and does
@@ -125,6 +126,30 @@ class BlockedCpuKernel(LinearKernel):
         return cpu_kernels.linear(x, weight, bias)
 
 
+class BlockedInt8Kernel(LinearKernel):
+    """`cpu_kernels.linear` on int8 weights in blocks of output features, widened to float32 in registers, with
+    float32 activations and sums and the scale applied to each sum: the numbers of `Int8DequantKernel`, a quarter of
+    float32's bytes; the decode runner (`cpu_decode`) reads these weights too (CPU, float32, AVX-512, kernels built).
+    """
+
+    name = "int8-blocked"
+    quantized = True
+
+    def prepare(self, weight: Tensor) -> Tensor:
+        return cpu_kernels.pack(weight)
+
+    def prepare_scale(self, scale: Tensor) -> Tensor:
+        return scale.float().contiguous()
+
+    def dense(self, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+        assert scale is not None
+        return cpu_kernels.unpack(weight).float() * scale.float()[:, None]
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+        assert scale is not None
+        return cpu_kernels.linear(x, weight, bias, scale)
+
+
 class Int8DequantKernel(LinearKernel):
     """Y = (X Qᵀ) · s + b, Q converted to X's dtype inside the product: activations stay as they are, so every
     tensor-parallel degree computes the same numbers as a float product of the dequantized weight (CUDA, and
@@ -210,6 +235,7 @@ KERNELS: dict[str, type[LinearKernel]] = {
         Int8DequantKernel,
         Int8FP32Kernel,
         Int8CpuKernel,
+        BlockedInt8Kernel,
         Int8BF16Kernel,
     )
 }
@@ -219,6 +245,12 @@ KERNEL_ENV = "SHARDMESH_LINEAR_KERNEL"
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16)."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def _blocked_suits_cpu() -> bool:
+    """Whether the blocked kernels are the ones to take: measured where AVX-512 holds a block's sums in registers
+    (elsewhere PyTorch's products and `int8_cpu`), and built."""
+    return "avx512f" in cpu_flags() and cpu_kernels.available()
 
 
 def choose_kernel(dtype: torch.dtype, device: torch.device | str, quantized: bool = False) -> LinearKernel:
@@ -235,11 +267,13 @@ def choose_kernel(dtype: torch.dtype, device: torch.device | str, quantized: boo
     if quantized:
         if not (cpu and dtype == torch.float32):
             return Int8DequantKernel()
+        if _blocked_suits_cpu():
+            return BlockedInt8Kernel()
         return Int8CpuKernel() if int8_cpu.available() else Int8FP32Kernel()
     if not cpu:
         return DENSE
-    if dtype in (torch.float32, torch.bfloat16) and "avx512f" in cpu_flags() and cpu_kernels.available():
-        return BlockedCpuKernel()  # measured where AVX-512 holds a block's sums in registers; elsewhere PyTorch's
+    if dtype in (torch.float32, torch.bfloat16) and _blocked_suits_cpu():
+        return BlockedCpuKernel()
     if dtype == torch.float32 and torch.backends.mkldnn.is_available():
         return OneDNNPackedKernel()
     return InputMajorKernel()

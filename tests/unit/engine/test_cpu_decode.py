@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardmesh.core.dtypes import Quantization
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.step import Segment
 from shardmesh.engine import cpu_kernels
@@ -14,7 +15,7 @@ from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.cpu_decode import CpuDecode, cpu_decode
 from shardmesh.engine.groups import ShardGroups, SingleRank
 from shardmesh.engine.kv_cache import KVCache
-from shardmesh.engine.linear import KERNEL_ENV, BlockedCpuKernel
+from shardmesh.engine.linear import KERNEL_ENV, BlockedCpuKernel, BlockedInt8Kernel, quantize_rows
 from shardmesh.engine.loader import build_shard
 from shardmesh.engine.model import Transformer
 from shardmesh.engine.stage import StageEngine
@@ -47,8 +48,21 @@ def test_blocked_product_equals_a_dense_one(dtype: torch.dtype, shape: tuple[int
     assert ((got.double() - want.double()).abs() / (want.double().abs() + 1)).max() < tol
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_blocked_int8_product_equals_the_dequantized_one(shape: tuple[int, int, int]) -> None:
+    rows, n, k = shape
+    g = torch.Generator().manual_seed(n + k)
+    w, x, bias = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    scale, q = quantize_rows(w, w.abs().amax(1))
+    packed = cpu_kernels.pack(q)
+    assert torch.equal(cpu_kernels.unpack(packed), q)
+    got = cpu_kernels.linear(x, packed, bias, scale)
+    want = x.double() @ (q.double() * scale.double()[:, None]).T + bias.double()
+    assert ((got.double() - want).abs() / (want.abs() + 1)).max() < 1e-5
+
+
 def test_pack_refuses_other_dtypes() -> None:
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
+    with pytest.raises(ValueError, match="bfloat16 or int8, not torch"):
         cpu_kernels.pack(torch.zeros(4, 4, dtype=torch.float16))
 
 
@@ -89,6 +103,23 @@ def test_native_steps_equal_eager(tmp_path: pytest.TempPathFactory, family: str,
             positions[i] += 1
     cache_tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (native_cache.data.float() - eager_cache.data.float()).abs().max() < cache_tol
+
+
+def test_native_int8_steps_equal_eager(tmp_path: pytest.TempPathFactory) -> None:
+    """An int8 shard (float32 activations, int8 decoder products, float32 head) decodes natively, as eager does."""
+    d = make_checkpoint(tmp_path, "qwen2-bias-tied", num_layers=2, seed=4)
+    model = build_shard(d, ShardSpec(0, 2, 2), progress=False, max_len=64, quantization=Quantization.INT8)
+    assert model.linear_kernels == sorted([BlockedCpuKernel.name, BlockedInt8Kernel.name])
+    slots = [2, 0, 5]
+    eager_cache, native_cache = prefilled(model, slots, torch.float32), prefilled(model, slots, torch.float32)
+    runner = cpu_decode(model, native_cache, torch.device("cpu"))
+    assert runner is not None
+    batch = BatchLayout.build([Segment(s, len(PROMPTS[i]), 1) for i, s in enumerate(slots)])
+    ids = torch.tensor([3, 8, 5])
+    with torch.inference_mode():
+        eager, native = model(ids, batch, eager_cache), runner.run(batch, ids)
+    assert (native - eager).abs().max() / eager.abs().max() < 1e-4
+    assert (native_cache.data - eager_cache.data).abs().max() < 1e-5
 
 
 @pytest.fixture(scope="module")

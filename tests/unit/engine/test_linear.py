@@ -19,6 +19,7 @@ from shardmesh.engine.linear import (
     KERNEL_ENV,
     Block,
     BlockedCpuKernel,
+    BlockedInt8Kernel,
     DenseKernel,
     InputMajorKernel,
     Int8BF16Kernel,
@@ -128,12 +129,15 @@ def test_int8_rows_round_to_the_nearest_step_of_their_own_scale() -> None:
     assert q.tolist() == [[64, -32]]
 
 
-INT8_KERNELS = [Int8DequantKernel(), Int8FP32Kernel(), Int8CpuKernel()] + (
-    [Int8BF16Kernel()] if cpu_has_native_bf16() else []
+INT8_KERNELS = (
+    [Int8DequantKernel(), Int8FP32Kernel(), Int8CpuKernel()]
+    + ([Int8BF16Kernel()] if cpu_has_native_bf16() else [])
+    + ([BlockedInt8Kernel()] if cpu_kernels.available() else [])
 )
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, 9])  # int8-cpu: a row alone, blocks of four and a tail, the GEMM
+# int8-cpu: a row alone, blocks of four and a tail, the GEMM; int8-blocked: rows by eight, four and the rest
+@pytest.mark.parametrize("rows", [1, 3, 7, 9, 13])
 @pytest.mark.parametrize("kernel", INT8_KERNELS, ids=lambda k: k.name)
 def test_each_int8_kernel_multiplies_by_the_dequantized_weight(kernel, rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
@@ -151,6 +155,10 @@ def test_int8_kernel_chosen_from_the_cpu_and_named_by_the_environment(monkeypatc
     import shardmesh.engine.linear as linear
 
     monkeypatch.setattr(linear, "cpu_has_native_bf16", lambda: True)  # bfloat16 activations: never chosen
+    blocked = cpu_kernels.available() and "avx512f" in cpu_features.cpu_flags()
+    assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is (BlockedInt8Kernel if blocked
+                                                                         else Int8CpuKernel)  # fmt: skip
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # no AVX-512: the int8-cpu loop
     assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is Int8CpuKernel
     monkeypatch.setattr(linear.int8_cpu, "available", lambda: False)  # no compiler here
     assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is Int8FP32Kernel
