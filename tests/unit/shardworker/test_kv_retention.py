@@ -29,16 +29,20 @@ def entry(start: int, tokens: tuple[int, ...], sample: bool = True, first: int =
 
 
 def count_forwards(core: StageWorkerCore) -> Callable[[], int]:
-    """How many times `core`'s shard runs its layers from now on."""
-    model = core._runtime.engine.model  # type: ignore[union-attr]
+    """How many times `core`'s shard runs its layers from now on: eagerly, or through the compiled decode path."""
+    engine = core._runtime.engine  # type: ignore[union-attr]
     calls = [0]
-    forward = model.forward
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return forward(*args, **kwargs)
+    def counting(run: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return run(*args, **kwargs)
 
-    model.forward = counted  # type: ignore[method-assign]
+        return counted
+
+    engine.model.forward = counting(engine.model.forward)  # type: ignore[method-assign]
+    if engine.native is not None:
+        engine.native.run = counting(engine.native.run)  # type: ignore[method-assign]
     return lambda: calls[0]
 
 
