@@ -337,7 +337,7 @@ class StageWorkerCore:
         self.log.info("ready", epoch=placement.rendezvous.epoch, stage=placement.stage,
                       layers=[spec.layer_start, spec.layer_end], tp_rank=spec.tp_rank,
                       waited_s=round(waited, 3), seconds=round(time.perf_counter() - t0 - waited, 3),
-                      **runtime.engine.groups.describe_links())  # fmt: skip
+                      decode_runner=runtime.engine.decode_runner, **runtime.engine.groups.describe_links())  # fmt: skip
 
     def _load(self, p: Placement) -> Transformer:
         return self._load_shard(p.spec, p.model_path, p.dtype, p.limits.max_context, p.quantization)

@@ -458,18 +458,26 @@ def module() -> object:
 
 def pack(weight: Tensor) -> Tensor:
     """W (N, K), float32, bfloat16 or int8, in blocks of NB output features, as an (N, K) view of the blocked buffer:
-    float32 and int8 blocks (K, NB), bfloat16 blocks (K/2, NB, 2) with K padded to even. Rows past N are zeros."""
+    float32 and int8 blocks (K, NB), bfloat16 blocks (K/2, NB, 2) with K padded to even. Rows past N are zeros.
+    The blocks are written straight from `weight`: one matrix's worth of memory beside it while loading, not two."""
     n, k = weight.shape
-    blocks = -(-n // NB)
+    blocks, whole = -(-n // NB), n // NB
     if weight.dtype in (torch.float32, torch.int8):
-        padded = torch.zeros(blocks * NB, k, dtype=weight.dtype)
-        padded[:n] = weight
-        buffer = padded.view(blocks, NB, k).transpose(1, 2).contiguous()
+        buffer = torch.zeros(blocks, k, NB, dtype=weight.dtype)
+        buffer[:whole] = weight[: whole * NB].reshape(whole, NB, k).transpose(1, 2)
+        if whole < blocks:  # the last block's rows past N stay zero
+            buffer[whole, :, : n - whole * NB] = weight[whole * NB :].t()
     elif weight.dtype == torch.bfloat16:
         k2 = -(-k // 2)
-        padded = torch.zeros(blocks * NB, 2 * k2, dtype=weight.dtype)
-        padded[:n, :k] = weight
-        buffer = padded.view(blocks, NB, k2, 2).permute(0, 2, 1, 3).contiguous()
+        if k % 2:  # odd K (rare): pad a copy to even, then block it
+            padded = torch.zeros(blocks * NB, 2 * k2, dtype=weight.dtype)
+            padded[:n, :k] = weight
+            weight = padded
+        buffer = torch.zeros(blocks, k2, NB, 2, dtype=weight.dtype)
+        buffer[:whole] = weight[: whole * NB].reshape(whole, NB, k2, 2).transpose(1, 2)
+        if whole < blocks:
+            rest = weight[whole * NB : n]
+            buffer[whole, :, : rest.shape[0]] = rest.reshape(rest.shape[0], k2, 2).transpose(0, 1)
     else:
         raise ValueError(f"blocked weights are float32, bfloat16 or int8, not {weight.dtype}")
     return buffer.view(-1).as_strided((n, k), (k, 1))
