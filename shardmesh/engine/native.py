@@ -29,6 +29,7 @@ from shardmesh.engine.cpu_features import cpu_flags
 # compiled into the extension itself, and without -fopenmp it silently runs on one thread (all SmolLM2 products, one
 # row, 2 cores: 25 ms instead of 16.5 ms). With it, the extension shares PyTorch's OpenMP runtime and threads.
 OPENMP = ["-fopenmp"]
+log = structlog.get_logger()
 STALE_LOCK_S = 15 * 60  # a build takes about a minute on 2 cores; a lock this old was left by a dead process
 
 
@@ -53,12 +54,24 @@ class InlineKernel:
             from torch.utils import cpp_extension
 
             name = self.name
-            _remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
-            return cpp_extension.load_inline(name, cpp_sources=self.source, functions=self.functions,
-                                             extra_cflags=self.cflags + OPENMP, extra_ldflags=OPENMP)  # fmt: skip
+            build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+            _remove_stale_lock(build_dir / "lock")
+            # A first build takes about a minute on 2 cores, inside a worker's load: say so, or it looks like a hang.
+            building = not (build_dir / f"{name}.so").exists()
+            if building:
+                log.info("kernel_build_started", kernel=self.prefix, dir=str(build_dir),
+                         note="once per machine, CPU and torch version; about a minute on 2 cores")  # fmt: skip
+            t0 = time.perf_counter()
+            ext = cpp_extension.load_inline(name, cpp_sources=self.source, functions=self.functions,
+                                            extra_cflags=self.cflags + OPENMP, extra_ldflags=OPENMP)  # fmt: skip
+            if building:
+                log.info("kernel_built", kernel=self.prefix, seconds=round(time.perf_counter() - t0, 1))
+            return ext
         except Exception as e:  # no compiler, no ninja, a failed build: the caller falls back
             message = str(e).strip()
             self.build_error = f"{type(e).__name__}: {message.splitlines()[-1] if message else ''}"
+            log.warning("kernel_unavailable", kernel=self.prefix, error=self.build_error,
+                        fallback="the torch path this kernel stands in for")  # fmt: skip
             return None
 
 
@@ -70,7 +83,7 @@ def _remove_stale_lock(lock: Path, now: float | None = None) -> bool:
         return False
     if age < STALE_LOCK_S:
         return False
-    structlog.get_logger().warning("stale_build_lock_removed", path=str(lock), age_s=round(age),
-                                   reason="older than any build: the process that was building is gone")  # fmt: skip
+    log.warning("stale_build_lock_removed", path=str(lock), age_s=round(age),
+                reason="older than any build: the process that was building is gone")  # fmt: skip
     lock.unlink(missing_ok=True)
     return True
