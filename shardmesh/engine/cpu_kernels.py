@@ -84,30 +84,41 @@ static inline void in_registers(int64_t steps, float* acc, Step&& step) {
   }
 }
 
+// Every row's x[m, k] times the block's k-th 32 weights (w0, w1), added to its sums.
+template <int MB>
+static inline void add_rows(Sums* a, const float* x, int64_t xs, int64_t k, __m512 w0, __m512 w1) {
+  for (int m = 0; m < MB; ++m) {
+    const __m512 xv = _mm512_set1_ps(x[m * xs + k]);
+    a[m][0] = _mm512_fmadd_ps(xv, w0, a[m][0]);
+    a[m][1] = _mm512_fmadd_ps(xv, w1, a[m][1]);
+  }
+}
+
 template <int MB>
 static inline void block_f32(const float* x, int64_t xs, int64_t K, const float* w, float* acc) {
   in_registers<MB>(K, acc, [&](Sums* a, int64_t k) {
-    const __m512 w0 = _mm512_loadu_ps(w + k * NB), w1 = _mm512_loadu_ps(w + k * NB + 16);
-    for (int m = 0; m < MB; ++m) {
-      const __m512 xv = _mm512_set1_ps(x[m * xs + k]);
-      a[m][0] = _mm512_fmadd_ps(xv, w0, a[m][0]);
-      a[m][1] = _mm512_fmadd_ps(xv, w1, a[m][1]);
-    }
+    add_rows<MB>(a, x, xs, k, _mm512_loadu_ps(w + k * NB), _mm512_loadu_ps(w + k * NB + 16));
   });
 }
 #else
-template <int MB>
-static inline void block_f32(const float* x, int64_t xs, int64_t K, const float* w, float* acc) {
+// Without AVX-512: the compiler vectorizes the NB-wide loop; W is float or int8 (widened as it is read).
+template <int MB, typename W>
+static inline void block_generic(const float* x, int64_t xs, int64_t K, const W* w, float* acc) {
   float a[MB][NB] = {};
   for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * NB;
+    const W* wk = w + k * NB;
     for (int m = 0; m < MB; ++m) {
       const float xv = x[m * xs + k];
 #pragma omp simd
-      for (int j = 0; j < NB; ++j) a[m][j] += xv * wk[j];
+      for (int j = 0; j < NB; ++j) a[m][j] += xv * static_cast<float>(wk[j]);
     }
   }
   std::memcpy(acc, a, sizeof(a));
+}
+
+template <int MB>
+static inline void block_f32(const float* x, int64_t xs, int64_t K, const float* w, float* acc) {
+  block_generic<MB>(x, xs, K, w, acc);
 }
 #endif
 
@@ -154,28 +165,14 @@ template <int MB>
 static inline void block_i8(const float* x, int64_t xs, int64_t K, const int8_t* w, float* acc) {
   in_registers<MB>(K, acc, [&](Sums* a, int64_t k) {
     const __m128i* wk = reinterpret_cast<const __m128i*>(w + k * NB);
-    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(wk)));
-    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(wk + 1)));
-    for (int m = 0; m < MB; ++m) {
-      const __m512 xv = _mm512_set1_ps(x[m * xs + k]);
-      a[m][0] = _mm512_fmadd_ps(xv, w0, a[m][0]);
-      a[m][1] = _mm512_fmadd_ps(xv, w1, a[m][1]);
-    }
+    add_rows<MB>(a, x, xs, k, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(wk))),
+                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(wk + 1))));
   });
 }
 #else
 template <int MB>
 static inline void block_i8(const float* x, int64_t xs, int64_t K, const int8_t* w, float* acc) {
-  float a[MB][NB] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const int8_t* wk = w + k * NB;
-    for (int m = 0; m < MB; ++m) {
-      const float xv = x[m * xs + k];
-#pragma omp simd
-      for (int j = 0; j < NB; ++j) a[m][j] += xv * static_cast<float>(wk[j]);
-    }
-  }
-  std::memcpy(acc, a, sizeof(a));
+  block_generic<MB>(x, xs, K, w, acc);
 }
 #endif
 
