@@ -50,9 +50,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# cpu_flags is bench/conditions.py's (every bench records the flags); offload.py and paged_kv.py import it here.
 from bench import llamacpp  # noqa: E402  (the repository root is on the path only now)
-from bench.conditions import CPU_FLAGS, PROMPT, cpu_flags, machine, save_results  # noqa: E402, F401
+from bench.conditions import PROMPT, machine, save_results  # noqa: E402
 
 Q8_0_GGUF_NAME = "model-q8_0.gguf"
 

@@ -47,20 +47,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.conditions import PROMPT, machine, save_results  # noqa: E402  (the repository root is on the path only now)
-from bench.int8 import Streams, cpu_flags  # noqa: E402
+from bench.int8 import Streams  # noqa: E402
 
 CHUNK = 8 * 2**20  # bytes per O_DIRECT read
 DEPTHS = (1, 4)  # O_DIRECT reads in flight: one after the other, and as a deep readahead keeps the disk busy
 MADV_NOHUGEPAGE = 15
 VARIANTS = ("streamed", "reader thread", "4 KiB entries", "mapped inline")
 COLD_VARIANTS = ("streamed", "reader thread", "mapped inline")
-
-
-def cpu_id() -> str:
-    """The CPU's family and model numbers (the model name alone, "AMD EPYC", does not tell the generation)."""
-    first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]  # the first CPU's block
-    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
-    return ", ".join(f"{k} {fields[k]}" for k in ("vendor_id", "cpu family", "model", "stepping") if k in fields)
 
 
 def disk_of(path: Path) -> dict[str, Any]:
@@ -253,7 +246,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     source = resolve(a.model)
     prompt_ids = Tokenizer.from_dir(source).encode_chat([{"role": "user", "content": PROMPT}])
-    info = {**machine(), "cpu_id": cpu_id(), "cpu_flags": cpu_flags()}
+    info = machine()  # CPU model, id and flags included
     with tempfile.TemporaryDirectory(dir=source.parent, prefix=".offload-bench-") as tmp:
         model_dir = Path(shutil.copytree(source, Path(tmp) / source.name))
         path = model_dir / "model.safetensors"

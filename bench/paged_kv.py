@@ -500,7 +500,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="prefix: rounds, interleaved")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     a = ap.parse_args()
-    from bench.int8 import cpu_flags
+    from bench.conditions import cpu_flags
     from shardmesh.core.config import ModelConfig
     from shardmesh.models.registry import resolve
     from shardmesh.rpc.procs import cores

@@ -11,8 +11,8 @@ Tensor parallelism stays where it is: each half returns its partial sum and the 
 all-reduces it, then adds the bias and the residual, exactly as `tp.RowParallelLinear` and `DecoderLayer` do.
 
 Eligible: a CPU shard whose decoder products all use the blocked kernels (`linear.BlockedCpuKernel`: float32 or
-bfloat16; `linear.BlockedInt8Kernel`: int8 weights of a float32 shard; kernels built, none streamed from disk), the
-slot KV cache, a step of one-token segments (decode), logits of each sequence's last token.
+bfloat16; its subclass `BlockedInt8Kernel`: int8 weights of a float32 shard; kernels built, none streamed from
+disk), the slot KV cache, a step of one-token segments (decode), logits of each sequence's last token.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import Tensor
 from shardmesh.engine import cpu_kernels
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.kv_cache import AnyKVCache, KVCache
-from shardmesh.engine.linear import BlockedCpuKernel, BlockedInt8Kernel, LinearProduct
+from shardmesh.engine.linear import BlockedCpuKernel, LinearProduct
 from shardmesh.engine.model import DecoderLayer, Transformer
 from shardmesh.engine.tp import RowParallelLinear
 
@@ -33,7 +33,7 @@ def cpu_decode(model: Transformer, cache: AnyKVCache, device: torch.device) -> C
     if device.type != "cpu" or not isinstance(cache, KVCache) or model.dtype not in (torch.float32, torch.bfloat16):
         return None
     products = [m for layer in model.model.layers.values() for m in layer.modules() if isinstance(m, LinearProduct)]
-    if not products or not all(isinstance(m.kernel, (BlockedCpuKernel, BlockedInt8Kernel)) for m in products):
+    if not products or not all(isinstance(m.kernel, BlockedCpuKernel) for m in products):
         return None
     return CpuDecode(model, cache)
 
@@ -71,7 +71,7 @@ class CpuDecode:
         qkv, o = attn.qkv_proj, attn.o_proj
         sharded = isinstance(o, RowParallelLinear)
         out = self.ext.attention_block(
-            x, norm.weight, norm.eps, qkv.weight, qkv.weight.shape[0], qkv.bias, qkv.weight_scale, o.weight,
+            x, norm.weight, norm.eps, qkv.weight, qkv.bias, qkv.weight_scale, o.weight,
             None if sharded else o.bias, o.weight_scale, self.cache.keys(index), self.cache.values(index), slots,
             positions, self.model.rope_cos, self.model.rope_sin, attn.n_heads, attn.n_kv_heads, not sharded,
         )  # fmt: skip
@@ -81,9 +81,10 @@ class CpuDecode:
         mlp, norm = layer.mlp, layer.post_attention_layernorm
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
         sharded = isinstance(down, RowParallelLinear)
-        out = self.ext.mlp_block(x, norm.weight, norm.eps, gate_up.weight, gate_up.weight.shape[0], gate_up.bias,
-                                 gate_up.weight_scale, down.weight, None if sharded else down.bias, down.weight_scale,
-                                 not sharded)  # fmt: skip
+        out = self.ext.mlp_block(
+            x, norm.weight, norm.eps, gate_up.weight, gate_up.bias, gate_up.weight_scale,
+            down.weight, None if sharded else down.bias, down.weight_scale, not sharded,
+        )  # fmt: skip
         return _reduce(down, x, out) if sharded else out
 
 

@@ -222,10 +222,12 @@ static void over_blocks(int64_t M, int64_t N, const float* scale, const float* b
   });
 }
 
-// y (M, N) float32 = x (M, K) float32 times the packed w (times `scale` per output feature for int8 weights),
-// + bias; `round_bf16` rounds each result to bfloat16.
-static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, int64_t N, const float* scale,
-                 const float* bias, float* y, bool round_bf16) {
+// y (M, N) float32 = x (M, K) float32 times the packed w, (N, K) as `pack` returns it (times `scale` per output
+// feature for int8 weights), + bias; `round_bf16` rounds each result to bfloat16.
+static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, const float* scale, const float* bias,
+                 float* y, bool round_bf16) {
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == K, "packed weight of ", w.sizes(), " for rows of ", K);
+  const int64_t N = w.size(0);
   if (w.scalar_type() == at::kFloat) {
     const float* wp = w.data_ptr<float>();
     over_blocks(M, N, nullptr, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
@@ -261,21 +263,22 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, i
 #endif
 }
 
+using Opt = c10::optional<torch::Tensor>;
+
 static torch::Tensor as_float(const torch::Tensor& t) { return t.to(torch::kFloat).contiguous(); }
-static const float* opt_ptr(const c10::optional<torch::Tensor>& t, torch::Tensor& keep) {
+static const float* opt_ptr(const Opt& t, torch::Tensor& keep) {
   if (!t.has_value() || !t->defined()) return nullptr;
   keep = as_float(*t);
   return keep.data_ptr<float>();
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::optional<torch::Tensor> bias,
-                     c10::optional<torch::Tensor> scale) {
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, Opt bias, Opt scale) {
   TORCH_CHECK(x.dim() == 2, "linear: x must be (rows, in)");
   auto xf = as_float(x);
   const int64_t M = xf.size(0), K = xf.size(1);
-  auto y = torch::empty({M, n}, xf.options());
+  auto y = torch::empty({M, w.size(0)}, xf.options());
   torch::Tensor b, s;
-  gemm(xf.data_ptr<float>(), M, K, w, n, opt_ptr(scale, s), opt_ptr(bias, b), y.data_ptr<float>(),
+  gemm(xf.data_ptr<float>(), M, K, w, opt_ptr(scale, s), opt_ptr(bias, b), y.data_ptr<float>(),
        x.scalar_type() == at::kBFloat16);
   return y.to(x.scalar_type());
 }
@@ -381,14 +384,12 @@ static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T
   });
 }
 
-using Opt = c10::optional<torch::Tensor>;
-
-// Each product comes as its packed weight, its output features, its bias and (int8 weights) its scales.
-torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, torch::Tensor w_qkv, int64_t n_qkv,
-                              Opt b_qkv, Opt s_qkv, torch::Tensor w_o, Opt b_o, Opt s_o, torch::Tensor k_cache,
+// Each product comes as its packed weight, its bias and (int8 weights) its scales.
+torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, torch::Tensor w_qkv, Opt b_qkv,
+                              Opt s_qkv, torch::Tensor w_o, Opt b_o, Opt s_o, torch::Tensor k_cache,
                               torch::Tensor v_cache, torch::Tensor slots, torch::Tensor positions, torch::Tensor cos,
                               torch::Tensor sin, int64_t n_heads, int64_t n_kv, bool residual) {
-  const int64_t M = x.size(0), H = x.size(1), hd = k_cache.size(3), max_len = k_cache.size(2);
+  const int64_t M = x.size(0), H = x.size(1), hd = k_cache.size(3), max_len = k_cache.size(2), n_qkv = w_qkv.size(0);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(n_qkv == (n_heads + 2 * n_kv) * hd, "attention_block: qkv width does not match the heads");
   TORCH_CHECK(k_cache.scalar_type() == x.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -397,7 +398,7 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, t
   rms_norm(x, norm, eps, bf16, h.data());
   torch::Tensor keep_b, keep_o;
   torch::Tensor keep_s, keep_so;
-  gemm(h.data(), M, H, w_qkv, n_qkv, opt_ptr(s_qkv, keep_s), opt_ptr(b_qkv, keep_b), qkv.data(), bf16);
+  gemm(h.data(), M, H, w_qkv, opt_ptr(s_qkv, keep_s), opt_ptr(b_qkv, keep_b), qkv.data(), bf16);
   auto sl = slots.to(torch::kLong).contiguous(), ps = positions.to(torch::kLong).contiguous();
   auto c = as_float(cos), s = as_float(sin);
   auto run = [&](auto* kc, auto* vc) {
@@ -408,26 +409,26 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, t
     run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
   else
     run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  gemm(att.data(), M, n_heads * hd, w_o, H, opt_ptr(s_o, keep_so), opt_ptr(b_o, keep_o), y.data(), bf16);
+  gemm(att.data(), M, n_heads * hd, w_o, opt_ptr(s_o, keep_so), opt_ptr(b_o, keep_o), y.data(), bf16);
   return finish(x, y, residual, bf16);
 }
 
-torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, torch::Tensor w_gate_up, int64_t n_gate_up,
-                        Opt b_gate_up, Opt s_gate_up, torch::Tensor w_down, Opt b_down, Opt s_down, bool residual) {
-  const int64_t M = x.size(0), H = x.size(1), inter = n_gate_up / 2;
+torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, torch::Tensor w_gate_up, Opt b_gate_up,
+                        Opt s_gate_up, torch::Tensor w_down, Opt b_down, Opt s_down, bool residual) {
+  const int64_t M = x.size(0), H = x.size(1), n_gate_up = w_gate_up.size(0), inter = n_gate_up / 2;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   std::vector<float> h(M * H), gu(M * n_gate_up), act(M * inter), y(M * H);
   rms_norm(x, norm, eps, bf16, h.data());
   torch::Tensor keep_gu, keep_d;
   torch::Tensor keep_sgu, keep_sd;
-  gemm(h.data(), M, H, w_gate_up, n_gate_up, opt_ptr(s_gate_up, keep_sgu), opt_ptr(b_gate_up, keep_gu), gu.data(),
+  gemm(h.data(), M, H, w_gate_up, opt_ptr(s_gate_up, keep_sgu), opt_ptr(b_gate_up, keep_gu), gu.data(),
        bf16);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < inter; ++i) {  // silu(gate) * up, each rounded as the model rounds it
       const float g = gu[m * n_gate_up + i], u = gu[m * n_gate_up + inter + i];
       act[m * inter + i] = round_to(bf16, round_to(bf16, g / (1.0f + std::exp(-g))) * u);
     }
-  gemm(act.data(), M, inter, w_down, H, opt_ptr(s_down, keep_sd), opt_ptr(b_down, keep_d), y.data(), bf16);
+  gemm(act.data(), M, inter, w_down, opt_ptr(s_down, keep_sd), opt_ptr(b_down, keep_d), y.data(), bf16);
   return finish(x, y, residual, bf16);
 }
 """
@@ -497,5 +498,5 @@ def linear(x: Tensor, packed: Tensor, bias: Tensor | None = None, scale: Tensor 
     """x (..., K) times a `pack`ed weight (N, K) (times `scale` (N,) per output feature for int8), + bias
     -> (..., N) in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
-    y = module().linear(rows, packed, packed.shape[0], bias, scale)  # type: ignore[attr-defined]
+    y = module().linear(rows, packed, bias, scale)  # type: ignore[attr-defined]
     return y.reshape(*x.shape[:-1], packed.shape[0])

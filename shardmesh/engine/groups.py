@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardmesh.core.layout import ShardSpec
-from shardmesh.engine.shm_collective import TRANSPORTS, negotiate
+from shardmesh.engine.shm_collective import TRANSPORT_ENV as TP_TRANSPORT_ENV
+from shardmesh.engine.shm_collective import check_transport, negotiate
 
 
 class Collective(Protocol):
@@ -324,16 +325,10 @@ def form_link(store: dist.Store, prefix: str, side: int, device: torch.device, s
     return Backend(plan.backend, timeout).group(store, prefix, side, 2), plan
 
 
-TP_TRANSPORT_ENV = "SHARDMESH_TP_TRANSPORT"  # auto (default), shm or gloo: a CPU tp group's transport
-
-
 def tp_transport() -> str:
     """The CPU tensor-parallel transport asked for in $SHARDMESH_TP_TRANSPORT: "auto" (shared memory when every
     rank of the group can map one segment, else Gloo), "shm" (shared memory, or an error) or "gloo"."""
-    wanted = os.environ.get(TP_TRANSPORT_ENV, "auto").strip().lower() or "auto"
-    if wanted not in TRANSPORTS:
-        raise ValueError(f"{TP_TRANSPORT_ENV}={wanted!r} is not one of {', '.join(TRANSPORTS)}")
-    return wanted
+    return check_transport(os.environ.get(TP_TRANSPORT_ENV, "auto").strip().lower() or "auto")
 
 
 def form_tp_collective(store: dist.Store, prefix: str, rank: int, size: int, device: torch.device,

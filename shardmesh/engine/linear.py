@@ -123,31 +123,23 @@ class BlockedCpuKernel(LinearKernel):
         return cpu_kernels.unpack(weight)
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-        return cpu_kernels.linear(x, weight, bias)
+        return cpu_kernels.linear(x, weight, bias, scale)
 
 
-class BlockedInt8Kernel(LinearKernel):
-    """`cpu_kernels.linear` on int8 weights in blocks of output features, widened to float32 in registers, with
-    float32 activations and sums and the scale applied to each sum: the numbers of `Int8DequantKernel`, a quarter of
-    float32's bytes; the decode runner (`cpu_decode`) reads these weights too (CPU, float32, AVX-512, kernels built).
-    """
+class BlockedInt8Kernel(BlockedCpuKernel):
+    """The same blocks of int8 weights, widened to float32 in registers, with float32 activations and sums and the
+    scale applied to each sum: the numbers of `Int8DequantKernel`, a quarter of float32's bytes (CPU, float32
+    activations, AVX-512, kernels built; the decode runner reads these too)."""
 
     name = "int8-blocked"
     quantized = True
-
-    def prepare(self, weight: Tensor) -> Tensor:
-        return cpu_kernels.pack(weight)
 
     def prepare_scale(self, scale: Tensor) -> Tensor:
         return scale.float().contiguous()
 
     def dense(self, weight: Tensor, scale: Tensor | None = None) -> Tensor:
         assert scale is not None
-        return cpu_kernels.unpack(weight).float() * scale.float()[:, None]
-
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-        assert scale is not None
-        return cpu_kernels.linear(x, weight, bias, scale)
+        return super().dense(weight).float() * scale.float()[:, None]
 
 
 class Int8DequantKernel(LinearKernel):

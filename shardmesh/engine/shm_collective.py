@@ -53,7 +53,8 @@ SHM_DIR = Path("/dev/shm")
 DEFAULT_CAPACITY = 1 << 20  # bytes per slot: 455 tokens of a 576-wide float32 hidden state in one collective
 NONCE_BYTES = 16
 LINE = 64  # one cache line per rank's counter: ranks publishing at once do not contend for a line
-TRANSPORTS = ("auto", "shm", "gloo")  # SHARDMESH_TP_TRANSPORT
+TRANSPORT_ENV = "SHARDMESH_TP_TRANSPORT"  # auto (default), shm or gloo: a CPU tp group's transport
+TRANSPORTS = ("auto", "shm", "gloo")
 SUPPORTED = {torch.float32: 0, torch.bfloat16: 1}  # dtype -> the kernel's dtype code
 
 _SOURCE = r"""
@@ -403,6 +404,13 @@ def pid_namespace() -> str:
         return ""
 
 
+def check_transport(wanted: str) -> str:
+    """`wanted` when it is one of TRANSPORTS, else a ValueError naming the variable and the choices."""
+    if wanted not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV}={wanted!r} is not one of {', '.join(TRANSPORTS)}")
+    return wanted
+
+
 def negotiate(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta, fallback: Fallback,
               wanted: str = "auto", capacity: int = DEFAULT_CAPACITY) -> tuple[ShmCollective | None, str]:  # fmt: skip
     """Whether every rank of a group can use a shared segment, agreed through `store` under `prefix`.
@@ -413,10 +421,9 @@ def negotiate(store: dist.Store, prefix: str, rank: int, size: int, timeout: tim
     ShmCollective when every rank succeeded and all share a pid namespace, else None and the first reason.
     `wanted` "gloo" makes this rank refuse (and so every rank). Raises RuntimeError when a rank never reports
     within `timeout`."""
-    if wanted not in TRANSPORTS:
-        raise ValueError(f"SHARDMESH_TP_TRANSPORT={wanted!r} is not one of {', '.join(TRANSPORTS)}")
+    check_transport(wanted)
     # Built before any wait: ranks on one host build it together (one waits on the other's lock).
-    refusal = "SHARDMESH_TP_TRANSPORT=gloo" if wanted == "gloo" else _unavailable()
+    refusal = f"{TRANSPORT_ENV}=gloo" if wanted == "gloo" else _unavailable()
     segment: Segment | None = None
     created = ""
     try:

@@ -14,16 +14,14 @@ from shardmesh.engine import cpu_kernels
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.cpu_decode import CpuDecode, cpu_decode
 from shardmesh.engine.groups import ShardGroups, SingleRank
-from shardmesh.engine.kv_cache import KVCache
 from shardmesh.engine.linear import KERNEL_ENV, BlockedCpuKernel, BlockedInt8Kernel, quantize_rows
 from shardmesh.engine.loader import build_shard
 from shardmesh.engine.model import Transformer
 from shardmesh.engine.stage import StageEngine
 from tests.checkpoints import make_checkpoint
+from tests.unit.engine.test_model import PROMPTS, prefilled
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C++ build: {cpu_kernels.build_error()}")
-
-PROMPTS = [[1, 5, 9, 4], [1, 7], [1, 3, 3, 8, 2, 6], [1, 11, 12], [1, 4, 4, 4, 4]]
 
 
 SHAPES = [(1, 64, 96), (3, 70, 33), (4, 576, 64), (9, 17, 5), (5, 32, 1), (13, 40, 24), (16, 33, 8)]  # rows, N, K
@@ -64,14 +62,6 @@ def test_blocked_int8_product_equals_the_dequantized_one(shape: tuple[int, int, 
 def test_pack_refuses_other_dtypes() -> None:
     with pytest.raises(ValueError, match="bfloat16 or int8, not torch"):
         cpu_kernels.pack(torch.zeros(4, 4, dtype=torch.float16))
-
-
-def prefilled(model: Transformer, slots: list[int], dtype: torch.dtype) -> KVCache:
-    cache = model.make_cache(12, dtype, "cpu")
-    with torch.inference_mode():
-        for slot, prompt in zip(slots, PROMPTS, strict=False):
-            model(torch.tensor(prompt), BatchLayout.build([Segment(slot, 0, len(prompt))]), cache)
-    return cache
 
 
 @pytest.mark.parametrize("family", ["llama-gqa-tied", "llama-mha-untied", "qwen2-bias-tied", "llama31-rope-scaling"])

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from shardmesh.core.dtypes import Quantization
 from shardmesh.core.layout import ShardSpec
-from shardmesh.engine import cpu_features, cpu_kernels, linear
+from shardmesh.engine import cpu_kernels, linear
 from shardmesh.engine.groups import UnboundGroup
 from shardmesh.engine.linear import (
     DENSE,
@@ -63,7 +63,7 @@ def test_kernel_chosen_from_device_dtype_and_cpu(monkeypatch: pytest.MonkeyPatch
     assert choose_kernel(torch.bfloat16, torch.device("cuda", 0)) is DENSE
     assert type(choose_kernel(torch.float16, "cpu")) is InputMajorKernel
     # float32 and bfloat16: the blocked kernel on AVX-512 where it builds, else oneDNN's packed product / input-major
-    blocked = cpu_kernels.available() and "avx512f" in cpu_features.cpu_flags()
+    blocked = linear._blocked_suits_cpu()
     for dtype in (torch.float32, torch.bfloat16):
         fallback = InputMajorKernel if dtype == torch.bfloat16 or not ONEDNN else OneDNNPackedKernel
         assert type(choose_kernel(dtype, "cpu")) is (BlockedCpuKernel if blocked else fallback)
@@ -155,7 +155,7 @@ def test_int8_kernel_chosen_from_the_cpu_and_named_by_the_environment(monkeypatc
     import shardmesh.engine.linear as linear
 
     monkeypatch.setattr(linear, "cpu_has_native_bf16", lambda: True)  # bfloat16 activations: never chosen
-    blocked = cpu_kernels.available() and "avx512f" in cpu_features.cpu_flags()
+    blocked = linear._blocked_suits_cpu()
     assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is (BlockedInt8Kernel if blocked
                                                                          else Int8CpuKernel)  # fmt: skip
     monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # no AVX-512: the int8-cpu loop

@@ -25,9 +25,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Transformer:
     return build_shard(d, ShardSpec(0, 2, 2), progress=False, max_len=64)
 
 
-def prefilled(model: Transformer, slots: list[int]) -> KVCache:
-    """A cache holding PROMPTS[i] in slots[i], each written alone."""
-    cache = model.make_cache(12, torch.float32, "cpu")
+def prefilled(model: Transformer, slots: list[int], dtype: torch.dtype = torch.float32) -> KVCache:
+    """A cache in `dtype` holding PROMPTS[i] in slots[i], each written alone."""
+    cache = model.make_cache(12, dtype, "cpu")
     with torch.inference_mode():
         for slot, prompt in zip(slots, PROMPTS, strict=False):
             model(torch.tensor(prompt), BatchLayout.build([Segment(slot, 0, len(prompt))]), cache)
