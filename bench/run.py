@@ -116,7 +116,8 @@ class Mesh:
     bench/against.py), started as its own process tree and stopped by `close`."""
 
     def __init__(self, model_dir: Path, pp: int, tp: int, pipeline: str, slots: int, log_dir: Path, threads: int,
-                 rebalance: str, tree: Path = ROOT, extra: tuple[str, ...] = ()) -> None:  # fmt: skip
+                 rebalance: str, tree: Path = ROOT, extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.log_dir = log_dir
         # Earlier checkouts ran the command as `shardmesh.cli`; it lives in `shardmesh_cli` since the layering.
         command = "shardmesh_cli" if (tree / "shardmesh_cli").is_dir() else "shardmesh.cli"
@@ -124,8 +125,9 @@ class Mesh:
                 "--tp", str(tp), "--pipeline", pipeline, "--kv-slots", str(slots), "--max-context", "1024",
                 "--rebalance", rebalance, "--worker-threads", str(threads), "--log-dir", str(log_dir),
                 *extra]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(tree)}  # that checkout's packages first, whatever is installed
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=tree)
+        # that checkout's packages first, whatever is installed; `env`: the services' own settings
+        environ = {**os.environ, **(env or {}), "PYTHONPATH": str(tree)}
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environ, cwd=tree)
         self.address = self.proc.stdout.readline().decode().strip()
         if not self.address:
             raise RuntimeError(f"shardmesh up failed; logs in {log_dir}")

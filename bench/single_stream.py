@@ -11,7 +11,9 @@ gateway (its mean inter-token ms; the median of 3 requests), back to back, so dr
 the median over `--rounds` of each round's ratio, llama.cpp's ms/token over ours (> 1: faster than llama.cpp), with
 both sides' medians. Each dtype runs its own mesh (`up --dtype`) against llama.cpp's GGUF of that type (F32 or BF16,
 bench/llamacpp.py). Greedy tokens of the two are recorded too (they agree for the first tokens at least; two
-implementations sum in different orders). Writes bench/results/<host>-<date>-single-stream.{md,json}.
+implementations sum in different orders). A second mesh of the same dtype runs with the gateway's `--decode-steps 1`
+(one call per token, as before multi-step calls) in the same rounds, so what those calls buy is measured beside
+them. Writes bench/results/<host>-<date>-single-stream.{md,json}.
 """
 
 from __future__ import annotations
@@ -46,27 +48,37 @@ def mesh_round(address: str, prompt_ids: list[int], new_tokens: int, requests: i
 
 def run_dtype(dtype: str, model_dir: Path, prompt_ids: list[int], a: argparse.Namespace, threads: int) -> dict:
     gguf = llamacpp.gguf_for(dtype, a.model)
-    with tempfile.TemporaryDirectory() as logs:
+    with tempfile.TemporaryDirectory() as logs, tempfile.TemporaryDirectory() as logs1:
         mesh = Mesh(model_dir, 1, 1, "auto", 4, Path(logs), threads, "none", extra=("--dtype", dtype))
+        per_token = Mesh(model_dir, 1, 1, "auto", 4, Path(logs1), threads, "none", extra=("--dtype", dtype),
+                         env={"SHARDMESH_GATEWAY_DECODE_STEPS": "1"})  # fmt: skip
         try:
-            mesh_round(mesh.address, prompt_ids, 8, requests=1)  # warm-up
+            for m in (mesh, per_token):
+                mesh_round(m.address, prompt_ids, 8, requests=1)  # warm-up
             rounds = []
             for _ in range(a.rounds):
                 ours = mesh_round(mesh.address, prompt_ids, a.new_tokens)
+                one = mesh_round(per_token.address, prompt_ids, a.new_tokens)
                 theirs = llamacpp.measure(gguf, prompt_ids, a.new_tokens, threads=threads)
-                rounds.append({"shardmesh_ms": ours["ms_per_token"], "llama_cpp_ms": theirs["ms_per_token_median"],
-                               "ratio": theirs["ms_per_token_median"] / ours["ms_per_token"]})  # fmt: skip
+                rounds.append({"shardmesh_ms": ours["ms_per_token"], "one_step_ms": one["ms_per_token"],
+                               "llama_cpp_ms": theirs["ms_per_token_median"],
+                               "ratio": theirs["ms_per_token_median"] / ours["ms_per_token"],
+                               "one_step_ratio": theirs["ms_per_token_median"] / one["ms_per_token"]})  # fmt: skip
                 print(dtype, rounds[-1], flush=True)
         finally:
             mesh.close()
+            per_token.close()
     agree = llamacpp.first_difference(ours["token_ids"], theirs["token_ids"])
     return {
         "dtype": dtype, "gguf": gguf.name, "rounds": rounds,
         "shardmesh_ms": statistics.median(r["shardmesh_ms"] for r in rounds),
+        "one_step_ms": statistics.median(r["one_step_ms"] for r in rounds),
         "llama_cpp_ms": statistics.median(r["llama_cpp_ms"] for r in rounds),
         "ratio": statistics.median(r["ratio"] for r in rounds),
         "ratio_range": [min(r["ratio"] for r in rounds), max(r["ratio"] for r in rounds)],
+        "one_step_ratio": statistics.median(r["one_step_ratio"] for r in rounds),
         "greedy_tokens_agree": agree,
+        "same_tokens_both_meshes": ours["token_ids"] == one["token_ids"],
     }  # fmt: skip
 
 
@@ -77,16 +89,19 @@ def markdown(info: dict, results: list[dict], a: argparse.Namespace) -> str:
         "",
         f"CPU flags that pick kernels: {' '.join(info.get('cpu_flags', []))}. Model `{a.model}`, greedy, the chat "
         f"prompt of {PROMPT!r}, {a.new_tokens} new tokens, {a.rounds} rounds; each round one llama.cpp decode "
-        f"(median ms/token) then 3 requests through the gateway (median of their mean inter-token ms).",
+        f"(median ms/token) then 3 requests through each gateway (median of their mean inter-token ms): `up` as it "
+        f"is (`--decode-steps 8`), and `up` with one call per token (`--decode-steps 1`).",
         "",
-        "| dtype | llama.cpp file | shardmesh ms/token | llama.cpp ms/token | llama.cpp ÷ shardmesh (median of rounds) "
-        "| range over rounds | greedy tokens equal before the first difference |",
-        "|---|---|---:|---:|---:|---|---:|",
+        "| dtype | llama.cpp file | shardmesh ms/token | one call per token ms/token | llama.cpp ms/token "
+        "| llama.cpp ÷ shardmesh (median of rounds) | range over rounds | one call per token: llama.cpp ÷ it "
+        "| greedy tokens equal before the first difference | both meshes' tokens equal |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     for r in results:
-        lines.append(f"| {r['dtype']} | {r['gguf']} | {r['shardmesh_ms']:.2f} | {r['llama_cpp_ms']:.2f} | "
-                     f"**{r['ratio']:.2f}×** | {r['ratio_range'][0]:.2f}–{r['ratio_range'][1]:.2f} | "
-                     f"{r['greedy_tokens_agree']} |")  # fmt: skip
+        lines.append(f"| {r['dtype']} | {r['gguf']} | {r['shardmesh_ms']:.2f} | {r['one_step_ms']:.2f} | "
+                     f"{r['llama_cpp_ms']:.2f} | **{r['ratio']:.2f}×** | "
+                     f"{r['ratio_range'][0]:.2f}–{r['ratio_range'][1]:.2f} | {r['one_step_ratio']:.2f}× | "
+                     f"{r['greedy_tokens_agree']} | {r['same_tokens_both_meshes']} |")  # fmt: skip
     lines += ["", "Target (issue: single-stream speed): >= 1.0× llama.cpp in float32, and in bfloat16 where the CPU "
               "has native bf16 (avx512_bf16 / amx_bf16).", ""]  # fmt: skip
     return "\n".join(lines)

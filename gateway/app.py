@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--pipeline-depth", 0, type=int,
          help="steps in flight at once (default 0: one per pipeline stage, every stage busy at once; 1: the stages "
               "take turns, for stages that share the same cores)")  # fmt: skip
+    flag("--decode-steps", 8, type=int,
+         help="on a single-stage mesh, decode steps a worker runs per call while every sequence in the batch decodes "
+              "and none waits for a slot: the round trip is paid once per that many tokens, and a streaming client "
+              "receives them together (default 8; 1: a call per token; at most 64)")  # fmt: skip
     flag("--shutdown-grace", 5.0, type=float, help="seconds running requests get to finish on SIGTERM (default 5)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    default=os.environ.get(ENV_PREFIX + "NO_PREFIX_CACHING", "") in ("", "0", "false"),
@@ -99,6 +103,7 @@ def build_config(args: argparse.Namespace) -> Any:
         ("--step-timeout", args.step_timeout > 0, "> 0 seconds"),
         ("--resume-timeout", args.resume_timeout >= 0, ">= 0 seconds"),
         ("--pipeline-depth", args.pipeline_depth >= 0, ">= 0"),
+        ("--decode-steps", 1 <= args.decode_steps <= 64, "in [1, 64]"),
         ("--shutdown-grace", args.shutdown_grace >= 0, ">= 0 seconds"),
         ("--trace-decode-steps", args.trace_decode_steps >= 0, ">= 0"),
     ]
@@ -114,7 +119,7 @@ def build_config(args: argparse.Namespace) -> Any:
         listen=args.listen, coordinator=args.coordinator, max_queue=args.max_queue,
         max_message_bytes=args.max_message_bytes, default_max_new_tokens=args.default_max_new_tokens,
         step_timeout=args.step_timeout, resume_timeout=args.resume_timeout, pipeline_depth=args.pipeline_depth,
-        shutdown_grace=args.shutdown_grace, prefix_caching=args.prefix_caching,
+        decode_steps=args.decode_steps, shutdown_grace=args.shutdown_grace, prefix_caching=args.prefix_caching,
         model_dir=args.model_dir,
         metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint, trace_decode_steps=args.trace_decode_steps,
         http_listen=args.http_listen, served_model_name=args.served_model_name, api_key=api_key, api_keys=api_keys,

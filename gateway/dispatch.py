@@ -44,15 +44,16 @@ class StepInFlight:
     traced: StepTrace | None
     call: StepCall
     resumes: tuple[int, ...]  # each planned sequence's `resumes` when sent: an answer for a log since replayed is void
+    decode_steps: int = 1  # decode steps the call runs: each sampled entry gets that many tokens, step-major
 
     def current(self, i: int) -> bool:
         """Whether planned entry i still speaks for its sequence's cache (it has not resumed since)."""
         return self.planned[i].seq.resumes == self.resumes[i]
 
     def response(self) -> worker_pb2.StepResponse:
-        """The sampler's answer, one token per sampled entry; raises ShardFailure. Only once done."""
+        """The sampler's answer, one token per sampled entry and decode step; raises ShardFailure. Only once done."""
         response = self.call.result()
-        sampled = sum(1 for p in self.planned if p.sample)
+        sampled = sum(1 for p in self.planned if p.sample) * self.decode_steps
         if len(response.tokens) != sampled:
             raise ShardFailure(self.view.sampler, ValueError(
                 f"answered {len(response.tokens)} tokens for {sampled} sampled entries"))  # fmt: skip
@@ -86,21 +87,23 @@ class Dispatcher:
         """Whether a step on `view` can go now: it continues the chain, or no old step is left."""
         return not self.steps or self._chained_after(view) is not None
 
-    def start(self, view: MeshView, planned: list[Planned[Sequence]], seq: int, started: float) -> StepInFlight:
-        """Send one micro-batch to every shard, chained after the previous step on this placement."""
+    def start(self, view: MeshView, planned: list[Planned[Sequence]], seq: int, started: float,
+              decode_steps: int = 1) -> StepInFlight:  # fmt: skip
+        """Send one micro-batch to every shard, chained after the previous step on this placement; `decode_steps`
+        decode steps of it in the one call."""
         self._step_id += 1
         after = self._chained_after(view) or 0
         self._chain = (view.placement, self._step_id)
         for p in planned:
             if p.seq.first_step_at is None:
                 p.seq.first_step_at = started
-        request = wire.step_request(self._step_id, view.version, after, planned, view.pp)
+        request = wire.step_request(self._step_id, view.version, after, planned, view.pp, decode_steps)
         obs, in_flight = self._obs, len(self.steps) + 1
         traced = obs.step_started(self._step_id, view, planned, in_flight, after) if obs is not None else None
         call = view.start_step(request, self._step_timeout, traced.metadata if traced is not None else None,
                                self._on_done)  # fmt: skip
         step = StepInFlight(self._step_id, view, seq, planned, started, traced, call,
-                            tuple(p.seq.resumes for p in planned))  # fmt: skip
+                            tuple(p.seq.resumes for p in planned), decode_steps)  # fmt: skip
         for p in planned:
             p.seq.in_flight = True
         self.steps.append(step)

@@ -55,7 +55,7 @@ from typing import Any
 
 from gateway import wire
 from gateway.admission import Admission, context_refusal
-from gateway.batching import pipeline_depth, plan_micro_batch
+from gateway.batching import Planned, pipeline_depth, plan_micro_batch
 from gateway.blocks import BlockPool, BlockTable, PoolStats, PrefixCounters
 from gateway.dispatch import Dispatcher, PipelineStats, StepInFlight
 from gateway.fanout import MeshView, ShardFailure
@@ -81,6 +81,7 @@ class SchedulerConfig:
     pipeline_depth: int = 0  # steps in flight at once; 0: one per pipeline stage (the mesh's pp)
     resume_timeout: float = 60.0  # seconds a request whose workers were lost may wait for a mesh to resume on
     prefix_caching: bool = True  # on a paged mesh: reuse the blocks of a cached prompt prefix (`gateway/blocks.py`)
+    decode_steps: int = 1  # decode steps per call on a single-stage mesh, at most (see `Scheduler._decode_steps`)
 
 
 @dataclass(frozen=True)
@@ -457,11 +458,33 @@ class Scheduler:
             planned = plan_micro_batch(self._running, depth, view.max_batch_tokens)
             if not planned:
                 return
+            steps = self._decode_steps(view, planned, depth)
             with self._lock:  # blocks for the positions this step writes, from each sequence's reservation
                 for p in planned:
                     if p.seq.blocks is not None and p.seq.block_pool is not None:
-                        p.seq.block_pool.grow(p.seq.blocks, p.seq.cached + p.num_tokens)
-            self._dispatch.start(view, planned, seq, self._clock())
+                        p.seq.block_pool.grow(p.seq.blocks, p.seq.cached + p.num_tokens + steps - 1)
+            self._dispatch.start(view, planned, seq, self._clock(), steps)
+
+    def _decode_steps(self, view: MeshView, planned: list[Planned[Sequence]], depth: int) -> int:
+        """Decode steps the next call runs (worker.proto `StepRequest.decode_steps`): one, or up to
+        `cfg.decode_steps` when the mesh has a single stage (it draws each token and embeds it next: no step of the
+        gateway's between them), one step is in flight at a time, every entry is a sequence decoding on every
+        stage, and no request waits for a free slot (it joins the next call, not one `decode_steps` later). Never
+        past any entry's last token (`max_new_tokens`) or the context. Tokens a stop condition ends early on are
+        computed and dropped: at most decode_steps - 1 steps of one sequence."""
+        n = self.cfg.decode_steps
+        if n <= 1 or view.pp != 1 or depth != 1:
+            return 1
+        for p in planned:
+            s = p.seq
+            if p.num_tokens != 1 or not p.sample or not s.tokens or s.prefilling or s.entry_stages(1) != (0, 0):
+                return 1
+            n = min(n, s.req.max_new_tokens - len(s.tokens), view.max_context - s.cached)
+        if n > 1:
+            with self._lock:
+                if self._admission and self._free_slots_locked() > 0:
+                    return 1
+        return max(n, 1)
 
     # -- steps that completed ---------------------------------------------------------------------
 
@@ -483,21 +506,25 @@ class Scheduler:
             self._on_step_failure(e, step)
             return
         now = self._clock()
-        tokens = sum(p.num_tokens for p in planned)
+        extra = step.decode_steps - 1  # positions each entry wrote past its first in a multi-step call
+        tokens = sum(p.num_tokens + extra for p in planned)
         if obs is not None:
             obs.step_done(step.traced, len(planned), tokens, now - step.started, response)
         self._log.debug("step", step_id=step.step_id, entries=len(planned), tokens=tokens,
                         ms=round((now - step.started) * 1000, 3))  # fmt: skip
         with self._lock:
             for p in planned:
-                p.seq.cached += p.num_tokens
+                p.seq.cached += p.num_tokens + extra
                 if p.seq.blocks is not None and p.seq.block_pool is self._blocks and self._blocks is not None:
                     # Every stage wrote these positions: their full blocks can serve other sequences' prefixes.
                     self._blocks.commit(p.seq.blocks, p.seq.log, p.seq.cached)
         sampled = [(p, ok) for p, ok in zip(step.planned, current, strict=True) if p.sample]
-        for (p, ok), token in zip(sampled, response.tokens, strict=True):
-            if ok and not p.seq.retired:
-                self._on_token(p.seq, token, now)
+        ended: set[int] = set()  # sequences a token of this call ended: the call's later tokens for them are dropped
+        for i in range(step.decode_steps):  # the tokens are step-major
+            tokens_i = response.tokens[i * len(sampled) : (i + 1) * len(sampled)]
+            for (p, ok), token in zip(sampled, tokens_i, strict=True):
+                if ok and not p.seq.retired and id(p.seq) not in ended and self._on_token(p.seq, token, now):
+                    ended.add(id(p.seq))
 
     def _on_step_failure(self, e: ShardFailure, step: StepInFlight) -> None:
         placement = step.view.placement
@@ -541,7 +568,8 @@ class Scheduler:
             with self._lock:
                 self._admission.requeue(resuming)
 
-    def _on_token(self, s: Sequence, token: worker_pb2.SampledToken, now: float) -> None:
+    def _on_token(self, s: Sequence, token: worker_pb2.SampledToken, now: float) -> bool:
+        """Give `s` its next token; whether it ended the sequence."""
         token_id, logprob = token.token_id, token.logprob
         if s.gap_open:  # the first token after a resume: how long the client waited
             s.gap_open = False
@@ -559,6 +587,7 @@ class Scheduler:
             self._finish(s, summary)
         top = tuple((t.token_id, t.logprob) for t in token.top_logprobs)
         s.handle.events.put(TokenEvent(len(s.tokens) - 1, int(token_id), float(logprob), delta, summary, top))
+        return summary is not None
 
     # -- endings ----------------------------------------------------------------------------------
 

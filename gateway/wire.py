@@ -43,17 +43,20 @@ def batch_entry(p: Planned[Sequence], pp: int, blocks: Iterable[int] = ()) -> wo
 
 
 def step_request(step_id: int, topology_version: int, after_step_id: int, planned: list[Planned[Sequence]],
-                 pp: int) -> worker_pb2.StepRequest:  # fmt: skip
+                 pp: int, decode_steps: int = 1) -> worker_pb2.StepRequest:  # fmt: skip
+    """`decode_steps` > 1: that many decode steps in the call (worker.proto `StepRequest.decode_steps`)."""
+    entries = [batch_entry(p, pp, _blocks(p, decode_steps)) for p in planned]
     return worker_pb2.StepRequest(step_id=step_id, topology_version=topology_version, after_step_id=after_step_id,
-                                  entries=[batch_entry(p, pp, _blocks(p)) for p in planned])  # fmt: skip
+                                  entries=entries, decode_steps=decode_steps if decode_steps > 1 else 0)  # fmt: skip
 
 
-def _blocks(p: Planned[Sequence]) -> list[int]:
-    """The leading blocks of the sequence's table that hold the positions up to this entry's last (a paged mesh)."""
+def _blocks(p: Planned[Sequence], decode_steps: int) -> list[int]:
+    """The leading blocks of the sequence's table that hold the positions up to the last this entry writes, over
+    all of the call's decode steps (a paged mesh)."""
     s = p.seq
     if s.blocks is None or s.block_pool is None:
         return []
-    return s.blocks.blocks[: blocks_for(s.cached + p.num_tokens, s.block_pool.block_size)]
+    return s.blocks.blocks[: blocks_for(s.cached + p.num_tokens + decode_steps - 1, s.block_pool.block_size)]
 
 
 def released_slot(key: str, slot: int) -> worker_pb2.ReleasedSequence:

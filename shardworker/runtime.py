@@ -30,7 +30,15 @@ from shardmesh.core.config import ModelConfig
 from shardmesh.core.dtypes import Quantization
 from shardmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from shardmesh.core.layout import ShardSpec
-from shardmesh.core.step import Sampled, SamplingParams, Segment, StepEntry, blocks_for, written_blocks
+from shardmesh.core.step import (
+    Sampled,
+    SamplingParams,
+    Segment,
+    StepEntry,
+    blocks_for,
+    check_block_table,
+    written_blocks,
+)
 from shardmesh.core.topology import HeldShard, Rendezvous, ServingLimits, ShardState, Topology
 from shardmesh.engine import kv_transfer, offload
 from shardmesh.engine.batch import BatchLayout
@@ -112,6 +120,9 @@ class CommCounters:
         # Field by field with getattr: `dataclasses.astuple` deep-copies, ~0.1 ms per step for nothing.
         return CommCounters(*(getattr(self, f) - getattr(other, f) for f in _COMM_FIELDS))
 
+    def __add__(self, other: CommCounters) -> CommCounters:
+        return CommCounters(*(getattr(self, f) + getattr(other, f) for f in _COMM_FIELDS))
+
 
 _COMM_FIELDS = tuple(f.name for f in fields(CommCounters))
 
@@ -120,10 +131,11 @@ _COMM_FIELDS = tuple(f.name for f in fields(CommCounters))
 class StepResult:
     """One step on this shard: the sampled tokens (last stage only) and where the time went."""
 
-    sampled: list[Sampled]
+    sampled: list[Sampled]  # step-major when several decode steps ran
     elapsed_s: float  # the engine step, communication included
     comm: CommCounters  # this step's share
     placement: Placement
+    steps: int = 1  # decode steps run in the call
 
     @property
     def compute_s(self) -> float:
@@ -525,11 +537,34 @@ class StageWorkerCore:
         except OrderError as e:
             raise FailedPrecondition(str(e)) from None
 
-    def step(self, topology_version: int, entries: list[StepEntry]) -> StepResult:
-        """Run one step; returns the sampled tokens (last stage only) and the step's timings and traffic.
-        Steps run one at a time; callers that keep several in flight order them with `turn`."""
+    def step(self, topology_version: int, entries: list[StepEntry], decode_steps: int = 1) -> StepResult:
+        """Run one step, or `decode_steps` decode steps back to back (see `_decode_steps`); returns the sampled
+        tokens (last stage only) and the steps' timings and traffic. Steps run one at a time; callers that keep
+        several in flight order them with `turn`."""
         with self._lock:  # taken here, never on the compute thread (see `_on_compute`)
-            return self._on_compute(self._step, topology_version, entries)
+            if decode_steps <= 1:
+                return self._on_compute(self._step, topology_version, entries)
+            return self._on_compute(self._decode_steps, topology_version, entries, decode_steps)
+
+    def _decode_steps(self, topology_version: int, entries: list[StepEntry], n: int) -> StepResult:
+        """`n` decode steps in one call (worker.proto `StepRequest.decode_steps`): each feeds every entry the token
+        its previous step drew, at the next position, so the gateway's round trip and this worker's hop to the
+        compute thread are paid once per `n` tokens. Only a single stage can: it both draws and embeds the token.
+        The sampled tokens are step-major. A failure part-way fails the call: the gateway keeps none of its
+        tokens, and the positions written lie past what it counts as cached."""
+        rt = self._ready(topology_version)
+        self._validate(rt, entries)
+        _validate_decode_steps(rt, entries, n)
+        result = self._step(topology_version, entries)
+        sampled, elapsed, comm = list(result.sampled), result.elapsed_s, result.comm
+        for _ in range(n - 1):
+            entries = [replace(e, start_pos=e.start_pos + 1, token_ids=(s.token_id,))
+                       for e, s in zip(entries, result.sampled, strict=True)]  # fmt: skip
+            result = self._step(topology_version, entries)
+            sampled += result.sampled
+            elapsed += result.elapsed_s
+            comm += result.comm
+        return StepResult(sampled, elapsed, comm, rt.placement, n)
 
     def _step(self, topology_version: int, entries: list[StepEntry]) -> StepResult:
         rt = self._ready(topology_version)
@@ -747,6 +782,39 @@ class StageWorkerCore:
         model = rt.engine.model
         return {"timing": timing, "weights_bytes": _nbytes(model), "kv_cache_bytes": rt.engine.cache.nbytes,
                 "num_layers": len(model.layer_range)}  # fmt: skip
+
+
+MAX_DECODE_STEPS = 64  # decode steps in one call: tokens a client waits for at once, and a bound on wasted steps
+
+
+def _validate_decode_steps(rt: _Runtime, entries: list[StepEntry], n: int) -> None:
+    """What `decode_steps` > 1 needs beyond a step's own checks (worker.proto `StepRequest.decode_steps`)."""
+    p = rt.placement
+    if n > MAX_DECODE_STEPS:
+        raise InvalidArgument("decode_steps", f"{n} is more than {MAX_DECODE_STEPS}")
+    if p.num_stages != 1:
+        raise InvalidArgument("decode_steps", f"{n} steps in one call need a single-stage mesh (the stage that "
+                              f"draws a token must embed it next); this one has {p.num_stages} stages")  # fmt: skip
+    for i, e in enumerate(entries):
+        where = f"entries[{i}]"
+        wrong = {"num_tokens": e.num_tokens != 1, "skip_sampling": e.skip_sampling,
+                 "first_stage": e.first_stage != 0 or e.end_stage > 1}  # fmt: skip
+        for name, bad in wrong.items():
+            if bad:
+                raise InvalidArgument(f"{where}.{name}", f"decode_steps={n} takes decode entries only: one token, "
+                                                         f"sampled, on every stage")  # fmt: skip
+        if p.spec.tp_size > 1 and not e.sampling.greedy and e.sampling.seed is None:
+            raise InvalidArgument(f"{where}.sampling.seed", f"decode_steps={n} on {p.spec.tp_size} tensor-parallel "
+                                  f"ranks needs a seed: each rank draws its own copy of the next token")  # fmt: skip
+        if e.start_pos + n > p.limits.max_context:
+            raise ResourceExhausted(f"{where}.start_pos: {e.start_pos} + decode_steps {n} exceeds "
+                                    f"max_context={p.limits.max_context}")  # fmt: skip
+        if p.limits.kv_block_size:
+            try:
+                check_block_table(e.blocks, e.start_pos, n, p.limits.kv_block_size, p.limits.kv_blocks,
+                                  f"request {e.request_id!r}")  # fmt: skip
+            except ValueError as err:
+                raise InvalidArgument(f"{where}.blocks", f"decode_steps={n}: {err}") from None
 
 
 def _validate_blocks(e: StepEntry, i: int, limits: ServingLimits, writers: dict[int, int]) -> None:

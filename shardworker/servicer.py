@@ -87,7 +87,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                                 lambda: not context.is_active()) as waited:  # fmt: skip
                 if refused is not None:
                     raise refused
-                result = self.core.step(request.topology_version, entries)
+                result = self.core.step(request.topology_version, entries, request.decode_steps)
         except MeshError as e:
             if self.metrics is not None:
                 self.metrics.failed(e.code.lower())
@@ -95,7 +95,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 self._spans(parents, start_ns, request, entries, None, waited, f"{e.code}: {e}")
             raise
         if self.metrics is not None:
-            self.metrics.observe(result, sum(e.num_tokens for e in entries))
+            self.metrics.observe(result, sum(e.num_tokens for e in entries) * result.steps)
         if parents:
             self._spans(parents, start_ns, request, entries, result, waited)
         tokens = [sampled_pb(s) for s in result.sampled]

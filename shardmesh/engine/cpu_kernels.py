@@ -325,6 +325,75 @@ static inline void put(T* p, int64_t i, float v) {
   if constexpr (std::is_same_v<T, float>) p[i] = v; else reinterpret_cast<uint16_t*>(p)[i] = f2bf(v);
 }
 
+#ifdef __AVX512F__
+// e^x for 16 floats: x = n ln2 + r, e^r by Cephes' degree-6 polynomial (about 1 ulp from the correctly rounded
+// value), times 2^n by vscalefps, which gives 0 for the very negative x that softmax produces; the scalar exp of the
+// math library ran 1 to 3 k times per layer here, one call each.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 keys or values of the cache as float32.
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+constexpr int64_t MAX_HD16 = 16;  // head dims up to 256 keep a head's sums in registers
+
+// One query head against the n cached keys and values of its group, head dim a multiple of 16: the scores with
+// the head's 16-wide slices in registers, softmax by exp16, the weighted values summed in registers.
+template <typename T>
+static void attend_head(const float* q, const T* keys, const T* vals, int64_t n, int64_t hd, float scale,
+                        float* score, bool bf16, float* out) {
+  const int64_t c = hd / 16;
+  __m512 qv[MAX_HD16], acc[MAX_HD16];
+  for (int64_t i = 0; i < c; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 d = _mm512_mul_ps(qv[0], load16(keys + j * hd));
+    for (int64_t i = 1; i < c; ++i) d = _mm512_fmadd_ps(qv[i], load16(keys + j * hd + 16 * i), d);
+    score[j] = _mm512_reduce_add_ps(d) * scale;
+  }
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(score + j));
+  float top = _mm512_reduce_max_ps(best);
+  for (; j < n; ++j) top = std::max(top, score[j]);
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 topv = _mm512_set1_ps(top);
+  for (j = 0; j < n; j += 16) {
+    const __mmask16 k = n - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, score + j), topv));
+    _mm512_mask_storeu_ps(score + j, k, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+  }
+  const float total = _mm512_reduce_add_ps(sum);
+  for (int64_t i = 0; i < c; ++i) acc[i] = _mm512_setzero_ps();
+  for (j = 0; j < n; ++j) {
+    const __m512 pj = _mm512_set1_ps(score[j] / total);
+    for (int64_t i = 0; i < c; ++i) acc[i] = _mm512_fmadd_ps(pj, load16(vals + j * hd + 16 * i), acc[i]);
+  }
+  for (int64_t i = 0; i < c; ++i) {
+    alignas(64) float o[16];
+    _mm512_store_ps(o, acc[i]);
+    for (int l = 0; l < 16; ++l) out[16 * i + l] = round_to(bf16, o[l]);
+  }
+}
+#endif
+
 // RoPE on the new queries and keys, the keys and values into the cache, each row's heads against its slot.
 template <typename T>
 static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T* kc, T* vc, int64_t max_len,
@@ -362,6 +431,12 @@ static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T
       const T* keys = kc + (slots[m] * nkv + g) * max_len * hd;
       const T* vals = vc + (slots[m] * nkv + g) * max_len * hd;
       score.resize(n);
+#ifdef __AVX512F__
+      if (hd % 16 == 0 && hd <= 16 * MAX_HD16) {
+        attend_head(q, keys, vals, n, hd, scale, score.data(), bf16, out + (m * nh + h) * hd);
+        continue;
+      }
+#endif
       float best = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
         float d = 0;
@@ -423,11 +498,20 @@ torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, torch::
   torch::Tensor keep_sgu, keep_sd;
   gemm(h.data(), M, H, w_gate_up, opt_ptr(s_gate_up, keep_sgu), opt_ptr(b_gate_up, keep_gu), gu.data(),
        bf16);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < inter; ++i) {  // silu(gate) * up, each rounded as the model rounds it
-      const float g = gu[m * n_gate_up + i], u = gu[m * n_gate_up + inter + i];
-      act[m * inter + i] = round_to(bf16, round_to(bf16, g / (1.0f + std::exp(-g))) * u);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* gate = gu.data() + m * n_gate_up;
+    float* a = act.data() + m * inter;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= inter; i += 16) {  // silu(gate), 16 at a time
+      const __m512 g = _mm512_loadu_ps(gate + i);
+      _mm512_storeu_ps(a + i, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(
+                                                                        _mm512_setzero_ps(), g)))));
     }
+#endif
+    for (; i < inter; ++i) a[i] = gate[i] / (1.0f + std::exp(-gate[i]));
+    for (i = 0; i < inter; ++i) a[i] = round_to(bf16, round_to(bf16, a[i]) * gate[inter + i]);  // * up, rounded
+  }
   gemm(act.data(), M, inter, w_down, opt_ptr(s_down, keep_sd), opt_ptr(b_down, keep_d), y.data(), bf16);
   return finish(x, y, residual, bf16);
 }

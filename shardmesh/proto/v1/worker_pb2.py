@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shardmesh.proto.v1 import common_pb2 as shardmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19shardmesh/v1/worker.proto\x12\x0cshardmesh.v1\x1a\x19shardmesh/v1/common.proto\"\xeb\x01\n\rTokenSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x15\n\rprompt_tokens\x18\n \x01(\rB\x07\n\x05_seed\"\xe6\x01\n\nBatchEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.shardmesh.v1.TokenSampling\x12\x15\n\rskip_sampling\x18\x07 \x01(\x08\x12\x13\n\x0b\x66irst_stage\x18\x08 \x01(\r\x12\x11\n\tend_stage\x18\t \x01(\r\x12\x0e\n\x06\x62locks\x18\n \x03(\r\"z\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x18\n\x10topology_version\x18\x02 \x01(\x04\x12)\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x18.shardmesh.v1.BatchEntry\x12\x15\n\rafter_step_id\x18\x04 \x01(\x04\"w\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x30\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1a.shardmesh.v1.TokenLogprob\"\x8c\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x06tokens\x18\x02 \x03(\x0b\x32\x1a.shardmesh.v1.SampledToken\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x14\n\x0crecv_wait_ms\x18\x04 \x01(\x01\x12\x15\n\rorder_wait_ms\x18\x05 \x01(\x01\"4\n\x10ReleasedSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\"C\n\x0eReleaseRequest\x12\x31\n\tsequences\x18\x01 \x03(\x0b\x32\x1e.shardmesh.v1.ReleasedSequence\"%\n\x0fReleaseResponse\x12\x12\n\nfree_slots\x18\x01 \x01(\r\"\x15\n\x13GetShardInfoRequest\"\xb3\x03\n\tShardInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10topology_version\x18\x02 \x01(\x04\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.shardmesh.v1.ShardState\x12\r\n\x05stage\x18\x04 \x01(\r\x12\x12\n\nnum_stages\x18\x05 \x01(\r\x12\x13\n\x0blayer_start\x18\x06 \x01(\r\x12\x11\n\tlayer_end\x18\x07 \x01(\r\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12$\n\x06\x64\x65vice\x18\n \x01(\x0b\x32\x14.shardmesh.v1.Device\x12\"\n\x05\x64type\x18\x0b \x01(\x0e\x32\x13.shardmesh.v1.DType\x12\x15\n\rweights_bytes\x18\x0c \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\r \x01(\x04\x12\x13\n\x0btotal_slots\x18\x0e \x01(\r\x12\x12\n\nfree_slots\x18\x0f \x01(\r\x12\x13\n\x0bmax_context\x18\x10 \x01(\r\x12\x14\n\x0cquantization\x18\x11 \x01(\t\x12\x16\n\x0elinear_kernels\x18\x12 \x03(\t\"n\n\x10\x43\x61librateRequest\x12\x18\n\x10topology_version\x18\x01 \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_batch\x18\x02 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\r\x12\x12\n\niterations\x18\x04 \x01(\r\"\xce\x01\n\x11\x43\x61librateResponse\x12\x11\n\tdecode_ms\x18\x01 \x01(\x01\x12\x18\n\x10\x64\x65\x63ode_layers_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x04\x12\x19\n\x11peak_memory_bytes\x18\x06 \x01(\x04\x12\x15\n\rweights_bytes\x18\x07 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x08 \x01(\x04\x12\x12\n\nnum_layers\x18\t \x01(\rJ\x04\x08\x04\x10\x05\x32\xae\x02\n\x0bStageWorker\x12=\n\x04Step\x12\x19.shardmesh.v1.StepRequest\x1a\x1a.shardmesh.v1.StepResponse\x12\x46\n\x07Release\x12\x1c.shardmesh.v1.ReleaseRequest\x1a\x1d.shardmesh.v1.ReleaseResponse\x12J\n\x0cGetShardInfo\x12!.shardmesh.v1.GetShardInfoRequest\x1a\x17.shardmesh.v1.ShardInfo\x12L\n\tCalibrate\x12\x1e.shardmesh.v1.CalibrateRequest\x1a\x1f.shardmesh.v1.CalibrateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19shardmesh/v1/worker.proto\x12\x0cshardmesh.v1\x1a\x19shardmesh/v1/common.proto\"\xeb\x01\n\rTokenSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x15\n\rprompt_tokens\x18\n \x01(\rB\x07\n\x05_seed\"\xe6\x01\n\nBatchEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.shardmesh.v1.TokenSampling\x12\x15\n\rskip_sampling\x18\x07 \x01(\x08\x12\x13\n\x0b\x66irst_stage\x18\x08 \x01(\r\x12\x11\n\tend_stage\x18\t \x01(\r\x12\x0e\n\x06\x62locks\x18\n \x03(\r\"\x90\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x18\n\x10topology_version\x18\x02 \x01(\x04\x12)\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x18.shardmesh.v1.BatchEntry\x12\x15\n\rafter_step_id\x18\x04 \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x05 \x01(\r\"w\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x30\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1a.shardmesh.v1.TokenLogprob\"\x8c\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x06tokens\x18\x02 \x03(\x0b\x32\x1a.shardmesh.v1.SampledToken\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x14\n\x0crecv_wait_ms\x18\x04 \x01(\x01\x12\x15\n\rorder_wait_ms\x18\x05 \x01(\x01\"4\n\x10ReleasedSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\"C\n\x0eReleaseRequest\x12\x31\n\tsequences\x18\x01 \x03(\x0b\x32\x1e.shardmesh.v1.ReleasedSequence\"%\n\x0fReleaseResponse\x12\x12\n\nfree_slots\x18\x01 \x01(\r\"\x15\n\x13GetShardInfoRequest\"\xb3\x03\n\tShardInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10topology_version\x18\x02 \x01(\x04\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.shardmesh.v1.ShardState\x12\r\n\x05stage\x18\x04 \x01(\r\x12\x12\n\nnum_stages\x18\x05 \x01(\r\x12\x13\n\x0blayer_start\x18\x06 \x01(\r\x12\x11\n\tlayer_end\x18\x07 \x01(\r\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12$\n\x06\x64\x65vice\x18\n \x01(\x0b\x32\x14.shardmesh.v1.Device\x12\"\n\x05\x64type\x18\x0b \x01(\x0e\x32\x13.shardmesh.v1.DType\x12\x15\n\rweights_bytes\x18\x0c \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\r \x01(\x04\x12\x13\n\x0btotal_slots\x18\x0e \x01(\r\x12\x12\n\nfree_slots\x18\x0f \x01(\r\x12\x13\n\x0bmax_context\x18\x10 \x01(\r\x12\x14\n\x0cquantization\x18\x11 \x01(\t\x12\x16\n\x0elinear_kernels\x18\x12 \x03(\t\"n\n\x10\x43\x61librateRequest\x12\x18\n\x10topology_version\x18\x01 \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_batch\x18\x02 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\r\x12\x12\n\niterations\x18\x04 \x01(\r\"\xce\x01\n\x11\x43\x61librateResponse\x12\x11\n\tdecode_ms\x18\x01 \x01(\x01\x12\x18\n\x10\x64\x65\x63ode_layers_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x04\x12\x19\n\x11peak_memory_bytes\x18\x06 \x01(\x04\x12\x15\n\rweights_bytes\x18\x07 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x08 \x01(\x04\x12\x12\n\nnum_layers\x18\t \x01(\rJ\x04\x08\x04\x10\x05\x32\xae\x02\n\x0bStageWorker\x12=\n\x04Step\x12\x19.shardmesh.v1.StepRequest\x1a\x1a.shardmesh.v1.StepResponse\x12\x46\n\x07Release\x12\x1c.shardmesh.v1.ReleaseRequest\x1a\x1d.shardmesh.v1.ReleaseResponse\x12J\n\x0cGetShardInfo\x12!.shardmesh.v1.GetShardInfoRequest\x1a\x17.shardmesh.v1.ShardInfo\x12L\n\tCalibrate\x12\x1e.shardmesh.v1.CalibrateRequest\x1a\x1f.shardmesh.v1.CalibrateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,26 +36,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENSAMPLING']._serialized_end=306
   _globals['_BATCHENTRY']._serialized_start=309
   _globals['_BATCHENTRY']._serialized_end=539
-  _globals['_STEPREQUEST']._serialized_start=541
-  _globals['_STEPREQUEST']._serialized_end=663
-  _globals['_SAMPLEDTOKEN']._serialized_start=665
-  _globals['_SAMPLEDTOKEN']._serialized_end=784
-  _globals['_STEPRESPONSE']._serialized_start=787
-  _globals['_STEPRESPONSE']._serialized_end=927
-  _globals['_RELEASEDSEQUENCE']._serialized_start=929
-  _globals['_RELEASEDSEQUENCE']._serialized_end=981
-  _globals['_RELEASEREQUEST']._serialized_start=983
-  _globals['_RELEASEREQUEST']._serialized_end=1050
-  _globals['_RELEASERESPONSE']._serialized_start=1052
-  _globals['_RELEASERESPONSE']._serialized_end=1089
-  _globals['_GETSHARDINFOREQUEST']._serialized_start=1091
-  _globals['_GETSHARDINFOREQUEST']._serialized_end=1112
-  _globals['_SHARDINFO']._serialized_start=1115
-  _globals['_SHARDINFO']._serialized_end=1550
-  _globals['_CALIBRATEREQUEST']._serialized_start=1552
-  _globals['_CALIBRATEREQUEST']._serialized_end=1662
-  _globals['_CALIBRATERESPONSE']._serialized_start=1665
-  _globals['_CALIBRATERESPONSE']._serialized_end=1871
-  _globals['_STAGEWORKER']._serialized_start=1874
-  _globals['_STAGEWORKER']._serialized_end=2176
+  _globals['_STEPREQUEST']._serialized_start=542
+  _globals['_STEPREQUEST']._serialized_end=686
+  _globals['_SAMPLEDTOKEN']._serialized_start=688
+  _globals['_SAMPLEDTOKEN']._serialized_end=807
+  _globals['_STEPRESPONSE']._serialized_start=810
+  _globals['_STEPRESPONSE']._serialized_end=950
+  _globals['_RELEASEDSEQUENCE']._serialized_start=952
+  _globals['_RELEASEDSEQUENCE']._serialized_end=1004
+  _globals['_RELEASEREQUEST']._serialized_start=1006
+  _globals['_RELEASEREQUEST']._serialized_end=1073
+  _globals['_RELEASERESPONSE']._serialized_start=1075
+  _globals['_RELEASERESPONSE']._serialized_end=1112
+  _globals['_GETSHARDINFOREQUEST']._serialized_start=1114
+  _globals['_GETSHARDINFOREQUEST']._serialized_end=1135
+  _globals['_SHARDINFO']._serialized_start=1138
+  _globals['_SHARDINFO']._serialized_end=1573
+  _globals['_CALIBRATEREQUEST']._serialized_start=1575
+  _globals['_CALIBRATEREQUEST']._serialized_end=1685
+  _globals['_CALIBRATERESPONSE']._serialized_start=1688
+  _globals['_CALIBRATERESPONSE']._serialized_end=1894
+  _globals['_STAGEWORKER']._serialized_start=1897
+  _globals['_STAGEWORKER']._serialized_end=2199
 # @@protoc_insertion_point(module_scope)

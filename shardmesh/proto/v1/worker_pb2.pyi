@@ -181,6 +181,7 @@ class StepRequest(_message.Message):
     TOPOLOGY_VERSION_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
     AFTER_STEP_ID_FIELD_NUMBER: _builtins.int
+    DECODE_STEPS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Increasing step number from the gateway, echoed back and logged on every shard."""
     topology_version: _builtins.int
@@ -196,6 +197,16 @@ class StepRequest(_message.Message):
     worker's order timeout (10 s) fails this step with FAILED_PRECONDITION naming this field; a new
     epoch starts a new order.
     """
+    decode_steps: _builtins.int
+    """Run this many decode steps back to back (0 or 1: one step), each feeding every entry the token its
+    previous step drew, at the next position: a sequence then costs one call per decode_steps tokens
+    instead of one per token (multi-step scheduling). Only on a single-stage mesh, where the stage that
+    draws a token is the stage that embeds it, and only with decode entries: num_tokens 1, sampled, on
+    every stage; a non-greedy entry on a tensor-parallel stage must carry a seed (each rank draws its own
+    copy of the token). The block table of a paged entry covers positions [0, start_pos + decode_steps).
+    Errors: INVALID_ARGUMENT (more than 64, a mesh of several stages, an entry that is not such a decode
+    entry, each named), RESOURCE_EXHAUSTED (start_pos + decode_steps past max_context).
+    """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchEntry]:
         """The sequences in the step, packed in this order; at least one."""
@@ -207,10 +218,11 @@ class StepRequest(_message.Message):
         topology_version: _builtins.int = ...,
         entries: _abc.Iterable[Global___BatchEntry] | None = ...,
         after_step_id: _builtins.int = ...,
+        decode_steps: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_step_id", b"after_step_id", "entries", b"entries", "step_id", b"step_id", "topology_version", b"topology_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_step_id", b"after_step_id", "decode_steps", b"decode_steps", "entries", b"entries", "step_id", b"step_id", "topology_version", b"topology_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -277,7 +289,9 @@ class StepResponse(_message.Message):
     """Time the step waited on this shard for its turn (after_step_id to finish), in milliseconds."""
     @_builtins.property
     def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampledToken]:
-        """One per entry without skip_sampling, in entry order; filled by the last stage only."""
+        """One per entry without skip_sampling, in entry order, for each of the request's decode_steps in turn
+        (step-major: every entry's first token, then every entry's second...); filled by the last stage only.
+        """
 
     def __init__(
         self,

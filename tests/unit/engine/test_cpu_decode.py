@@ -95,6 +95,38 @@ def test_native_steps_equal_eager(tmp_path: pytest.TempPathFactory, family: str,
     assert (native_cache.data.float() - eager_cache.data.float()).abs().max() < cache_tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_attention_over_longer_contexts_equals_eager(tmp_path: pytest.TempPathFactory,
+                                                            dtype: torch.dtype) -> None:  # fmt: skip
+    """Head dim 32 (a multiple of 16: the vectorized attention of CPUs with AVX-512), contexts of 2 to 35 positions:
+    softmax over whole 16-wide chunks, a partial one, and both."""
+    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=2, seed=6, hidden_size=128, intermediate_size=96)
+    model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
+    prompts = [[1], [1, *range(3, 17)], [1, *range(3, 18)], [1, *range(40, 72)]]  # 1, 15, 16 and 33 tokens
+    eager_cache, native_cache = model.make_cache(4, dtype, "cpu"), model.make_cache(4, dtype, "cpu")
+    with torch.inference_mode():
+        for cache in (eager_cache, native_cache):
+            for slot, prompt in enumerate(prompts):
+                model(torch.tensor(prompt), BatchLayout.build([Segment(slot, 0, len(prompt))]), cache)
+    runner = cpu_decode(model, native_cache, torch.device("cpu"))
+    assert isinstance(runner, CpuDecode)
+    decided = 0
+    for step in range(3):
+        batch = BatchLayout.build([Segment(slot, len(p) + step, 1) for slot, p in enumerate(prompts)])
+        ids = torch.tensor([5 + slot + step for slot in range(len(prompts))])
+        with torch.inference_mode():
+            eager, native = model(ids, batch, eager_cache).float(), runner.run(batch, ids).float()
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        assert (native - eager).abs().max() / eager.abs().max() < tol
+        # The same token wherever the eager one leads by more than twice the row's difference (bfloat16 has
+        # near-ties here, logits one ulp apart, which any other order of sums may swap), and that is most rows.
+        top, err = eager.topk(2, dim=-1).values, (native - eager).abs().amax(-1)
+        clear = (top[:, 0] - top[:, 1]) > 2 * err
+        assert torch.equal(native.argmax(-1)[clear], eager.argmax(-1)[clear])
+        decided += int(clear.sum())
+    assert decided >= 3 * len(prompts) * 2 // 3, decided
+
+
 def test_native_int8_steps_equal_eager(tmp_path: pytest.TempPathFactory) -> None:
     """An int8 shard (float32 activations, int8 decoder products, float32 head) decodes natively, as eager does."""
     d = make_checkpoint(tmp_path, "qwen2-bias-tied", num_layers=2, seed=4)

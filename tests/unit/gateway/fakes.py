@@ -111,7 +111,7 @@ class FakeShard:
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         mesh = self.mesh
         mesh.entered.set()
-        time.sleep(mesh.step_delay)
+        time.sleep(mesh.step_delay * max(1, req.decode_steps))  # each decode step of the call takes the delay
         if mesh.gate is not None and not mesh.gate.wait(WAIT_S):
             raise FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "gate never opened")
         failure = mesh.failures.pop((self.stage, self.tp_rank), None)
@@ -121,36 +121,51 @@ class FakeShard:
             self.steps.append(req)
             if req.topology_version not in mesh.versions:
                 raise FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, f"version {req.topology_version}")
-            tokens = []
-            if mesh.kv_block_size:  # like a real worker: a block has one writer per step
-                writers: dict[int, str] = {}
-                for e in req.entries:
-                    if e.first_stage <= self.stage < (e.end_stage or mesh.pp):
-                        for p in range(e.start_pos, e.start_pos + e.num_tokens):
-                            block = e.blocks[p // mesh.kv_block_size] if p // mesh.kv_block_size < len(e.blocks) else -1
-                            if writers.setdefault(block, e.request_id) != e.request_id:
-                                raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"block {block} written twice")
-            for e in req.entries:
-                if not 0 <= e.slot < mesh.kv_slots:
-                    raise FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"slot {e.slot} out of range")
-                if not e.first_stage <= self.stage < (e.end_stage or mesh.pp):
-                    continue
-                owner = self.slots.get(e.slot)
-                if e.start_pos == 0 and owner is not None and owner[0] != e.request_id:
-                    raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"slot {e.slot} held by {owner[0]}")
-                paged_hit = mesh.kv_block_size and owner is None  # positions before it in shared blocks
-                if e.start_pos and not paged_hit and (owner is None or owner[0] != e.request_id
-                                                      or owner[1] < e.start_pos):  # fmt: skip
-                    wanted = f"{e.request_id} up to {e.start_pos}"
-                    raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"slot {e.slot} has {owner}, not {wanted}")
-                if len(e.token_ids) != e.num_tokens or e.start_pos + e.num_tokens > mesh.max_context:
-                    raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"bad entry {e}")
-                if mesh.kv_block_size:
-                    self._paged(e)
-                self.slots[e.slot] = (e.request_id, e.start_pos + e.num_tokens)
-                if self.is_sampler and not e.skip_sampling:
-                    tokens.append(mesh.draw(e))
+            entries = list(req.entries)
+            tokens = self._run(entries)
+            for _ in range(req.decode_steps - 1):  # several decode steps in the call: each feeds the token drawn
+                if mesh.pp != 1 or any(e.num_tokens != 1 or e.skip_sampling for e in entries):
+                    raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "decode_steps: not a single-stage decode")
+                entries = [worker_pb2.BatchEntry(request_id=e.request_id, slot=e.slot, start_pos=e.start_pos + 1,
+                                                 num_tokens=1, token_ids=[mesh.draw(e).token_id],
+                                                 sampling=e.sampling, blocks=e.blocks)
+                           for e in entries]  # fmt: skip
+                tokens += self._run(entries)
         return worker_pb2.StepResponse(step_id=req.step_id, tokens=tokens if self.is_sampler else [])
+
+    def _run(self, entries: list[worker_pb2.BatchEntry]) -> list[worker_pb2.SampledToken]:
+        """One step's entries, checked and cached; the tokens drawn (the sampler's)."""
+        mesh = self.mesh
+        tokens = []
+        if mesh.kv_block_size:  # like a real worker: a block has one writer per step
+            writers: dict[int, str] = {}
+            for e in entries:
+                if e.first_stage <= self.stage < (e.end_stage or mesh.pp):
+                    for p in range(e.start_pos, e.start_pos + e.num_tokens):
+                        block = e.blocks[p // mesh.kv_block_size] if p // mesh.kv_block_size < len(e.blocks) else -1
+                        if writers.setdefault(block, e.request_id) != e.request_id:
+                            raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"block {block} written twice")
+        for e in entries:
+            if not 0 <= e.slot < mesh.kv_slots:
+                raise FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"slot {e.slot} out of range")
+            if not e.first_stage <= self.stage < (e.end_stage or mesh.pp):
+                continue
+            owner = self.slots.get(e.slot)
+            if e.start_pos == 0 and owner is not None and owner[0] != e.request_id:
+                raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"slot {e.slot} held by {owner[0]}")
+            paged_hit = mesh.kv_block_size and owner is None  # positions before it in shared blocks
+            if e.start_pos and not paged_hit and (owner is None or owner[0] != e.request_id
+                                                  or owner[1] < e.start_pos):  # fmt: skip
+                wanted = f"{e.request_id} up to {e.start_pos}"
+                raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"slot {e.slot} has {owner}, not {wanted}")
+            if len(e.token_ids) != e.num_tokens or e.start_pos + e.num_tokens > mesh.max_context:
+                raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"bad entry {e}")
+            if mesh.kv_block_size:
+                self._paged(e)
+            self.slots[e.slot] = (e.request_id, e.start_pos + e.num_tokens)
+            if self.is_sampler and not e.skip_sampling:
+                tokens.append(mesh.draw(e))
+        return tokens
 
     def _paged(self, e: worker_pb2.BatchEntry) -> None:
         """A paged mesh's entry: its table covers its positions with ids in range, every position before

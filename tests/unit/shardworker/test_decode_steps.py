@@ -1,0 +1,106 @@
+"""Several decode steps in one call (worker.proto `StepRequest.decode_steps`): a single-stage core feeds each
+entry the token it drew, so one call draws what as many single steps would (greedy, and seeded sampling with
+penalties, which count the tokens the core records itself), on a slot cache and a paged one; and a call the core
+cannot run that way is refused naming the field. On real stage cores in this process."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from shardmesh.core.errors import InvalidArgument, MeshError, ResourceExhausted
+from shardmesh.core.step import SamplingParams, StepEntry
+from shardmesh.core.topology import ServingLimits
+from shardworker.runtime import MAX_DECODE_STEPS, StageWorkerCore, _validate_decode_steps
+from tests.checkpoints import reference_greedy
+from tests.unit.shardworker.cores import apply_all, new_core, run_step
+from tests.unit.shardworker.fakes import mesh
+
+PROMPT = (1, 17, 5, 42, 9, 3)
+PAGED = ServingLimits(kv_slots=4, max_context=64, max_batch_tokens=64, kv_block_size=4, kv_blocks=24)
+TABLE = (7, 3, 12, 0, 21, 9)
+GREEDY = SamplingParams()
+SLOTS = ServingLimits(4, 64, 64)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, repetition_penalty=1.3, prompt_len=len(PROMPT))
+
+
+def one_stage(model: Path, store: dist.TCPStore, limits: ServingLimits | None = None) -> StageWorkerCore:
+    core = new_core("w0")
+    topology = mesh(model, 5, ("w0",), epoch=5, store_port=store.port)
+    apply_all([core], replace(topology, limits=limits) if limits is not None else topology)
+    return core
+
+
+def entry(start: int, tokens: tuple[int, ...], sampling: SamplingParams = GREEDY, request: str = "r",
+          slot: int = 1, blocks: tuple[int, ...] = ()) -> StepEntry:  # fmt: skip
+    return StepEntry(request, slot, start, len(tokens), tokens, sampling, blocks=blocks)
+
+
+def decode(core: StageWorkerCore, sampling: SamplingParams, n: int, per_call: int,
+           blocks: tuple[int, ...] = ()) -> list[int]:  # fmt: skip
+    """The prompt, then `n` tokens in calls of at most `per_call` decode steps; the tokens drawn."""
+    out = [core.step(5, [entry(0, PROMPT, sampling, blocks=blocks)]).sampled[0].token_id]
+    while len(out) < n:
+        k = min(per_call, n - len(out))
+        result = core.step(5, [entry(len(PROMPT) + len(out) - 1, (out[-1],), sampling, blocks=blocks)], k)
+        assert result.steps == k and len(result.sampled) == k
+        out += [s.token_id for s in result.sampled]
+    return out
+
+
+def test_one_call_of_several_steps_draws_what_single_steps_draw(model: Path, store: dist.TCPStore) -> None:
+    core = one_stage(model, store)
+    assert decode(core, GREEDY, 12, 5) == reference_greedy(model, list(PROMPT), 12)[0]
+    core.release([("r", 1)])
+    # Seeded sampling with a repetition penalty: the penalty counts the tokens the core fed itself.
+    single = decode(core, SEEDED, 10, 1)
+    core.release([("r", 1)])
+    assert decode(core, SEEDED, 10, 9) == single
+
+
+def test_two_sequences_step_together_and_a_paged_cache_too(model: Path, store: dist.TCPStore) -> None:
+    core = one_stage(model, store, PAGED)
+    reference = reference_greedy(model, list(PROMPT), 9)[0]
+    assert decode(core, GREEDY, 9, 4, blocks=TABLE) == reference
+    other = (1, 17, 5, 42, 9, 3, 60)
+    first = run_step([core], 5, [entry(0, PROMPT, slot=0, request="a", blocks=TABLE),
+                                 entry(0, other, slot=2, request="b", blocks=(1, 2, 4, 5))])[0]  # fmt: skip
+    a, b = (s.token_id for s in first.sampled)
+    result = core.step(5, [entry(6, (a,), slot=0, request="a", blocks=TABLE),
+                           entry(7, (b,), slot=2, request="b", blocks=(1, 2, 4, 5))], 4)  # fmt: skip
+    drawn = [s.token_id for s in result.sampled]  # step-major: a, b, a, b...
+    assert [a, *drawn[0::2]] == reference[:5]
+    assert [b, *drawn[1::2]] == reference_greedy(model, list(other), 5)[0]
+
+
+def _rt(stages: int = 1, tp: int = 1, limits: ServingLimits = SLOTS) -> SimpleNamespace:
+    placement = SimpleNamespace(num_stages=stages, spec=SimpleNamespace(tp_size=tp), limits=limits)
+    return SimpleNamespace(placement=placement)
+
+
+@pytest.mark.parametrize(("rt", "entries", "n", "error", "field"), [
+    (_rt(), [entry(6, (5,))], MAX_DECODE_STEPS + 1, InvalidArgument, "decode_steps"),
+    (_rt(stages=2), [entry(6, (5,))], 2, InvalidArgument, "decode_steps"),
+    (_rt(), [entry(0, PROMPT)], 2, InvalidArgument, "entries[0].num_tokens"),
+    (_rt(), [entry(6, (5,)), replace(entry(6, (5,), slot=2), skip_sampling=True)], 2, InvalidArgument,
+     "entries[1].skip_sampling"),
+    (_rt(), [replace(entry(6, (5,)), first_stage=0, end_stage=1)], 2, None, ""),
+    (_rt(tp=2), [entry(6, (5,), SamplingParams(temperature=0.7))], 2, InvalidArgument, "entries[0].sampling.seed"),
+    (_rt(tp=2), [entry(6, (5,), SamplingParams(temperature=0.7, seed=3))], 2, None, ""),
+    (_rt(), [entry(60, (5,))], 5, ResourceExhausted, "entries[0].start_pos"),
+    (_rt(limits=PAGED), [entry(6, (5,), blocks=(7, 3))], 3, InvalidArgument, "entries[0].blocks"),
+    (_rt(limits=PAGED), [entry(6, (5,), blocks=(7, 3, 12))], 3, None, ""),
+])  # fmt: skip
+def test_what_several_steps_per_call_need_is_checked_naming_the_field(
+    rt: SimpleNamespace, entries: list[StepEntry], n: int, error: type[MeshError] | None, field: str,
+) -> None:  # fmt: skip
+    if error is None:
+        _validate_decode_steps(rt, entries, n)  # type: ignore[arg-type]
+        return
+    with pytest.raises(error) as info:
+        _validate_decode_steps(rt, entries, n)  # type: ignore[arg-type]
+    assert str(info.value).startswith(f"{field}: "), str(info.value)
