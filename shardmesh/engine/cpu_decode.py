@@ -17,6 +17,9 @@ disk), the slot KV cache, a step of one-token segments (decode), logits of each 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -44,6 +47,8 @@ class CpuDecode:
     def __init__(self, model: Transformer, cache: KVCache) -> None:
         self.model, self.cache = model, cache
         self.ext = cpu_kernels.module()
+        self._layers: list[_LayerCalls] = []
+        self._for: object = None  # the cache tensor `_layers` holds views of
 
     def accepts(self, batch: BatchLayout, all_logits: bool) -> bool:
         """A step of one-token segments only, as a slot layout, last-token logits."""
@@ -52,40 +57,58 @@ class CpuDecode:
     @torch.inference_mode()
     def run(self, batch: BatchLayout, x: Tensor) -> Tensor:
         """The shard's output for `batch` (which `accepts`): (n, vocab) float32 logits or (n, hidden) activations."""
-        model = self.model
-        assert model.rope_cos is not None and model.rope_sin is not None, "call init_buffers() first"
+        model, ext = self.model, self.ext
+        cos, sin = model.rope_cos, model.rope_sin
+        assert cos is not None and sin is not None, "call init_buffers() first"
         self.cache.check(batch)
         slots, positions = batch.kv_index
         if model.model.embed_tokens is not None:
             x = model.model.embed_tokens(x)
-        for index, layer in enumerate(model.model.layers.values()):
-            x = self._attention(layer, index, x, slots, positions)
-            x = self._mlp(layer, x)
+        for c in self._calls():
+            out = ext.attention_block(x, *c.attention, slots, positions, cos, sin, *c.heads)
+            x = _reduce(c.o, x, out) if c.o is not None else out
+            out = ext.mlp_block(x, *c.mlp)
+            x = _reduce(c.down, x, out) if c.down is not None else out
         if model.lm_head is None:
             return x
         assert model.model.norm is not None
         return model.lm_head(model.model.norm(x)).float()  # one row per sequence: each is its last token
 
-    def _attention(self, layer: DecoderLayer, index: int, x: Tensor, slots: Tensor, positions: Tensor) -> Tensor:
-        attn, norm = layer.self_attn, layer.input_layernorm
-        qkv, o = attn.qkv_proj, attn.o_proj
-        sharded = isinstance(o, RowParallelLinear)
-        out = self.ext.attention_block(
-            x, norm.weight, norm.eps, qkv.weight, qkv.bias, qkv.weight_scale, o.weight,
-            None if sharded else o.bias, o.weight_scale, self.cache.keys(index), self.cache.values(index), slots,
-            positions, self.model.rope_cos, self.model.rope_sin, attn.n_heads, attn.n_kv_heads, not sharded,
-        )  # fmt: skip
-        return _reduce(o, x, out) if sharded else out
+    def _calls(self) -> list[_LayerCalls]:
+        """Each layer's arguments that stay the same from step to step, gathered once (per cache tensor): looking
+        them up through the modules' attributes took ~0.5 ms of a ~12 ms step (SmolLM2, bfloat16)."""
+        if self._for is not self.cache.data:
+            self._layers = [_LayerCalls.of(layer, self.cache.keys(i), self.cache.values(i))
+                            for i, layer in enumerate(self.model.model.layers.values())]  # fmt: skip
+            self._for = self.cache.data
+        return self._layers
 
-    def _mlp(self, layer: DecoderLayer, x: Tensor) -> Tensor:
-        mlp, norm = layer.mlp, layer.post_attention_layernorm
-        gate_up, down = mlp.gate_up_proj, mlp.down_proj
-        sharded = isinstance(down, RowParallelLinear)
-        out = self.ext.mlp_block(
-            x, norm.weight, norm.eps, gate_up.weight, gate_up.bias, gate_up.weight_scale,
-            down.weight, None if sharded else down.bias, down.weight_scale, not sharded,
+
+@dataclass(frozen=True)
+class _LayerCalls:
+    """One decoder layer's constant arguments to `attention_block` (before and after the step's slots and positions)
+    and `mlp_block`, and its row-parallel products when tensor-parallel (their group all-reduces each half's partial
+    sum, looked up at each step so that a re-bound group is used), None otherwise."""
+
+    attention: tuple[Any, ...]
+    heads: tuple[Any, ...]
+    mlp: tuple[Any, ...]
+    o: RowParallelLinear | None
+    down: RowParallelLinear | None
+
+    @classmethod
+    def of(cls, layer: DecoderLayer, keys: Tensor, values: Tensor) -> _LayerCalls:
+        attn, norm, mlp, post = layer.self_attn, layer.input_layernorm, layer.mlp, layer.post_attention_layernorm
+        qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        o_sharded, down_sharded = isinstance(o, RowParallelLinear), isinstance(down, RowParallelLinear)
+        return cls(
+            (norm.weight, norm.eps, qkv.weight, qkv.bias, qkv.weight_scale, o.weight, None if o_sharded else o.bias,
+             o.weight_scale, keys, values),
+            (attn.n_heads, attn.n_kv_heads, not o_sharded),
+            (post.weight, post.eps, gate_up.weight, gate_up.bias, gate_up.weight_scale, down.weight,
+             None if down_sharded else down.bias, down.weight_scale, not down_sharded),
+            o if o_sharded else None, down if down_sharded else None,
         )  # fmt: skip
-        return _reduce(down, x, out) if sharded else out
 
 
 def _reduce(product: RowParallelLinear, x: Tensor, partial: Tensor) -> Tensor:
