@@ -26,8 +26,9 @@ Derived lines, per dtype, each beside its target and whether this run met it:
   llama.cpp); target >= 1 for float32, and for bfloat16 where the CPU has native bf16 (avx512_bf16/amx_bf16).
 - tp=3 vs pp=1, one stream, per token: target within 1.5x.
 - stage boundary: per-token latency of pp=2 minus pp=1 (both tp=1, one stream) with the same torch threads
-  per worker (for `full`, one extra pp=1 run with `--worker-threads` = what a pp=2 stage gets there), i.e.
-  what one extra hop costs; target <= 0.5 ms. Against pp=1 as deployed (all the cores) beside it.
+  per worker and one call per token (pp=1 runs with the gateway's `--decode-steps 1` for it, on each thread count
+  a pp=2 stage gets), i.e. what one extra hop costs; target <= 0.5 ms. Against pp=1 as deployed (all the cores,
+  several decode steps per call) beside it.
 - pipeline: aggregate tokens/s of pp=2 over pp=1 (both tp=1) at 16 streams, per pipeline mode: target >= 0.9x;
   and 16 streams over one stream: target >= 6x.
 """
@@ -264,18 +265,20 @@ def plan_runs(layouts: list[tuple[int, int]], streams: list[int], dtype: str) ->
             runs.append({"pp": pp, "tp": tp, "pipeline": share.pipeline, "threads": share.worker_threads,
                          "streams": streams, "deployed": True, "dtype": dtype})  # fmt: skip
     pp2 = {r["threads"] for r in runs if (r["pp"], r["tp"]) == (2, 1)}
-    pp1 = {r["threads"] for r in runs if (r["pp"], r["tp"]) == (1, 1)}
-    if (1, 1) in layouts and 1 in streams:  # the stage boundary's like-for-like baseline, not a deployed layout
+    if (1, 1) in layouts and 1 in streams:
+        # The stage boundary's like-for-like baseline, not a deployed layout: pp=1 on each thread count a pp=2 stage
+        # gets, one call per token as pp=2 makes them (`up`'s pp=1 runs 8 decode steps per call).
         runs += [{"pp": 1, "tp": 1, "pipeline": "full", "threads": t, "streams": [1], "deployed": False,
-                  "dtype": dtype} for t in sorted(pp2 - pp1)]  # fmt: skip
+                  "dtype": dtype, "decode_steps": 1} for t in sorted(pp2)]  # fmt: skip
     return runs
 
 
 def run_mesh(model_dir: Path, run: dict, prompt_ids: list[int], a: argparse.Namespace) -> list[dict]:
     """One `shardmesh up` of ``run``'s layout and dtype, each of its stream counts through the gateway."""
     with tempfile.TemporaryDirectory() as logs:
+        steps = {"SHARDMESH_GATEWAY_DECODE_STEPS": str(run["decode_steps"])} if "decode_steps" in run else None
         mesh = Mesh(model_dir, run["pp"], run["tp"], run["pipeline"], max(a.stream_list), Path(logs), run["threads"],
-                    a.rebalance, extra=("--dtype", run["dtype"]))  # fmt: skip
+                    a.rebalance, extra=("--dtype", run["dtype"]), env=steps)  # fmt: skip
         try:
             mine = []
             for n in run["streams"]:
@@ -383,17 +386,19 @@ def tp_target(dtype: str, rows: list[dict]) -> dict:
 
 
 def boundary_targets(dtype: str, rows: list[dict]) -> list[dict]:
-    """One stream's per-token latency, pp=2 minus pp=1 (tp=1) with the same threads per worker, per pipeline
-    mode (target <= 0.5 ms); as deployed (pp=1 on all the cores) beside it."""
+    """One stream's per-token latency, pp=2 minus pp=1 (tp=1) with the same threads per worker and one call per
+    token on both, per pipeline mode (target <= 0.5 ms); against pp=1 as deployed (all the cores, several decode
+    steps per call) beside it."""
     single = [r for r in rows if r["streams"] == 1 and r["tp"] == 1]
-    pp1 = {r["threads"]: r for r in single if r["pp"] == 1}
+    pp1 = {r["threads"]: r for r in single if r["pp"] == 1 and r.get("decode_steps") == 1}
     deployed = _one_stream_pp1(rows)
     out = []
     for r in sorted((r for r in single if r["pp"] == 2), key=lambda r: r["pipeline"], reverse=True):
-        name = f"stage boundary, `--pipeline {r['pipeline']}` (pp=2 minus pp=1, one stream, same threads/worker)"
+        name = (f"stage boundary, `--pipeline {r['pipeline']}` (pp=2 minus pp=1, one stream, same threads/worker, "
+                f"a call per token)")  # fmt: skip
         same = pp1.get(r["threads"])
         detail = f"each stage on {r['threads']} thread(s)"
-        if deployed is not None and deployed["threads"] != r["threads"]:
+        if deployed is not None:
             detail += f"; {r['ms_per_token'] - deployed['ms_per_token']:+.2f} ms against pp=1 as deployed"
         if same is None:
             out.append(_target(name, dtype, None, " ms", "<=", 0.5, detail, f"needs pp=1 on {r['threads']} thread(s)"))
@@ -465,7 +470,8 @@ def _llama_line(dtype: str, llama: dict) -> str:
 
 
 def _row_line(r: dict, base: dict) -> str:
-    head = f"| {r['dtype']} | {r['pp']} | {r['tp']} | {r['pipeline'] if r['pp'] > 1 else ''} |"
+    mode = r["pipeline"] if r["pp"] > 1 else "a call per token" if r.get("decode_steps") == 1 else ""
+    head = f"| {r['dtype']} | {r['pp']} | {r['tp']} | {mode} |"
     if "failed" in r:
         return f"{head} | {r['threads']} | | failed: {r['failed']} | | | | |"
     tok_s = 1e3 / r["ms_per_token"] if r["streams"] == 1 else r["aggregate_tok_s"]

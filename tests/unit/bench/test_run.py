@@ -12,10 +12,11 @@ from bench import conditions, llamacpp, run
 
 
 def _row(dtype: str, pp: int, tp: int, streams: int, ms: float, tok_s: float, pipeline: str = "full",
-         threads: int = 2, deployed: bool = True) -> dict:  # fmt: skip
-    return {"dtype": dtype, "pp": pp, "tp": tp, "pipeline": pipeline, "threads": threads, "streams": streams,
-            "ms_per_token": ms, "aggregate_tok_s": tok_s, "ttft_ms": 50.0, "deployed": deployed,
-            "layers": [30]}  # fmt: skip
+         threads: int = 2, deployed: bool = True, decode_steps: int | None = None) -> dict:  # fmt: skip
+    row = {"dtype": dtype, "pp": pp, "tp": tp, "pipeline": pipeline, "threads": threads, "streams": streams,
+           "ms_per_token": ms, "aggregate_tok_s": tok_s, "ttft_ms": 50.0, "deployed": deployed,
+           "layers": [30]}  # fmt: skip
+    return row if decode_steps is None else {**row, "decode_steps": decode_steps}
 
 
 def _by_name(found: list[dict], dtype: str, start: str) -> dict:
@@ -52,17 +53,20 @@ def test_plan_runs_every_layout_in_the_dtype_and_the_boundary_baseline(monkeypat
     monkeypatch.setattr(run, "cores", lambda: 2)
     runs = run.plan_runs([(1, 1), (2, 1)], [1, 16], "bfloat16")
     assert {r["dtype"] for r in runs} == {"bfloat16"}
-    got = [(r["pp"], r["tp"], r["pipeline"], r["threads"], r["streams"], r["deployed"]) for r in runs]
-    # pp=2 twice (turns: all cores per stage, full: one each); pp=1 again on one thread, one stream only.
-    assert got == [(1, 1, "full", 2, [1, 16], True), (2, 1, "turns", 2, [1, 16], True),
-                   (2, 1, "full", 1, [1, 16], True), (1, 1, "full", 1, [1], False)]  # fmt: skip
+    got = [(r["pp"], r["tp"], r["pipeline"], r["threads"], r["streams"], r["deployed"], r.get("decode_steps"))
+           for r in runs]  # fmt: skip
+    # pp=2 twice (turns: all cores per stage, full: one each); pp=1 again on each of their thread counts, one stream
+    # only, one call per token as pp=2 makes them.
+    assert got == [(1, 1, "full", 2, [1, 16], True, None), (2, 1, "turns", 2, [1, 16], True, None),
+                   (2, 1, "full", 1, [1, 16], True, None), (1, 1, "full", 1, [1], False, 1),
+                   (1, 1, "full", 2, [1], False, 1)]  # fmt: skip
 
 
 def test_targets_from_rows() -> None:
     rows = [
         _row("float32", 1, 1, 1, ms=20.0, tok_s=50.0),
         _row("float32", 1, 1, 16, ms=40.0, tok_s=400.0),
-        _row("float32", 1, 1, 1, ms=24.0, tok_s=41.0, threads=1, deployed=False),
+        _row("float32", 1, 1, 1, ms=24.0, tok_s=41.0, threads=1, deployed=False, decode_steps=1),
         _row("float32", 2, 1, 1, ms=24.3, tok_s=40.0, pipeline="full", threads=1),
         _row("float32", 2, 1, 16, ms=50.0, tok_s=380.0, pipeline="full", threads=1),
         _row("float32", 1, 3, 1, ms=32.0, tok_s=31.0),
