@@ -11,7 +11,7 @@ import structlog
 
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.watcher import ModelFiles
-from tests.unit.gateway.fakes import write_tokenizer
+from tests.unit.gateway.fakes import started, write_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,5 @@ def logger() -> Any:
 
 @pytest.fixture
 def scheduler(logger: Any) -> Iterator[Scheduler]:
-    s = Scheduler(SchedulerConfig(max_queue=8, default_max_new_tokens=16, step_timeout=5.0), logger)
-    s.start()
-    yield s
-    s.shutdown(grace=0.0)
+    with started(SchedulerConfig(max_queue=8, default_max_new_tokens=16, step_timeout=5.0), logger) as s:
+        yield s

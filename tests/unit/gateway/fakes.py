@@ -8,11 +8,12 @@ model output: which entries share a step, which slot a request gets, what gets r
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import structlog
 from gateway.fanout import MeshView, ShardClient
 from gateway.requests import PreparedRequest, Sampling
 from gateway.results import Event, FinishReason, RequestHandle, TokenEvent, is_last
+from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.watcher import MeshState, ModelFiles
 from shardmesh.core.topology import (
     Calibration,
@@ -356,3 +358,14 @@ class LogLines:
 
     def events(self) -> list[dict]:
         return [json.loads(line) for line in self.buffer.getvalue().splitlines()]
+
+
+@contextlib.contextmanager
+def started(cfg: SchedulerConfig, logger: Any) -> Iterator[Scheduler]:
+    """A running scheduler, shut down (no grace) when the block ends."""
+    s = Scheduler(cfg, logger)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.shutdown(grace=0.0)

@@ -15,16 +15,24 @@ import pytest
 from gateway.results import FinishReason, TokenEvent
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.watcher import ModelFiles
-from tests.unit.gateway.fakes import FakeMesh, collect, eos_of, finish, ids_of, mesh_state, request, tokens
+from tests.unit.gateway.fakes import (
+    FakeMesh,
+    collect,
+    eos_of,
+    finish,
+    ids_of,
+    mesh_state,
+    request,
+    started,
+    tokens,
+)
 from tests.waiting import WAIT_S, wait_until
 
 
 @pytest.fixture
 def scheduler(logger: Any) -> Iterator[Scheduler]:
-    s = Scheduler(SchedulerConfig(max_queue=8, step_timeout=5.0, decode_steps=4), logger)
-    s.start()
-    yield s
-    s.shutdown(grace=0.0)
+    with started(SchedulerConfig(max_queue=8, step_timeout=5.0, decode_steps=4), logger) as s:
+        yield s
 
 
 def calls(mesh: FakeMesh, request_id: str) -> list[tuple[int, int]]:
