@@ -287,5 +287,9 @@ def test_gateway_flags_are_checked(capsys: pytest.CaptureFixture[str], monkeypat
     monkeypatch.delenv("SHARDMESH_GATEWAY_MAX_QUEUE")
     assert cli.main(["gateway", "--coordinator", "127.0.0.1:1", "--pipeline-depth", "-1"]) == 2
     assert capsys.readouterr().err == "error: --pipeline-depth: must be >= 0, got -1\n"
+    monkeypatch.setenv("SHARDMESH_GATEWAY_DECODE_STEPS", "65")
+    assert cli.main(["gateway", "--coordinator", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err == "error: --decode-steps: must be in [1, 64], got 65\n"
+    monkeypatch.delenv("SHARDMESH_GATEWAY_DECODE_STEPS")
     assert cli.main(["generate", "--max-new-tokens", "3", "hi"]) == 2
     assert "--model is required" in capsys.readouterr().err
