@@ -207,8 +207,10 @@ class _FutureMethod:
 
     def __init__(self, fn: Callable[[Any], Any], pool: futures.ThreadPoolExecutor) -> None:
         self._fn, self._pool = fn, pool
+        self.timeouts: list[float | None] = []  # each call's deadline, in order
 
     def future(self, request: Any, timeout: float | None = None) -> futures.Future:
+        self.timeouts.append(timeout)
         return self._pool.submit(self._fn, request)
 
 

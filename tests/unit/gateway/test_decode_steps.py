@@ -50,6 +50,8 @@ def test_a_single_stage_mesh_decodes_several_steps_per_call(scheduler: Scheduler
     assert [e.index for e in events if isinstance(e, TokenEvent)] == list(range(10))
     # The prompt (2 tokens), then calls of 4, 4 and the one token left (0 on the wire: one step).
     assert calls(mesh, "r") == [(0, 0), (2, 4), (6, 4), (10, 0)]
+    stub = scheduler.snapshot()[0].view.shards[0].stub  # type: ignore[union-attr]
+    assert stub.Step.timeouts == [5.0, 20.0, 20.0, 5.0]  # the step timeout for each step of the call
     assert [s.steps for s in mesh.shards] == [mesh.shards[0].steps] * 2  # every tp rank got the same calls
     for shard in mesh.shards:
         wait_until(lambda shard=shard: shard.released_ids() == ["r"])
