@@ -99,7 +99,9 @@ class Dispatcher:
                 p.seq.first_step_at = started
         request = wire.step_request(self._step_id, view.version, after, planned, view.pp, decode_steps)
         obs, in_flight = self._obs, len(self.steps) + 1
-        traced = obs.step_started(self._step_id, view, planned, in_flight, after) if obs is not None else None
+        traced = None
+        if obs is not None:
+            traced = obs.step_started(self._step_id, view, planned, in_flight, after, decode_steps)
         # Each decode step of the call gets the step timeout: a slow shard's 8 steps are not one step's overrun.
         call = view.start_step(request, self._step_timeout * decode_steps,
                                traced.metadata if traced is not None else None, self._on_done)  # fmt: skip

@@ -366,9 +366,11 @@ class GatewayObserver:
     # -- the scheduler thread -------------------------------------------------------------------------
 
     def step_started(self, step_id: int, view: MeshView, planned: Sequence[Any], in_flight: int = 1,
-                     after_step_id: int = 0) -> StepTrace | None:  # fmt: skip
+                     after_step_id: int = 0, decode_steps: int = 1) -> StepTrace | None:  # fmt: skip
         """Spans for the traced requests in this step (None when none is traced). `in_flight`: steps in
-        flight once this one is sent (the pipeline's fill), `after_step_id`: the step it runs after."""
+        flight once this one is sent (the pipeline's fill), `after_step_id`: the step it runs after, `decode_steps`:
+        the decode steps the call runs (a `step.decode` span, and one count of a request's `decode.steps`, stands
+        for that many tokens)."""
         if self.metrics is not None:
             self.metrics.kv_slots = view.kv_slots
         if self.tracer is None:
@@ -397,7 +399,8 @@ class GatewayObserver:
                       "shardmesh.batch.entries": len(planned),
                       "shardmesh.batch.tokens": sum(p.num_tokens for p in planned),
                       "shardmesh.batch.request_ids": ids, "shardmesh.shards": len(view.shards),
-                      "shardmesh.step.in_flight": in_flight, "shardmesh.step.after_step_id": after_step_id}  # fmt: skip
+                      "shardmesh.step.in_flight": in_flight, "shardmesh.step.after_step_id": after_step_id,
+                      "shardmesh.step.decode_steps": decode_steps}  # fmt: skip
             for t, p in chosen:
                 prefill = p.seq.prefilling
                 attributes = {**common, "shardmesh.request_id": p.seq.req.request_id,
