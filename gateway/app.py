@@ -11,6 +11,7 @@ import argparse
 import os
 from typing import Any
 
+from shardmesh.core.step import MAX_DECODE_STEPS
 from shardmesh.rpc.flags import JOIN_TOKEN_ENV, UsageError, add_tls_flags, env_flags, mesh_security
 
 ENV_PREFIX = "SHARDMESH_GATEWAY_"
@@ -39,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--decode-steps", 8, type=int,
          help="on a single-stage mesh, decode steps a worker runs per call while every sequence in the batch decodes "
               "and none waits for a slot: the round trip is paid once per that many tokens, and a streaming client "
-              "receives them together (default 8; 1: a call per token; at most 64)")  # fmt: skip
+              f"receives them together (default 8; 1: a call per token; at most {MAX_DECODE_STEPS})")  # fmt: skip
     flag("--shutdown-grace", 5.0, type=float, help="seconds running requests get to finish on SIGTERM (default 5)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    default=os.environ.get(ENV_PREFIX + "NO_PREFIX_CACHING", "") in ("", "0", "false"),
@@ -103,7 +104,7 @@ def build_config(args: argparse.Namespace) -> Any:
         ("--step-timeout", args.step_timeout > 0, "> 0 seconds"),
         ("--resume-timeout", args.resume_timeout >= 0, ">= 0 seconds"),
         ("--pipeline-depth", args.pipeline_depth >= 0, ">= 0"),
-        ("--decode-steps", 1 <= args.decode_steps <= 64, "in [1, 64]"),
+        ("--decode-steps", 1 <= args.decode_steps <= MAX_DECODE_STEPS, f"in [1, {MAX_DECODE_STEPS}]"),
         ("--shutdown-grace", args.shutdown_grace >= 0, ">= 0 seconds"),
         ("--trace-decode-steps", args.trace_decode_steps >= 0, ">= 0"),
     ]

@@ -31,6 +31,7 @@ from shardmesh.core.dtypes import Quantization
 from shardmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.step import (
+    MAX_DECODE_STEPS,
     Sampled,
     SamplingParams,
     Segment,
@@ -552,10 +553,8 @@ class StageWorkerCore:
         compute thread are paid once per `n` tokens. Only a single stage can: it both draws and embeds the token.
         The sampled tokens are step-major. A failure part-way fails the call: the gateway keeps none of its
         tokens, and the positions written lie past what it counts as cached."""
-        rt = self._ready(topology_version)
-        self._validate(rt, entries)
-        _validate_decode_steps(rt, entries, n)
-        result = self._step(topology_version, entries)
+        _validate_decode_steps(self._ready(topology_version), entries, n)
+        result = self._step(topology_version, entries)  # which checks the entries as any step does
         sampled, elapsed, comm = list(result.sampled), result.elapsed_s, result.comm
         for _ in range(n - 1):
             entries = [replace(e, start_pos=e.start_pos + 1, token_ids=(s.token_id,))
@@ -564,7 +563,7 @@ class StageWorkerCore:
             sampled += result.sampled
             elapsed += result.elapsed_s
             comm += result.comm
-        return StepResult(sampled, elapsed, comm, rt.placement, n)
+        return StepResult(sampled, elapsed, comm, result.placement, n)
 
     def _step(self, topology_version: int, entries: list[StepEntry]) -> StepResult:
         rt = self._ready(topology_version)
@@ -782,9 +781,6 @@ class StageWorkerCore:
         model = rt.engine.model
         return {"timing": timing, "weights_bytes": _nbytes(model), "kv_cache_bytes": rt.engine.cache.nbytes,
                 "num_layers": len(model.layer_range)}  # fmt: skip
-
-
-MAX_DECODE_STEPS = 64  # decode steps in one call: tokens a client waits for at once, and a bound on wasted steps
 
 
 def _validate_decode_steps(rt: _Runtime, entries: list[StepEntry], n: int) -> None:

@@ -80,6 +80,7 @@ def penalized(repetition_penalty: float, frequency_penalty: float, presence_pena
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's and vLLM's bound)
+MAX_DECODE_STEPS = 64  # decode steps in one Step call: tokens a client waits for at once, and a bound on waste
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for frequency_penalty and presence_penalty
 
 

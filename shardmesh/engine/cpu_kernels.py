@@ -345,6 +345,11 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The first min(left, 16) lanes: a row's tail.
+static inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
 // 16 keys or values of the cache as float32.
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const at::BFloat16* p) {
@@ -387,14 +392,14 @@ static void attend_group(const float* q, int64_t group, const T* keys, const T* 
     __m512 sum = _mm512_setzero_ps();
     const __m512 topv = _mm512_set1_ps(top);
     for (j = 0; j < n; j += 16) {
-      const __mmask16 k = n - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __mmask16 k = lanes(n - j);
       const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + j), topv));
       _mm512_mask_storeu_ps(sh + j, k, e);
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
     }
     const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
     for (j = 0; j < n; j += 16) {
-      const __mmask16 k = n - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __mmask16 k = lanes(n - j);
       _mm512_mask_storeu_ps(sh + j, k, _mm512_div_ps(_mm512_maskz_loadu_ps(k, sh + j), total));
     }
   }
