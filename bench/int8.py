@@ -6,11 +6,10 @@
 Writes bench/results/<host>-<date>-int8.{md,json} and prints the markdown. What it measures, all in one process
 and one run, on `--threads` cores:
 
-- shardmesh float32, shardmesh int8 with the kernel chosen at load (float32 activations: `int8-cpu` where it
-  builds) and, on a CPU with
-  native bfloat16, with `SHARDMESH_LINEAR_KERNEL=int8-bf16` (bfloat16 activations: fast, not chosen by default
-  because tp degrees then differ) (`build_shard(..., quantization=Quantization.INT8)`: the decoder layers'
-  products as int8 with a float32 scale per output row, the embedding and LM head in float32), one shard holding
+- shardmesh float32 and shardmesh int8 with the kernel chosen at load (float32 activations: `int8-blocked` on
+  AVX-512, `int8-cpu` elsewhere where it builds) (`build_shard(..., quantization=Quantization.INT8)`: the decoder
+  layers' products as int8 with a float16 scale and minimum per 32 inputs of a row, the embedding and LM head in
+  float32), one shard holding
   the whole model (pp=1, tp=1), driven like `shardmesh generate` drives its stage (shardmesh_cli/offline.py):
   `StageEngine.step` on a `BatchLayout` of one segment per sequence, over a KV cache. The chat prompt of
   bench/conditions.py is prefilled into every sequence, then each timed call is one greedy decode step of all
@@ -31,7 +30,7 @@ and one run, on `--threads` cores:
 
 Also recorded: each shardmesh variant's bytes of weights (every parameter and buffer of the shard), the GGUF
 files' sizes, the linear kernels `build_shard` chose (`model.linear_kernels`), the CPU's model and its flags
-that decide those kernels (avx512_bf16 / amx_bf16: `int8-bf16`, else `int8-dequant`), and how many of the
+that decide those kernels (`bench.conditions`), and how many of the
 one-stream greedy tokens int8 shares with float32 before they first differ.
 """
 
@@ -100,11 +99,8 @@ def weight_bytes(model: Any) -> int:
 
 
 def load_shardmesh(model_dir: Path, max_len: int) -> dict[str, Any]:
-    """{"float32": model, "int8": model, "int8-bf16": model}, each one shard of the whole model: int8 with the
-    kernel `build_shard` chooses (float32 activations), and with `int8-bf16` named (bfloat16 activations; only
-    on a CPU with native bfloat16, where it is fast)."""
-    import os
-
+    """{"float32": model, "int8": model}, each one shard of the whole model, int8 with the kernel `build_shard`
+    chooses (float32 activations)."""
     import torch
 
     from shardmesh.core.config import ModelConfig
@@ -116,19 +112,10 @@ def load_shardmesh(model_dir: Path, max_len: int) -> dict[str, Any]:
     cfg = ModelConfig.from_dir(model_dir)
     spec = ShardSpec(0, cfg.num_layers, cfg.num_layers)
     kw = {"dtype": torch.float32, "max_len": max_len, "progress": False, "cfg": cfg}
-    from shardmesh.engine.linear import KERNEL_ENV, cpu_has_native_bf16
-
-    models = {
+    return {
         name: build_shard(model_dir, spec, SingleRank(), quantization=q, **kw)
         for name, q in (("float32", Quantization.NONE), ("int8", Quantization.INT8))
     }
-    if cpu_has_native_bf16():
-        os.environ[KERNEL_ENV] = "int8-bf16"
-        try:
-            models["int8-bf16"] = build_shard(model_dir, spec, SingleRank(), quantization=Quantization.INT8, **kw)
-        finally:
-            del os.environ[KERNEL_ENV]
-    return models
 
 
 def time_shardmesh(models: dict[str, Any], prompt_ids: Sequence[int], n: int, steps: int) -> dict[str, Any]:

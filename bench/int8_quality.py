@@ -9,9 +9,13 @@ in one prefill), int8 against float32, mean |Δ logprob| at most 0.03 nats and p
 64-token answers to `CHAT_PROMPTS` identical on at least 8 of 10. tests/equivalence/test_smollm2.py imports the
 text, the prompts and the two measurements from here, so the test and the study measure the same thing.
 
-Steps (`--steps`), each on one float32 shard of the whole model whose products use `F.linear` on plain (out, in)
+Step `served`: the gates for `--quantize int8` as served (int8 groups of 32 with a float16 scale and minimum each,
+`shardmesh.engine.linear.quantize_groups`; the kernels chosen at load) against float32.
+
+The other steps study the first format, one scale per output row, and its candidate fixes, each on one float32
+shard of the whole model whose products use `F.linear` on plain (out, in)
 weights (`SHARDMESH_LINEAR_KERNEL=dense`), so a product's weight can be swapped for its int8 round trip
-(`fake_int8`: `linear.quantize_rows` then back to float, the numbers `int8-dequant` multiplies by):
+(`fake_int8`: the first int8 format, one scale per output row, rounded and back to float):
 
 - sensitivity: one product of one layer in int8 at a time, everything else float32; its mean |Δ logprob|.
   The hidden states entering each layer are kept from the float32 pass, so a product of layer L re-runs layers
@@ -121,10 +125,27 @@ def gates(ref: torch.Tensor, got: torch.Tensor, ref_answers: list[list[int]], an
 
 
 def fake_int8(w: torch.Tensor) -> torch.Tensor:
-    from shardmesh.engine.linear import quantize_rows
+    """The round trip of the first int8 format, kept as the study's baseline: symmetric, one scale per output row."""
+    scale = (w.abs().amax(1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale).clamp(-127, 127) * scale
 
-    scale, q = quantize_rows(w, w.abs().amax(1))
-    return q.float() * scale[:, None]
+
+def served_gates(model_dir: Path, ids: list[int], prompts: list[list[int]]) -> dict:
+    """The issue's gates for `--quantize int8` as served: a float32 shard against an int8 one (`build_shard`, the
+    kernels chosen at load, int8 groups of 32 with a float16 scale and minimum each), same text and prompts."""
+    from shardmesh.core.dtypes import Quantization
+    from shardmesh.core.layout import ShardSpec
+    from shardmesh.engine.loader import build_shard
+
+    os.environ.pop("SHARDMESH_LINEAR_KERNEL", None)
+    out = {}
+    for q in (Quantization.NONE, Quantization.INT8):
+        model = build_shard(model_dir, ShardSpec(0, 30, 30), max_len=len(ids) + 8, progress=False, quantization=q)
+        out[q] = (teacher_forced(model, ids), [greedy(model, p) for p in prompts], model.linear_kernels)
+        del model
+    (ref, ref_answers, _), (got, answers, kernels) = out[Quantization.NONE], out[Quantization.INT8]
+    return {"int8 groups of 32 (--quantize int8, served)": {**gates(ref, got, ref_answers, answers),
+                                                            "kernels": kernels}}  # fmt: skip
 
 
 def sensitivity(model: Any, ids: Sequence[int], ref: torch.Tensor) -> dict[str, float]:
@@ -280,7 +301,7 @@ def llamacpp_gates(model_dir: Path, ids: list[int], prompts: list[list[int]]) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--steps", default="sensitivity,variants,llamacpp")
+    ap.add_argument("--steps", default="served,sensitivity,variants,llamacpp")
     ap.add_argument("--keep", type=int, default=2, help="most sensitive products kept in float32 (variants)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
@@ -296,6 +317,9 @@ def main() -> None:
     model = build_shard(model_dir, ShardSpec(0, 30, 30), max_len=len(ids) + 8, progress=False)
     data: dict[str, Any] = {}
     steps = args.steps.split(",")
+    if "served" in steps:
+        data["served"] = served_gates(model_dir, ids, prompts)
+        os.environ["SHARDMESH_LINEAR_KERNEL"] = "dense"
     if "sensitivity" in steps or "variants" in steps:
         ref = teacher_forced(model, ids)
         data["sensitivity"] = sensitivity(model, ids, ref)
@@ -304,7 +328,10 @@ def main() -> None:
         data.update(variants(model, ids, calibration_ids(tok), prompts, [f"model.layers.{k}" for k in keep]))
     if "llamacpp" in steps:
         data["llamacpp"] = llamacpp_gates(model_dir, ids, prompts)
-    save_results(args.out, machine(), "-int8-quality", _markdown(data), data)
+    study = {"sensitivity", "variants", "llamacpp"} & set(steps)  # the first format's study keeps its own file
+    info = machine()
+    md = _markdown(data) + f"\nMachine: {info['cpu']} ({info['cpu_id']}), {info['cores']} cores, {info['date'][:10]}.\n"
+    save_results(args.out, info, "-int8-quality" if study else "-int8-groups-quality", md, data)
 
 
 def _markdown(data: dict) -> str:
@@ -316,12 +343,13 @@ def _markdown(data: dict) -> str:
         for i in sorted({int(k.split(".")[0]) for k in s}):
             lines.append(f"| {i} | " + " | ".join(f"{s[f'{i}.{k}']:.4f}" for k in KINDS) + " |")
         lines.append("")
-    rows = {**data.get("variants", {}), **data.get("llamacpp", {})}
+    rows = {**data.get("served", {}), **data.get("variants", {}), **data.get("llamacpp", {})}
     if rows:
         lines += ["| variant | mean abs Δ logprob | ppl ratio | greedy identical of 10 |", "|---|---:|---:|---:|"]
         lines += [
             f"| {k} | {v['mean_abs_dlogprob']} | {v['ppl_ratio']} | {v['greedy_identical']} |" for k, v in rows.items()
         ]
+        lines += [f"\n`{k}`: kernels {', '.join(v['kernels'])}" for k, v in rows.items() if "kernels" in v]
     return "\n".join(lines) + "\n"
 
 

@@ -79,19 +79,29 @@ _HF_NAMES = {
 
 
 QUANTIZE_HELP = (
-    "int8: the decoder layers' products held as int8 with a float32 scale per output row, made while "
-    "loading from the float checkpoint (about a quarter of float32's bytes); the embedding and LM head "
-    "stay in --dtype (default none)"
+    "int8: the decoder layers' products held as int8 with a float16 scale and minimum per 32 inputs of a row, "
+    "made while loading from the float checkpoint (1.125 bytes per weight, 28%% of float32's); the embedding "
+    "and LM head stay in --dtype (default none)"
 )
+
+
+# Input features per int8 group (a scale and an offset each): the block size of llama.cpp's Q8_0 and Q4_1, whose
+# grids an int8 group of this size holds exactly. A tensor-parallel slice of a row-parallel product must hold
+# whole groups (`shardmesh.engine.loader`), so every degree quantizes the same groups.
+INT8_GROUP = 32
+# Elements of a product quantized at a time (whole rows, at least one), with at most `INT8_QUANTIZE_TEMP_BYTES` bytes
+# of float64 temporaries per element (`shardmesh.engine.linear.quantize_groups`; the memory model counts them).
+INT8_QUANTIZE_CHUNK = 1 << 20
+INT8_QUANTIZE_TEMP_BYTES = 48
 
 
 class Quantization(str, enum.Enum):
     """How a shard's matrix products store their weights. A `str` whose value is its name.
 
-    NONE: in the serving dtype, as loaded. INT8: symmetric int8 with one float32 scale per output channel
-    (weight-only: activations stay in the serving dtype), made at load from a float checkpoint. The
-    embedding and the final norm stay in the serving dtype; so does the LM head (int8 there doubled the
-    logprob error on SmolLM2, and it is one matrix: `vocab × hidden` elements).
+    NONE: in the serving dtype, as loaded. INT8: int8 values with a float16 scale and minimum per
+    `INT8_GROUP` input features of each output row (weight-only: activations stay in the serving dtype), made
+    at load from a float checkpoint (`shardmesh.engine.linear.quantize_groups` says how each group's grid is
+    chosen). The embedding and the final norm stay in the serving dtype; so does the LM head.
     """
 
     NONE = "none"
@@ -114,7 +124,8 @@ class Quantization(str, enum.Enum):
             raise ValueError(f"quantization must be one of {', '.join(cls.names())}, got {name!r}") from None
 
     def weight_bytes(self, out_features: int, in_features: int, dtype: DType) -> int:
-        """Bytes one product's weight takes on a device: int8 values plus a float32 scale per output row."""
+        """Bytes one product's weight takes on a device: int8 values plus a float16 scale and minimum per group
+        of `INT8_GROUP` inputs of each output row."""
         if self is Quantization.INT8:
-            return out_features * in_features + 4 * out_features
+            return out_features * in_features + 4 * out_features * -(-in_features // INT8_GROUP)
         return out_features * in_features * dtype.itemsize

@@ -6,10 +6,11 @@ every weight, so it runs at the speed weights stream from memory. Weights are re
 `NB` output features: block b holds W[b·NB : (b+1)·NB, :] as (K, NB), features innermost, so the loop over K
 broadcasts one input value and multiplies it by NB weights at once (no horizontal sums). bfloat16 weights are stored
 as (K/2, NB, 2) pairs, the operand layout of AVX512-BF16's `vdpbf16ps`, which multiplies bfloat16 activations by them
-two at a time with float32 sums; CPUs without it widen each weight to float32 in registers. int8 weights (a float32
-scale per output feature, applied to the sums) are stored as float32's and widened in registers: a quarter of the
-bytes. Rows are taken eight (then four) at a time per pass over a block, their sums in registers (AVX-512; other CPUs
-get a loop the compiler vectorizes, `-march=native`), so a block is read from memory once per step whatever the rows
+two at a time with float32 sums; CPUs without it widen each weight to float32 in registers. int8 weights (a float16
+scale and minimum per group of `INT8_GROUP` inputs, applied to each group's sums) are stored as float32's and widened
+in registers: a quarter of the bytes, plus an eighth of that for the groups' scales. Rows are taken eight (then
+four) at a time per pass over a block, their sums in registers (AVX-512; other CPUs get a loop the compiler
+vectorizes, `-march=native`), so a block is read from memory once per step whatever the rows
 (it stays in L2 while they use it). Parallel over blocks on PyTorch's threads. Measured on a 2-core Zen 4 (SmolLM2,
 2 threads): all products for one row, float32 16.6 ms (32.5 GB/s) against oneDNN's packed product 22.8 ms, bfloat16
 7.5-10 ms against 20-22 ms for PyTorch's bfloat16 product; the whole decode step of 16 sequences (with `cpu_decode`)
@@ -35,6 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from shardmesh.core.dtypes import INT8_GROUP
 from shardmesh.engine.native import InlineKernel
 
 NB = 32  # output features per block: two AVX-512 registers of float32
@@ -101,16 +103,16 @@ static inline void block_f32(const float* x, int64_t xs, int64_t K, const float*
   });
 }
 #else
-// Without AVX-512: the compiler vectorizes the NB-wide loop; W is float or int8 (widened as it is read).
-template <int MB, typename W>
-static inline void block_generic(const float* x, int64_t xs, int64_t K, const W* w, float* acc) {
+// Without AVX-512: the compiler vectorizes the NB-wide loop.
+template <int MB>
+static inline void block_generic(const float* x, int64_t xs, int64_t K, const float* w, float* acc) {
   float a[MB][NB] = {};
   for (int64_t k = 0; k < K; ++k) {
-    const W* wk = w + k * NB;
+    const float* wk = w + k * NB;
     for (int m = 0; m < MB; ++m) {
       const float xv = x[m * xs + k];
 #pragma omp simd
-      for (int j = 0; j < NB; ++j) a[m][j] += xv * static_cast<float>(wk[j]);
+      for (int j = 0; j < NB; ++j) a[m][j] += xv * wk[j];
     }
   }
   std::memcpy(acc, a, sizeof(a));
@@ -158,21 +160,72 @@ static inline void block_bf16(const float* x, int64_t xs, int64_t K, const uint1
 }
 #endif
 
-// int8 weights (a scale per output feature, applied when the sums are stored): block b holds w[b*NB + j, k] at
-// [b][k][j], as float32's, each widened to float32 in registers.
+// int8 weights: block b holds w[b*NB + j, k] at [b][k][j], as float32's, each widened to float32 in registers. A
+// weight is (q + 128) s + m with its group's float16 scale s and minimum m, so over a group of GROUP inputs
+// sum_k x[k] w[k] = s sum_k x[k] q[k] + (m + 128 s) sum_k x[k]: each group's sums are kept apart, then scaled and
+// added with the offset m + 128 s times the group's inputs' sum (xsum, per row and group). `so` is the block's
+// (groups, 2, NB) scales and minima (`pack_groups`).
+constexpr int64_t GROUP = @GROUP@;
 #ifdef __AVX512F__
 template <int MB>
-static inline void block_i8(const float* x, int64_t xs, int64_t K, const int8_t* w, float* acc) {
-  in_registers<MB>(K, acc, [&](Sums* a, int64_t k) {
-    const __m128i* wk = reinterpret_cast<const __m128i*>(w + k * NB);
-    add_rows<MB>(a, x, xs, k, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(wk))),
-                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(wk + 1))));
-  });
+static inline void block_i8(const float* x, int64_t xs, int64_t K, const int8_t* w, const at::Half* so,
+                            const float* xsum, float* acc) {
+  const int64_t groups = (K + GROUP - 1) / GROUP;
+  const __m512 c128 = _mm512_set1_ps(128.f);
+  Sums a[MB];
+  for (int m = 0; m < MB; ++m) { a[m][0] = _mm512_setzero_ps(); a[m][1] = _mm512_setzero_ps(); }
+  for (int64_t g = 0; g < groups; ++g) {
+    Sums t[MB];
+    for (int m = 0; m < MB; ++m) { t[m][0] = _mm512_setzero_ps(); t[m][1] = _mm512_setzero_ps(); }
+    for (int64_t k = g * GROUP, end = std::min(K, k + GROUP); k < end; ++k) {
+      const __m128i* wk = reinterpret_cast<const __m128i*>(w + k * NB);
+      add_rows<MB>(t, x, xs, k, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(wk))),
+                   _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(wk + 1))));
+    }
+    const __m256i* p = reinterpret_cast<const __m256i*>(so + g * 2 * NB);
+    const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256(p)), s1 = _mm512_cvtph_ps(_mm256_loadu_si256(p + 1));
+    const __m512 o0 = _mm512_fmadd_ps(s0, c128, _mm512_cvtph_ps(_mm256_loadu_si256(p + 2)));
+    const __m512 o1 = _mm512_fmadd_ps(s1, c128, _mm512_cvtph_ps(_mm256_loadu_si256(p + 3)));
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_set1_ps(xsum[m * groups + g]);
+      a[m][0] = _mm512_fmadd_ps(t[m][0], s0, _mm512_fmadd_ps(xv, o0, a[m][0]));
+      a[m][1] = _mm512_fmadd_ps(t[m][1], s1, _mm512_fmadd_ps(xv, o1, a[m][1]));
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    _mm512_storeu_ps(acc + m * NB, a[m][0]);
+    _mm512_storeu_ps(acc + m * NB + 16, a[m][1]);
+  }
 }
 #else
 template <int MB>
-static inline void block_i8(const float* x, int64_t xs, int64_t K, const int8_t* w, float* acc) {
-  block_generic<MB>(x, xs, K, w, acc);
+static inline void block_i8(const float* x, int64_t xs, int64_t K, const int8_t* w, const at::Half* so,
+                            const float* xsum, float* acc) {
+  const int64_t groups = (K + GROUP - 1) / GROUP;
+  float a[MB][NB] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    float t[MB][NB] = {};
+    for (int64_t k = g * GROUP, end = std::min(K, k + GROUP); k < end; ++k) {
+      const int8_t* wk = w + k * NB;
+      for (int m = 0; m < MB; ++m) {
+        const float xv = x[m * xs + k];
+#pragma omp simd
+        for (int j = 0; j < NB; ++j) t[m][j] += xv * static_cast<float>(wk[j]);
+      }
+    }
+    const at::Half* p = so + g * 2 * NB;
+    float sc[NB], off[NB];
+    for (int j = 0; j < NB; ++j) {
+      sc[j] = static_cast<float>(p[j]);
+      off[j] = static_cast<float>(p[NB + j]) + 128.f * sc[j];
+    }
+    for (int m = 0; m < MB; ++m) {
+      const float xv = xsum[m * groups + g];
+#pragma omp simd
+      for (int j = 0; j < NB; ++j) a[m][j] += t[m][j] * sc[j] + xv * off[j];
+    }
+  }
+  std::memcpy(acc, a, sizeof(a));
 }
 #endif
 
@@ -195,14 +248,12 @@ static inline void block_dp(const uint32_t* x, int64_t xs, int64_t K2, const uin
 // Every block of N, in parallel, times the rows eight (then four) at a time, then the rest: kernel(m, rows, block,
 // acc) with rows a compile-time constant (so the accumulators stay in registers), then each result stored.
 template <typename F>
-static void over_blocks(int64_t M, int64_t N, const float* scale, const float* bias, float* y, bool round_bf16,
-                        F&& kernel) {
+static void over_blocks(int64_t M, int64_t N, const float* bias, float* y, bool round_bf16, F&& kernel) {
   auto store = [&](int64_t b, int64_t m, int rows, const float* acc) {
     const int64_t n0 = b * NB, nn = std::min(NB, N - n0);
     for (int i = 0; i < rows; ++i)
       for (int64_t j = 0; j < nn; ++j) {
-        const float sum = scale ? acc[i * NB + j] * scale[n0 + j] : acc[i * NB + j];
-        y[(m + i) * N + n0 + j] = round_to(round_bf16, sum + (bias ? bias[n0 + j] : 0.f));
+        y[(m + i) * N + n0 + j] = round_to(round_bf16, acc[i * NB + j] + (bias ? bias[n0 + j] : 0.f));
       }
   };
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
@@ -222,15 +273,15 @@ static void over_blocks(int64_t M, int64_t N, const float* scale, const float* b
   });
 }
 
-// y (M, N) float32 = x (M, K) float32 times the packed w, (N, K) as `pack` returns it (times `scale` per output
-// feature for int8 weights), + bias; `round_bf16` rounds each result to bfloat16.
-static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, const float* scale, const float* bias,
+// y (M, N) float32 = x (M, K) float32 times the packed w, (N, K) as `pack` returns it (int8 weights with `scale`, their
+// groups' scales and offsets as `pack_groups` returns them), + bias; `round_bf16` rounds each result to bfloat16.
+static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, const at::Half* scale, const float* bias,
                  float* y, bool round_bf16) {
   TORCH_CHECK(w.dim() == 2 && w.size(1) == K, "packed weight of ", w.sizes(), " for rows of ", K);
   const int64_t N = w.size(0);
   if (w.scalar_type() == at::kFloat) {
     const float* wp = w.data_ptr<float>();
-    over_blocks(M, N, nullptr, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
+    over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
       block_f32<decltype(rows)::value>(x + m * K, K, K, wp + b * K * NB, acc);
     });
     return;
@@ -238,8 +289,13 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
   if (w.scalar_type() == at::kChar) {
     TORCH_CHECK(scale != nullptr, "int8 weights need their scales");
     const int8_t* wp = w.data_ptr<int8_t>();
-    over_blocks(M, N, scale, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
-      block_i8<decltype(rows)::value>(x + m * K, K, K, wp + b * K * NB, acc);
+    const int64_t groups = (K + GROUP - 1) / GROUP;
+    std::vector<float> xsum(M * groups, 0.f);  // each row's sum of inputs per group, for the offsets
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / GROUP] += x[m * K + k];
+    over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
+      block_i8<decltype(rows)::value>(x + m * K, K, K, wp + b * K * NB, scale + b * groups * 2 * NB,
+                                      xsum.data() + m * groups, acc);
     });
     return;
   }
@@ -253,11 +309,11 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
       const uint32_t lo = f2bf(x[m * K + 2 * p]), hi = 2 * p + 1 < K ? f2bf(x[m * K + 2 * p + 1]) : 0u;
       xq[m * K2 + p] = lo | (hi << 16);
     }
-  over_blocks(M, N, nullptr, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
+  over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
     block_dp<decltype(rows)::value>(xq.data() + m * K2, K2, K2, wp + b * K2 * 2 * NB, acc);
   });
 #else
-  over_blocks(M, N, nullptr, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
+  over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
     block_bf16<decltype(rows)::value>(x + m * K, K, K, wp + b * K2 * 2 * NB, acc);
   });
 #endif
@@ -266,6 +322,13 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
 using Opt = c10::optional<torch::Tensor>;
 
 static torch::Tensor as_float(const torch::Tensor& t) { return t.to(torch::kFloat).contiguous(); }
+// int8 products' packed float16 scales and minima (`pack_groups`), nullptr for float ones.
+static const at::Half* groups_ptr(const Opt& t) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->size(2) == 2,
+              "int8 scales must be float16 (N, groups, 2) as pack_groups returns them, not ", t->sizes());
+  return t->data_ptr<at::Half>();
+}
 static const float* opt_ptr(const Opt& t, torch::Tensor& keep) {
   if (!t.has_value() || !t->defined()) return nullptr;
   keep = as_float(*t);
@@ -278,7 +341,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, Opt bias, Opt scale) {
   const int64_t M = xf.size(0), K = xf.size(1);
   auto y = torch::empty({M, w.size(0)}, xf.options());
   torch::Tensor b, s;
-  gemm(xf.data_ptr<float>(), M, K, w, opt_ptr(scale, s), opt_ptr(bias, b), y.data_ptr<float>(),
+  gemm(xf.data_ptr<float>(), M, K, w, groups_ptr(scale), opt_ptr(bias, b), y.data_ptr<float>(),
        x.scalar_type() == at::kBFloat16);
   return y.to(x.scalar_type());
 }
@@ -507,8 +570,7 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, t
   std::vector<float> h(M * H), qkv(M * n_qkv), att(M * n_heads * hd), y(M * H);
   rms_norm(x, norm, eps, bf16, h.data());
   torch::Tensor keep_b, keep_o;
-  torch::Tensor keep_s, keep_so;
-  gemm(h.data(), M, H, w_qkv, opt_ptr(s_qkv, keep_s), opt_ptr(b_qkv, keep_b), qkv.data(), bf16);
+  gemm(h.data(), M, H, w_qkv, groups_ptr(s_qkv), opt_ptr(b_qkv, keep_b), qkv.data(), bf16);
   auto sl = slots.to(torch::kLong).contiguous(), ps = positions.to(torch::kLong).contiguous();
   auto c = as_float(cos), s = as_float(sin);
   auto run = [&](auto* kc, auto* vc) {
@@ -519,7 +581,7 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, t
     run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
   else
     run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  gemm(att.data(), M, n_heads * hd, w_o, opt_ptr(s_o, keep_so), opt_ptr(b_o, keep_o), y.data(), bf16);
+  gemm(att.data(), M, n_heads * hd, w_o, groups_ptr(s_o), opt_ptr(b_o, keep_o), y.data(), bf16);
   return finish(x, y, residual, bf16);
 }
 
@@ -530,8 +592,7 @@ torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, torch::
   std::vector<float> h(M * H), gu(M * n_gate_up), act(M * inter), y(M * H);
   rms_norm(x, norm, eps, bf16, h.data());
   torch::Tensor keep_gu, keep_d;
-  torch::Tensor keep_sgu, keep_sd;
-  gemm(h.data(), M, H, w_gate_up, opt_ptr(s_gate_up, keep_sgu), opt_ptr(b_gate_up, keep_gu), gu.data(),
+  gemm(h.data(), M, H, w_gate_up, groups_ptr(s_gate_up), opt_ptr(b_gate_up, keep_gu), gu.data(),
        bf16);
   for (int64_t m = 0; m < M; ++m) {
     const float* gate = gu.data() + m * n_gate_up;
@@ -547,13 +608,17 @@ torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, torch::
     for (; i < inter; ++i) a[i] = gate[i] / (1.0f + std::exp(-gate[i]));
     for (i = 0; i < inter; ++i) a[i] = round_to(bf16, round_to(bf16, a[i]) * gate[inter + i]);  // * up, rounded
   }
-  gemm(act.data(), M, inter, w_down, opt_ptr(s_down, keep_sd), opt_ptr(b_down, keep_d), y.data(), bf16);
+  gemm(act.data(), M, inter, w_down, groups_ptr(s_down), opt_ptr(b_down, keep_d), y.data(), bf16);
   return finish(x, y, residual, bf16);
 }
 """
 
-_KERNEL = InlineKernel("shardmesh_cpu", _SOURCE, ["linear", "attention_block", "mlp_block"],
-                       ["-O3", "-march=native", "-fopenmp-simd"])  # fmt: skip
+_KERNEL = InlineKernel(
+    "shardmesh_cpu",
+    _SOURCE.replace("@GROUP@", str(INT8_GROUP)),
+    ["linear", "attention_block", "mlp_block"],
+    ["-O3", "-march=native", "-fopenmp-simd"],
+)
 
 
 def available() -> bool:
@@ -613,8 +678,29 @@ def unpack(packed: Tensor) -> Tensor:
     return dense[:n, :k].contiguous()
 
 
+def pack_groups(scale: Tensor) -> Tensor:
+    """int8 groups' (N, groups, 2) float16 scales and minima (`linear.quantize_groups`) in the blocks of `pack`: block
+    b's (groups, 2, NB), scales then minima of its NB output features, rows past N zeros; returned as an
+    (N, groups, 2) view of the blocked buffer, as `pack` returns its weights."""
+    n, groups, _ = scale.shape
+    blocks = -(-n // NB)
+    padded = torch.zeros(blocks * NB, groups, 2, dtype=torch.float16)
+    padded[:n] = scale
+    buffer = padded.view(blocks, NB, groups, 2).permute(0, 2, 3, 1).contiguous()
+    return buffer.view(-1).as_strided((n, groups, 2), (groups * 2, 2, 1))
+
+
+def unpack_groups(packed: Tensor) -> Tensor:
+    """The (N, groups, 2) scales and minima of a `pack_groups` buffer, as a new contiguous tensor."""
+    n, groups, _ = packed.shape
+    blocks = -(-n // NB)
+    flat = torch.empty(0, dtype=packed.dtype).set_(packed.untyped_storage())
+    blocked = flat[: blocks * groups * 2 * NB].view(blocks, groups, 2, NB)
+    return blocked.permute(0, 3, 1, 2).reshape(blocks * NB, groups, 2)[:n].contiguous()
+
+
 def linear(x: Tensor, packed: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-    """x (..., K) times a `pack`ed weight (N, K) (times `scale` (N,) per output feature for int8), + bias
+    """x (..., K) times a `pack`ed weight (N, K) (int8: with its groups' `pack_groups` scales and offsets), + bias
     -> (..., N) in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
     y = module().linear(rows, packed, bias, scale)  # type: ignore[attr-defined]

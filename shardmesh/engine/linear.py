@@ -19,14 +19,17 @@ row, 13.4 vs 27.5 ms for 16 rows; the whole SmolLM2 step in process: 42 -> 31 ms
 -> 67 ms for 16). oneDNN packs float32 only; other CPU dtypes get the input-major layout, which is
 PyTorch's faster GEMM for few rows (SmolLM2, all weights, one token: 41 -> 28 ms, see bench/).
 
-int8 weights (`Quantization.INT8`: int8 values, one float32 scale per output row) keep the activations in
-float, so every tensor-parallel degree computes the same numbers. On a float32 CPU shard: a loop compiled for
-the CPU at first use (`Int8CpuKernel`, `shardmesh.engine.int8_cpu`: all SmolLM2 products, one row, about a
-third of float32's time), else `torch._weight_int8pack_mm` with float32 activations (`Int8FP32Kernel`, slower
-than float32: 58 against 22 ms); elsewhere each weight converted to the activations' dtype inside the product
-(`Int8DequantKernel`). `Int8BF16Kernel` (`_weight_int8pack_mm` with bfloat16 activations, 10.5 ms on a CPU with
-native bfloat16) rounds each row-parallel partial sum to bfloat16 before the all-reduce adds them, so tp=3 and
-tp=1 differ (a greedy token flipped at a near-tie on SmolLM2): it is not chosen, only named.
+int8 weights (`Quantization.INT8`, `quantize_groups`): int8 values with a float16 scale and minimum per `INT8_GROUP`
+input features of each output row, W[n, k] = (q[n, k] + 128) · s[n, k // G] + m[n, k // G], 1.125 bytes per weight.
+Each group takes whichever of two grids holds it more closely: symmetric (steps of max|w| / 127 around 0, llama.cpp's
+Q8_0) or asymmetric (255 steps from its minimum to its maximum, Q4_1's shape at 8 bits). A checkpoint whose weights
+were once quantized to a 4- or 8-bit grid in blocks of 32 (SmolLM2's GGUF: Q4_1 layers, a Q8_0 embedding) is held
+exactly, up to the scale's float16 rounding; one scale per output row, the first format, lost 0.051 nats per token on
+SmolLM2 (bench/int8_quality.py). The activations stay in float, so every tensor-parallel degree computes the same
+numbers. On a float32 CPU shard with AVX-512 the blocked loop (`BlockedInt8Kernel`); other CPUs a loop compiled for
+them (`Int8CpuKernel`, `shardmesh.engine.int8_cpu`); without a compiler, CUDA, or other dtypes, each weight converted
+to the activations' dtype inside the product (`Int8DequantKernel`). PyTorch's own int8 product
+(`_weight_int8pack_mm`) takes one scale per row, so none of them uses it.
 `SHARDMESH_LINEAR_KERNEL` names a kernel to use instead of the one chosen.
 """
 
@@ -40,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardmesh.core.dtypes import INT8_GROUP, INT8_QUANTIZE_CHUNK
 from shardmesh.engine import cpu_kernels, int8_cpu
 from shardmesh.engine.cpu_features import cpu_flags
 
@@ -60,7 +64,7 @@ class LinearKernel(ABC):
     """
 
     name = "dense"
-    quantized = False  # reads int8 weights with a scale per output row
+    quantized = False  # reads int8 weights with their groups' scales (`quantize_groups`)
 
     def prepare(self, weight: Tensor) -> Tensor:
         return weight
@@ -127,93 +131,52 @@ class BlockedCpuKernel(LinearKernel):
 
 
 class BlockedInt8Kernel(BlockedCpuKernel):
-    """The same blocks of int8 weights, widened to float32 in registers, with float32 activations and sums and the
-    scale applied to each sum: the numbers of `Int8DequantKernel`, a quarter of float32's bytes (CPU, float32
-    activations, AVX-512, kernels built; the decode runner reads these too)."""
+    """The same blocks of int8 weights, widened to float32 in registers, with float32 activations: each group's sums
+    scaled, plus its offset times the group's sum of inputs (`cpu_kernels.pack_groups` lays the scales out by block).
+    The numbers of `Int8DequantKernel` up to the order of sums, at a bit over a quarter of float32's bytes (CPU,
+    float32 activations, AVX-512, kernels built; the decode runner reads these too)."""
 
     name = "int8-blocked"
     quantized = True
 
     def prepare_scale(self, scale: Tensor) -> Tensor:
-        return scale.float().contiguous()
+        return cpu_kernels.pack_groups(scale)
 
     def dense(self, weight: Tensor, scale: Tensor | None = None) -> Tensor:
         assert scale is not None
-        return super().dense(weight).float() * scale.float()[:, None]
+        return dequantize(super().dense(weight), cpu_kernels.unpack_groups(scale))
 
 
 class Int8DequantKernel(LinearKernel):
-    """Y = (X Qᵀ) · s + b, Q converted to X's dtype inside the product: activations stay as they are, so every
-    tensor-parallel degree computes the same numbers as a float product of the dequantized weight (CUDA, and
-    CPUs without native bfloat16)."""
+    """Y = X (Q · s + o)ᵀ + b, the weight dequantized to X's dtype inside the product: activations stay as they are,
+    so every tensor-parallel degree computes the same numbers as a float product of the dequantized weight (CUDA,
+    dtypes other than float32, CPUs without a compiler)."""
 
     name = "int8-dequant"
     quantized = True
 
     def dense(self, weight: Tensor, scale: Tensor | None = None) -> Tensor:
         assert scale is not None
-        return weight.float() * scale.float()[:, None]
+        return dequantize(weight, scale)
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
         assert scale is not None
-        y = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
-        return y + bias if bias is not None else y
+        return F.linear(x, dequantize(weight, scale).to(x.dtype), bias)
 
 
-class _Int8RowsKernel(Int8DequantKernel):
-    """An int8 product over X's rows as one (rows, in) matrix, `_rows`, for up to `max_rows` rows (None: any);
-    more take `Int8DequantKernel`'s float GEMM."""
-
-    max_rows: int | None = None
-
-    @abstractmethod
-    def _rows(self, rows: Tensor, weight: Tensor, scale: Tensor) -> Tensor: ...
-
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-        assert scale is not None
-        rows = x.reshape(-1, x.shape[-1])
-        if self.max_rows is not None and rows.shape[0] > self.max_rows:
-            return super().__call__(x, weight, bias, scale)
-        y = self._rows(rows, weight, scale).reshape(*x.shape[:-1], weight.shape[0])
-        return y + bias if bias is not None else y
-
-
-class Int8FP32Kernel(_Int8RowsKernel):
-    """`torch._weight_int8pack_mm` with float32 activations and scales for one row, float32 in and out; more rows
-    take `Int8DequantKernel`'s product, whose cost hardly grows with them while this op's grows with each row
-    (all SmolLM2 products: 58 ms for 1 row, 1.4 s for 16, against 100 and ~110 ms) (CPU, float32)."""
-
-    name = "int8-fp32"
-    max_rows = 1
-
-    def _rows(self, rows: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
-        return torch._weight_int8pack_mm(rows, weight, scale)
-
-
-class Int8CpuKernel(_Int8RowsKernel):
+class Int8CpuKernel(Int8DequantKernel):
     """`int8_cpu.linear` for up to `int8_cpu.MAX_ROWS` rows (decode), `Int8DequantKernel`'s float GEMM for more
     (a prompt), float32 in and out (CPU, float32, where the kernel builds)."""
 
     name = "int8-cpu"
-    max_rows = int8_cpu.MAX_ROWS
 
-    def _rows(self, rows: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
-        return int8_cpu.linear(rows, weight, scale)
-
-
-class Int8BF16Kernel(_Int8RowsKernel):
-    """`torch._weight_int8pack_mm`: X in bfloat16 times int8 Q, float32 accumulation, times s, rounded to
-    bfloat16 (CPUs with native bfloat16). Weight-only: the activations are rounded to bfloat16 on the way in
-    and the product on the way out, elementwise, the same at every tensor-parallel degree except the partial
-    sums of row-parallel products, each rounded before they are added."""
-
-    name = "int8-bf16"
-
-    def prepare_scale(self, scale: Tensor) -> Tensor:
-        return scale.to(torch.bfloat16)
-
-    def _rows(self, rows: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
-        return torch._weight_int8pack_mm(rows.to(torch.bfloat16), weight, scale).to(rows.dtype)
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+        assert scale is not None
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > int8_cpu.MAX_ROWS:
+            return super().__call__(x, weight, bias, scale)
+        y = int8_cpu.linear(rows, weight, scale).reshape(*x.shape[:-1], weight.shape[0])
+        return y + bias if bias is not None else y
 
 
 DENSE = DenseKernel()
@@ -225,10 +188,8 @@ KERNELS: dict[str, type[LinearKernel]] = {
         OneDNNPackedKernel,
         BlockedCpuKernel,
         Int8DequantKernel,
-        Int8FP32Kernel,
         Int8CpuKernel,
         BlockedInt8Kernel,
-        Int8BF16Kernel,
     )
 }
 KERNEL_ENV = "SHARDMESH_LINEAR_KERNEL"
@@ -261,7 +222,7 @@ def choose_kernel(dtype: torch.dtype, device: torch.device | str, quantized: boo
             return Int8DequantKernel()
         if _blocked_suits_cpu():
             return BlockedInt8Kernel()
-        return Int8CpuKernel() if int8_cpu.available() else Int8FP32Kernel()
+        return Int8CpuKernel() if int8_cpu.available() else Int8DequantKernel()
     if not cpu:
         return DENSE
     if dtype in (torch.float32, torch.bfloat16) and _blocked_suits_cpu():
@@ -274,8 +235,9 @@ def choose_kernel(dtype: torch.dtype, device: torch.device | str, quantized: boo
 class LinearProduct(nn.Module):
     """A module whose product with `weight` is computed by `kernel`, `DENSE` until the loader picks one.
 
-    A quantized product's `weight` holds int8 values and `weight_scale` one float32 scale per output row
-    (None for a float product): W = weight · weight_scale, row by row.
+    A quantized product's `weight` holds int8 values and `weight_scale` (out, groups, 2) float32 pairs, the scale
+    and offset of each group of `INT8_GROUP` inputs (None for a float product): `dequantize` says how they
+    combine. Kernels may re-store both (`LinearKernel.prepare`, `prepare_scale`).
     """
 
     weight: nn.Parameter
@@ -311,12 +273,57 @@ def layer_products(model: nn.Module) -> set[str]:
     }
 
 
-def quantize_rows(weight: Tensor, row_absmax: Tensor) -> tuple[Tensor, Tensor]:
-    """(float32 scales (out,), int8 values (out, in)) with weight ≈ values · scale row by row; an all-zero row
-    gets the smallest scale (its values are 0 whatever it is)."""
-    scale = (row_absmax.float() / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round(weight.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return scale, q
+def quantize_groups(weight: Tensor, group: int = INT8_GROUP) -> tuple[Tensor, Tensor]:
+    """(int8 values q (out, in), float16 (out, groups, 2) scale s and minimum m of each `group` inputs of a row) with
+    weight ≈ s · (q + 128) + m, group by group (the last one may be shorter): 4 bytes per group, an eighth of a byte
+    per weight at 32.
+
+    Each group takes the closer (least squared error) of two grids: symmetric, s = max|w| / 127 and m = −128 s
+    (values ±127 around 0), or asymmetric, s = (max − min) / 255 and m = min (256 values from the minimum up). The
+    first holds a group of a Q8_0 tensor exactly (s is its float16 scale), the second one of Q4_1 up to s's float16
+    rounding (m is its float16 minimum and every level 17 int8 steps apart); a ±x-symmetric group of float weights
+    prefers the first, a skewed one the second. An all-zero group gets the smallest scale. Rows are quantized
+    `INT8_QUANTIZE_CHUNK` elements at a time, in float64, the values rounded for the pair as stored, so `dequantize`
+    reproduces what was compared."""
+    out_f, in_f = weight.shape
+    groups = -(-in_f // group)
+    values = torch.empty(out_f, in_f, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(out_f, groups, 2, dtype=torch.float16, device=weight.device)
+    step = max(1, INT8_QUANTIZE_CHUNK // max(1, in_f))
+    for r in range(0, out_f, step):
+        values[r : r + step], scale[r : r + step] = _quantize_rows(weight[r : r + step], group)
+    return values, scale
+
+
+def _quantize_rows(weight: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    rows, in_f = weight.shape
+    groups = -(-in_f // group)
+    w = weight.double()
+    if groups * group != in_f:  # pad the last group with one of its own values (changing neither min nor max)
+        w = torch.cat([w, w[:, -1:].expand(rows, groups * group - in_f)], 1)
+    w = w.view(rows, groups, group)
+    tiny = torch.finfo(torch.float16).smallest_normal
+    lo, hi = w.amin(2), w.amax(2)
+    sym_scale = (torch.maximum(hi, -lo) / 127).clamp(min=tiny).half()
+    sym = torch.stack([sym_scale, -128 * sym_scale], 2)  # exact: times a power of two
+    asym = torch.stack([((hi - lo) / 255).clamp(min=tiny).half(), lo.half()], 2)
+
+    def fit(pair: Tensor) -> tuple[Tensor, Tensor]:
+        s, m = pair[..., 0:1].double(), pair[..., 1:2].double()
+        q = torch.round((w - m) / s).clamp_(0, 255)
+        return q - 128, (q * s + m - w).pow_(2).sum(2)
+
+    (q_sym, e_sym), (q_asym, e_asym) = fit(sym), fit(asym)
+    use_asym = e_asym < e_sym
+    q = torch.where(use_asym[..., None], q_asym, q_sym).view(rows, groups * group)[:, :in_f]
+    return q.to(torch.int8), torch.where(use_asym[..., None], asym, sym)
+
+
+def dequantize(values: Tensor, scale: Tensor, group: int = INT8_GROUP) -> Tensor:
+    """The float32 (out, in) weight of int8 `values` (out, in) with `scale` (out, groups, 2) (`quantize_groups`)."""
+    in_f = values.shape[1]
+    s, m = (scale[..., i].float().repeat_interleave(group, 1)[:, :in_f] for i in (0, 1))
+    return (values.float() + 128) * s + m
 
 
 @dataclass(frozen=True)

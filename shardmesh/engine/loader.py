@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import structlog
 import torch
 from torch import nn
 
 from shardmesh.core.config import ModelConfig
-from shardmesh.core.dtypes import DType, Quantization
+from shardmesh.core.dtypes import INT8_GROUP, DType, Quantization
 from shardmesh.core.layout import ShardSpec
 from shardmesh.engine.groups import Collective, UnboundGroup
-from shardmesh.engine.linear import Linear, LinearProduct, choose_kernel, layer_products, quantize_rows
+from shardmesh.engine.linear import Linear, LinearProduct, choose_kernel, layer_products, quantize_groups
 from shardmesh.engine.model import Transformer
 from shardmesh.engine.offload import is_streamed, stream_layers
-from shardmesh.engine.reads import read_tensors, row_absmax
+from shardmesh.engine.reads import read_tensors
 from shardmesh.engine.tp import apply_tp, checkpoint_index
 from shardmesh.models.checkpoint import Checkpoint, TensorRead
+
+log = structlog.get_logger()
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 
@@ -144,7 +147,7 @@ def build_shard(
 
 class _Int8:
     """`read_tensors`' finish step: each quantized product, as soon as it is read, to int8 values (returned, for
-    the model to load) and a float32 scale per output row (kept in `scales` for `build_shard` to attach)."""
+    the model to load) and its groups' float32 scales and offsets (kept in `scales` for `build_shard` to attach)."""
 
     def __init__(self, ckpt: Checkpoint, model: Transformer) -> None:
         self.ckpt = ckpt
@@ -154,5 +157,22 @@ class _Int8:
     def __call__(self, target: str, reads: list[TensorRead], loaded: torch.Tensor) -> torch.Tensor:
         if target not in self.names:
             return loaded
-        self.scales[target], q = quantize_rows(loaded, row_absmax(self.ckpt, reads, loaded))
+        _edge_groups(target, reads)
+        q, self.scales[target] = quantize_groups(loaded)
         return q
+
+
+def _edge_groups(target: str, reads: list[TensorRead]) -> None:
+    """Log when a tensor-parallel slice of some inputs (a row-parallel product's) does not hold whole int8 groups.
+    Groups start at the slice's first input, so such a slice's edge groups are not the unsliced product's: its
+    numbers differ from other degrees' by int8 rounding. Slices of whole groups (head dims and FFN splits that are
+    multiples of `INT8_GROUP`, as in Llama-family models) hold exactly the numbers of every other degree."""
+    for r in reads:
+        if r.index is None or len(r.index) < 2:
+            continue
+        start, stop, _ = r.index[1].indices(r.full_shape[1])
+        if start % INT8_GROUP or (stop != r.full_shape[1] and stop % INT8_GROUP):
+            note = "this slice's edge groups differ from other tensor-parallel degrees'"
+            log.warning("int8_groups_split", product=target, inputs=[start, stop], of=r.full_shape[1],
+                        group=INT8_GROUP, note=note)  # fmt: skip
+            return

@@ -72,36 +72,6 @@ def read_tensors(
     return out
 
 
-ABSMAX_CHUNK_BYTES = 64 * 1024 * 1024  # of float32 rows at a time, when whole rows are read for their maxima
-
-
-def row_absmax(ckpt: Checkpoint, reads: list[TensorRead], loaded: torch.Tensor) -> torch.Tensor:
-    """Each row of a 2-D target: its largest |value| over the whole checkpoint row, in float32.
-
-    A read of whole rows (a column-parallel slice, the whole tensor) has them in `loaded` already; a read of
-    some columns (a row-parallel slice) reads its rows whole from the file, a chunk at a time, so a rank
-    knows the maximum of the columns it does not hold.
-    """
-    parts = []
-    for r in reads:
-        rows = r.index[0] if r.index is not None else slice(None)
-        whole_rows = r.index is None or all(s == slice(None) for s in r.index[1:])
-        if whole_rows:
-            parts.append(loaded[r.row : r.row + r.shape[0]].float().abs().amax(1))
-            continue
-        path = ckpt.info(r.source).file
-        start, stop, _ = rows.indices(r.full_shape[0])
-        step = max(1, ABSMAX_CHUNK_BYTES // (4 * max(1, r.full_shape[1])))
-        try:
-            with safe_open(os.fspath(path), framework="pt") as f:
-                sl = f.get_slice(r.source)
-                for a in range(start, stop, step):
-                    parts.append(sl[a : min(a + step, stop)].to(loaded.dtype).float().abs().amax(1))
-        except Exception as e:  # safetensors raises its own error types
-            raise CheckpointError(f"{path}: tensor '{r.source}': cannot read: {e}") from None
-    return torch.cat(parts).to(loaded.device)
-
-
 def _read_into(dst: torch.Tensor, path: Path, r: TensorRead) -> None:
     """Copy one slice out of the file into `dst`, memory we own.
 

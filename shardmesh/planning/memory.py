@@ -39,14 +39,12 @@ Notation, per shard (stage `s` × tensor rank `r` of `tp`); `b` is the bytes of 
                       LinearProduct.use_kernel`), one at a time, each original freed as its copy replaces it:
                       M = elements of the shard's largest 2-D parameter but the embedding.
                 cuda: S × c (slices are read on the host; at most one is staged on the device).
-                int8: the largest of the above and P × (b + 8), P = elements of the shard's largest product. The
-                product is read whole in b, then `linear.quantize_rows` holds two float32 temporaries of it
-                (8 bytes per element, measured) before its int8 copy (counted in weights) replaces it.
-                (cpu) P × b + A × (c + 8) for a row-parallel product (o, down at tp > 1; P bounds its
-                size), whose scales need whole checkpoint rows: `reads.row_absmax` reads A elements at a
-                time (at most 64 MiB of float32), mapped (c) and at most two copies (≤ 4 bytes) at once; on
-                cuda those chunks stay on the host. Products are not re-laid out (the int8 kernels read them
-                as loaded): M counts only the LM head's matrix.
+                int8: the largest of the above and P × b + min(P, Q) × t, P = elements of the shard's largest
+                product: it is read whole in b, then `linear.quantize_groups` quantizes Q =
+                `INT8_QUANTIZE_CHUNK` elements at a time with at most t = `INT8_QUANTIZE_TEMP_BYTES` bytes of
+                float64 temporaries each, before its int8 copy (counted in weights) replaces it. Products are
+                not re-laid out in float (the int8 kernels block the int8 values): M counts only the LM head's
+                matrix.
   runtime     = the fixed cost of a worker process (`RuntimeCosts`), measured on CPU.
 
 Peak = runtime + weights + buffers + max(load, kv_cache + activations): loading finishes (and frees its
@@ -61,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from shardmesh.core.config import ModelConfig
-from shardmesh.core.dtypes import DType, Quantization
+from shardmesh.core.dtypes import INT8_QUANTIZE_CHUNK, INT8_QUANTIZE_TEMP_BYTES, DType, Quantization
 from shardmesh.core.heads import HeadSplit, mlp_range
 from shardmesh.core.topology import ServingLimits
 from shardmesh.models.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, TensorRead
@@ -219,10 +217,10 @@ def _load_transient(model: ModelInfo, held: list[Part], b: int, quant: Quantizat
     # int8 products keep the layout they were loaded in: only the float matrices (the LM head) are re-laid out.
     relayout = max((part.largest_matrix for part in held if part not in quantized), default=0) * b if cpu else 0
     transient = [2 * read if cpu else read, relayout]
-    for part in quantized:
-        transient.append(part.largest_product * (b + 8))  # as read, plus quantize_rows' float32 temporaries
-        if cpu and part.absmax_chunk:  # whole checkpoint rows for a row-parallel product's scales, on the host
-            transient.append(part.largest_product * b + part.absmax_chunk * (c + 8))
+    for part in quantized:  # as read, plus quantize_groups' float64 temporaries for one chunk of rows
+        transient.append(
+            part.largest_product * b + min(part.largest_product, INT8_QUANTIZE_CHUNK) * INT8_QUANTIZE_TEMP_BYTES
+        )
     return max(transient)
 
 

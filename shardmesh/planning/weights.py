@@ -108,12 +108,6 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {s.source: s.full for s in shard_slices(cfg, range(cfg.num_layers), 1, 0)}
 
 
-# `shardmesh.engine.reads.ABSMAX_CHUNK_BYTES` (that module imports torch; a test checks the two agree): a
-# row-parallel slice quantized to int8 reads its whole checkpoint rows for their maxima this many bytes of
-# float32 at a time.
-ABSMAX_CHUNK_BYTES = 64 * 1024 * 1024
-
-
 @dataclass(frozen=True)
 class Part:
     """Elements one rank holds of one part of a shard: the embedding, one decoder layer, or the final norm
@@ -123,7 +117,6 @@ class Part:
     largest_matrix: int = 0  # the largest 2-D parameter the CPU re-layout copies (not the embedding)
     largest_read: int = 0  # the largest single slice read from the checkpoint
     products: tuple[tuple[int, int], ...] = ()  # (out, in) of each product int8 can store (a layer's), sorted
-    absmax_chunk: int = 0  # elements of the largest chunk of whole checkpoint rows read for int8 scales
     spans: tuple[int, ...] = ()  # per product read (a layer's), sorted: elements from its first to its last in the file
 
     @property
@@ -132,7 +125,7 @@ class Part:
 
     def nbytes(self, dtype: DType, quantization: Quantization = Quantization.NONE) -> int:
         """Bytes of the part in `dtype`, its products stored as `quantization` says (`Quantization.weight_bytes`:
-        int8 values plus a float32 scale per local output row)."""
+        int8 values plus a float32 scale and offset per group of inputs of each local output row)."""
         in_products = sum(o * i for o, i in self.products)
         stored = sum(quantization.weight_bytes(o, i, dtype) for o, i in self.products)
         return (self.total - in_products) * dtype.itemsize + stored
@@ -145,15 +138,6 @@ class WeightParts:
     embedding: Part  # the first stage's extra
     layer: Part  # one decoder layer
     head: Part  # the last stage's extra
-
-
-def _absmax_chunk(s: TensorSlice) -> int:
-    """Elements `reads.row_absmax` reads at once for a slice of some columns (row-parallel): whole checkpoint
-    rows, at most `ABSMAX_CHUNK_BYTES` of float32; 0 for a slice of whole rows (its maxima are in the slice)."""
-    if len(s.full) != 2 or s.local[1] == s.full[1]:
-        return 0
-    rows = min(s.full[0], max(1, ABSMAX_CHUNK_BYTES // (4 * max(1, s.full[1]))))
-    return rows * s.full[1]
 
 
 def _span(s: TensorSlice) -> int:
@@ -171,10 +155,9 @@ def _part(slices: list[TensorSlice], relaid: bool = True, quantizable: bool = Fa
         params[s.target] = (rows, *s.local[1:])
     matrices = [math.prod(shape) for shape in params.values() if len(shape) == 2] if relaid else []
     products = sorted((shape[0], shape[1]) for shape in params.values() if len(shape) == 2) if quantizable else []
-    chunk = max((_absmax_chunk(s) for s in slices), default=0) if quantizable else 0
     spans = sorted(_span(s) for s in slices if len(params[s.target]) == 2) if quantizable else []
     return Part(sum(s.numel for s in slices), max(matrices, default=0), max((s.numel for s in slices), default=0),
-                tuple(products), chunk, tuple(spans))  # fmt: skip
+                tuple(products), tuple(spans))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=512)

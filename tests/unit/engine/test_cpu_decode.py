@@ -14,7 +14,7 @@ from shardmesh.engine import cpu_kernels
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.cpu_decode import CpuDecode, cpu_decode
 from shardmesh.engine.groups import ShardGroups, SingleRank
-from shardmesh.engine.linear import KERNEL_ENV, BlockedCpuKernel, BlockedInt8Kernel, quantize_rows
+from shardmesh.engine.linear import KERNEL_ENV, BlockedCpuKernel, BlockedInt8Kernel, dequantize, quantize_groups
 from shardmesh.engine.loader import build_shard
 from shardmesh.engine.model import Transformer
 from shardmesh.engine.stage import StageEngine
@@ -51,11 +51,11 @@ def test_blocked_int8_product_equals_the_dequantized_one(shape: tuple[int, int, 
     rows, n, k = shape
     g = torch.Generator().manual_seed(n + k)
     w, x, bias = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
-    scale, q = quantize_rows(w, w.abs().amax(1))
-    packed = cpu_kernels.pack(q)
-    assert torch.equal(cpu_kernels.unpack(packed), q)
-    got = cpu_kernels.linear(x, packed, bias, scale)
-    want = x.double() @ (q.double() * scale.double()[:, None]).T + bias.double()
+    q, scale = quantize_groups(w + 0.1)
+    packed, groups = cpu_kernels.pack(q), cpu_kernels.pack_groups(scale)
+    assert torch.equal(cpu_kernels.unpack(packed), q) and torch.equal(cpu_kernels.unpack_groups(groups), scale)
+    got = cpu_kernels.linear(x, packed, bias, groups)
+    want = x.double() @ dequantize(q, scale).double().T + bias.double()
     assert ((got.double() - want).abs() / (want.abs() + 1)).max() < 1e-5
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shardmesh.core.dtypes import Quantization
+from shardmesh.core.dtypes import INT8_GROUP, Quantization
 from shardmesh.core.layout import ShardSpec
 from shardmesh.engine import cpu_kernels, linear
 from shardmesh.engine.groups import UnboundGroup
@@ -22,16 +22,14 @@ from shardmesh.engine.linear import (
     BlockedInt8Kernel,
     DenseKernel,
     InputMajorKernel,
-    Int8BF16Kernel,
     Int8CpuKernel,
     Int8DequantKernel,
-    Int8FP32Kernel,
     Linear,
     LinearProduct,
     OneDNNPackedKernel,
     choose_kernel,
-    cpu_has_native_bf16,
-    quantize_rows,
+    dequantize,
+    quantize_groups,
 )
 from shardmesh.engine.loader import build_shard
 from tests.checkpoints import make_checkpoint
@@ -118,55 +116,76 @@ def test_loader_prepares_every_product_and_nothing_else(tmp_path: Path, dtype: t
 # -- int8 ---------------------------------------------------------------------------------------------------------
 
 
-def test_int8_rows_round_to_the_nearest_step_of_their_own_scale() -> None:
-    w = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0], [-254.0, 127.0, 1.0]])
-    scale, q = quantize_rows(w, w.abs().amax(1))
-    assert q.dtype == torch.int8 and scale.dtype == torch.float32
-    assert q.tolist() == [[127, -64, 32], [0, 0, 0], [-127, 64, 0]]  # 63.5 and 0.5 round to even
-    torch.testing.assert_close(scale, torch.tensor([1 / 127, torch.finfo(torch.float32).tiny, 2.0]))
-    # A larger maximum over the whole row (columns another rank holds) coarsens the step, as it must.
-    scale, q = quantize_rows(w[:1, :2], torch.tensor([2.0]))
-    assert q.tolist() == [[64, -32]]
+def test_int8_groups_hold_q8_0_and_q4_1_blocks_exactly() -> None:
+    """A group of a Q8_0 tensor (d · q, |q| ≤ 127 reaching 127, d a float16) takes the symmetric grid and comes back
+    exactly; a group of Q4_1 (m + d · k, k = 0..15 from its minimum to its maximum) the asymmetric one, exact up to
+    its scale d / 17 rounded to float16. A zero group stays zero."""
+    g = torch.Generator().manual_seed(0)
+    q8 = torch.randint(-127, 128, (3, 32), generator=g).float()
+    q8[:, 5] = 127.0
+    q41 = torch.randint(0, 16, (3, 32), generator=g).float()
+    q41[:, 0], q41[:, 1] = 0.0, 15.0
+    d = torch.tensor([[0.01], [0.002], [0.5]]).half().float()
+    m = torch.tensor([[-0.07], [0.001], [-4.0]]).half().float()
+    w = torch.cat([d * q8, m + d * q41, torch.zeros(3, 32)], 1)  # groups: Q8_0, Q4_1, zeros
+    values, scale = quantize_groups(w)
+    assert values.dtype == torch.int8 and scale.dtype == torch.float16 and scale.shape == (3, 3, 2)
+    assert torch.equal(scale[:, 0, 0].float(), d[:, 0]) and torch.equal(scale[:, 1, 1].float(), m[:, 0])
+    back = dequantize(values, scale)
+    assert torch.equal(back[:, :32], w[:, :32]) and torch.equal(back[:, 64:], w[:, 64:])
+    assert bool(((back[:, 32:64] - w[:, 32:64]).abs() <= d * 2**-8).all())  # 255 steps of d/17 (1 + 2^-11)
+    assert torch.equal((values[:, 32:64].int() + 128) % 17, torch.zeros(3, 32, dtype=torch.int32))
 
 
-INT8_KERNELS = (
-    [Int8DequantKernel(), Int8FP32Kernel(), Int8CpuKernel()]
-    + ([Int8BF16Kernel()] if cpu_has_native_bf16() else [])
-    + ([BlockedInt8Kernel()] if cpu_kernels.available() else [])
-)
+@pytest.mark.parametrize("cols", [32, 72, 5])
+def test_int8_groups_round_to_the_nearest_step_a_short_last_group_included(
+    cols: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every weight within half a step of its group's grid, the last group shorter when the inputs are not a multiple
+    of the group; quantizing a few rows at a time gives the same numbers as all at once."""
+    g = torch.Generator().manual_seed(cols)
+    w = torch.randn(20, cols, generator=g) + torch.rand(20, 1, generator=g)  # skewed rows
+    values, scale = quantize_groups(w)
+    assert scale.shape == (20, -(-cols // INT8_GROUP), 2)
+    step = scale[..., 0].repeat_interleave(INT8_GROUP, 1)[:, :cols]
+    assert bool(((dequantize(values, scale) - w).abs() <= step.float() / 2 * 1.01).all())
+    monkeypatch.setattr(linear, "INT8_QUANTIZE_CHUNK", 3 * cols)  # three rows at a time
+    again = quantize_groups(w)
+    assert torch.equal(again[0], values) and torch.equal(again[1], scale)
 
 
-# int8-cpu: a row alone, blocks of four and a tail, the GEMM; int8-blocked: rows by eight, four and the rest
+INT8_KERNELS = [Int8DequantKernel(), Int8CpuKernel()] + ([BlockedInt8Kernel()] if cpu_kernels.available() else [])
+
+
+# int8-cpu: a row alone and several, the GEMM past its rows; int8-blocked: rows by eight, four and the rest; 72
+# inputs: two groups and a short one
 @pytest.mark.parametrize("rows", [1, 3, 7, 9, 13])
 @pytest.mark.parametrize("kernel", INT8_KERNELS, ids=lambda k: k.name)
 def test_each_int8_kernel_multiplies_by_the_dequantized_weight(kernel, rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
-    w, b, x = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(rows, 64, generator=g)
-    scale, q = quantize_rows(w, w.abs().amax(1))
-    weight, prepared_scale = kernel.prepare(q), kernel.prepare_scale(scale)
-    dense = q.float() * scale[:, None]
-    assert torch.equal(kernel.dense(weight, prepared_scale), dense) or kernel.name == "int8-bf16"
-    # int8-bf16 rounds x and the product to bfloat16 (8 bits of mantissa: 2^-8 relative, a few 1e-2 here).
-    tol = 5e-2 if kernel.name == "int8-bf16" else 1e-5
-    torch.testing.assert_close(kernel(x, weight, b, prepared_scale), F.linear(x, dense, b), rtol=tol, atol=tol)
+    w, b, x = torch.randn(96, 72, generator=g) - 0.3, torch.randn(96, generator=g), torch.randn(rows, 72, generator=g)
+    values, scale = quantize_groups(w)
+    weight, prepared_scale = kernel.prepare(values), kernel.prepare_scale(scale)
+    dense = dequantize(values, scale)
+    assert torch.equal(kernel.dense(weight, prepared_scale), dense)
+    torch.testing.assert_close(kernel(x, weight, b, prepared_scale), F.linear(x, dense, b), rtol=1e-5, atol=1e-5)
 
 
 def test_int8_kernel_chosen_from_the_cpu_and_named_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     import shardmesh.engine.linear as linear
 
-    monkeypatch.setattr(linear, "cpu_has_native_bf16", lambda: True)  # bfloat16 activations: never chosen
     blocked = linear._blocked_suits_cpu()
     assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is (BlockedInt8Kernel if blocked
                                                                          else Int8CpuKernel)  # fmt: skip
     monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # no AVX-512: the int8-cpu loop
     assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is Int8CpuKernel
     monkeypatch.setattr(linear.int8_cpu, "available", lambda: False)  # no compiler here
-    assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is Int8FP32Kernel
+    assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is Int8DequantKernel
     assert type(choose_kernel(torch.float16, "cpu", quantized=True)) is Int8DequantKernel
     assert type(choose_kernel(torch.bfloat16, "cuda", quantized=True)) is Int8DequantKernel
-    monkeypatch.setenv(KERNEL_ENV, "int8-bf16")
-    assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is Int8BF16Kernel
-    assert type(choose_kernel(torch.float32, "cpu")) is not Int8BF16Kernel  # it reads float weights: not for it
+    monkeypatch.setenv(KERNEL_ENV, "int8-cpu")
+    assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is Int8CpuKernel
+    assert type(choose_kernel(torch.float32, "cpu")) is not Int8CpuKernel  # it reads int8 weights: not for floats
     monkeypatch.setenv(KERNEL_ENV, "int4")
     with pytest.raises(ValueError, match="SHARDMESH_LINEAR_KERNEL='int4': expected one of"):
         choose_kernel(torch.float32, "cpu")
@@ -175,10 +194,11 @@ def test_int8_kernel_chosen_from_the_cpu_and_named_by_the_environment(monkeypatc
 @pytest.mark.parametrize("tp", [1, 2])
 def test_int8_shards_hold_the_same_numbers_at_every_tp_degree(tmp_path: Path, tp: int,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """Scales come from whole checkpoint rows, so the row-parallel slices of tp ranks put together are the
-    tp=1 shard's int8 values and scales; the embedding, norms and LM head stay in float."""
-    monkeypatch.setenv(KERNEL_ENV, "int8-dequant")  # float32 scales as made (int8-bf16 stores them in bfloat16)
-    d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=2)
+    """Groups run along the inputs, and a row-parallel slice of whole groups (head dim 16 x 2 heads, 64 of the FFN's
+    128) holds the groups of the unsliced product: the tp ranks' values and scales put together are the tp=1
+    shard's. The embedding, norms and LM head stay in float."""
+    monkeypatch.setenv(KERNEL_ENV, "int8-dequant")  # values and scales as made, unblocked
+    d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=2, hidden_size=64, intermediate_size=128)
     spec = ShardSpec(0, 2, 2)
     full = build_shard(d, spec, dtype=torch.float32, progress=False, quantization=Quantization.INT8)
     products = {n: m for n, m in full.named_modules() if isinstance(m, LinearProduct)}
@@ -189,11 +209,36 @@ def test_int8_shards_hold_the_same_numbers_at_every_tp_degree(tmp_path: Path, tp
         if m.weight_scale is not None:
             w = float_model.get_submodule(name).kernel.dense(float_model.get_submodule(name).weight)
             err = (m.kernel.dense(m.weight, m.weight_scale) - w).abs()
-            assert bool((err <= m.weight_scale.float()[:, None] / 2 * 1.001).all()), name
+            step = m.weight_scale[..., 0].repeat_interleave(INT8_GROUP, 1)[:, : w.shape[1]]
+            assert bool((err <= step.float() / 2 * 1.01).all()), name
     parts = [build_shard(d, ShardSpec(0, 2, 2, r, tp), UnboundGroup(r, tp), progress=False,
                          quantization=Quantization.INT8) for r in range(tp)]  # fmt: skip
     for name in ("model.layers.1.self_attn.o_proj", "model.layers.0.mlp.down_proj"):  # row-parallel
         whole = products[name]
         pieces = [p.get_submodule(name) for p in parts]
         assert torch.equal(torch.cat([p.weight for p in pieces], dim=1), whole.weight)
-        assert all(torch.equal(p.weight_scale, whole.weight_scale) for p in pieces)
+        assert torch.equal(torch.cat([p.weight_scale for p in pieces], dim=1), whole.weight_scale)
+
+
+def test_int8_slices_of_partial_groups_are_quantized_on_their_own_and_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Head dim 12: at tp=2 the attention output's slices hold 24 inputs, not whole groups of 32, so each rank's groups
+    start at its slice; its weights are still within half a step of the float ones, and the loader says which
+    products differ from other degrees."""
+    from structlog.testing import capture_logs
+
+    monkeypatch.setenv(KERNEL_ENV, "int8-dequant")
+    d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=1)
+    float_model = build_shard(d, ShardSpec(0, 1, 1), dtype=torch.float32, progress=False)
+    with capture_logs() as logs:
+        part = build_shard(d, ShardSpec(0, 1, 1, 1, 2), UnboundGroup(1, 2), progress=False,
+                           quantization=Quantization.INT8)  # fmt: skip
+    split = {e["product"] for e in logs if e["event"] == "int8_groups_split"}
+    assert split == {"model.layers.0.self_attn.o_proj.weight"}  # the FFN's 64 split in 32s: whole groups
+    m = part.get_submodule("model.layers.0.self_attn.o_proj")
+    w = float_model.get_submodule("model.layers.0.self_attn.o_proj")
+    w = w.kernel.dense(w.weight)[:, 24:]
+    assert m.weight_scale.shape == (48, 1, 2)
+    err = (m.kernel.dense(m.weight, m.weight_scale) - w).abs()
+    assert bool((err <= m.weight_scale[..., 0].float() / 2 * 1.01).all())

@@ -63,15 +63,14 @@ def test_int8_weights_and_load_by_hand() -> None:
     model = load_model(CONFIGS / "llama-3-8b")
     lim = ServingLimits(4, 1024, 512)
     h, f, q, kv = 4096, 14336 // 2, 16 * 128, 4 * 128  # this rank's MLP columns, query and kv rows
-    rows = (q + 2 * kv) + h + 2 * f + h  # local output rows of qkv, o, gate_up, down
     products = (q + 2 * kv) * h + h * q + 2 * f * h + h * f
+    # int8 + a float16 scale and minimum (4 bytes) per 32 inputs of a row + the two norms in bfloat16
     mid = shard_memory(model, (4, 8), 2, 0, "bfloat16", lim, CUDA, "int8")
-    assert mid.weights == 4 * (products + 4 * rows + 2 * h * 2)  # int8 + scales + the two norms in bfloat16
-    gate_up = 2 * f * h  # the largest product: read in bfloat16, then two float32 temporaries while quantized
-    assert mid.load == gate_up * (2 + 8)
+    assert mid.weights == 4 * (products + 4 * products // 32 + 2 * h * 2)
+    gate_up = 2 * f * h  # the largest product: read in bfloat16, then quantized 2^20 elements at a time (48 B each)
+    assert mid.load == gate_up * 2 + 2**20 * 48
     cpu = shard_memory(model, (4, 8), 2, 0, "bfloat16", lim, quantization="int8")
-    chunk = (64 * 2**20 // (4 * 14336)) * 14336  # down_proj's whole checkpoint rows, 64 MiB of float32 at a time
-    assert cpu.load == max(2 * f * h * 2 * 2, gate_up * 10, gate_up * 2 + chunk * (2 + 8))
+    assert cpu.load == max(2 * f * h * 2, gate_up * 2 + 2**20 * 48)  # the CPU maps gate's read and copies it
     # The last stage adds the LM head in bfloat16, which the CPU re-lays out (the int8 products it does not).
     last = shard_memory(model, (28, 32), 2, 0, "bfloat16", lim, quantization="int8")
     dense_last = shard_memory(model, (28, 32), 2, 0, "bfloat16", lim)
@@ -79,20 +78,21 @@ def test_int8_weights_and_load_by_hand() -> None:
 
 
 def test_70b_on_two_48gib_gpus_is_offered_int8_with_numbers(tmp_path: Path) -> None:
-    """141.11 GB of bfloat16 weights cannot fit in 2 × 48 GiB = 103.08 GB; int8's 72.68 GB can."""
+    """141.11 GB of bfloat16 weights cannot fit in 2 × 48 GiB = 103.08 GB; int8's 81.21 GB can, with 4 KV slots."""
     model = load_model(CONFIGS / "llama-3-70b")
     devices = parse_devices("2x48GiB")
-    opts = PlanOptions(dtype="bfloat16", limits=ServingLimits(8, 8192, 8192), runtime=CUDA)
+    opts = PlanOptions(dtype="bfloat16", limits=ServingLimits(4, 8192, 8192), runtime=CUDA)
     with pytest.raises(Infeasible) as e:
         plan(model, devices, opts)
     t = e.value.totals
     assert t is not None and t.parameters == 70_553_706_496 and t.weights["none"] == 2 * t.parameters
-    # int8 by hand: 80 layers of products (1 byte each + a 4-byte scale per output row) and bfloat16 norms, plus the
-    # bfloat16 embedding, LM head and final norm.
+    # int8 by hand: 80 layers of products (1 byte each + a 4-byte scale and minimum per 32 inputs of a row) and
+    # bfloat16 norms, plus the bfloat16 embedding, LM head and final norm.
     h, i, kv = 8192, 28672, 1024
-    layer = (h + 2 * kv) * h + h * h + 2 * i * h + h * i + 4 * ((h + 2 * kv) + h + 2 * i + h) + 2 * h * 2
+    products = (h + 2 * kv) * h + h * h + 2 * i * h + h * i
+    layer = products + 4 * products // 32 + 2 * h * 2
     assert t.weights["int8"] == 80 * layer + 2 * 128256 * h * 2 + h * 2
-    assert f"{t.weights['int8'] / 1e9:.2f}" == "72.68" and t.budget == 2 * 48 * GiB
+    assert f"{t.weights['int8'] / 1e9:.2f}" == "81.21" and t.budget == 2 * 48 * GiB
     first = e.value.suggestions[0]
     assert first.changes == {"quantization": "int8"} and first.plan is not None
     assert try_plan(model, devices, PlanOptions("bfloat16", opts.limits, CUDA, quantization="int8")) is not None
@@ -110,7 +110,7 @@ def test_70b_on_two_48gib_gpus_is_offered_int8_with_numbers(tmp_path: Path) -> N
 
 
 def test_405b_on_one_node_of_eight_80gib_gpus(tmp_path: Path) -> None:
-    """811.71 GB of bfloat16 weights against 8 × 80 GiB = 687.19 GB: int8 (410.14 GB) fits on the same node, and
+    """811.71 GB of bfloat16 weights against 8 × 80 GiB = 687.19 GB: int8 (460.27 GB) fits on the same node, and
     bfloat16 needs more devices; both say how much each device holds."""
     (tmp_path / "405b").mkdir()
     (tmp_path / "405b" / "config.json").write_text(json.dumps(LLAMA_405B))
@@ -120,25 +120,37 @@ def test_405b_on_one_node_of_eight_80gib_gpus(tmp_path: Path) -> None:
         plan(model, parse_devices("8x80GiB"), opts)
     t = e.value.totals
     assert t is not None and t.parameters == 405_853_388_800
-    assert (f"{t.weights['none'] / 1e9:.2f}", f"{t.weights['int8'] / 1e9:.2f}") == ("811.71", "410.14")
+    assert (f"{t.weights['none'] / 1e9:.2f}", f"{t.weights['int8'] / 1e9:.2f}") == ("811.71", "460.27")
     kinds = [s.changes for s in e.value.suggestions]
     assert kinds[0] == {"quantization": "int8"} and any("devices" in k and "quantization" not in k for k in kinds)
     int8 = e.value.suggestions[0].plan
     assert int8 is not None and (int8.tp, int8.pp) == (8, 1)
     # Per device at tp=8: an eighth of every layer's products and of the vocabulary rows, by hand.
     h, i, kv, v = 16384, 53248, 1024, 128256
-    rows = (h + 2 * kv) // 8 + h + 2 * i // 8 + h
-    layer = ((h + 2 * kv) * h + h * h + 2 * i * h + h * i) // 8 + 4 * rows + 2 * h * 2
+    local = ((h + 2 * kv) * h + h * h + 2 * i * h + h * i) // 8
+    layer = local + 4 * local // 32 + 2 * h * 2
     assert int8.shards[0].memory.weights == 126 * layer + 2 * (v // 8) * h * 2 + h * 2
     assert "of 85.90 GB (80GiB)" in str(e.value)
 
 
 def test_plan_command_quantize(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     model = str(CONFIGS / "llama-3-70b")
-    base = ["plan", "--model", model, "--devices", "2x48GiB", "--dtype", "bfloat16", "--device", "cuda"]
+    base = [
+        "plan",
+        "--model",
+        model,
+        "--devices",
+        "2x48GiB",
+        "--dtype",
+        "bfloat16",
+        "--device",
+        "cuda",
+        "--kv-slots",
+        "4",
+    ]
     assert main(base) == 1
     err = capsys.readouterr().err
-    assert "--quantize int8 on the same devices" in err and "72.68 GB with --quantize int8" in err
+    assert "--quantize int8 on the same devices" in err and "81.21 GB with --quantize int8" in err
     assert main([*base, "--json"]) == 1
     got = json.loads(capsys.readouterr().out)
     assert got["options"][0]["changes"] == {"quantization": "int8"} and got["options"][0]["plan"]["tp"] >= 1
@@ -154,11 +166,12 @@ def test_plan_command_quantize(capsys: pytest.CaptureFixture[str], tmp_path: Pat
 
 
 def test_replan_check_uses_the_topologys_quantization() -> None:
-    """The coordinator's re-plan asks the same memory model: 70B at tp=2 fits two 48 GiB GPUs only as int8."""
+    """The coordinator's re-plan asks the same memory model: 70B at tp=2 fits two 48 GiB GPUs (4 KV slots) only as
+    int8."""
     cfg = load_model(CONFIGS / "llama-3-70b").cfg
     spec = ModelSpec(str(CONFIGS / "llama-3-70b"), "bfloat16", "LlamaForCausalLM", cfg.num_layers, cfg.hidden_size,
                      cfg.vocab_size, 8192)  # fmt: skip
-    limits = ServingLimits(8, 8192, 8192)
+    limits = ServingLimits(4, 8192, 8192)
     memory, kinds = [48 * GiB] * 2, ["cuda"] * 2
     assert "hold" in planner_check(spec, limits, 2)(1, ((0, 80),), memory, kinds)
     int8 = ModelSpec(**{**spec.__dict__, "quantization": "int8"})

@@ -13,7 +13,6 @@ from shardmesh.core.layout import ShardSpec
 from shardmesh.engine.groups import UnboundGroup
 from shardmesh.engine.linear import layer_products
 from shardmesh.engine.loader import meta_shard
-from shardmesh.engine.reads import ABSMAX_CHUNK_BYTES
 from shardmesh.planning.weights import Part, WeightParts, checkpoint_shapes, shard_slices, weight_parts
 from tests.checkpoints import FAMILIES
 
@@ -43,11 +42,10 @@ def _span(shape: tuple[int, ...], index: Any) -> int:
 
 def _meta_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
     """The engine's count: parameters and checkpoint reads of one-layer meta shards at each end of the model;
-    the products int8 stores (`layer_products`) and the whole rows `reads.row_absmax` reads for them."""
+    the products int8 stores (`layer_products`)."""
     params: dict[str, list[tuple[int, int]]] = {"embedding": [], "layer": [], "head": []}  # (numel, dim)
     reads: dict[str, list[int]] = {"embedding": [], "layer": [], "head": []}
     products: dict[str, list[tuple[int, int]]] = {"embedding": [], "layer": [], "head": []}
-    chunks: dict[str, list[int]] = {"embedding": [], "layer": [], "head": []}
     spans: dict[str, list[int]] = {"embedding": [], "layer": [], "head": []}  # products' reads, first to last element
 
     def part_of(name: str) -> str:
@@ -66,16 +64,13 @@ def _meta_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
         for r in planned:
             if part_of(r.target) != "layer" or start == 0:
                 reads[part_of(r.target)].append(r.numel)
-                if r.target in quantized and r.index is not None and any(i != slice(None) for i in r.index[1:]):
-                    rows = min(r.full_shape[0], max(1, ABSMAX_CHUNK_BYTES // (4 * r.full_shape[1])))
-                    chunks[part_of(r.target)].append(rows * r.full_shape[1])  # row_absmax's chunk of whole rows
                 if r.target in quantized:
                     spans[part_of(r.target)].append(_span(r.full_shape, r.index))
 
     def part(key: str) -> Part:
         matrices = [n for n, dim in params[key] if dim == 2 and key != "embedding"]  # lookups are not re-laid out
         return Part(sum(n for n, _ in params[key]), max(matrices, default=0), max(reads[key], default=0),
-                    tuple(sorted(products[key])), max(chunks[key], default=0), tuple(sorted(spans[key])))  # fmt: skip
+                    tuple(sorted(products[key])), tuple(sorted(spans[key])))  # fmt: skip
 
     return WeightParts(part("embedding"), part("layer"), part("head"))
 
