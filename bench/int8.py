@@ -8,8 +8,8 @@ and one run, on `--threads` cores:
 
 - shardmesh float32 and shardmesh int8 with the kernel chosen at load (float32 activations: `int8-blocked` on
   AVX-512, `int8-cpu` elsewhere where it builds) (`build_shard(..., quantization=Quantization.INT8)`: the decoder
-  layers' products as int8 with a float16 scale and minimum per 32 inputs of a row, the embedding and LM head in
-  float32), one shard holding
+  layers' products and the LM head as int8 with a float16 scale and minimum per 32 inputs of a row, the embedding
+  in float32), one shard holding
   the whole model (pp=1, tp=1), driven like `shardmesh generate` drives its stage (shardmesh_cli/offline.py):
   `StageEngine.step` on a `BatchLayout` of one segment per sequence, over a KV cache. The chat prompt of
   bench/conditions.py is prefilled into every sequence, then each timed call is one greedy decode step of all
@@ -280,14 +280,15 @@ def report(info: dict, a: argparse.Namespace, summary: dict, extra: dict, out: P
         "times.",
         "",
         f"shardmesh kernels: float32 `{', '.join(extra['kernels']['float32'])}`; int8 "
-        f"`{', '.join(extra['kernels']['int8'])}` (the LM head stays float32). Weight bytes: float32 "
+        f"`{', '.join(extra['kernels']['int8'])}` (the LM head in int8 too, the embedding float32). Weight bytes: "
+        "float32 "
         f"{sizes['float32'] / 2**20:.1f} MiB, int8 {sizes['int8'] / 2**20:.1f} MiB "
         f"({sizes['int8'] / sizes['float32']:.2f}×).",
     ]
     if extra.get("gguf_bytes"):
         files = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in extra["gguf_bytes"].items())
         lines.append(f"GGUF files: {files} (Q8_0 quantizes the token embedding, which is also the tied LM head; "
-                     "shardmesh int8 keeps it float32).")  # fmt: skip
+                     "shardmesh int8 quantizes the head and keeps the embedding float32 for lookups).")  # fmt: skip
     lines += [
         f"Greedy tokens, one stream: int8 agrees with float32 on the first {extra['agree']} of {a.steps + 1}.",
         "",

@@ -79,9 +79,9 @@ _HF_NAMES = {
 
 
 QUANTIZE_HELP = (
-    "int8: the decoder layers' products held as int8 with a float16 scale and minimum per 32 inputs of a row, "
-    "made while loading from the float checkpoint (1.125 bytes per weight, 28%% of float32's); the embedding "
-    "and LM head stay in --dtype (default none)"
+    "int8: the decoder layers' products and the LM head held as int8 with a float16 scale and minimum per 32 "
+    "inputs of a row, made while loading from the float checkpoint (1.125 bytes per weight, 28%% of float32's); "
+    "the embedding and norms stay in --dtype (default none)"
 )
 
 
@@ -101,7 +101,8 @@ class Quantization(str, enum.Enum):
     NONE: in the serving dtype, as loaded. INT8: int8 values with a float16 scale and minimum per
     `INT8_GROUP` input features of each output row (weight-only: activations stay in the serving dtype), made
     at load from a float checkpoint (`shardmesh.engine.linear.quantize_groups` says how each group's grid is
-    chosen). The embedding and the final norm stay in the serving dtype; so does the LM head.
+    chosen), for the decoder layers' products and the LM head. The embedding and the norms stay in the serving
+    dtype.
     """
 
     NONE = "none"

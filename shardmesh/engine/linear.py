@@ -263,14 +263,22 @@ class LinearProduct(nn.Module):
 
 
 def layer_products(model: nn.Module) -> set[str]:
-    """The weights of the decoder layers' products (`model.layers.<i>....weight`): what `Quantization.INT8` holds
-    as int8 and what a memory budget streams. Not the LM head (kept in the serving dtype: int8 there raised
-    SmolLM2's logprob error by a third) nor the embedding (a lookup)."""
+    """The weights of the decoder layers' products (`model.layers.<i>....weight`): what a memory budget streams.
+    Not the LM head nor the embedding (a lookup)."""
     return {
         f"{name}.weight"
         for name, module in model.named_modules()
         if isinstance(module, LinearProduct) and name.startswith("model.layers.")
     }
+
+
+def int8_products(model: nn.Module) -> set[str]:
+    """What `Quantization.INT8` holds as int8: the decoder layers' products and the LM head (`vocab × hidden`: as many
+    bytes as all of SmolLM2's int8 layers were it float32, read every decode step). The embedding is a lookup and
+    stays in the serving dtype, as do the norms; a tied head is quantized from the embedding's matrix, which the
+    embedding keeps."""
+    head = {"lm_head.weight"} if getattr(model, "lm_head", None) is not None else set()
+    return layer_products(model) | head
 
 
 def quantize_groups(weight: Tensor, group: int = INT8_GROUP) -> tuple[Tensor, Tensor]:

@@ -12,7 +12,7 @@ from shardmesh.core.config import ModelConfig
 from shardmesh.core.dtypes import INT8_GROUP, DType, Quantization
 from shardmesh.core.layout import ShardSpec
 from shardmesh.engine.groups import Collective, UnboundGroup
-from shardmesh.engine.linear import Linear, LinearProduct, choose_kernel, layer_products, quantize_groups
+from shardmesh.engine.linear import Linear, LinearProduct, choose_kernel, int8_products, quantize_groups
 from shardmesh.engine.model import Transformer
 from shardmesh.engine.offload import is_streamed, stream_layers
 from shardmesh.engine.reads import read_tensors
@@ -151,7 +151,7 @@ class _Int8:
 
     def __init__(self, ckpt: Checkpoint, model: Transformer) -> None:
         self.ckpt = ckpt
-        self.names = layer_products(model)
+        self.names = int8_products(model)
         self.scales: dict[str, torch.Tensor] = {}
 
     def __call__(self, target: str, reads: list[TensorRead], loaded: torch.Tensor) -> torch.Tensor:

@@ -118,9 +118,9 @@ class ModelSection(_Section):
         "float32", description="dtype weights and KV cache are held in (the checkpoint is converted while loading)"
     )
     quantization: Literal[Quantization.names()] = Field(  # type: ignore[valid-type]
-        "none", description="int8: the decoder layers' products held as int8 with a float16 scale and minimum per 32 "
-                            "inputs of a row, made while loading from the float checkpoint; the embedding and LM "
-                            "head stay in dtype",
+        "none", description="int8: the decoder layers' products and the LM head held as int8 with a float16 scale "
+                            "and minimum per 32 inputs of a row, made while loading from the float checkpoint; the "
+                            "embedding and norms stay in dtype",
     )  # fmt: skip
     served_model_name: str | None = Field(
         None, min_length=1, max_length=256, description="the model id of the OpenAI-compatible HTTP API "

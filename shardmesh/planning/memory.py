@@ -8,10 +8,10 @@ Notation, per shard (stage `s` × tensor rank `r` of `tp`); `b` is the bytes of 
                 slices, replicated kv heads, an uneven vocabulary split and untied / tied heads count
                 exactly as loaded. All decoder layers have the same shapes, so the count is
                 n × (one layer) + embedding (first stage) + norm and LM head (last stage).
-                With int8 (`Quantization.INT8`) each product of a layer (qkv, o, gate_up, down: `Part.products`,
-                as `shardmesh.engine.linear.layer_products` names them) is out × in × 1 + out × 4 bytes:
-                int8 values and a float32 scale per local output row. Norms, biases, the embedding and the
-                LM head stay in b.
+                With int8 (`Quantization.INT8`) each product of a layer (qkv, o, gate_up, down: `Part.products`)
+                and the LM head (`shardmesh.engine.linear.int8_products`) is out × in × 1 + out × ⌈in / 32⌉ × 4
+                bytes: int8 values and a float16 scale and minimum per 32 inputs of a local output row. Norms,
+                biases and the embedding stay in b.
   kv_cache    = n × 2 × kv_slots × kv_heads_local × max_context × head_dim × b
                 (the `KVCache` tensor: layers × {k, v} × slots × kv heads × positions × head_dim)
                 + on every stage but the last: kv_slots × max_context × H × b (the `ActivationLog`: what the

@@ -19,7 +19,8 @@ MLP width, divides or is a multiple of the kv heads; capped by `PlanOptions.tp` 
    rest shared among the others).
 
 Every memory figure is the memory model's for the options' dtype and quantization (`PlanOptions.quantization`:
-with int8 the layers' products take 1 byte per weight plus a float16 scale and minimum per 32 inputs of a row).
+with int8 the layers' products and the LM head take 1 byte per weight plus a float16 scale and minimum per 32 inputs
+of a row).
 
 Among the layouts that fit, the plan uses the most devices, then the fewest pipeline stages (each stage
 adds a hop to every token; tensor groups stay inside a node), then keeps the most headroom on its
@@ -81,8 +82,8 @@ class Totals:
     def describe(self, dtype: str) -> str:
         none, int8 = self.weights[Quantization.NONE.value], self.weights[Quantization.INT8.value]
         return (f"weights: {self.parameters / 1e9:.2f}B parameters = {gb(none)} in {dtype}, {gb(int8)} with "
-                f"--quantize int8 (layers' products 1 byte per weight + 4 per 32 inputs of a row; embedding, norms "
-                f"and LM head in {dtype}); devices: {self.devices} = {gb(self.budget)} in all")  # fmt: skip
+                f"--quantize int8 (layers' products and LM head 1 byte per weight + 4 per 32 inputs of a row; "
+                f"embedding and norms in {dtype}); devices: {self.devices} = {gb(self.budget)} in all")  # fmt: skip
 
 
 class Infeasible(PlanError):

@@ -36,9 +36,9 @@ def notes(plan: Plan) -> list[str]:
     if not plan.model.has_weights:
         out.append(f"planned from config.json alone (weights assumed stored as {plan.model.checkpoint_dtype})")
     if plan.options.quantization == "int8":
-        out.append(f"int8: the layers' products take 1 byte per weight + a 4-byte scale and minimum per 32 inputs of "
-                   f"a row; the embedding, norms and LM head stay in {plan.options.dtype}; loading holds one product "
-                   f"in {plan.options.dtype} while it is quantized, a chunk of rows at a time")  # fmt: skip
+        out.append(f"int8: the layers' products and the LM head take 1 byte per weight + a 4-byte scale and minimum "
+                   f"per 32 inputs of a row; the embedding and norms stay in {plan.options.dtype}; loading holds one "
+                   f"product in {plan.options.dtype} while it is quantized, a chunk of rows at a time")  # fmt: skip
     rt = plan.options.runtime
     where = "host memory (RSS)" if rt.device == "cpu" else "device memory"
     out.append(f"planned for {rt.device} workers, in {where}; other = the worker process ({format_bytes(rt.process)}"

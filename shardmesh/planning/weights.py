@@ -18,9 +18,9 @@ from model.embed_tokens when the embeddings are tied. At tp = 1 every slice is i
 This is the layout `shardmesh.engine.loader.meta_shard` builds; tests/unit/planning/test_weights.py
 compares the two for every model family, tensor degree and rank.
 
-The matrix products of a layer (qkv_proj, o_proj, gate_up_proj, down_proj: `Part.products`) are what
-`Quantization.INT8` stores as int8 (`shardmesh.engine.linear.layer_products`) and what a memory budget streams
-(`shardmesh.engine.offload`); the norms, biases, the embedding and the LM head stay in the serving dtype.
+The matrix products of a layer (qkv_proj, o_proj, gate_up_proj, down_proj: `Part.products`) and the LM head are what
+`Quantization.INT8` stores as int8 (`shardmesh.engine.linear.int8_products`); a layer's are what a memory budget
+streams (`shardmesh.engine.offload`); the norms, biases and the embedding stay in the serving dtype.
 A streamed product maps its reads' bytes in the checkpoint from first to last (`Part.spans`): a slice of whole
 rows spans its own elements, a slice of some columns (o_proj, down_proj at tp > 1) all rows but the last in full.
 """
@@ -163,7 +163,8 @@ def _part(slices: list[TensorSlice], relaid: bool = True, quantizable: bool = Fa
 @functools.lru_cache(maxsize=512)
 def weight_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
     """The embedding, one decoder layer and the head, as rank `rank` of `tp` holds them."""
-    # Lookups keep the embedding's row-major layout: it is never re-laid out. Only the layers' matrices are
-    # products int8 stores: the LM head stays in the serving dtype.
+    # Lookups keep the embedding's row-major layout: it is never re-laid out. The layers' matrices and the LM head
+    # are the products int8 stores.
     return WeightParts(_part(_embedding(cfg, tp, rank), relaid=False),
-                       _part(_layer(cfg, 0, tp, rank), quantizable=True), _part(_head(cfg, tp, rank)))  # fmt: skip
+                       _part(_layer(cfg, 0, tp, rank), quantizable=True),
+                       _part(_head(cfg, tp, rank), quantizable=True))  # fmt: skip

@@ -196,14 +196,14 @@ def test_int8_shards_hold_the_same_numbers_at_every_tp_degree(tmp_path: Path, tp
                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """Groups run along the inputs, and a row-parallel slice of whole groups (head dim 16 x 2 heads, 64 of the FFN's
     128) holds the groups of the unsliced product: the tp ranks' values and scales put together are the tp=1
-    shard's. The embedding, norms and LM head stay in float."""
+    shard's. The LM head is int8 too; the embedding and norms stay in float."""
     monkeypatch.setenv(KERNEL_ENV, "int8-dequant")  # values and scales as made, unblocked
     d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=2, hidden_size=64, intermediate_size=128)
     spec = ShardSpec(0, 2, 2)
     full = build_shard(d, spec, dtype=torch.float32, progress=False, quantization=Quantization.INT8)
     products = {n: m for n, m in full.named_modules() if isinstance(m, LinearProduct)}
-    assert {n for n, m in products.items() if m.weight.dtype == torch.int8} == set(products) - {"lm_head"}
-    assert full.lm_head.weight_scale is None and full.model.embed_tokens.weight.dtype == torch.float32
+    assert {n for n, m in products.items() if m.weight.dtype == torch.int8} == set(products)
+    assert full.model.embed_tokens.weight.dtype == torch.float32
     float_model = build_shard(d, spec, dtype=torch.float32, progress=False)
     for name, m in products.items():  # each value within half a step of the float weight
         if m.weight_scale is not None:

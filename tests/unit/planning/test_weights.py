@@ -11,7 +11,7 @@ from shardmesh.core.config import ModelConfig
 from shardmesh.core.heads import valid_tp_degrees
 from shardmesh.core.layout import ShardSpec
 from shardmesh.engine.groups import UnboundGroup
-from shardmesh.engine.linear import layer_products
+from shardmesh.engine.linear import int8_products
 from shardmesh.engine.loader import meta_shard
 from shardmesh.planning.weights import Part, WeightParts, checkpoint_shapes, shard_slices, weight_parts
 from tests.checkpoints import FAMILIES
@@ -42,7 +42,7 @@ def _span(shape: tuple[int, ...], index: Any) -> int:
 
 def _meta_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
     """The engine's count: parameters and checkpoint reads of one-layer meta shards at each end of the model;
-    the products int8 stores (`layer_products`)."""
+    the products int8 stores (`int8_products`)."""
     params: dict[str, list[tuple[int, int]]] = {"embedding": [], "layer": [], "head": []}  # (numel, dim)
     reads: dict[str, list[int]] = {"embedding": [], "layer": [], "head": []}
     products: dict[str, list[tuple[int, int]]] = {"embedding": [], "layer": [], "head": []}
@@ -55,7 +55,7 @@ def _meta_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
     for start in (0, last):
         model, planned = meta_shard(cfg, ShardSpec(start, start + 1, cfg.num_layers, rank, tp), UnboundGroup(rank, tp),
                                     None)  # fmt: skip
-        quantized = layer_products(model)
+        quantized = int8_products(model)
         for name, p in model.named_parameters():
             if part_of(name) != "layer" or start == 0:  # one layer, not two
                 params[part_of(name)].append((p.numel(), p.dim()))
