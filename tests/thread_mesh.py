@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardmesh.core.config import ModelConfig
+from shardmesh.core.dtypes import Quantization
 from shardmesh.core.layout import shard_specs
 from shardmesh.engine.groups import form_groups
 from shardmesh.engine.loader import build_shard
@@ -29,6 +30,7 @@ _prefixes = itertools.count()
 def run_mesh(
     model_dir: Path, pp: int, tp: int, body: Callable[[StageEngine, int], Any], *, max_len: int = 128,
     dtype: torch.dtype = torch.float32, paged: tuple[int, int] | None = None, staging: str = "auto",
+    quantization: Quantization = Quantization.NONE,
 ) -> list[Any]:  # fmt: skip
     """Build every shard in its own thread, run `body(engine, rank)` in each, return results by rank. `paged`:
     (num_blocks, block_size) of a paged KV cache instead of two slots. `staging`: every rank's link staging
@@ -46,7 +48,8 @@ def run_mesh(
             client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=timedelta(seconds=60))
             groups = form_groups(client, prefix, specs[rank], rank // tp, pp, torch.device("cpu"), staging,
                                  timedelta(seconds=60))  # fmt: skip
-            model = build_shard(model_dir, specs[rank], groups.tp, dtype=dtype, max_len=max_len, progress=False)
+            model = build_shard(model_dir, specs[rank], groups.tp, dtype=dtype, max_len=max_len, progress=False,
+                                quantization=quantization)  # fmt: skip
             if paged is None:
                 cache = model.make_cache(2, dtype, "cpu")
             else:

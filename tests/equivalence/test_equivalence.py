@@ -180,3 +180,52 @@ def test_chunked_prefill_equals_whole_prefill(checkpoints) -> None:
 
     ours = run_mesh(model_dir, 2, 1, body)[-1]
     assert (ours - ref_logits[0]).abs().max() < TOL
+
+
+# -- int8 weights at every layout -------------------------------------------------------------------------------------
+
+# Head dim 32 and an FFN of 128: every row-parallel slice at tp=2 holds whole int8 groups of 32 inputs, so every layout
+# holds the unsharded shard's int8 numbers (`shardmesh.engine.loader._edge_groups`).
+INT8_DIMS = {"hidden_size": 128, "intermediate_size": 128, "head_dim": 32}
+INT8_FAMILIES = ("llama-gqa-tied", "qwen2-bias-tied", "smollm-like-kv1")
+
+
+def _int8_run(model_dir: Path, pp: int, tp: int, tokens: list[int]) -> list:
+    from shardmesh.core.dtypes import Quantization
+
+    return run_mesh(model_dir, pp, tp, _teacher_forced(tokens[:DECODE_STEPS]), quantization=Quantization.INT8)
+
+
+@pytest.fixture(scope="module")
+def int8_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[int], list]]:
+    """Per family: the checkpoint, the float model's greedy tokens, and int8 pp=1 tp=1's logits along them."""
+    out = {}
+    for family in INT8_FAMILIES:
+        d = make_checkpoint(tmp_path_factory.mktemp(f"int8-{family}"), family, **INT8_DIMS)
+        tokens, _ = reference_greedy(d, PROMPT, DECODE_STEPS)
+        out[family] = (d, tokens, _int8_run(d, 1, 1, tokens)[0])
+    return out
+
+
+@pytest.mark.parametrize("pp,tp", LAYOUTS[1:])
+@pytest.mark.parametrize("family", INT8_FAMILIES)
+def test_int8_logits_are_the_same_at_every_layout(int8_checkpoints, family: str, pp: int, tp: int) -> None:
+    """int8 shards at every (pp, tp) give the unsharded int8 shard's logits, within the float suite's TOL: the same
+    int8 values and scales, float32 activations, only the order of sums differs."""
+    model_dir, tokens, whole = int8_checkpoints[family]
+    results = _int8_run(model_dir, pp, tp, tokens)
+    for rank in range((pp - 1) * tp, pp * tp):
+        for step, (a, b) in enumerate(zip(results[rank], whole, strict=True)):
+            err = (a - b).abs().max().item()
+            assert err < TOL, f"int8 {family} pp={pp} tp={tp} rank={rank} step={step}: max-abs {err:.2e}"
+
+
+def test_int8_slices_of_split_groups_stay_within_int8s_own_error(checkpoints) -> None:
+    """Head dim 24: at tp=2 each rank's attention output holds 24 inputs, so its groups start at its slice, not at
+    the unsharded product's multiples of 32, and its numbers differ from tp=1's by int8 rounding. The tolerance is
+    int8's own: tp=2 stays as close to tp=1 as tp=1 is to float32 (`transformers`) at every step."""
+    model_dir, tokens, ref_logits = checkpoints["smollm-like-kv1"]
+    whole, split = _int8_run(model_dir, 1, 1, tokens)[0], _int8_run(model_dir, 1, 2, tokens)
+    for step, (a, b, f) in enumerate(zip(split[0], whole, ref_logits, strict=True)):
+        int8_error = (b - f).abs().max().item()
+        assert 0 < (a - b).abs().max().item() <= int8_error, f"step {step}"
