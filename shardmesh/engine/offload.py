@@ -9,7 +9,8 @@ and biases of the streamed layers (a few KiB each: they stay, so every layer kee
 What streams: the four products' weight matrices (qkv, o, gate_up, down: all but a few KiB of a layer) of the
 trailing layers that do not fit. Each stays in its safetensors file, memory-mapped once, and a step multiplies
 the mapped pages directly (zero copy: `torch.frombuffer` over the tensor's bytes, sliced to this tp rank's share,
-the plain dense product, a stacked qkv / gate_up block by block since the checkpoint stores its blocks apart).
+the product of `cpu_kernels.rows_linear` on float32 decode rows, F.linear otherwise, a stacked qkv / gate_up block
+by block since the checkpoint stores its blocks apart).
 Zero copy needs the checkpoint's dtype to be the serving dtype; otherwise each layer is copy-converted into one of
 two reusable buffers (`streamed-copy`). The streamed products' kernel is `StreamedKernel`; the resident ones keep
 the kernel `linear.choose_kernel` picks (so streamed and resident products differ by rounding only: the packed
@@ -72,6 +73,7 @@ from torch import Tensor, nn
 from shardmesh.core.config import ModelConfig
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.units import format_bytes
+from shardmesh.engine import cpu_kernels
 from shardmesh.engine.linear import LinearKernel, LinearProduct, layer_products
 from shardmesh.engine.model import Transformer
 from shardmesh.models.checkpoint import Checkpoint, TensorRead
@@ -326,12 +328,26 @@ class StreamedKernel(LinearKernel):
         blocks = self.blocks
         assert blocks is not None, "a streamed product's weights exist only while its layer runs"
         if len(blocks) == 1:
-            return F.linear(x, blocks[0], bias)
+            return _product(x, blocks[0], bias)
         outs, row = [], 0
         for w in blocks:  # each block with its rows of the bias, as the stacked product would add them
-            outs.append(F.linear(x, w, bias[row : row + w.shape[0]] if bias is not None else None))
+            outs.append(_product(x, w, bias[row : row + w.shape[0]] if bias is not None else None))
             row += w.shape[0]
         return torch.cat(outs, dim=-1)
+
+
+ROWS_LINEAR_MAX = 8  # rows of x up to which `cpu_kernels.rows_linear` multiplies streamed weights; a prompt's GEMM
+
+
+def _product(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    """x times a mapped (or copied) weight as the checkpoint lays it out, row-major: for decode rows of float32 on a
+    CPU `cpu_kernels.rows_linear` (SmolLM2's products, one row, one core: 32 against F.linear's 16 GB/s), else
+    F.linear."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if (rows <= ROWS_LINEAR_MAX and x.dtype == w.dtype == torch.float32 and w.device.type == "cpu"
+            and w.stride(-1) == 1 and cpu_kernels.available()):  # fmt: skip
+        return cpu_kernels.rows_linear(x, w, bias)
+    return F.linear(x, w, bias)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
