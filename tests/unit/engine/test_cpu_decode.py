@@ -181,3 +181,15 @@ def test_stage_engine_runs_decode_natively(small: Transformer) -> None:
     engine.step(BatchLayout.build([Segment(0, 0, 3)]), torch.tensor([1, 2, 3]))  # a prompt: eager
     out = engine.step(BatchLayout.build([Segment(0, 3, 1)]), torch.tensor([4]))
     assert len(calls) == 1 and out is not None and out.shape == (1, small.cfg.vocab_size)
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 17, 40), (3, 64, 576), (2, 9, 5), (8, 33, 1536)])
+def test_rows_linear_multiplies_row_major_weights_and_column_slices(rows: int, n: int, k: int) -> None:
+    """The streamed products' kernel: weights as the checkpoint lays them out (rows of a few, K not a multiple of 16 or
+    32), and a column slice of longer rows (a row-parallel rank's share of a mapped tensor)."""
+    g = torch.Generator().manual_seed(n * k)
+    x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k + 7, generator=g), torch.randn(n, generator=g)
+    for weight in (w[:, :k].contiguous(), w[:, 7:]):
+        want = x.double() @ weight.double().T + b.double()
+        got = cpu_kernels.rows_linear(x, weight, b)
+        assert got.shape == (rows, n) and ((got.double() - want).abs() / (want.abs() + 1)).max() < 1e-5

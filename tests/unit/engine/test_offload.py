@@ -17,6 +17,7 @@ from torch import Tensor
 
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.step import Segment
+from shardmesh.engine import cpu_kernels, offload
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.loader import build_shard
 from shardmesh.engine.model import Transformer
@@ -104,7 +105,13 @@ def plan_of(model: Transformer) -> OffloadPlan:
     ],
 )
 def test_half_the_layers_streamed_gives_the_resident_output(
-    request: pytest.FixtureRequest, which: str, dtype: torch.dtype, tp_rank: int, tp: int, kernel: str
+    request: pytest.FixtureRequest,
+    which: str,
+    dtype: torch.dtype,
+    tp_rank: int,
+    tp: int,
+    kernel: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     ckpt = request.getfixturevalue(which)
     spec = ShardSpec(0, LAYERS, LAYERS, tp_rank, tp)
@@ -116,11 +123,16 @@ def test_half_the_layers_streamed_gives_the_resident_output(
     assert len(plan.resident_layers) > 0 and len(plan.streamed_layers) >= LAYERS // 2
     assert kernel in streamed.linear_kernels
     want_tokens, want = run(resident, dtype)
+    calls = []
+    monkeypatch.setattr(offload.cpu_kernels, "rows_linear",
+                        lambda *a, real=offload.cpu_kernels.rows_linear: calls.append(1) or real(*a))  # fmt: skip
     tokens, got = run(streamed, dtype)
     assert tokens == want_tokens
-    # Streamed products are F.linear on the mapped weights, resident ones the kernel chosen for the dtype
-    # (oneDNN's packed product in float32): the same numbers up to the order of the sums.
+    # Streamed products multiply the mapped weights row-major (`cpu_kernels.rows_linear` for float32 decode rows,
+    # F.linear otherwise), resident ones with the kernel chosen for the dtype: the same numbers up to the order
+    # of the sums.
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert bool(calls) == (dtype == torch.float32 and cpu_kernels.available())
 
 
 def test_split_and_bytes_streamed_are_the_computed_numbers(ck32: Path) -> None:
@@ -270,6 +282,7 @@ import json, sys
 import torch
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.step import Segment
+from shardmesh.engine import cpu_kernels, offload
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.loader import build_shard
 from shardmesh.engine.offload import streamer_of
