@@ -11,8 +11,11 @@ Tensor parallelism stays where it is: each half returns its partial sum and the 
 all-reduces it, then adds the bias and the residual, exactly as `tp.RowParallelLinear` and `DecoderLayer` do.
 
 Eligible: a CPU shard whose decoder products all use the blocked kernels (`linear.BlockedCpuKernel`: float32 or
-bfloat16; its subclass `BlockedInt8Kernel`: int8 weights of a float32 shard; kernels built, none streamed from
-disk), the slot KV cache, a step of one-token segments (decode), logits of each sequence's last token.
+bfloat16; its subclass `BlockedInt8Kernel`: int8 weights of a float32 shard; kernels built), the slot KV cache, a
+step of one-token segments (decode), logits of each sequence's last token. A float32 shard under a memory budget
+qualifies too: its streamed layers' products are the row-major blocks the offload streamer maps from the
+checkpoint, which the halves multiply as they lie (`rows`), the streamer bringing each layer in around its calls
+as the layer's hooks do in eager mode (eager dispatch had been most of a hot streamed step's extra time).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.kv_cache import AnyKVCache, KVCache
 from shardmesh.engine.linear import BlockedCpuKernel, LinearProduct
 from shardmesh.engine.model import DecoderLayer, Transformer
+from shardmesh.engine.offload import StreamedKernel
 from shardmesh.engine.tp import RowParallelLinear
 
 
@@ -36,7 +40,9 @@ def cpu_decode(model: Transformer, cache: AnyKVCache, device: torch.device) -> C
     if device.type != "cpu" or not isinstance(cache, KVCache) or model.dtype not in (torch.float32, torch.bfloat16):
         return None
     products = [m for layer in model.model.layers.values() for m in layer.modules() if isinstance(m, LinearProduct)]
-    if not products or not all(isinstance(m.kernel, BlockedCpuKernel) for m in products):
+    streamed = model.dtype == torch.float32 and getattr(model, "streamer", None) is not None
+    allowed = (BlockedCpuKernel, StreamedKernel) if streamed else (BlockedCpuKernel,)
+    if not products or not all(isinstance(m.kernel, allowed) for m in products):
         return None
     return CpuDecode(model, cache)
 
@@ -57,29 +63,43 @@ class CpuDecode:
     @torch.inference_mode()
     def run(self, batch: BatchLayout, x: Tensor) -> Tensor:
         """The shard's output for `batch` (which `accepts`): (n, vocab) float32 logits or (n, hidden) activations."""
-        model, ext = self.model, self.ext
+        model = self.model
         cos, sin = model.rope_cos, model.rope_sin
         assert cos is not None and sin is not None, "call init_buffers() first"
         self.cache.check(batch)
         slots, positions = batch.kv_index
         if model.model.embed_tokens is not None:
             x = model.model.embed_tokens(x)
+        streamer = model.streamer
         for c in self._calls():
-            out = ext.attention_block(x, *c.attention, slots, positions, cos, sin, *c.heads)
-            x = _reduce(c.o, x, out) if c.o is not None else out
-            out = ext.mlp_block(x, *c.mlp)
-            x = _reduce(c.down, x, out) if c.down is not None else out
+            if c.streamed is None:
+                x = self._layer(c, c.attention, c.mlp, x, slots, positions, cos, sin)
+                continue
+            assert streamer is not None
+            streamer.acquire(c.index)
+            try:
+                attention, mlp = c.streamed_args()
+                x = self._layer(c, attention, mlp, x, slots, positions, cos, sin)
+            finally:
+                streamer.release(c.index)
         if model.lm_head is None:
             return x
         assert model.model.norm is not None
         return model.lm_head(model.model.norm(x)).float()  # one row per sequence: each is its last token
 
+    def _layer(self, c: _LayerCalls, attention: tuple, mlp: tuple, x: Tensor, *step: Tensor) -> Tensor:
+        slots, positions, cos, sin = step
+        out = self.ext.attention_block(x, *attention, slots, positions, cos, sin, *c.heads)
+        x = _reduce(c.o, x, out) if c.o is not None else out
+        out = self.ext.mlp_block(x, *mlp)
+        return _reduce(c.down, x, out) if c.down is not None else out
+
     def _calls(self) -> list[_LayerCalls]:
         """Each layer's arguments that stay the same from step to step, gathered once (per cache tensor): looking
         them up through the modules' attributes took ~0.5 ms of a ~12 ms step (SmolLM2, bfloat16)."""
         if self._for is not self.cache.data:
-            self._layers = [_LayerCalls.of(layer, self.cache.keys(i), self.cache.values(i))
-                            for i, layer in enumerate(self.model.model.layers.values())]  # fmt: skip
+            self._layers = [_LayerCalls.of(int(name), layer, self.cache.keys(i), self.cache.values(i))
+                            for i, (name, layer) in enumerate(self.model.model.layers.items())]  # fmt: skip
             self._for = self.cache.data
         return self._layers
 
@@ -88,27 +108,47 @@ class CpuDecode:
 class _LayerCalls:
     """One decoder layer's constant arguments to `attention_block` (before and after the step's slots and positions)
     and `mlp_block`, and its row-parallel products when tensor-parallel (their group all-reduces each half's partial
-    sum, looked up at each step so that a re-bound group is used), None otherwise."""
+    sum, looked up at each step so that a re-bound group is used), None otherwise. A streamed layer's (`streamed`:
+    its qkv, o, gate_up and down products) weights exist only between the streamer's acquire and release, so
+    `streamed_args` puts them in at each step."""
 
+    index: int  # the layer's number in the model (the streamer's key)
     attention: tuple[Any, ...]
     heads: tuple[Any, ...]
     mlp: tuple[Any, ...]
     o: RowParallelLinear | None
     down: RowParallelLinear | None
+    streamed: tuple[LinearProduct, LinearProduct, LinearProduct, LinearProduct] | None
 
     @classmethod
-    def of(cls, layer: DecoderLayer, keys: Tensor, values: Tensor) -> _LayerCalls:
+    def of(cls, index: int, layer: DecoderLayer, keys: Tensor, values: Tensor) -> _LayerCalls:
         attn, norm, mlp, post = layer.self_attn, layer.input_layernorm, layer.mlp, layer.post_attention_layernorm
         qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
         o_sharded, down_sharded = isinstance(o, RowParallelLinear), isinstance(down, RowParallelLinear)
+        streamed = isinstance(qkv.kernel, StreamedKernel)
         return cls(
-            (norm.weight, norm.eps, qkv.weight, qkv.bias, qkv.weight_scale, o.weight, None if o_sharded else o.bias,
-             o.weight_scale, keys, values),
-            (attn.n_heads, attn.n_kv_heads, not o_sharded),
-            (post.weight, post.eps, gate_up.weight, gate_up.bias, gate_up.weight_scale, down.weight,
-             None if down_sharded else down.bias, down.weight_scale, not down_sharded),
+            index,
+            (norm.weight, norm.eps, [qkv.weight], qkv.bias, qkv.weight_scale, [o.weight],
+             None if o_sharded else o.bias, o.weight_scale, keys, values),
+            (attn.n_heads, attn.n_kv_heads, not o_sharded, streamed),
+            (post.weight, post.eps, [gate_up.weight], gate_up.bias, gate_up.weight_scale, [down.weight],
+             None if down_sharded else down.bias, down.weight_scale, not down_sharded, streamed),
             o if o_sharded else None, down if down_sharded else None,
+            (qkv, o, gate_up, down) if streamed else None,
         )  # fmt: skip
+
+    def streamed_args(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """`attention` and `mlp` with the streamed products' weights as the streamer handed them over just now."""
+        assert self.streamed is not None
+        qkv, o, gate_up, down = (_blocks(p) for p in self.streamed)
+        a, m = self.attention, self.mlp
+        return (*a[:2], qkv, *a[3:5], o, *a[6:]), (*m[:2], gate_up, *m[3:5], down, *m[6:])
+
+
+def _blocks(product: LinearProduct) -> list[Tensor]:
+    kernel = product.kernel
+    assert isinstance(kernel, StreamedKernel) and kernel.blocks is not None, "the layer is not acquired"
+    return kernel.blocks
 
 
 def _reduce(product: RowParallelLinear, x: Tensor, partial: Tensor) -> Tensor:

@@ -380,32 +380,66 @@ static inline void rows_dot(const float* x, int64_t K, const float* w, int64_t l
 #endif
 }
 
-torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, Opt bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rows_linear: x ", x.sizes(), ", w ", w.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.stride(1) == 1,
-              "rows_linear: float32 x and float32 w with contiguous rows");
-  auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0), ld = w.stride(0);
-  auto y = torch::empty({M, N}, xc.options());
-  torch::Tensor keep;
-  const float* bp = opt_ptr(bias, keep);
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// y[m * ldy + j] = x[m] . w[j] + bias[j] for the N rows of w (row stride ld).
+static void rows_gemm(const float* x, int64_t M, int64_t K, const float* w, int64_t ld, int64_t N, const float* bias,
+                      float* y, int64_t ldy) {
   at::parallel_for(0, (N + RB - 1) / RB, 8, [&](int64_t r0, int64_t r1) {
     float out[RB];
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t n0 = r * RB, nn = std::min<int64_t>(RB, N - n0);
       for (int64_t m = 0; m < M; ++m) {  // the block's rows stay in cache from one input row to the next
         if (nn == RB)
-          rows_dot<RB>(xp + m * K, K, wp + n0 * ld, ld, out);
+          rows_dot<RB>(x + m * K, K, w + n0 * ld, ld, out);
         else
-          for (int64_t i = 0; i < nn; ++i) rows_dot<1>(xp + m * K, K, wp + (n0 + i) * ld, ld, out + i);
-        for (int64_t i = 0; i < nn; ++i) yp[m * N + n0 + i] = out[i] + (bp ? bp[n0 + i] : 0.f);
+          for (int64_t i = 0; i < nn; ++i) rows_dot<1>(x + m * K, K, w + (n0 + i) * ld, ld, out + i);
+        for (int64_t i = 0; i < nn; ++i) y[m * ldy + n0 + i] = out[i] + (bias ? bias[n0 + i] : 0.f);
       }
     }
   });
+}
+
+static void check_rows(const torch::Tensor& w, int64_t K) {
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.scalar_type() == at::kFloat && w.stride(1) == 1,
+              "row-major weights must be float32 (N, ", K, ") with contiguous rows, not ", w.scalar_type(), " ",
+              w.sizes());
+}
+
+torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, Opt bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rows_linear: x must be float32 (rows, in)");
+  check_rows(w, x.size(1));
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, xc.options());
+  torch::Tensor keep;
+  rows_gemm(xc.data_ptr<float>(), M, K, w.data_ptr<float>(), w.stride(0), N, opt_ptr(bias, keep),
+            y.data_ptr<float>(), N);
   return y;
+}
+
+// One product of a layer half: its weight `pack`ed (one tensor; `rows` false), or, for a layer the offload streamer
+// maps from the checkpoint (`rows` true), the row-major float32 blocks of a stacked product in output order (q, k,
+// v; gate, up), each as the file holds it.
+using Weights = std::vector<torch::Tensor>;
+static int64_t out_features(const Weights& w) {
+  int64_t n = 0;
+  for (const auto& b : w) n += b.size(0);
+  return n;
+}
+static void product(const float* x, int64_t M, int64_t K, const Weights& w, bool rows, const at::Half* scale,
+                    const float* bias, float* y, bool round_bf16) {
+  if (!rows) {
+    TORCH_CHECK(w.size() == 1, "a packed product is one tensor, not ", w.size());
+    gemm(x, M, K, w[0], scale, bias, y, round_bf16);
+    return;
+  }
+  TORCH_CHECK(!round_bf16 && scale == nullptr, "row-major (streamed) weights are float32, for float32 activations");
+  const int64_t N = out_features(w);
+  int64_t col = 0;
+  for (const auto& b : w) {
+    check_rows(b, K);
+    rows_gemm(x, M, K, b.data_ptr<float>(), b.stride(0), b.size(0), bias ? bias + col : nullptr, y + col, N);
+    col += b.size(0);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -620,11 +654,12 @@ static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T
 }
 
 // Each product comes as its packed weight, its bias and (int8 weights) its scales.
-torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, torch::Tensor w_qkv, Opt b_qkv,
-                              Opt s_qkv, torch::Tensor w_o, Opt b_o, Opt s_o, torch::Tensor k_cache,
-                              torch::Tensor v_cache, torch::Tensor slots, torch::Tensor positions, torch::Tensor cos,
-                              torch::Tensor sin, int64_t n_heads, int64_t n_kv, bool residual) {
-  const int64_t M = x.size(0), H = x.size(1), hd = k_cache.size(3), max_len = k_cache.size(2), n_qkv = w_qkv.size(0);
+torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, Weights w_qkv, Opt b_qkv, Opt s_qkv,
+                              Weights w_o, Opt b_o, Opt s_o, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor slots, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                              int64_t n_heads, int64_t n_kv, bool residual, bool rows) {
+  const int64_t M = x.size(0), H = x.size(1), hd = k_cache.size(3), max_len = k_cache.size(2);
+  const int64_t n_qkv = out_features(w_qkv);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(n_qkv == (n_heads + 2 * n_kv) * hd, "attention_block: qkv width does not match the heads");
   TORCH_CHECK(k_cache.scalar_type() == x.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -632,7 +667,7 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, t
   std::vector<float> h(M * H), qkv(M * n_qkv), att(M * n_heads * hd), y(M * H);
   rms_norm(x, norm, eps, bf16, h.data());
   torch::Tensor keep_b, keep_o;
-  gemm(h.data(), M, H, w_qkv, groups_ptr(s_qkv), opt_ptr(b_qkv, keep_b), qkv.data(), bf16);
+  product(h.data(), M, H, w_qkv, rows, groups_ptr(s_qkv), opt_ptr(b_qkv, keep_b), qkv.data(), bf16);
   auto sl = slots.to(torch::kLong).contiguous(), ps = positions.to(torch::kLong).contiguous();
   auto c = as_float(cos), s = as_float(sin);
   auto run = [&](auto* kc, auto* vc) {
@@ -643,19 +678,18 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, t
     run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
   else
     run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  gemm(att.data(), M, n_heads * hd, w_o, groups_ptr(s_o), opt_ptr(b_o, keep_o), y.data(), bf16);
+  product(att.data(), M, n_heads * hd, w_o, rows, groups_ptr(s_o), opt_ptr(b_o, keep_o), y.data(), bf16);
   return finish(x, y, residual, bf16);
 }
 
-torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, torch::Tensor w_gate_up, Opt b_gate_up,
-                        Opt s_gate_up, torch::Tensor w_down, Opt b_down, Opt s_down, bool residual) {
-  const int64_t M = x.size(0), H = x.size(1), n_gate_up = w_gate_up.size(0), inter = n_gate_up / 2;
+torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, Weights w_gate_up, Opt b_gate_up,
+                        Opt s_gate_up, Weights w_down, Opt b_down, Opt s_down, bool residual, bool rows) {
+  const int64_t M = x.size(0), H = x.size(1), n_gate_up = out_features(w_gate_up), inter = n_gate_up / 2;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   std::vector<float> h(M * H), gu(M * n_gate_up), act(M * inter), y(M * H);
   rms_norm(x, norm, eps, bf16, h.data());
   torch::Tensor keep_gu, keep_d;
-  gemm(h.data(), M, H, w_gate_up, groups_ptr(s_gate_up), opt_ptr(b_gate_up, keep_gu), gu.data(),
-       bf16);
+  product(h.data(), M, H, w_gate_up, rows, groups_ptr(s_gate_up), opt_ptr(b_gate_up, keep_gu), gu.data(), bf16);
   for (int64_t m = 0; m < M; ++m) {
     const float* gate = gu.data() + m * n_gate_up;
     float* a = act.data() + m * inter;
@@ -670,7 +704,7 @@ torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, torch::
     for (; i < inter; ++i) a[i] = gate[i] / (1.0f + std::exp(-gate[i]));
     for (i = 0; i < inter; ++i) a[i] = round_to(bf16, round_to(bf16, a[i]) * gate[inter + i]);  // * up, rounded
   }
-  gemm(act.data(), M, inter, w_down, groups_ptr(s_down), opt_ptr(b_down, keep_d), y.data(), bf16);
+  product(act.data(), M, inter, w_down, rows, groups_ptr(s_down), opt_ptr(b_down, keep_d), y.data(), bf16);
   return finish(x, y, residual, bf16);
 }
 """

@@ -341,3 +341,34 @@ def test_rss_stays_within_the_budget_plus_the_fixed_overhead(big_checkpoint: Pat
     # Not vacuous: the streamed process holds far less than the resident one (a ~109 MB shard of layers, half
     # of it outside the budget).
     assert streamed["peak_added"] < resident["peak_added"] - layers // 4, (streamed, resident)
+
+
+@pytest.mark.parametrize(("tp_rank", "tp"), [(0, 1), (1, 2)])
+def test_streamed_layers_decode_natively_as_eager_does(ck32: Path, tp_rank: int, tp: int) -> None:
+    """A float32 shard with half its layers streamed decodes through `cpu_decode`'s layer halves: resident layers'
+    blocked weights, streamed ones' mapped row-major blocks (stacked qkv / gate_up block by block, a tp rank's
+    column slices), each layer brought in and dropped around its calls. The same logits and KV cache as the eager
+    streamed model, and the plan's bytes streamed per step."""
+    from shardmesh.engine.cpu_decode import cpu_decode
+    from tests.unit.engine.test_model import PROMPTS, prefilled
+
+    spec = ShardSpec(0, LAYERS, LAYERS, tp_rank, tp)
+    budget = half_budget(ck32, torch.float32, spec) + (
+        layer_bytes(ck32, torch.float32, range(LAYERS)) // 8 if tp > 1 else 0
+    )
+    model = build_shard(ck32, spec, LocalRank(tp_rank, tp), progress=False, max_len=64, memory_budget=budget)
+    assert plan_of(model).streamed_layers and plan_of(model).resident_layers
+    slots = [1, 0]
+    eager_cache, native_cache = prefilled(model, slots, torch.float32), prefilled(model, slots, torch.float32)
+    runner = cpu_decode(model, native_cache, torch.device("cpu"))
+    assert runner is not None
+    batch = BatchLayout.build([Segment(s, len(PROMPTS[i]), 1) for i, s in enumerate(slots)])
+    ids = torch.tensor([3, 8])
+    streamer = streamer_of(model)
+    with torch.inference_mode():
+        eager = model(ids, batch, eager_cache)
+        before = streamer.bytes_streamed
+        native = runner.run(batch, ids)
+    assert streamer.bytes_streamed - before == plan_of(model).streamed_bytes_per_step
+    torch.testing.assert_close(native, eager, atol=1e-5, rtol=0)
+    torch.testing.assert_close(native_cache.data, eager_cache.data, atol=1e-5, rtol=0)
