@@ -85,9 +85,9 @@ QUANTIZE_HELP = (
 )
 
 
-# Input features per int8 group (a scale and an offset each): the block size of llama.cpp's Q8_0 and Q4_1, whose
-# grids an int8 group of this size holds exactly. A tensor-parallel slice of a row-parallel product must hold
-# whole groups (`shardmesh.engine.loader`), so every degree quantizes the same groups.
+# Input features per int8 group (a scale and a minimum each): the block size of llama.cpp's Q8_0 and Q4_1, whose
+# grids an int8 group of this size holds exactly. Every tensor-parallel degree holds the same numbers where a
+# row-parallel product's slices hold whole groups; the loader logs the products whose slices split one.
 INT8_GROUP = 32
 # Elements of a product quantized at a time (whole rows, at least one), with at most `INT8_QUANTIZE_TEMP_BYTES` bytes
 # of float64 temporaries per element (`shardmesh.engine.linear.quantize_groups`; the memory model counts them).

@@ -40,7 +40,7 @@ def cpu_decode(model: Transformer, cache: AnyKVCache, device: torch.device) -> C
     if device.type != "cpu" or not isinstance(cache, KVCache) or model.dtype not in (torch.float32, torch.bfloat16):
         return None
     products = [m for layer in model.model.layers.values() for m in layer.modules() if isinstance(m, LinearProduct)]
-    streamed = model.dtype == torch.float32 and getattr(model, "streamer", None) is not None
+    streamed = model.dtype == torch.float32 and model.streamer is not None
     allowed = (BlockedCpuKernel, StreamedKernel) if streamed else (BlockedCpuKernel,)
     if not products or not all(isinstance(m.kernel, allowed) for m in products):
         return None
@@ -108,9 +108,8 @@ class CpuDecode:
 class _LayerCalls:
     """One decoder layer's constant arguments to `attention_block` (before and after the step's slots and positions)
     and `mlp_block`, and its row-parallel products when tensor-parallel (their group all-reduces each half's partial
-    sum, looked up at each step so that a re-bound group is used), None otherwise. A streamed layer's (`streamed`:
-    its qkv, o, gate_up and down products) weights exist only between the streamer's acquire and release, so
-    `streamed_args` puts them in at each step."""
+    sum, looked up at each step so that a re-bound group is used), None otherwise. A streamed layer's weights exist
+    only between the streamer's acquire and release, so `streamed_args` builds its arguments at each step."""
 
     index: int  # the layer's number in the model (the streamer's key)
     attention: tuple[Any, ...]
@@ -118,31 +117,46 @@ class _LayerCalls:
     mlp: tuple[Any, ...]
     o: RowParallelLinear | None
     down: RowParallelLinear | None
-    streamed: tuple[LinearProduct, LinearProduct, LinearProduct, LinearProduct] | None
+    streamed: tuple[DecoderLayer, Tensor, Tensor] | None  # the layer and its cache, for `streamed_args`
 
     @classmethod
     def of(cls, index: int, layer: DecoderLayer, keys: Tensor, values: Tensor) -> _LayerCalls:
-        attn, norm, mlp, post = layer.self_attn, layer.input_layernorm, layer.mlp, layer.post_attention_layernorm
-        qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        products = _products(layer)
+        qkv, o, _, down = products
         o_sharded, down_sharded = isinstance(o, RowParallelLinear), isinstance(down, RowParallelLinear)
         streamed = isinstance(qkv.kernel, StreamedKernel)
+        weights = ([None] if streamed else [p.weight] for p in products)  # a streamed layer's: at each step
+        attention, mlp_args = _args(layer, keys, values, streamed, *weights)
         return cls(
-            index,
-            (norm.weight, norm.eps, [qkv.weight], qkv.bias, qkv.weight_scale, [o.weight],
-             None if o_sharded else o.bias, o.weight_scale, keys, values),
-            (attn.n_heads, attn.n_kv_heads, not o_sharded, streamed),
-            (post.weight, post.eps, [gate_up.weight], gate_up.bias, gate_up.weight_scale, [down.weight],
-             None if down_sharded else down.bias, down.weight_scale, not down_sharded, streamed),
+            index, attention, (layer.self_attn.n_heads, layer.self_attn.n_kv_heads, not o_sharded, streamed), mlp_args,
             o if o_sharded else None, down if down_sharded else None,
-            (qkv, o, gate_up, down) if streamed else None,
+            (layer, keys, values) if streamed else None,
         )  # fmt: skip
 
     def streamed_args(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """`attention` and `mlp` with the streamed products' weights as the streamer handed them over just now."""
         assert self.streamed is not None
-        qkv, o, gate_up, down = (_blocks(p) for p in self.streamed)
-        a, m = self.attention, self.mlp
-        return (*a[:2], qkv, *a[3:5], o, *a[6:]), (*m[:2], gate_up, *m[3:5], down, *m[6:])
+        layer, keys, values = self.streamed
+        return _args(layer, keys, values, True, *(_blocks(p) for p in _products(layer)))
+
+
+def _products(layer: DecoderLayer) -> tuple[LinearProduct, LinearProduct, LinearProduct, LinearProduct]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _args(layer: DecoderLayer, keys: Tensor, values: Tensor, rows: bool, qkv: list, o: list, gate_up: list,
+          down: list) -> tuple[tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
+    """A layer's arguments to `attention_block` (but the step's and the heads') and `mlp_block`, each product's weight
+    as the list of tensors the halves take (`rows`: row-major blocks of a streamed layer)."""
+    attn, norm, mlp, post = layer.self_attn, layer.input_layernorm, layer.mlp, layer.post_attention_layernorm
+    o_sharded, down_sharded = isinstance(attn.o_proj, RowParallelLinear), isinstance(mlp.down_proj, RowParallelLinear)
+    return (
+        (norm.weight, norm.eps, qkv, attn.qkv_proj.bias, attn.qkv_proj.weight_scale, o,
+         None if o_sharded else attn.o_proj.bias, attn.o_proj.weight_scale, keys, values),
+        (post.weight, post.eps, gate_up, mlp.gate_up_proj.bias, mlp.gate_up_proj.weight_scale, down,
+         None if down_sharded else mlp.down_proj.bias, mlp.down_proj.weight_scale, not down_sharded, rows),
+    )  # fmt: skip
 
 
 def _blocks(product: LinearProduct) -> list[Tensor]:

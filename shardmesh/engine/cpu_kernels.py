@@ -351,6 +351,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, Opt bias, Opt scale) {
 // pass, each output a dot product along K with two sums per row. One row, SmolLM2's products, one Zen 5 core:
 // 32 GB/s against F.linear's 16 (the blocked layout's 36).
 constexpr int RB = 8;
+#ifdef __AVX512F__
+// The first min(left, 16) lanes: a row's tail.
+static inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+#endif
 template <int R>
 static inline void rows_dot(const float* x, int64_t K, const float* w, int64_t ld, float* out) {
 #ifdef __AVX512F__
@@ -365,7 +371,7 @@ static inline void rows_dot(const float* x, int64_t K, const float* w, int64_t l
     }
   }
   for (; k < K; k += 16) {
-    const __mmask16 mk = K - k >= 16 ? 0xffff : static_cast<__mmask16>((1u << (K - k)) - 1);
+    const __mmask16 mk = lanes(K - k);
     const __m512 x0 = _mm512_maskz_loadu_ps(mk, x + k);
     for (int i = 0; i < R; ++i) a[i] = _mm512_fmadd_ps(x0, _mm512_maskz_loadu_ps(mk, w + i * ld + k), a[i]);
   }
@@ -504,10 +510,6 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// The first min(left, 16) lanes: a row's tail.
-static inline __mmask16 lanes(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-}
 
 // 16 keys or values of the cache as float32.
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }

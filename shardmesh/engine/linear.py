@@ -235,8 +235,8 @@ def choose_kernel(dtype: torch.dtype, device: torch.device | str, quantized: boo
 class LinearProduct(nn.Module):
     """A module whose product with `weight` is computed by `kernel`, `DENSE` until the loader picks one.
 
-    A quantized product's `weight` holds int8 values and `weight_scale` (out, groups, 2) float32 pairs, the scale
-    and offset of each group of `INT8_GROUP` inputs (None for a float product): `dequantize` says how they
+    A quantized product's `weight` holds int8 values and `weight_scale` (out, groups, 2) float16 pairs, the scale
+    and minimum of each group of `INT8_GROUP` inputs (None for a float product): `dequantize` says how they
     combine. Kernels may re-store both (`LinearKernel.prepare`, `prepare_scale`).
     """
 

@@ -127,7 +127,7 @@ def build_shard(
         reads = stream_layers(ckpt, model, reads, dtype, device, memory_budget)  # the reads left to load
     for p in model.parameters():
         p.requires_grad_(False)  # before loading: an int8 tensor cannot be a parameter that requires grad
-    int8 = _Int8(ckpt, model) if quantization is Quantization.INT8 else None
+    int8 = _Int8(model) if quantization is Quantization.INT8 else None
     tensors = read_tensors(ckpt, reads, dtype, device, progress, finish=int8)
     model.load_state_dict(tensors, strict=True, assign=True)
     del tensors  # the model holds them now; no second reference may outlive `use_kernel`'s copies
@@ -147,10 +147,9 @@ def build_shard(
 
 class _Int8:
     """`read_tensors`' finish step: each quantized product, as soon as it is read, to int8 values (returned, for
-    the model to load) and its groups' float32 scales and offsets (kept in `scales` for `build_shard` to attach)."""
+    the model to load) and its groups' float16 scales and minima (kept in `scales` for `build_shard` to attach)."""
 
-    def __init__(self, ckpt: Checkpoint, model: Transformer) -> None:
-        self.ckpt = ckpt
+    def __init__(self, model: Transformer) -> None:
         self.names = int8_products(model)
         self.scales: dict[str, torch.Tensor] = {}
 

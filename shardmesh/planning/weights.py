@@ -125,7 +125,7 @@ class Part:
 
     def nbytes(self, dtype: DType, quantization: Quantization = Quantization.NONE) -> int:
         """Bytes of the part in `dtype`, its products stored as `quantization` says (`Quantization.weight_bytes`:
-        int8 values plus a float32 scale and offset per group of inputs of each local output row)."""
+        int8 values plus a float16 scale and minimum per group of inputs of each local output row)."""
         in_products = sum(o * i for o, i in self.products)
         stored = sum(quantization.weight_bytes(o, i, dtype) for o, i in self.products)
         return (self.total - in_products) * dtype.itemsize + stored
