@@ -10,6 +10,7 @@ import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,15 +114,26 @@ class Mesh:
 
 
 class Progress:
-    """How many streams have received at least 3 tokens, for a fault that must land mid-stream."""
+    """How many streams have received at least 3 tokens, for a fault that must land mid-stream. `at_n(n, action)`
+    runs `action` in the stream thread that makes it n, before that thread reads on: a fault as quick as a signal
+    lands with no thread to wake in between (a short stream can end while a waiting thread is scheduled, on a busy
+    machine)."""
 
     def __init__(self) -> None:
         self.cv = threading.Condition()
         self.streaming = 0
+        self._actions: dict[int, Callable[[], None]] = {}
+
+    def at_n(self, n: int, action: Callable[[], None]) -> None:
+        with self.cv:
+            self._actions[n] = action
 
     def started(self) -> None:
         with self.cv:
             self.streaming += 1
+            action = self._actions.pop(self.streaming, None)
+            if action is not None:
+                action()
             self.cv.notify_all()
 
     def wait_for(self, n: int) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,20 +40,17 @@ def mesh(request, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 def killed_mid_stream(mesh: Mesh, stage: int, tp_rank: int, streaming: int) -> dict[str, list[int]]:
     """Every request at once, and SIGKILL of the worker at (stage, tp_rank) once `streaming` streams have
-    3 tokens; their tokens by request id."""
+    3 tokens, sent from the stream thread that saw it (the pid looked up before); their tokens by request id."""
     progress = Progress()
     killed: list[int] = []
+    pid = mesh.worker_pid(stage, tp_rank)
 
     def kill() -> None:
-        if progress.wait_for(streaming):
-            pid = mesh.worker_pid(stage, tp_rank)
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
 
-    killer = threading.Thread(target=kill)
-    killer.start()
+    progress.at_n(streaming, kill)
     tokens = stream_all(mesh.stub, progress=progress)
-    killer.join(timeout=30)
     assert killed, "the worker was not killed"
     return tokens
 
