@@ -26,9 +26,10 @@ Derived lines, per dtype, each beside its target and whether this run met it:
   llama.cpp); target >= 1 for float32, and for bfloat16 where the CPU has native bf16 (avx512_bf16/amx_bf16).
 - tp=3 vs pp=1, one stream, per token: target within 1.5x.
 - stage boundary: per-token latency of pp=2 minus pp=1 (both tp=1, one stream) with the same torch threads
-  per worker and one call per token (pp=1 runs with the gateway's `--decode-steps 1` for it, on each thread count
-  a pp=2 stage gets), i.e. what one extra hop costs; target <= 0.5 ms. Against pp=1 as deployed (all the cores,
-  several decode steps per call) beside it.
+  per worker and the same decode steps per call (`turns`, one step in flight, runs the gateway's 8 per call as
+  pp=1 does; `full`, two in flight, one per call, so pp=1 runs again with `--decode-steps 1` on the thread count
+  a `full` stage gets), i.e. what one extra hop costs; target <= 0.5 ms. Against pp=1 as deployed (all the
+  cores, several decode steps per call) beside it.
 - pipeline: aggregate tokens/s of pp=2 over pp=1 (both tp=1) at 16 streams, per pipeline mode: target >= 0.9x;
   and 16 streams over one stream: target >= 6x.
 """
@@ -53,8 +54,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench import llamacpp  # noqa: E402  (the repository root is on the path only now)
 from bench.conditions import PROMPT, machine, save_results  # noqa: E402
+from gateway.batching import pipeline_depth  # noqa: E402
+from gateway.process import GatewayConfig  # noqa: E402
 from shardmesh.rpc.procs import cores  # noqa: E402
 from shardmesh_cli.up import share_cores  # noqa: E402
+
+DECODE_STEPS = GatewayConfig.decode_steps  # the gateway's default --decode-steps: what `up` runs
 
 
 def baseline_transformers(model_dir: Path, prompt_ids: list[int], new_tokens: int, dtype: str = "float32") -> dict:
@@ -257,26 +262,29 @@ def _layout(text: str) -> tuple[int, int]:
 
 def plan_runs(layouts: list[tuple[int, int]], streams: list[int], dtype: str) -> list[dict]:
     """The meshes to start for one dtype: every layout with `up`'s own core share (pp=2, tp=1 once per
-    pipeline mode), then, for the stage boundary, pp=1 again on the threads a `full` pp=2 stage gets."""
+    pipeline mode), then, for the stage boundary, pp=1 again on the threads and decode steps per call of each
+    pp=2 mode that pp=1 as deployed does not already match. `decode_steps`: what the gateway runs per call."""
     runs = []
     for pp, tp in layouts:
         for pipeline in ("turns", "full") if (pp, tp) == (2, 1) else ("auto",):
             share = share_cores(pp, tp, "cpu", pipeline, None, cores())
+            # Several decode steps per call only with one step in flight (gateway `Scheduler._decode_steps`).
+            steps = DECODE_STEPS if pipeline_depth(share.gateway_depth, pp) == 1 else 1
             runs.append({"pp": pp, "tp": tp, "pipeline": share.pipeline, "threads": share.worker_threads,
-                         "streams": streams, "deployed": True, "dtype": dtype})  # fmt: skip
-    pp2 = {r["threads"] for r in runs if (r["pp"], r["tp"]) == (2, 1)}
+                         "streams": streams, "deployed": True, "dtype": dtype, "decode_steps": steps})  # fmt: skip
     if (1, 1) in layouts and 1 in streams:
-        # The stage boundary's like-for-like baseline, not a deployed layout: pp=1 on each thread count a pp=2 stage
-        # gets, one call per token as pp=2 makes them (`up`'s pp=1 runs 8 decode steps per call).
+        have = {(r["threads"], r["decode_steps"]) for r in runs if (r["pp"], r["tp"]) == (1, 1)}
+        wanted = sorted({(r["threads"], r["decode_steps"]) for r in runs if (r["pp"], r["tp"]) == (2, 1)} - have)
+        # The stage boundary's like-for-like baselines, not deployed layouts: one stream only.
         runs += [{"pp": 1, "tp": 1, "pipeline": "full", "threads": t, "streams": [1], "deployed": False,
-                  "dtype": dtype, "decode_steps": 1} for t in sorted(pp2)]  # fmt: skip
+                  "dtype": dtype, "decode_steps": n} for t, n in wanted]  # fmt: skip
     return runs
 
 
 def run_mesh(model_dir: Path, run: dict, prompt_ids: list[int], a: argparse.Namespace) -> list[dict]:
     """One `shardmesh up` of ``run``'s layout and dtype, each of its stream counts through the gateway."""
     with tempfile.TemporaryDirectory() as logs:
-        steps = {"SHARDMESH_GATEWAY_DECODE_STEPS": str(run["decode_steps"])} if "decode_steps" in run else None
+        steps = {"SHARDMESH_GATEWAY_DECODE_STEPS": str(run["decode_steps"])}
         mesh = Mesh(model_dir, run["pp"], run["tp"], run["pipeline"], max(a.stream_list), Path(logs), run["threads"],
                     a.rebalance, extra=("--dtype", run["dtype"]), env=steps)  # fmt: skip
         try:
@@ -386,22 +394,24 @@ def tp_target(dtype: str, rows: list[dict]) -> dict:
 
 
 def boundary_targets(dtype: str, rows: list[dict]) -> list[dict]:
-    """One stream's per-token latency, pp=2 minus pp=1 (tp=1) with the same threads per worker and one call per
-    token on both, per pipeline mode (target <= 0.5 ms); against pp=1 as deployed (all the cores, several decode
-    steps per call) beside it."""
+    """One stream's per-token latency, pp=2 minus pp=1 (tp=1) with the same threads per worker and decode steps
+    per call, per pipeline mode (target <= 0.5 ms); against pp=1 as deployed (all the cores, several decode steps
+    per call) beside it. Rows of runs before decode steps were recorded made one call per token at pp=2."""
     single = [r for r in rows if r["streams"] == 1 and r["tp"] == 1]
-    pp1 = {r["threads"]: r for r in single if r["pp"] == 1 and r.get("decode_steps") == 1}
+    pp1 = {(r["threads"], r.get("decode_steps", 1)): r for r in single if r["pp"] == 1}
     deployed = _one_stream_pp1(rows)
     out = []
     for r in sorted((r for r in single if r["pp"] == 2), key=lambda r: r["pipeline"], reverse=True):
-        name = (f"stage boundary, `--pipeline {r['pipeline']}` (pp=2 minus pp=1, one stream, same threads/worker, "
-                f"a call per token)")  # fmt: skip
-        same = pp1.get(r["threads"])
-        detail = f"each stage on {r['threads']} thread(s)"
+        steps = r.get("decode_steps", 1)
+        name = (f"stage boundary, `--pipeline {r['pipeline']}` (pp=2 minus pp=1, one stream, same threads/worker "
+                f"and decode steps per call)")  # fmt: skip
+        same = pp1.get((r["threads"], steps))
+        detail = f"each stage on {r['threads']} thread(s), {steps} decode step(s) per call"
         if deployed is not None:
             detail += f"; {r['ms_per_token'] - deployed['ms_per_token']:+.2f} ms against pp=1 as deployed"
         if same is None:
-            out.append(_target(name, dtype, None, " ms", "<=", 0.5, detail, f"needs pp=1 on {r['threads']} thread(s)"))
+            out.append(_target(name, dtype, None, " ms", "<=", 0.5, detail,
+                               f"needs pp=1 on {r['threads']} thread(s), {steps} decode step(s) per call"))  # fmt: skip
         else:
             out.append(_target(name, dtype, r["ms_per_token"] - same["ms_per_token"], " ms", "<=", 0.5, detail))
     if not out:
@@ -471,6 +481,8 @@ def _llama_line(dtype: str, llama: dict) -> str:
 
 def _row_line(r: dict, base: dict) -> str:
     mode = r["pipeline"] if r["pp"] > 1 else "a call per token" if r.get("decode_steps") == 1 else ""
+    if r["pp"] > 1 and r.get("decode_steps", 1) > 1:
+        mode += f", {r['decode_steps']} steps per call"
     head = f"| {r['dtype']} | {r['pp']} | {r['tp']} | {mode} |"
     if "failed" in r:
         return f"{head} | {r['threads']} | | failed: {r['failed']} | | | | |"

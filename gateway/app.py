@@ -38,9 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          help="steps in flight at once (default 0: one per pipeline stage, every stage busy at once; 1: the stages "
               "take turns, for stages that share the same cores)")  # fmt: skip
     flag("--decode-steps", 8, type=int,
-         help="on a single-stage mesh, decode steps a worker runs per call while every sequence in the batch decodes "
-              "and none waits for a slot: the round trip is paid once per that many tokens, and a streaming client "
-              f"receives them together (default 8; 1: a call per token; at most {MAX_DECODE_STEPS})")  # fmt: skip
+         help="with one step in flight (a single stage, or stages taking turns: --pipeline-depth 1), decode steps "
+              "the workers run per call while every sequence in the batch decodes and none waits for a slot: the "
+              "round trip is paid once per that many tokens, and a streaming client receives them together "
+              f"(default 8; 1: a call per token; at most {MAX_DECODE_STEPS})")  # fmt: skip
     flag("--shutdown-grace", 5.0, type=float, help="seconds running requests get to finish on SIGTERM (default 5)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    default=os.environ.get(ENV_PREFIX + "NO_PREFIX_CACHING", "") in ("", "0", "false"),

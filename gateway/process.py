@@ -47,7 +47,7 @@ class GatewayConfig:
     step_timeout: float = 120.0
     resume_timeout: float = 60.0
     pipeline_depth: int = 0  # steps in flight at once; 0: one per pipeline stage
-    decode_steps: int = 8  # decode steps per call on a single-stage mesh, at most; 1: one per call
+    decode_steps: int = 8  # decode steps per call with one step in flight, at most; 1: one per call
     prefix_caching: bool = True  # a paged mesh reuses the blocks of cached prompt prefixes
     shutdown_grace: float = 5.0
     model_dir: str | None = None  # where this gateway reads the tokenizer; default: the topology's model path

@@ -81,7 +81,7 @@ class SchedulerConfig:
     pipeline_depth: int = 0  # steps in flight at once; 0: one per pipeline stage (the mesh's pp)
     resume_timeout: float = 60.0  # seconds a request whose workers were lost may wait for a mesh to resume on
     prefix_caching: bool = True  # on a paged mesh: reuse the blocks of a cached prompt prefix (`gateway/blocks.py`)
-    decode_steps: int = 1  # decode steps per call on a single-stage mesh, at most (see `Scheduler._decode_steps`)
+    decode_steps: int = 1  # decode steps per call with one step in flight, at most (`Scheduler._decode_steps`)
 
 
 @dataclass(frozen=True)
@@ -467,17 +467,20 @@ class Scheduler:
 
     def _decode_steps(self, view: MeshView, planned: list[Planned[Sequence]], depth: int) -> int:
         """Decode steps the next call runs (worker.proto `StepRequest.decode_steps`): one, or up to
-        `cfg.decode_steps` when the mesh has a single stage (it draws each token and embeds it next: no step of the
-        gateway's between them), one step is in flight at a time, every entry is a sequence decoding on every
-        stage, and no request waits for a free slot (it joins the next call, not one `decode_steps` later). Never
-        past any entry's last token (`max_new_tokens`) or the context. Tokens a stop condition ends early on are
-        computed and dropped: at most decode_steps - 1 steps of one sequence."""
+        `cfg.decode_steps` when one step is in flight at a time (a single stage, or stages taking turns: the
+        workers feed each drawn token to the next step themselves, the last stage sending it back to the first,
+        so no step of the gateway's lies between them), every entry is a sequence decoding on every stage, and
+        no request waits for a free slot (it joins the next call, not one `decode_steps` later). A full pipeline
+        (depth > 1) keeps one step per call: a stage looping over one micro-batch's tokens would leave the
+        others waiting. Never past any entry's last token (`max_new_tokens`) or the context. Tokens a stop
+        condition ends early on are computed and dropped: at most decode_steps - 1 steps of one sequence."""
         n = self.cfg.decode_steps
-        if n <= 1 or view.pp != 1 or depth != 1:
+        if n <= 1 or depth != 1:
             return 1
         for p in planned:
             s = p.seq
-            if p.num_tokens != 1 or not p.sample or not s.tokens or s.prefilling or s.entry_stages(1) != (0, 0):
+            if (p.num_tokens != 1 or not p.sample or not s.tokens or s.prefilling
+                    or s.entry_stages(view.pp) != (0, 0)):  # fmt: skip
                 return 1
             n = min(n, s.req.max_new_tokens - len(s.tokens), view.max_context - s.cached)
         if n > 1:

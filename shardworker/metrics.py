@@ -51,20 +51,22 @@ class WorkerMetrics:
         r.register(_ShardCollector(info, worker_id, device))
 
     def observe(self, result: StepResult, tokens: int) -> None:
-        c, stage = result.comm, result.placement.stage
+        c, stage, stages = result.comm, result.placement.stage, result.placement.num_stages
         self.step_seconds.observe(result.elapsed_s)
         self.step_tokens.inc(tokens)
         for phase, seconds in (("compute", result.compute_s), ("recv_wait", c.recv_wait_s), ("send", c.send_s),
                                ("collective", c.collective_s)):  # fmt: skip
             if seconds:
                 self.phase_seconds.labels(phase).inc(seconds)
+        # A ring: the first stage receives from the last, and the last sends to the first, over the loop that
+        # carries drawn tokens in calls of several decode steps (`ShardGroups.loop`).
         if c.recv_messages:
-            peer = str(stage - 1)
+            peer = str((stage - 1) % stages)
             self.link_bytes.labels("received", peer).inc(c.recv_bytes)
             self.link_messages.labels("received", peer).inc(c.recv_messages)
             self.link_seconds.labels("received", peer).observe(c.recv_wait_s / c.recv_messages)
         if c.send_messages:
-            peer = str(stage + 1)
+            peer = str((stage + 1) % stages)
             self.link_bytes.labels("sent", peer).inc(c.send_bytes)
             self.link_messages.labels("sent", peer).inc(c.send_messages)
             self.link_seconds.labels("sent", peer).observe(c.send_s / c.send_messages)
@@ -213,10 +215,10 @@ def record_step_spans(
             "shardmesh.tp.collective_ms": c.collective_s * 1e3, "shardmesh.tp.collective_bytes": c.collective_bytes,
             "shardmesh.tp.collectives": c.collective_calls,
         })  # fmt: skip
-        if c.recv_messages:
-            attributes["shardmesh.link.peer_stage_in"] = p.stage - 1
+        if c.recv_messages:  # a ring, as in `WorkerMetrics.observe`
+            attributes["shardmesh.link.peer_stage_in"] = (p.stage - 1) % p.num_stages
         if c.send_messages:
-            attributes["shardmesh.link.peer_stage_out"] = p.stage + 1
+            attributes["shardmesh.link.peer_stage_out"] = (p.stage + 1) % p.num_stages
     for parent in parents:
         span = tracer.start_span("worker.step", context=parent, kind=SpanKind.SERVER, start_time=start_ns,
                                  attributes=attributes)  # fmt: skip

@@ -110,10 +110,14 @@ class CommCounters:
 
     @classmethod
     def of(cls, groups: ShardGroups) -> CommCounters:
-        prev, nxt, tp = groups.prev, groups.next, groups.tp
+        """The links' and the tp group's counters. The loop (`ShardGroups.loop`) counts with the first stage's
+        receiving and the last stage's sending: the first stage waits on it for its next token as on `prev`."""
+        tp = groups.tp
+        ins = [link for link in (groups.prev, groups.loop) if link is not None and link.peer == 0]
+        outs = [link for link in (groups.next, groups.loop) if link is not None and link.peer == 1]
         return cls(
-            prev.wait_s if prev else 0.0, prev.bytes_received if prev else 0, prev.messages_received if prev else 0,
-            nxt.send_s if nxt else 0.0, nxt.bytes_sent if nxt else 0, nxt.messages_sent if nxt else 0,
+            sum(x.wait_s for x in ins), sum(x.bytes_received for x in ins), sum(x.messages_received for x in ins),
+            sum(x.send_s for x in outs), sum(x.bytes_sent for x in outs), sum(x.messages_sent for x in outs),
             getattr(tp, "wait_s", 0.0), getattr(tp, "bytes", 0), getattr(tp, "calls", 0),
         )  # fmt: skip
 
@@ -550,15 +554,40 @@ class StageWorkerCore:
     def _decode_steps(self, topology_version: int, entries: list[StepEntry], n: int) -> StepResult:
         """`n` decode steps in one call (worker.proto `StepRequest.decode_steps`): each feeds every entry the token
         its previous step drew, at the next position, so the gateway's round trip and this worker's hop to the
-        compute thread are paid once per `n` tokens. Only a single stage can: it both draws and embeds the token.
-        The sampled tokens are step-major. A failure part-way fails the call: the gateway keeps none of its
-        tokens, and the positions written lie past what it counts as cached."""
-        _validate_decode_steps(self._ready(topology_version), entries, n)
+        compute thread are paid once per `n` tokens. A single stage draws and embeds the token itself; in a
+        pipeline the last stage sends what it drew back to the first over the loop link (`ShardGroups.loop`), and
+        the stages between run their layers on the activations as in any step. The sampled tokens are step-major.
+        A failure part-way fails the call: the gateway keeps none of its tokens, and the positions written lie
+        past what it counts as cached."""
+        rt = self._ready(topology_version)
+        _validate_decode_steps(rt, entries, n)
+        p, loop = rt.placement, rt.engine.groups.loop
+        first, last = p.stage == 0, p.stage == p.num_stages - 1
+        if loop is None and p.num_stages > 1 and (first or last):  # groups formed without `form_groups`
+            raise FailedPrecondition(f"decode_steps: stage {p.stage} of {p.num_stages} has no loop link to carry "
+                                     f"the drawn tokens to the first stage")  # fmt: skip
         result = self._step(topology_version, entries)  # which checks the entries as any step does
         sampled, elapsed, comm = list(result.sampled), result.elapsed_s, result.comm
         for _ in range(n - 1):
-            entries = [replace(e, start_pos=e.start_pos + 1, token_ids=(s.token_id,))
-                       for e, s in zip(entries, result.sampled, strict=True)]  # fmt: skip
+            if last:
+                drawn = [s.token_id for s in result.sampled]  # one per entry, in entry order: every entry samples
+            if loop is not None:
+                t0, before = time.perf_counter(), CommCounters.of(rt.engine.groups)
+                try:
+                    if last:
+                        loop.send(torch.tensor(drawn, dtype=torch.int64))
+                    else:
+                        drawn = loop.recv((len(entries),), torch.int64, "cpu").tolist()
+                except RuntimeError as e:  # the other end of the loop is gone
+                    raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
+                waited = CommCounters.of(rt.engine.groups) - before
+                elapsed += time.perf_counter() - t0
+                comm += waited
+                self.stats.recv_wait_s += waited.recv_wait_s
+            elif not last:  # a stage between the ends: it never embeds, the positions are what it needs
+                drawn = [e.token_ids[0] for e in entries]
+            entries = [replace(e, start_pos=e.start_pos + 1, token_ids=(t,))
+                       for e, t in zip(entries, drawn, strict=True)]  # fmt: skip
             result = self._step(topology_version, entries)
             sampled += result.sampled
             elapsed += result.elapsed_s
@@ -788,13 +817,10 @@ def _validate_decode_steps(rt: _Runtime, entries: list[StepEntry], n: int) -> No
     p = rt.placement
     if n > MAX_DECODE_STEPS:
         raise InvalidArgument("decode_steps", f"{n} is more than {MAX_DECODE_STEPS}")
-    if p.num_stages != 1:
-        raise InvalidArgument("decode_steps", f"{n} steps in one call need a single-stage mesh (the stage that "
-                              f"draws a token must embed it next); this one has {p.num_stages} stages")  # fmt: skip
     for i, e in enumerate(entries):
         where = f"entries[{i}]"
         wrong = {"num_tokens": e.num_tokens != 1, "skip_sampling": e.skip_sampling,
-                 "first_stage": e.first_stage != 0 or e.end_stage > 1}  # fmt: skip
+                 "first_stage": e.first_stage != 0 or e.end_stage not in (0, p.num_stages)}  # fmt: skip
         for name, bad in wrong.items():
             if bad:
                 raise InvalidArgument(f"{where}.{name}", f"decode_steps={n} takes decode entries only: one token, "

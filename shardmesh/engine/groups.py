@@ -284,10 +284,13 @@ class ShardGroups:
     tp: Collective
     prev: StageLink | None  # receives activations from the previous stage
     next: StageLink | None  # sends activations to the next stage
+    # The last stage's drawn tokens back to the first stage, for several decode steps in one call: the last
+    # stage sends, the first receives; None on a single stage and on the stages between.
+    loop: StageLink | None = None
 
     def describe_links(self) -> dict[str, str]:
         """How each link moves its tensors, for log lines: {"prev_link": "gloo host-staged (cuda <-> cpu)", ...}."""
-        links = {"prev_link": self.prev, "next_link": self.next}
+        links = {"prev_link": self.prev, "next_link": self.next, "loop_link": self.loop}
         return {name: link.describe() for name, link in links.items() if link is not None}
 
 
@@ -360,8 +363,9 @@ def form_groups(
     """Join this shard's tensor-parallel group and its links to the neighbouring stages.
 
     Every shard forms, in order: its stage's tp group, the link from the previous stage, the link
-    to the next. Stage 0 has no previous link, so by induction stage s reaches its `prev` link only
-    after stage s - 1 has formed its tp group, and the chain cannot deadlock.
+    to the next, and on the first and last stage of several the loop between them (`form_loop`). Stage 0 has
+    no previous link, so by induction stage s reaches its `prev` link only after stage s - 1 has formed its tp
+    group, and the chain cannot deadlock; the loop comes last on both of its sides.
     `prefix` should name the topology version: groups of different versions never collide.
     The tp group uses `device`'s own backend (a stage's ranks share a device type), and on the CPU shared memory
     when all its ranks can map one segment (`form_tp_collective`, $SHARDMESH_TP_TRANSPORT); each link agrees on
@@ -382,4 +386,20 @@ def form_groups(
         peer = f"stage {stage + 1} tp rank {t} (global rank {(stage + 1) * spec.tp_size + t})"
         pg, plan = form_link(store, f"{prefix}/pp/{stage}-{stage + 1}/tp{t}", 0, device, staging, timeout, peer)
         nxt = StageLink(pg, is_sender=True, plan=plan)
-    return ShardGroups(spec, stage, num_stages, tp, prev, nxt)
+    loop = form_loop(store, prefix, spec, stage, num_stages, timeout) if stage in (0, num_stages - 1) else None
+    return ShardGroups(spec, stage, num_stages, tp, prev, nxt, loop)
+
+
+def form_loop(store: dist.Store, prefix: str, spec: ShardSpec, stage: int, num_stages: int,
+              timeout: timedelta) -> StageLink | None:  # fmt: skip
+    """The link from rank t of the last stage to rank t of the first (None on a single stage): the tokens the
+    last stage draws go back over it when a call runs several decode steps (worker.proto
+    `StepRequest.decode_steps`), so the first stage can embed them without a round trip through the gateway.
+    Every tp rank of the last stage draws the same token (greedy, or seeded), so each pair carries its own copy.
+    Always Gloo over host memory, whatever the stages' devices: a few token ids per step, which the last stage
+    holds on the host anyway (it samples there)."""
+    if num_stages < 2:
+        return None
+    last, t = stage == num_stages - 1, spec.tp_rank
+    pg = Backend("gloo", timeout).group(store, f"{prefix}/loop/tp{t}", 0 if last else 1, 2)
+    return StageLink(pg, is_sender=last, plan=LinkPlan("gloo", False, "cpu", "cpu"))

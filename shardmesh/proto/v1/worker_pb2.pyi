@@ -200,12 +200,14 @@ class StepRequest(_message.Message):
     decode_steps: _builtins.int
     """Run this many decode steps back to back (0 or 1: one step), each feeding every entry the token its
     previous step drew, at the next position: a sequence then costs one call per decode_steps tokens
-    instead of one per token (multi-step scheduling). Only on a single-stage mesh, where the stage that
-    draws a token is the stage that embeds it, and only with decode entries: num_tokens 1, sampled, on
-    every stage; a non-greedy entry on a tensor-parallel stage must carry a seed (each rank draws its own
-    copy of the token). The block table of a paged entry covers positions [0, start_pos + decode_steps).
-    Errors: INVALID_ARGUMENT (more than 64, a mesh of several stages, an entry that is not such a decode
-    entry, each named), RESOURCE_EXHAUSTED (start_pos + decode_steps past max_context).
+    instead of one per token (multi-step scheduling). Every shard of the mesh gets the same request. A
+    single stage embeds the token it drew; in a pipeline the last stage sends each drawn token back to the
+    first over a link of their own (the stages between take the activations as in any step), so nothing
+    waits for the gateway between the steps. Only with decode entries: num_tokens 1, sampled, on every
+    stage; a non-greedy entry on a tensor-parallel stage must carry a seed (each rank draws its own copy of
+    the token). The block table of a paged entry covers positions [0, start_pos + decode_steps).
+    Errors: INVALID_ARGUMENT (more than 64, an entry that is not such a decode entry, each named),
+    RESOURCE_EXHAUSTED (start_pos + decode_steps past max_context).
     """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchEntry]:

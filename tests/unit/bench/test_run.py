@@ -55,20 +55,22 @@ def test_plan_runs_every_layout_in_the_dtype_and_the_boundary_baseline(monkeypat
     assert {r["dtype"] for r in runs} == {"bfloat16"}
     got = [(r["pp"], r["tp"], r["pipeline"], r["threads"], r["streams"], r["deployed"], r.get("decode_steps"))
            for r in runs]  # fmt: skip
-    # pp=2 twice (turns: all cores per stage, full: one each); pp=1 again on each of their thread counts, one stream
-    # only, one call per token as pp=2 makes them.
-    assert got == [(1, 1, "full", 2, [1, 16], True, None), (2, 1, "turns", 2, [1, 16], True, None),
-                   (2, 1, "full", 1, [1, 16], True, None), (1, 1, "full", 1, [1], False, 1),
-                   (1, 1, "full", 2, [1], False, 1)]  # fmt: skip
+    # pp=2 twice (turns: all cores per stage, one step in flight, several decode steps per call as pp=1; full: one
+    # core each, two steps in flight, one decode step per call); pp=1 again for what pp=1 as deployed does not
+    # match: one thread, one call per token, one stream only.
+    steps = run.DECODE_STEPS
+    assert got == [(1, 1, "full", 2, [1, 16], True, steps), (2, 1, "turns", 2, [1, 16], True, steps),
+                   (2, 1, "full", 1, [1, 16], True, 1), (1, 1, "full", 1, [1], False, 1)]  # fmt: skip
 
 
 def test_targets_from_rows() -> None:
     rows = [
-        _row("float32", 1, 1, 1, ms=20.0, tok_s=50.0),
-        _row("float32", 1, 1, 16, ms=40.0, tok_s=400.0),
+        _row("float32", 1, 1, 1, ms=20.0, tok_s=50.0, decode_steps=8),
+        _row("float32", 1, 1, 16, ms=40.0, tok_s=400.0, decode_steps=8),
         _row("float32", 1, 1, 1, ms=24.0, tok_s=41.0, threads=1, deployed=False, decode_steps=1),
-        _row("float32", 2, 1, 1, ms=24.3, tok_s=40.0, pipeline="full", threads=1),
-        _row("float32", 2, 1, 16, ms=50.0, tok_s=380.0, pipeline="full", threads=1),
+        _row("float32", 2, 1, 1, ms=24.3, tok_s=40.0, pipeline="full", threads=1, decode_steps=1),
+        _row("float32", 2, 1, 16, ms=50.0, tok_s=380.0, pipeline="full", threads=1, decode_steps=1),
+        _row("float32", 2, 1, 1, ms=21.0, tok_s=47.0, pipeline="turns", decode_steps=8),
         _row("float32", 1, 3, 1, ms=32.0, tok_s=31.0),
         _row("bfloat16", 1, 1, 1, ms=10.0, tok_s=100.0),
     ]
@@ -84,6 +86,9 @@ def test_targets_from_rows() -> None:
     boundary = _by_name(found, "float32", "stage boundary, `--pipeline full`")
     assert (boundary["value"], boundary["met"]) == (pytest.approx(0.3), True)  # 24.3 - 24.0 on 1 thread
     assert "+4.30 ms against pp=1 as deployed" in boundary["detail"]
+    boundary = _by_name(found, "float32", "stage boundary, `--pipeline turns`")  # against pp=1 on 2 threads, 8 steps
+    assert (boundary["value"], boundary["met"]) == (pytest.approx(1.0), False)
+    assert boundary["detail"].startswith("each stage on 2 thread(s), 8 decode step(s) per call")
     pipe = _by_name(found, "float32", "pp=2 `--pipeline full` ÷ pp=1")
     assert (pipe["value"], pipe["met"]) == (pytest.approx(0.95), True)
     scale = _by_name(found, "float32", "16 streams ÷ one stream, pp=1")

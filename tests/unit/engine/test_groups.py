@@ -201,7 +201,18 @@ def test_form_groups_links_neighbouring_stages_and_describes_them(store: dist.TC
 
     first, second = on_both_sides(store, rank_main)
     assert isinstance(first.tp, SingleRank) and first.prev is None and second.next is None
-    assert first.describe_links() == {"next_link": "gloo direct (cpu <-> cpu)"}
-    assert second.describe_links() == {"prev_link": "gloo host-staged (cpu <-> cpu)"}
+    # The loop (last stage to first, for the tokens of several decode steps per call) never stages: token ids.
+    assert first.describe_links() == {
+        "next_link": "gloo direct (cpu <-> cpu)",
+        "loop_link": "gloo direct (cpu <-> cpu)",
+    }
+    assert second.describe_links() == {"prev_link": "gloo host-staged (cpu <-> cpu)",
+                                       "loop_link": "gloo direct (cpu <-> cpu)"}  # fmt: skip
+    into, back = first.loop, second.loop
+    assert into is not None and back is not None
+    drawn = torch.tensor([7, 11, 13])
+    got = on_threads(store, ["first", "last"],
+                     lambda _, i: back.send(drawn) if i else into.recv((3,), torch.int64, "cpu"))  # fmt: skip
+    assert torch.equal(got[0], drawn) and (into.messages_received, back.messages_sent) == (1, 1)
     with pytest.raises(ValueError, match="--link-staging: 'gpu'"):
         groups.form_groups(store, "t/bad", ShardSpec(0, 4, 4, 0, 1), 0, 1, torch.device("cpu"), "gpu")

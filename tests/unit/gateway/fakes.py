@@ -126,8 +126,9 @@ class FakeShard:
             entries = list(req.entries)
             tokens = self._run(entries)
             for _ in range(req.decode_steps - 1):  # several decode steps in the call: each feeds the token drawn
-                if mesh.pp != 1 or any(e.num_tokens != 1 or e.skip_sampling for e in entries):
-                    raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "decode_steps: not a single-stage decode")
+                if any(e.num_tokens != 1 or e.skip_sampling or (e.first_stage, e.end_stage) != (0, 0)
+                       for e in entries):  # fmt: skip
+                    raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "decode_steps: not a decode on every stage")
                 entries = [worker_pb2.BatchEntry(request_id=e.request_id, slot=e.slot, start_pos=e.start_pos + 1,
                                                  num_tokens=1, token_ids=[mesh.draw(e).token_id],
                                                  sampling=e.sampling, blocks=e.blocks)

@@ -1,7 +1,8 @@
 """Several decode steps per call (`SchedulerConfig.decode_steps`, worker.proto `StepRequest.decode_steps`) against a
-fake mesh whose shards feed each entry its drawn token like a real single-stage worker: only a single-stage mesh
-gets them, only for sequences decoding, never past a request's last token; a stop condition inside a call drops the
-call's later tokens; a paged mesh's tables cover every position the call writes; a failed call loses no token."""
+fake mesh whose shards feed each entry its drawn token like real workers: only a mesh with one step in flight gets
+them (a single stage, or stages taking turns; not a full pipeline), only for sequences decoding, never past a
+request's last token; a stop condition inside a call drops the call's later tokens; a paged mesh's tables cover
+every position the call writes; a failed call loses no token."""
 
 from __future__ import annotations
 
@@ -82,8 +83,18 @@ def test_a_stop_inside_a_call_drops_the_rest_of_its_tokens(scheduler: Scheduler,
     assert tokens(stop) == ids_of(model_files, "abc") and finish(stop) is FinishReason.STOP_STRING
 
 
-def test_a_mesh_of_several_stages_runs_one_step_per_call(scheduler: Scheduler, model_files: ModelFiles) -> None:
-    mesh = FakeMesh(pp=2, tp=1)
+def test_stages_taking_turns_decode_several_steps_per_call(logger: Any, model_files: ModelFiles) -> None:
+    with started(SchedulerConfig(max_queue=8, step_timeout=5.0, decode_steps=4, pipeline_depth=1), logger) as s:
+        mesh = FakeMesh(pp=2, tp=1)
+        mesh.script["r"] = list(range(40, 50))
+        s.update_mesh(mesh_state(mesh, model_files))
+        assert tokens(collect(s.submit(request(model_files, "r", "hi", max_new=10)))) == list(range(40, 50))
+        assert calls(mesh, "r") == [(0, 0), (2, 4), (6, 4), (10, 0)]
+        assert [s.steps for s in mesh.shards] == [mesh.shards[0].steps] * 2  # both stages got the same calls
+
+
+def test_a_full_pipeline_runs_one_step_per_call(scheduler: Scheduler, model_files: ModelFiles) -> None:
+    mesh = FakeMesh(pp=2, tp=1)  # the scheduler's depth: one step in flight per stage
     scheduler.update_mesh(mesh_state(mesh, model_files))
     assert len(tokens(collect(scheduler.submit(request(model_files, "r", "hi", max_new=8))))) == 8
     assert {steps for _, steps in calls(mesh, "r")} == {0}

@@ -1,6 +1,7 @@
 """Several decode steps in one call (worker.proto `StepRequest.decode_steps`): a single-stage core feeds each
 entry the token it drew, so one call draws what as many single steps would (greedy, and seeded sampling with
-penalties, which count the tokens the core records itself), on a slot cache and a paged one; and a call the core
+penalties, which count the tokens the core records itself), on a slot cache and a paged one; a pipeline's last
+stage sends each drawn token back to the first over the loop link, with the same tokens; and a call the core
 cannot run that way is refused naming the field. On real stage cores in this process."""
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch.distributed as dist
 from shardmesh.core.errors import InvalidArgument, MeshError, ResourceExhausted
 from shardmesh.core.step import SamplingParams, StepEntry
 from shardmesh.core.topology import ServingLimits
+from shardworker.metrics import WorkerMetrics
 from shardworker.runtime import MAX_DECODE_STEPS, StageWorkerCore, _validate_decode_steps
 from tests.checkpoints import reference_greedy
-from tests.unit.shardworker.cores import apply_all, new_core, run_step
+from tests.unit.shardworker.cores import apply_all, new_core, on_every_core, run_step
 from tests.unit.shardworker.fakes import mesh
 
 PROMPT = (1, 17, 5, 42, 9, 3)
@@ -77,6 +79,44 @@ def test_two_sequences_step_together_and_a_paged_cache_too(model: Path, store: d
     assert [b, *drawn[1::2]] == reference_greedy(model, list(other), 5)[0]
 
 
+def pipelined(cores: list[StageWorkerCore], sampling: SamplingParams, n: int, per_call: int) -> list[int]:
+    """`decode` on every core of a pipeline at once; each call's results are checked against its steps: the last
+    stage alone returns tokens, and each of them but the call's last went round the loop (last stage to first)."""
+    first = run_step(cores, 5, [entry(0, PROMPT, sampling)])
+    out = [first[-1].sampled[0].token_id]
+    while len(out) < n:
+        k, step = min(per_call, n - len(out)), entry(len(PROMPT) + len(out) - 1, (out[-1],), sampling)
+        results = on_every_core(cores, lambda core, k=k, step=step: core.step(5, [step], k))
+        assert [len(r.sampled) for r in results] == [0] * (len(cores) - 1) + [k]
+        assert all(r.steps == k for r in results)
+        assert (results[0].comm.recv_messages, results[-1].comm.send_messages) == (k - 1, k - 1)
+        out += [s.token_id for s in results[-1].sampled]
+        # The loop closes a ring: the first stage counts what it received as from the last, which sent to stage 0.
+        ends = [WorkerMetrics(core.info, lambda: "w", "cpu") for core in (cores[0], cores[-1])]
+        ends[0].observe(results[0], k)
+        ends[1].observe(results[-1], k)
+        last = str(len(cores) - 1)
+        got = [m.registry.get_sample_value("shardmesh_link_messages_total", {"direction": d, "peer_stage": peer})
+               for m, d, peer in ((ends[0], "received", last), (ends[1], "sent", "0"))]  # fmt: skip
+        assert got == [k - 1, k - 1] if k > 1 else got == [None, None]
+    for core in cores:
+        core.release([("r", 1)])
+    return out
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_pipeline_loops_its_drawn_tokens_back_to_the_first_stage(model: Path, store: dist.TCPStore,
+                                                                   stages: int) -> None:  # fmt: skip
+    ids = tuple(f"w{i}" for i in range(stages))
+    cores = [new_core(w) for w in ids]
+    apply_all(cores, mesh(model, 5, ids, epoch=5, store_port=store.port))
+    groups = [core._runtime.engine.groups for core in cores]  # type: ignore[union-attr]
+    assert [g.loop is not None for g in groups] == [True] + [False] * (stages - 2) + [True]
+    assert pipelined(cores, GREEDY, 10, 4) == reference_greedy(model, list(PROMPT), 10)[0]  # calls of 4, 4, 1
+    # Seeded sampling with a repetition penalty draws the same tokens in calls of one step and of several.
+    assert pipelined(cores, SEEDED, 7, 6) == pipelined(cores, SEEDED, 7, 1)
+
+
 def _rt(stages: int = 1, tp: int = 1, limits: ServingLimits = SLOTS) -> SimpleNamespace:
     placement = SimpleNamespace(num_stages=stages, spec=SimpleNamespace(tp_size=tp), limits=limits)
     return SimpleNamespace(placement=placement)
@@ -84,7 +124,11 @@ def _rt(stages: int = 1, tp: int = 1, limits: ServingLimits = SLOTS) -> SimpleNa
 
 @pytest.mark.parametrize(("rt", "entries", "n", "error", "field"), [
     (_rt(), [entry(6, (5,))], MAX_DECODE_STEPS + 1, InvalidArgument, "decode_steps"),
-    (_rt(stages=2), [entry(6, (5,))], 2, InvalidArgument, "decode_steps"),
+    (_rt(stages=2), [entry(6, (5,))], 2, None, ""),
+    (_rt(stages=2), [replace(entry(6, (5,)), first_stage=0, end_stage=2)], 2, None, ""),
+    (_rt(stages=3), [replace(entry(6, (5,)), first_stage=0, end_stage=2)], 2, InvalidArgument,
+     "entries[0].first_stage"),
+    (_rt(stages=2), [replace(entry(6, (5,)), first_stage=1)], 2, InvalidArgument, "entries[0].first_stage"),
     (_rt(), [entry(0, PROMPT)], 2, InvalidArgument, "entries[0].num_tokens"),
     (_rt(), [entry(6, (5,)), replace(entry(6, (5,), slot=2), skip_sampling=True)], 2, InvalidArgument,
      "entries[1].skip_sampling"),
