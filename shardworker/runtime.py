@@ -113,8 +113,9 @@ class CommCounters:
         """The links' and the tp group's counters. The loop (`ShardGroups.loop`) counts with the first stage's
         receiving and the last stage's sending: the first stage waits on it for its next token as on `prev`."""
         tp = groups.tp
-        ins = [link for link in (groups.prev, groups.loop) if link is not None and link.peer == 0]
-        outs = [link for link in (groups.next, groups.loop) if link is not None and link.peer == 1]
+        links = [link for link in (groups.prev, groups.next, groups.loop) if link is not None]
+        ins = [link for link in links if not link.is_sender]
+        outs = [link for link in links if link.is_sender]
         return cls(
             sum(x.wait_s for x in ins), sum(x.bytes_received for x in ins), sum(x.messages_received for x in ins),
             sum(x.send_s for x in outs), sum(x.bytes_sent for x in outs), sum(x.messages_sent for x in outs),
@@ -569,9 +570,11 @@ class StageWorkerCore:
         result = self._step(topology_version, entries)  # which checks the entries as any step does
         sampled, elapsed, comm = list(result.sampled), result.elapsed_s, result.comm
         for _ in range(n - 1):
-            if last:
-                drawn = [s.token_id for s in result.sampled]  # one per entry, in entry order: every entry samples
-            if loop is not None:
+            if last:  # one per entry, in entry order: every entry samples
+                drawn = [s.token_id for s in result.sampled]
+            elif not first:  # a stage between the ends: it never embeds, the positions are what it needs
+                drawn = [e.token_ids[0] for e in entries]
+            if loop is not None:  # a pipeline's ends: the last stage sends what it drew, the first receives it
                 t0, before = time.perf_counter(), CommCounters.of(rt.engine.groups)
                 try:
                     if last:
@@ -584,8 +587,6 @@ class StageWorkerCore:
                 elapsed += time.perf_counter() - t0
                 comm += waited
                 self.stats.recv_wait_s += waited.recv_wait_s
-            elif not last:  # a stage between the ends: it never embeds, the positions are what it needs
-                drawn = [e.token_ids[0] for e in entries]
             entries = [replace(e, start_pos=e.start_pos + 1, token_ids=(t,))
                        for e, t in zip(entries, drawn, strict=True)]  # fmt: skip
             result = self._step(topology_version, entries)

@@ -225,6 +225,7 @@ class StageLink:
     def __init__(self, pg: dist.ProcessGroup, is_sender: bool, plan: LinkPlan | None = None) -> None:
         self.pg = pg
         self.plan = plan or LinkPlan("gloo", False, "cpu", "cpu")
+        self.is_sender = is_sender
         self.peer = 1 if is_sender else 0
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -386,20 +387,20 @@ def form_groups(
         peer = f"stage {stage + 1} tp rank {t} (global rank {(stage + 1) * spec.tp_size + t})"
         pg, plan = form_link(store, f"{prefix}/pp/{stage}-{stage + 1}/tp{t}", 0, device, staging, timeout, peer)
         nxt = StageLink(pg, is_sender=True, plan=plan)
-    loop = form_loop(store, prefix, spec, stage, num_stages, timeout) if stage in (0, num_stages - 1) else None
+    loop = form_loop(store, prefix, spec, stage, num_stages, timeout)
     return ShardGroups(spec, stage, num_stages, tp, prev, nxt, loop)
 
 
 def form_loop(store: dist.Store, prefix: str, spec: ShardSpec, stage: int, num_stages: int,
               timeout: timedelta) -> StageLink | None:  # fmt: skip
-    """The link from rank t of the last stage to rank t of the first (None on a single stage): the tokens the
-    last stage draws go back over it when a call runs several decode steps (worker.proto
+    """The link from rank t of the last stage to rank t of the first (None on a single stage and on the stages
+    between): the tokens the last stage draws go back over it when a call runs several decode steps (worker.proto
     `StepRequest.decode_steps`), so the first stage can embed them without a round trip through the gateway.
     Every tp rank of the last stage draws the same token (greedy, or seeded), so each pair carries its own copy.
     Always Gloo over host memory, whatever the stages' devices: a few token ids per step, which the last stage
     holds on the host anyway (it samples there)."""
-    if num_stages < 2:
-        return None
     last, t = stage == num_stages - 1, spec.tp_rank
+    if num_stages < 2 or not (stage == 0 or last):
+        return None
     pg = Backend("gloo", timeout).group(store, f"{prefix}/loop/tp{t}", 0 if last else 1, 2)
     return StageLink(pg, is_sender=last, plan=LinkPlan("gloo", False, "cpu", "cpu"))
