@@ -343,32 +343,55 @@ def test_rss_stays_within_the_budget_plus_the_fixed_overhead(big_checkpoint: Pat
     assert streamed["peak_added"] < resident["peak_added"] - layers // 4, (streamed, resident)
 
 
-@pytest.mark.parametrize(("tp_rank", "tp"), [(0, 1), (1, 2)])
-def test_streamed_layers_decode_natively_as_eager_does(ck32: Path, tp_rank: int, tp: int) -> None:
+@pytest.mark.parametrize(
+    ("which", "tp_rank", "tp", "kernel"),
+    [("ck32", 0, 1, "streamed"), ("ck32", 1, 2, "streamed"), ("ck16", 0, 1, "streamed-copy")],
+)
+def test_streamed_layers_decode_natively_as_eager_does(
+    which: str, tp_rank: int, tp: int, kernel: str, request: pytest.FixtureRequest
+) -> None:
     """A float32 shard with half its layers streamed decodes through `cpu_decode`'s layer halves: resident layers'
     blocked weights, streamed ones' mapped row-major blocks (stacked qkv / gate_up block by block, a tp rank's
-    column slices), each layer brought in and dropped around its calls. The same logits and KV cache as the eager
-    streamed model, and the plan's bytes streamed per step."""
+    column slices), or, from a bfloat16 checkpoint, the two buffers they are copied into, each layer brought in and
+    dropped around its calls. Step after step, the same logits and KV cache as the eager streamed model, and the
+    plan's bytes streamed per step (the eager model a second build, so that the native one's layers take their
+    buffers in turn as serving does); copied layers come into both buffers, and their arguments follow them."""
     from shardmesh.engine.cpu_decode import cpu_decode
     from tests.unit.engine.test_model import PROMPTS, prefilled
 
+    ckpt: Path = request.getfixturevalue(which)
     spec = ShardSpec(0, LAYERS, LAYERS, tp_rank, tp)
-    budget = half_budget(ck32, torch.float32, spec) + (
-        layer_bytes(ck32, torch.float32, range(LAYERS)) // 8 if tp > 1 else 0
+    budget = half_budget(ckpt, torch.float32, spec) + (
+        layer_bytes(ckpt, torch.float32, range(LAYERS)) // 8 if tp > 1 else 0
     )
-    model = build_shard(ck32, spec, LocalRank(tp_rank, tp), progress=False, max_len=64, memory_budget=budget)
+    model, eager_model = (build_shard(ckpt, spec, LocalRank(tp_rank, tp), dtype=torch.float32, progress=False,
+                                      max_len=64, memory_budget=budget) for _ in range(2))  # fmt: skip
     assert plan_of(model).streamed_layers and plan_of(model).resident_layers
     slots = [1, 0]
-    eager_cache, native_cache = prefilled(model, slots, torch.float32), prefilled(model, slots, torch.float32)
+    eager_cache, native_cache = prefilled(eager_model, slots, torch.float32), prefilled(model, slots, torch.float32)
     runner = cpu_decode(model, native_cache, torch.device("cpu"))
     assert runner is not None
-    batch = BatchLayout.build([Segment(s, len(PROMPTS[i]), 1) for i, s in enumerate(slots)])
-    ids = torch.tensor([3, 8])
     streamer = streamer_of(model)
-    with torch.inference_mode():
-        eager = model(ids, batch, eager_cache)
-        before = streamer.bytes_streamed
-        native = runner.run(batch, ids)
-    assert streamer.bytes_streamed - before == plan_of(model).streamed_bytes_per_step
-    torch.testing.assert_close(native, eager, atol=1e-5, rtol=0)
-    torch.testing.assert_close(native_cache.data, eager_cache.data, atol=1e-5, rtol=0)
+    assert {k.name for layer in streamer.layers.values() for k in layer.kernels.values()} == {kernel}
+    came_in: dict[int, set[int]] = {}
+    acquire = streamer.acquire
+
+    def recorded(index: int) -> int:
+        slot = acquire(index)
+        came_in.setdefault(index, set()).add(slot)
+        return slot
+
+    streamer.acquire = recorded  # type: ignore[method-assign]
+    ids = torch.tensor([3, 8])
+    for step in range(3):
+        batch = BatchLayout.build([Segment(s, len(PROMPTS[i]) + step, 1) for i, s in enumerate(slots)])
+        with torch.inference_mode():
+            eager = eager_model(ids, batch, eager_cache)
+            before = streamer.bytes_streamed
+            native = runner.run(batch, ids)
+        assert streamer.bytes_streamed - before == plan_of(model).streamed_bytes_per_step
+        torch.testing.assert_close(native, eager, atol=1e-5, rtol=0)
+        torch.testing.assert_close(native_cache.data, eager_cache.data, atol=1e-5, rtol=0)
+        ids = native.argmax(-1)
+    if kernel == "streamed-copy":  # an odd number of layers stream: each comes into the other buffer at each step
+        assert len(plan_of(model).streamed_layers) % 2 == 1 and all(len(u) == 2 for u in came_in.values()), came_in
