@@ -157,13 +157,15 @@ def test_int8_groups_round_to_the_nearest_step_a_short_last_group_included(
 INT8_KERNELS = [Int8DequantKernel(), Int8CpuKernel()] + ([BlockedInt8Kernel()] if cpu_kernels.available() else [])
 
 
-# int8-cpu: a row alone and several, the GEMM past its rows; int8-blocked: rows by eight, four and the rest; 72
-# inputs: two groups and a short one
-@pytest.mark.parametrize("rows", [1, 3, 7, 9, 13])
+# int8-cpu: a row alone and several, the GEMM past its rows; int8-blocked: rows by eight, four and the rest (one and
+# two rows with two sets of sums, each group's inputs in pairs); 72 inputs: two groups and a short one, 71: a short
+# one of an odd length
+@pytest.mark.parametrize("k", [72, 71])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 9, 10, 13])
 @pytest.mark.parametrize("kernel", INT8_KERNELS, ids=lambda k: k.name)
-def test_each_int8_kernel_multiplies_by_the_dequantized_weight(kernel, rows: int) -> None:
+def test_each_int8_kernel_multiplies_by_the_dequantized_weight(kernel, rows: int, k: int) -> None:
     g = torch.Generator().manual_seed(rows)
-    w, b, x = torch.randn(96, 72, generator=g) - 0.3, torch.randn(96, generator=g), torch.randn(rows, 72, generator=g)
+    w, b, x = torch.randn(96, k, generator=g) - 0.3, torch.randn(96, generator=g), torch.randn(rows, k, generator=g)
     values, scale = quantize_groups(w)
     weight, prepared_scale = kernel.prepare(values), kernel.prepare_scale(scale)
     dense = dequantize(values, scale)
