@@ -18,6 +18,9 @@ drives it (`Streams`: the chat prompt prefilled, then greedy decode steps of one
   mappings advised MADV_NOHUGEPAGE, so each layer maps and unmaps 4 KiB at a time, prefetched by the reader
   thread: the page-table cost before).
   Every streamed step must count exactly the plan's bytes (`shardmesh_offload_streamed_bytes_total`).
+  With `--int8`, two more in the same rounds: `int8 resident` (`--quantize int8`) and `int8 streamed` (int8 with a
+  budget of the int8 shard's weights less half its layers' int8 products, which then map from the int8 copy written
+  at load into a private cache), each also over `int8 resident`.
 - Disk bound: O_DIRECT reads, 8 MiB each, of the streamed layers' byte ranges of the file (merged, in file order),
   one in flight and four in flight, before and after the cold steps; the bound is the fastest of the four.
 - Cold: before each step the file's pages are dropped (`posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)`), so the
@@ -53,6 +56,7 @@ CHUNK = 8 * 2**20  # bytes per O_DIRECT read
 DEPTHS = (1, 4)  # O_DIRECT reads in flight: one after the other, and as a deep readahead keeps the disk busy
 MADV_NOHUGEPAGE = 15
 VARIANTS = ("streamed", "reader thread", "4 KiB entries", "mapped inline")
+INT8_VARIANTS = ("int8 resident", "int8 streamed")
 COLD_VARIANTS = ("streamed", "reader thread", "mapped inline")
 
 
@@ -112,12 +116,14 @@ def drop_pages(path: Path) -> None:
         os.close(fd)
 
 
-def load(model_dir: Path, max_len: int) -> tuple[dict[str, Any], int]:
+def load(model_dir: Path, max_len: int, int8: bool = False) -> tuple[dict[str, Any], int]:
     """{"resident": model, variant: model}, each one shard of the whole model, and the budget (half the resident
-    shard's parameter bytes) the variants were built with."""
+    shard's parameter bytes) the variants were built with; with `int8` the int8 shard and the int8 shard under half
+    its own weights' bytes too."""
     import torch
 
     from shardmesh.core.config import ModelConfig
+    from shardmesh.core.dtypes import Quantization
     from shardmesh.core.layout import ShardSpec
     from shardmesh.engine.groups import SingleRank
     from shardmesh.engine.loader import build_shard
@@ -135,6 +141,16 @@ def load(model_dir: Path, max_len: int) -> tuple[dict[str, Any], int]:
     small = models["4 KiB entries"].streamer
     small.inline = False
     _madvise([(addr, len(mm)) for mm, addr in small._maps.values()], MADV_NOHUGEPAGE)
+    if int8:
+        q = Quantization.INT8
+        models["int8 resident"] = build_shard(model_dir, spec, SingleRank(), quantization=q, **kw)
+        tensors = dict(models["int8 resident"].named_parameters())
+        tensors |= {n: b for n, b in models["int8 resident"].named_buffers() if n.endswith("weight_scale")}
+        held = sum(t.numel() * t.element_size() for t in tensors.values())
+        layers = sum(t.numel() * t.element_size() for n, t in tensors.items()
+                     if n.startswith("model.layers.") and t.dtype in (torch.int8, torch.float16))  # fmt: skip
+        models["int8 streamed"] = build_shard(model_dir, spec, SingleRank(), quantization=q,
+                                              memory_budget=held - layers // 2, **kw)  # fmt: skip
     return models, budget
 
 
@@ -206,6 +222,18 @@ def report(info: dict, a: argparse.Namespace, data: dict[str, Any], out: Path) -
         h = hot[name]
         lines.append(f"| {name} | {h['ms']:.2f} | **{h['ratio']:.2f}×** | {h['ratio_range'][0]:.2f}–"
                      f"{h['ratio_range'][1]:.2f} |")  # fmt: skip
+    if "int8 streamed" in hot:
+        i8, s8 = hot["int8 resident"], hot["int8 streamed"]
+        lines += [
+            "",
+            f"int8 (`--quantize int8`), same rounds: {data['int8_plan']}",
+            "",
+            "| variant | ms / step | × float32 resident | × int8 resident | range over rounds (× int8 resident) |",
+            "|---|---:|---:|---:|---|",
+            f"| int8 resident | {i8['ms']:.2f} | {i8['ratio']:.2f}× | 1.00× | |",
+            f"| int8 streamed | {s8['ms']:.2f} | {s8['ratio']:.2f}× | **{s8['of_int8']:.2f}×** | "
+            f"{s8['of_int8_range'][0]:.2f}–{s8['of_int8_range'][1]:.2f} |",
+        ]  # fmt: skip
     lines += [
         "",
         f"Bytes streamed per step: {plan['streamed_bytes_per_step']} B, exactly the plan's in every step "
@@ -241,6 +269,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="timed hot decode steps per variant, per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cold-steps", type=int, default=6)
+    ap.add_argument("--int8", action="store_true", help="also int8 resident and int8 streamed (hot rounds)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -253,7 +282,8 @@ def main() -> None:
         with path.open("rb") as f:  # written back, so its pages are clean: the page cache can drop them
             os.fsync(f.fileno())
         max_len = len(prompt_ids) + a.rounds * (a.steps + 1) + a.cold_steps + 2
-        models, budget = load(model_dir, max_len)
+        os.environ["SHARDMESH_CACHE"] = str(Path(tmp) / "cache")  # the int8 copy of this private checkpoint's layers
+        models, budget = load(model_dir, max_len, a.int8)
         streamer = models["streamed"].streamer
         spans = streamed_spans(streamer)
         rounds = [hot_round(models, prompt_ids, a.steps) for _ in range(a.rounds)]
@@ -265,10 +295,13 @@ def main() -> None:
         disk = disk_of(path)
     bound, per_step = max(max(b) for b in bounds.values()), streamer.plan.streamed_bytes_per_step
     hot = {}
-    for name in ("resident", *VARIANTS):
+    for name in ("resident", *VARIANTS, *(INT8_VARIANTS if a.int8 else ())):
         ratios = [r[name] / r["resident"] for r in rounds]
         hot[name] = {"ms": statistics.median(r[name] for r in rounds), "ratio": statistics.median(ratios),
                      "ratio_range": [min(ratios), max(ratios)], "rounds_ms": [r[name] for r in rounds]}  # fmt: skip
+    if a.int8:
+        of_int8 = [r["int8 streamed"] / r["int8 resident"] for r in rounds]
+        hot["int8 streamed"] |= {"of_int8": statistics.median(of_int8), "of_int8_range": [min(of_int8), max(of_int8)]}
     cold_summary = {}
     for name, c in cold.items():
         ms = statistics.median(c["ms"])
@@ -287,6 +320,7 @@ def main() -> None:
         "load_bound_bytes_per_s": streamer.bound_bytes_per_second, "disk": disk,
         "disk_bound_bytes_per_s": bound, "disk_bound_runs": bounds, "hot": hot, "hot_rounds": rounds,
         "cold": cold_summary,
+        "int8_plan": models["int8 streamed"].streamer.plan.describe() if a.int8 else None,
     }  # fmt: skip
     report(info, a, data, Path(a.out))
 

@@ -79,12 +79,11 @@ def generate_local(
     cfg = ModelConfig.from_dir(model_dir)
     check_shards(model_dir, shard_specs(cfg.num_layers, pp, tp), cfg)  # fail here, not in a child
     if memory_budget is not None:
-        if Quantization(quantization) is not Quantization.NONE:
-            raise ValueError(f"--memory-budget with --quantize {quantization} is not supported yet")
         specs = shard_specs(cfg.num_layers, pp, tp)
-        # offload streams on cpu only: a GPU rank anywhere is refused, naming its device
+        # offload streams on cpu only: a GPU rank anywhere is refused, naming its device; with int8 the int8 copy of
+        # the layers is written here, once, before the ranks map it
         check_budget(model_dir, cfg, specs, parse_dtype(dtype), memory_budget,
-                     next((d for d in devices if d != "cpu"), "cpu"))  # fmt: skip
+                     next((d for d in devices if d != "cpu"), "cpu"), Quantization(quantization))  # fmt: skip
     if len(request.input_ids) + request.max_new_tokens > cfg.max_context:
         raise ValueError(
             f"max_new_tokens: prompt ({len(request.input_ids)}) + max_new_tokens ({request.max_new_tokens}) "

@@ -31,7 +31,7 @@ from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.kv_cache import AnyKVCache, KVCache
 from shardmesh.engine.linear import BlockedCpuKernel, LinearProduct
 from shardmesh.engine.model import DecoderLayer, Transformer
-from shardmesh.engine.offload import StreamedKernel
+from shardmesh.engine.offload import StreamedInt8Kernel, StreamedKernel
 from shardmesh.engine.tp import RowParallelLinear
 
 
@@ -42,7 +42,9 @@ def cpu_decode(model: Transformer, cache: AnyKVCache, device: torch.device) -> C
     products = [m for layer in model.model.layers.values() for m in layer.modules() if isinstance(m, LinearProduct)]
     streamed = model.dtype == torch.float32 and model.streamer is not None
     allowed = (BlockedCpuKernel, StreamedKernel) if streamed else (BlockedCpuKernel,)
-    if not products or not all(isinstance(m.kernel, allowed) for m in products):
+    # not int8 streamed layers: the halves multiply float32 rows only (the eager layers run those)
+    if not products or not all(isinstance(m.kernel, allowed) and not isinstance(m.kernel, StreamedInt8Kernel)
+                               for m in products):  # fmt: skip
         return None
     return CpuDecode(model, cache)
 

@@ -6,9 +6,14 @@ float32 activations at that speed: `torch._weight_int8pack_mm` with float32 acti
 own packed product (all SmolLM2 products, one row, 2 threads: 58 against 22 ms), and fast only with bfloat16
 activations, which would change the numbers with the tensor-parallel degree (`shardmesh.engine.linear`). This is
 the plain loop: for each output row and input row, each group's dot product with the int8 weights converted to
-float32 in registers, scaled, plus the group's offset times its inputs' sum, in float32 throughout, vectorized by
-the compiler for the CPU it runs on (`-march=native`; `#pragma omp simd`), parallel over output rows with PyTorch's
-own threads. The loader chooses it on CPUs without AVX-512 (which take the blocked kernel of `cpu_kernels`).
+float32 in registers, scaled, plus the group's offset times its inputs' sum, in float32 throughout, parallel over
+output rows with PyTorch's own threads. Each lane sums its inputs across groups, scaled group by group, and the
+lanes are added once per row (AVX-512 intrinsics, two groups at a time into four sums, where the CPU has them; a
+loop compiled for the CPU, `-march=native`, elsewhere): adding every group's products across lanes, and c10::Half's
+portable float16 conversion, had held it to 1.1 GB/s of SmolLM2's int8 products on one Zen 5 core; now 19 GB/s.
+The loader chooses it on CPUs without AVX-512 (which take the blocked kernel of `cpu_kernels`), and an int8 shard's
+streamed layers multiply their mapped row-major int8 with it (`offload.StreamedInt8Kernel`; a row-parallel slice's
+rows are strided, read in place).
 
 It is built with `torch.utils.cpp_extension.load_inline` (a C++ compiler and ninja are needed; about a minute,
 once per machine: the build is cached under `~/.cache/torch_extensions`, named by a digest of the source and of
@@ -30,11 +35,59 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <vector>
 
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 constexpr int64_t GROUP = @GROUP@;
+
+// One instruction where the CPU converts float16 (F16C); c10::Half's portable conversion is some twenty, three per
+// group of 32 weights: most of the loop's time before.
+inline float half_to_float(at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
 
 // y[m, n] = sum_g s[n, g] sum_{k in g} x[m, k] q[n, k] + (m[n, g] + 128 s[n, g]) sum_{k in g} x[m, k]: x float32
 // (M, K), q int8 (N, K), so float16 (N, groups, 2), the scale s and minimum m of each group of GROUP inputs
 // (a weight is (q + 128) s + m).
+// sum over the first `whole` groups of s[g] * sum_{k in g} x[k] q[k]. Each lane sums its inputs of every group,
+// scaled group by group, and the lanes are added once, not once per group (adding a group's 32 products across
+// lanes, and c10::Half's portable conversion, took most of the loop's time: 1.1 GB/s of SmolLM2's int8 on one core).
+inline float whole_groups(const float* x, const int8_t* q, const at::Half* so, int64_t whole) {
+#if defined(__AVX512F__)
+  static_assert(GROUP == 32, "a group is two vectors of 16 floats");
+  // Two groups at a time into four sums, so that consecutive groups' FMAs do not wait on each other.
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  int64_t g = 0;
+  for (; g + 2 <= whole; g += 2) {
+    const float* xg = x + g * GROUP;
+    const int8_t* qg = q + g * GROUP;
+    const __m512 s0 = _mm512_set1_ps(half_to_float(so[g * 2])), s1 = _mm512_set1_ps(half_to_float(so[g * 2 + 2]));
+    auto widen = [](const int8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    a0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(xg), widen(qg)), s0, a0);
+    a1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(xg + 16), widen(qg + 16)), s0, a1);
+    a2 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(xg + 32), widen(qg + 32)), s1, a2);
+    a3 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(xg + 48), widen(qg + 48)), s1, a3);
+  }
+  float total = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#else
+  float total = 0.f;
+  int64_t g = 0;
+#endif
+  for (; g < whole; ++g) {
+    float a = 0.f;
+    for (int64_t j = 0; j < GROUP; ++j) a += x[g * GROUP + j] * static_cast<float>(q[g * GROUP + j]);
+    total += a * half_to_float(so[g * 2]);
+  }
+  return total;
+}
+
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor so) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = (K + GROUP - 1) / GROUP;
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && K == w.size(1), "int8_linear: shapes do not match");
@@ -42,7 +95,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor so) {
               "int8_linear: scales of ", so.sizes(), " for ", N, " rows of ", G, " groups");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && so.scalar_type() == at::kHalf,
               "int8_linear: expects float32 x, int8 w and float16 scales");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && so.is_contiguous(), "int8_linear: not contiguous");
+  // w and so may be column slices of wider tensors (a row-parallel slice streamed from a whole one): rows strided
+  TORCH_CHECK(x.is_contiguous() && w.stride(1) == 1 && so.stride(2) == 1 && so.stride(1) == 2,
+              "int8_linear: rows of w and so must be contiguous");
+  const int64_t ldw = w.stride(0), lds = so.stride(0);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
@@ -53,18 +109,21 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor so) {
     for (int64_t k = 0; k < K; ++k) xsum[m * G + k / GROUP] += xp[m * K + k];
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* wr = wp + n * K;
+      const int8_t* wr = wp + n * ldw;
+      const at::Half* sr = sp + n * lds;
       for (int64_t m = 0; m < M; ++m) {
         const float* xr = xp + m * K;
-        float total = 0.f;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t k0 = g * GROUP, k1 = std::min(K, k0 + GROUP);
+        // Each lane sums its input of every whole group, scaled group by group: the lanes are added once per row,
+        // not once per group (adding a group's 32 products across lanes took most of the loop's time).
+        const int64_t whole = K / GROUP;
+        float total = whole_groups(xr, wr, sr, whole);
+        if (whole < G) {  // a short last group
           float a = 0.f;
-          #pragma omp simd reduction(+:a)
-          for (int64_t k = k0; k < k1; ++k) a += xr[k] * static_cast<float>(wr[k]);
-          const float sc = static_cast<float>(sp[(n * G + g) * 2]), mn = static_cast<float>(sp[(n * G + g) * 2 + 1]);
-          total += a * sc + xsum[m * G + g] * (mn + 128.f * sc);
+          for (int64_t k = whole * GROUP; k < K; ++k) a += xr[k] * static_cast<float>(wr[k]);
+          total += a * half_to_float(sr[whole * 2]);
         }
+        for (int64_t g = 0; g < G; ++g)
+          total += xsum[m * G + g] * (half_to_float(sr[g * 2 + 1]) + 128.f * half_to_float(sr[g * 2]));
         yp[m * N + n] = total;
       }
     }
@@ -93,7 +152,8 @@ def build_error() -> str:
 
 def linear(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
     """(M, K) float32 rows times int8 (N, K) weights with their groups' float16 (N, groups, 2) scales and minima
-    (`linear.quantize_groups`) -> (M, N) float32."""
+    (`linear.quantize_groups`) -> (M, N) float32. `weight` and `scale` may be column slices of wider tensors (rows
+    apart by their stride: a row-parallel product's share of inputs streamed from the whole one, `offload`)."""
     ext = _KERNEL.module()
     assert ext is not None, build_error()
     return ext.int8_linear(x.contiguous(), weight, scale)

@@ -121,10 +121,8 @@ def build_shard(
         raise ValueError(f"group is rank {tp.rank} of {tp.size} but the spec says {spec.tp_rank} of {spec.tp_size}")
     ckpt = Checkpoint(model_dir)
     model, reads = meta_shard(cfg, spec, tp, max_len)
-    if memory_budget is not None:
-        if quantization is not Quantization.NONE:
-            raise ValueError(f"a memory budget with --quantize {quantization.value} is not supported yet")
-        reads = stream_layers(ckpt, model, reads, dtype, device, memory_budget)  # the reads left to load
+    if memory_budget is not None:  # the reads left to load
+        reads = stream_layers(ckpt, model, reads, dtype, device, memory_budget, quantization, progress)
     for p in model.parameters():
         p.requires_grad_(False)  # before loading: an int8 tensor cannot be a parameter that requires grad
     int8 = _Int8(model) if quantization is Quantization.INT8 else None

@@ -16,6 +16,11 @@ two reusable buffers (`streamed-copy`). The streamed products' kernel is `Stream
 the kernel `linear.choose_kernel` picks (so streamed and resident products differ by rounding only: the packed
 oneDNN product and the dense one sum in different orders).
 
+An int8 shard (`Quantization.INT8`) streams its layers' products from the int8 copy of the checkpoint's layers
+(`int8_copy`: int8 values and float16 scales, written once into the cache at the first load), zero copy: the plan
+counts every product's int8 bytes, resident or streamed (`Int8Streams`), the kernel is `StreamedInt8Kernel`, and
+such layers run eagerly (`cpu_decode` multiplies float32 rows only).
+
 Bringing a layer in: `madvise(MADV_POPULATE_READ)` on its byte ranges reads them from disk into the page cache if
 they are not there and maps them, so the products take no page faults; or in copy mode the layer is copied into
 the free buffer. After a layer ran its pages are dropped from the process (`MADV_DONTNEED`: a file-backed page
@@ -71,10 +76,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardmesh.core.config import ModelConfig
+from shardmesh.core.dtypes import DType, Quantization
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.units import format_bytes
-from shardmesh.engine import cpu_kernels
-from shardmesh.engine.linear import LinearKernel, LinearProduct, layer_products
+from shardmesh.engine import cpu_kernels, int8_cpu
+from shardmesh.engine.int8_copy import ensure_copy, int8_reads, scale_name
+from shardmesh.engine.linear import LinearKernel, LinearProduct, dequantize, int8_products, layer_products
 from shardmesh.engine.model import Transformer
 from shardmesh.models.checkpoint import Checkpoint, TensorRead
 
@@ -88,7 +95,7 @@ THP = Path("/sys/kernel/mm/transparent_hugepage")
 COLD = 20
 PROBE_BYTES = 256 * 2**20  # the load-time probe of the read rate times at most this many bytes of streamed layers
 PROBE_PASSES = 3
-CHECKPOINT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+CHECKPOINT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -207,6 +214,25 @@ def _two_largest(values: list[int]) -> int:
     return sum(sorted(values, reverse=True)[:2])
 
 
+@dataclass(frozen=True)
+class Int8Streams:
+    """An int8 shard's side of a plan: the products it holds in int8 (`linear.int8_products`, resident ones
+    quantized at load) and the int8 copy its streamed layers map (`int8_copy`)."""
+
+    products: set[str]
+    copy: Checkpoint
+
+    def held_bytes(self, r: TensorRead) -> int:
+        """Bytes a product read holds in int8, values and its groups' scales (`Quantization.weight_bytes`)."""
+        rows, cols = r.shape
+        return Quantization.INT8.weight_bytes(rows, cols, DType.FLOAT32)
+
+
+def _streamed_reads(r: TensorRead, int8: Int8Streams | None) -> tuple[TensorRead, ...]:
+    """What streaming product read `r` maps: itself in the checkpoint, or its int8 weight and scales in the copy."""
+    return int8_reads(r) if int8 is not None else (r,)
+
+
 def plan_offload(
     ckpt: Checkpoint,
     model: Transformer,
@@ -215,49 +241,56 @@ def plan_offload(
     budget: int,
     device: torch.device | str = "cpu",
     unit: int | None = None,
+    int8: Int8Streams | None = None,
 ) -> OffloadPlan:
     """The split of a shard (`loader.meta_shard`'s model and reads) under `budget` bytes: as many leading layers
     resident as fit next to the working set of the streamed ones (the module docstring says what counts).
     `unit`: what a mapped read rounds out to; by default huge pages (`map_unit()`) where the plan fits with them,
     else the fault-around window: huge pages make the hot path cheaper than any resident layer they may cost.
+    `int8`: the shard holds its products in int8 and streams them from the int8 copy.
     Raises ValueError naming the bytes needed and given when even streaming every layer does not fit."""
     if unit is not None:
-        return _plan(ckpt, model, reads, dtype, budget, device, unit)
+        return _plan(ckpt, model, reads, dtype, budget, device, unit, int8)
     try:
-        return _plan(ckpt, model, reads, dtype, budget, device, map_unit())
+        return _plan(ckpt, model, reads, dtype, budget, device, map_unit(), int8)
     except BudgetError:
         if map_unit() == FAULT_AROUND:
             raise
-        return _plan(ckpt, model, reads, dtype, budget, device, FAULT_AROUND)
+        return _plan(ckpt, model, reads, dtype, budget, device, FAULT_AROUND, int8)
 
 
 def _plan(
     ckpt: Checkpoint, model: Transformer, reads: list[TensorRead], dtype: torch.dtype, budget: int,
-    device: torch.device | str, unit: int,
+    device: torch.device | str, unit: int, int8: Int8Streams | None,
 ) -> OffloadPlan:  # fmt: skip
     if torch.device(device).type != "cpu":
         raise ValueError(f"memory budget: offload streams weights on cpu only, not on {device}")
     layers = model.layer_range
     streams = layer_products(model)
-    located = _locate(ckpt, (r for r in reads if r.target in streams))
-    zero_copy = all(located[r.source].dtype == dtype and located[r.source].offset % dtype.itemsize == 0
-                    for r in reads if r.target in streams)  # fmt: skip
+    mapped_reads = [m for r in reads if r.target in streams for m in _streamed_reads(r, int8)]
+    located = _locate(int8.copy if int8 is not None else ckpt, mapped_reads)
+    # The int8 copy is mapped as it lies (int8 values, float16 scales); a float checkpoint when it is the serving dtype
+    zero_copy = int8 is not None or all(
+        located[r.source].dtype == dtype and located[r.source].offset % dtype.itemsize == 0 for r in mapped_reads
+    )
     base = 0
     kept: dict[int, int] = defaultdict(int)  # per layer: bytes resident whether it streams or not (norms, biases)
     streamed: dict[int, int] = defaultdict(int)  # per layer: bytes of its products' weights
     spans: dict[int, list[tuple[Path, int, int]]] = defaultdict(list)  # per layer: the bytes its weights map
     largest_read = 0
     for r in reads:
-        size, i = r.numel * dtype.itemsize, layer_index(r.target)
+        i = layer_index(r.target)
+        size = int8.held_bytes(r) if int8 is not None and r.target in int8.products else r.numel * dtype.itemsize
         if i is None:
             base += size
         elif r.target in streams:
             streamed[i] += size
-            loc = located[r.source]
-            if loc.dtype is None:
-                raise ValueError(f"memory budget: tensor '{r.source}' cannot be streamed (not a float dtype)")
-            spans[i].append((loc.file, *_byte_range(r, loc)))
-            largest_read = max(largest_read, _mapped_bytes(spans[i][-1:], unit))
+            for m in _streamed_reads(r, int8):
+                loc = located[m.source]
+                if loc.dtype is None:
+                    raise ValueError(f"memory budget: tensor '{m.source}' cannot be streamed (not a float dtype)")
+                spans[i].append((loc.file, *_byte_range(m, loc)))
+                largest_read = max(largest_read, _mapped_bytes(spans[i][-1:], unit))
         else:
             kept[i] += size
     mapped = {i: _mapped_bytes(spans[i], unit) for i in layers}
@@ -275,11 +308,11 @@ def _plan(
         if need <= budget:
             return OffloadPlan(budget, range(layers.start, split), streaming, bytes_resident, working,
                                sum(streamed[i] for i in streaming), zero_copy, unit)  # fmt: skip
+    held = str(dtype).removeprefix("torch.") + (" with int8 products" if int8 is not None else "")
     raise BudgetError(
         need,
         f"memory budget {budget} B ({format_bytes(budget)}) is too small for layers [{layers.start}, {layers.stop}) "
-        f"in {str(dtype).removeprefix('torch.')}: it needs at least {need} B ({format_bytes(need)}) with every "
-        f"decoder layer streamed",
+        f"in {held}: it needs at least {need} B ({format_bytes(need)}) with every decoder layer streamed",
     )
 
 
@@ -291,12 +324,27 @@ class BudgetError(ValueError):
         self.needed = needed
 
 
+def int8_streams(
+    ckpt: Checkpoint, model: Transformer, reads: list[TensorRead], dtype: torch.dtype, progress: bool = True
+) -> Int8Streams:
+    """An int8 shard's `Int8Streams`: the int8 copy of its layers' products, written now where the cache lacks it
+    (`int8_copy.ensure_copy`: every layer of the shard, for the plan to place any of them)."""
+    streams = layer_products(model)
+    sources: dict[int, list[str]] = defaultdict(list)
+    for r in reads:
+        if r.target in streams and r.source not in sources[layer_index(r.target) or 0]:
+            int8_reads(r)  # a slice of inputs the copy's groups do not start at is refused here, before any writing
+            sources[layer_index(r.target) or 0].append(r.source)
+    return Int8Streams(int8_products(model), ensure_copy(ckpt, dict(sources), dtype, progress))
+
+
 def check_budget(
     model_dir: str | Path, cfg: ModelConfig, specs: list[ShardSpec], dtype: torch.dtype, budget: int,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", quantization: Quantization = Quantization.NONE,
 ) -> None:  # fmt: skip
-    """`plan_offload` for every shard of a mesh from the checkpoint's headers, before any process starts; a refusal
-    names the shard that needs the most."""
+    """`plan_offload` for every shard of a mesh from the checkpoint's headers, before any process starts (with int8,
+    from the int8 copy of its layers, written now if the cache lacks it); a refusal names the shard that needs the
+    most."""
     from shardmesh.engine.groups import UnboundGroup
     from shardmesh.engine.loader import meta_shard  # here: the loader imports this module
 
@@ -304,8 +352,9 @@ def check_budget(
     refused: list[BudgetError] = []
     for spec in specs:
         model, reads = meta_shard(cfg, spec, UnboundGroup(spec.tp_rank, spec.tp_size), None)
+        int8 = int8_streams(ckpt, model, reads, dtype) if quantization is Quantization.INT8 else None
         try:
-            plan_offload(ckpt, model, reads, dtype, budget, device)
+            plan_offload(ckpt, model, reads, dtype, budget, device, int8=int8)
         except BudgetError as e:
             refused.append(e)
     if refused:
@@ -319,6 +368,7 @@ class StreamedKernel(LinearKernel):
     def __init__(self, name: str) -> None:
         self.name = name
         self.blocks: list[Tensor] | None = None
+        self.scales: list[Tensor] | None = None  # `StreamedInt8Kernel`: each block's groups' scales
 
     def dense(self, weight: Tensor, scale: Tensor | None = None) -> Tensor:
         assert self.blocks is not None, "a streamed product's weights exist only while its layer runs"
@@ -328,12 +378,37 @@ class StreamedKernel(LinearKernel):
         blocks = self.blocks
         assert blocks is not None, "a streamed product's weights exist only while its layer runs"
         if len(blocks) == 1:
-            return _product(x, blocks[0], bias)
+            return self._block(x, 0, bias)
         outs, row = [], 0
-        for w in blocks:  # each block with its rows of the bias, as the stacked product would add them
-            outs.append(_product(x, w, bias[row : row + w.shape[0]] if bias is not None else None))
+        for i, w in enumerate(blocks):  # each block with its rows of the bias, as the stacked product would add them
+            outs.append(self._block(x, i, bias[row : row + w.shape[0]] if bias is not None else None))
             row += w.shape[0]
         return torch.cat(outs, dim=-1)
+
+    def _block(self, x: Tensor, i: int, bias: Tensor | None) -> Tensor:
+        assert self.blocks is not None
+        return _product(x, self.blocks[i], bias)
+
+
+class StreamedInt8Kernel(StreamedKernel):
+    """The streamed products of an int8 shard: int8 blocks mapped from the int8 copy (`int8_copy`) with their groups'
+    scales (`scales`), multiplied by `int8_cpu.linear` for decode rows of float32 (row-major int8, strided rows for a
+    row-parallel slice of inputs), else by the dequantized weight (`Int8DequantKernel`'s numbers)."""
+
+    quantized = True
+
+    def dense(self, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+        assert self.blocks is not None and self.scales is not None, "weights exist only while the layer runs"
+        return torch.cat([dequantize(w, s) for w, s in zip(self.blocks, self.scales, strict=True)])
+
+    def _block(self, x: Tensor, i: int, bias: Tensor | None) -> Tensor:
+        assert self.blocks is not None and self.scales is not None
+        w, s = self.blocks[i], self.scales[i]
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows <= int8_cpu.MAX_ROWS and x.dtype == torch.float32 and int8_cpu.available():
+            y = int8_cpu.linear(x.reshape(rows, x.shape[-1]), w, s).reshape(*x.shape[:-1], w.shape[0])
+            return y + bias if bias is not None else y
+        return F.linear(x, dequantize(w, s).to(x.dtype), bias)
 
 
 ROWS_LINEAR_MAX = 8  # rows of x up to which `cpu_kernels.rows_linear` multiplies streamed weights; a prompt's GEMM
@@ -450,7 +525,9 @@ class LayerStreamer:
             drops.append((addr + wide[0], wide[1] - wide[0]))
             files.append((loc.file, wide[0], wide[1] - wide[0]))
             read_drops[r.target].append(drops[-1])
-        nbytes = sum(r.numel for r in reads) * self.dtype.itemsize
+        # bytes as the products get them: as mapped (zero copy: the serving dtype, or int8 values and their scales)
+        nbytes = sum(r.numel * (located[r.source].dtype.itemsize if self.plan.zero_copy else self.dtype.itemsize)
+                     for r in reads)  # fmt: skip
         # One madvise per run of the layer's tensors rather than one per tensor (7 -> 1 for a Llama layer, whose
         # tensors lie together in the file but for its norms, a few KiB that rounding to the unit covers anyway).
         ranges, drops = _coalesce(ranges, self.plan.map_unit), _coalesce(drops, self.plan.map_unit)
@@ -572,6 +649,7 @@ class LayerStreamer:
         for path, kernel in layer.kernels.items():
             if self.plan.zero_copy:
                 kernel.blocks = layer.sources[path]
+                kernel.scales = layer.sources.get(scale_name(path))  # an int8 product's (`StreamedInt8Kernel`)
             else:
                 kernel.blocks = [self._copied[index][slot][path]]
         self.bytes_streamed += layer.nbytes
@@ -610,7 +688,7 @@ class LayerStreamer:
         """After layer `index` ran: its products lose their weights, and its mapped pages leave the process."""
         layer = self.layers[index]
         for kernel in layer.kernels.values():
-            kernel.blocks = None
+            kernel.blocks = kernel.scales = None
         if self.plan.zero_copy and self._next(index) != index:
             _madvise(layer.drops, MADV_DONTNEED)
 
@@ -643,22 +721,26 @@ def stats(model: Transformer) -> StreamStats | None:
 
 def stream_layers(
     ckpt: Checkpoint, model: Transformer, reads: list[TensorRead], dtype: torch.dtype, device: torch.device | str,
-    budget: int,
+    budget: int, quantization: Quantization = Quantization.NONE, progress: bool = True,
 ) -> list[TensorRead]:  # fmt: skip
     """Plan the shard under `budget`; when layers must stream, take their products' weights out of the (meta)
     model, give those products a `StreamedKernel` and their layers the hooks that stream them. Returns the reads
-    left for the loader to load resident."""
-    plan = plan_offload(ckpt, model, reads, dtype, budget, device)
+    left for the loader to load resident. With int8 the streamed products map the int8 copy of the checkpoint's
+    layers (`int8_streams`), their kernel a `StreamedInt8Kernel`."""
+    int8 = int8_streams(ckpt, model, reads, dtype, progress) if quantization is Quantization.INT8 else None
+    plan = plan_offload(ckpt, model, reads, dtype, budget, device, int8=int8)
     if not plan.streamed_layers:
         return reads
     streams = layer_products(model)
     streamed = [r for r in reads if r.target in streams and layer_index(r.target) in plan.streamed_layers]
-    located = _locate(ckpt, streamed)
     by_layer: dict[int, list[TensorRead]] = defaultdict(list)
     for r in streamed:
         by_layer[layer_index(r.target) or 0].append(r)  # (never None: streamed reads are in layers)
+    mapped = {i: [m for r in rs for m in _streamed_reads(r, int8)] for i, rs in by_layer.items()}
+    located = _locate(int8.copy if int8 is not None else ckpt, [m for ms in mapped.values() for m in ms])
     streamer = LayerStreamer(plan, dtype, max(sum(r.numel for r in rs) for rs in by_layer.values()))
-    name = "streamed" if plan.zero_copy else "streamed-copy"
+    name = "streamed-int8" if int8 is not None else "streamed" if plan.zero_copy else "streamed-copy"
+    kind = StreamedInt8Kernel if int8 is not None else StreamedKernel
     for index in plan.streamed_layers:
         kernels, shapes = {}, {}
         for r in by_layer[index]:
@@ -668,8 +750,8 @@ def stream_layers(
             assert isinstance(module, LinearProduct)
             shapes[r.target] = tuple(module.weight.shape)
             module.weight = None  # type: ignore[assignment]  # no parameter: the streamer hands weights over
-            module.kernel = kernels[r.target] = StreamedKernel(name)
-        streamer.add(index, by_layer[index], located, kernels, shapes)
+            module.kernel = kernels[r.target] = kind(name)
+        streamer.add(index, mapped[index], located, kernels, shapes)
         layer = model.model.layers[str(index)]
         layer.register_forward_pre_hook(streamer.pre_hook(index))
         layer.register_forward_hook(lambda _m, _a, _o, i=index: streamer.release(i), always_call=True)

@@ -105,10 +105,12 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 class Checkpoint:
     """Which file holds which tensor, with shapes and dtypes, from headers only."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, files: list[Path] | None = None) -> None:
+        """The checkpoint in `model_dir` (its index, or its single file), or the tensors of `files` there (a
+        cache's own files, listed by whoever wrote them)."""
         self.dir = Path(model_dir)
         self.tensors: dict[str, TensorInfo] = {}
-        for path in self._files():
+        for path in self._files() if files is None else files:
             self.tensors.update(read_header(path))
 
     def _files(self) -> list[Path]:

@@ -17,6 +17,12 @@ Per shard of n layers on rank r of tp, serving dtype b bytes, checkpoint dtype c
   k           = the most leading layers with resident(k) + working(n − k) ≤ B; none fits when k = 0 does not.
   streamed    = (n − k) × products per step: one forward (a decode step: one token at batch 1) reads each once.
 
+With int8 (`--quantize int8`) every product counts its int8 bytes instead of P × b (values plus a float16 scale and
+minimum per group: `Quantization.weight_bytes`), resident or streamed, and the streamed ones map the int8 copy of
+the layers (`engine.int8_copy`: zero copy on cpu), values and scales apart, one file per layer: working(m) =
+min(2, m) × the lesser of Σ over the layer's `Part.int8_spans` of `mapped_bound(span, u)` and `mapped_bound` of the
+whole layer's int8 bytes (`Part.int8_whole`: its file's data, which small reads' rounded units would overcount).
+
 `propose` lays a proposal out as `shardmesh up --memory-budget B` deploys it: the coordinator's even split, one
 budget for every worker (the tightest device's memory less the reserve and everything but weights at its peak:
 the KV cache, activations, runtime, buffers and the load transient of `memory.shard_memory`, rounded down to MiB).
@@ -92,21 +98,34 @@ def mapped_bound(nbytes: int, unit: int = FAULT_AROUND) -> int:
     return unit * (-(-(nbytes - 1) // unit) + 1)
 
 
-def streaming_mode(device: str, checkpoint_dtype: str, dtype: str) -> str:
-    """How streamed weights reach the products: mapped as stored (cpu, the same dtype), copy-converted (cpu), or
-    copied to the device (cuda)."""
+def streaming_mode(device: str, checkpoint_dtype: str, dtype: str, quantization: str = "none") -> str:
+    """How streamed weights reach the products: mapped as stored (cpu, the same dtype, or int8 from the int8 copy),
+    copy-converted (cpu), or copied to the device (cuda)."""
     if device != "cpu":
         return DEVICE
-    return ZERO_COPY if DType.parse(checkpoint_dtype) == DType.parse(dtype) else COPY
+    int8 = Quantization.parse(quantization) is Quantization.INT8
+    return ZERO_COPY if int8 or DType.parse(checkpoint_dtype) == DType.parse(dtype) else COPY
 
 
-def working_set(layer: Part, streaming: int, b: int, c: int, mode: str, unit: int = FAULT_AROUND) -> int:
+def product_bytes(layer: Part, dtype: DType, quantization: Quantization = Quantization.NONE) -> int:
+    """One layer's products as a rank holds them: in `dtype`, or int8 values and their groups' scales."""
+    return sum(quantization.weight_bytes(o, i, dtype) for o, i in layer.products)
+
+
+def working_set(layer: Part, streaming: int, b: int, c: int, mode: str, unit: int = FAULT_AROUND,
+                quantization: str = "none") -> int:  # fmt: skip
     """Bytes of the streamed weights in a worker at once with `streaming` layers streamed (module docstring)."""
     if streaming == 0:
         return 0
     two = min(2, streaming)
+    q = Quantization.parse(quantization)
+    if mode == ZERO_COPY and q is Quantization.INT8:  # the reads lie in one file per layer: at most all of its data
+        reads = sum(mapped_bound(span, unit) for span in layer.int8_spans)
+        return two * min(reads, mapped_bound(layer.int8_whole, unit))
     if mode == ZERO_COPY:
         return two * sum(mapped_bound(span * c, unit) for span in layer.spans)
+    if q is Quantization.INT8:
+        return two * product_bytes(layer, DType.FLOAT32, q)  # device buffers of int8 layers
     products = sum(o * i for o, i in layer.products) * b
     largest_read = max((mapped_bound(span * c, unit) for span in layer.spans), default=0)
     return two * products + (largest_read if mode == COPY else 0)
@@ -120,10 +139,10 @@ class Residency:
     budget: int
     resident: int
     streamed: int
-    resident_bytes: int  # every parameter loaded: numel × serving dtype size
+    resident_bytes: int  # every parameter loaded: numel × serving dtype size (int8 products: their int8 bytes)
     working_set_bytes: int  # the streamed weights in the worker at once
     streamed_bytes_per_step: int  # the streamed layers' products, once per forward
-    layer_bytes: int  # one layer's products on this rank, in the serving dtype
+    layer_bytes: int  # one layer's products on this rank, in the serving dtype (or int8)
 
     @property
     def total_bytes(self) -> int:
@@ -140,7 +159,7 @@ class Residency:
 
 
 def residency(model: ModelInfo, layers: tuple[int, int], tp: int, rank: int, dtype: str, budget: int,
-              mode: str, unit: int = FAULT_AROUND) -> Residency | None:  # fmt: skip
+              mode: str, unit: int = FAULT_AROUND, quantization: str = "none") -> Residency | None:  # fmt: skip
     """The split of the shard [start, end) × rank `rank` of `tp` under `budget` bytes of weights, as the engine
     makes it: the most leading layers resident next to the streamed ones' working set; None when even every layer
     streamed does not fit."""
@@ -150,15 +169,15 @@ def residency(model: ModelInfo, layers: tuple[int, int], tp: int, rank: int, dty
         raise ValueError(f"layer range [{start}, {end}) is not within [0, {cfg.num_layers})")
     parts = weight_parts(cfg, tp, rank)
     b, c = serving.itemsize, DType.parse(model.checkpoint_dtype).itemsize
-    n, none = end - start, Quantization.NONE
-    loaded = n * parts.layer.nbytes(serving, none)
-    loaded += parts.embedding.nbytes(serving, none) * (start == 0)
-    loaded += parts.head.nbytes(serving, none) * (end == cfg.num_layers)
-    per_layer = sum(o * i for o, i in parts.layer.products) * b
+    n, q = end - start, Quantization.parse(quantization)
+    loaded = n * parts.layer.nbytes(serving, q)
+    loaded += parts.embedding.nbytes(serving) * (start == 0)
+    loaded += parts.head.nbytes(serving, q) * (end == cfg.num_layers)
+    per_layer = product_bytes(parts.layer, serving, q)
     for resident in range(n, -1, -1):
         streaming = n - resident
         held = loaded - streaming * per_layer
-        working = working_set(parts.layer, streaming, b, c, mode, unit)
+        working = working_set(parts.layer, streaming, b, c, mode, unit, quantization)
         if held + working <= budget:
             return Residency(layers, budget, resident, streaming, held, working, streaming * per_layer, per_layer)
     return None
@@ -200,6 +219,11 @@ class OffloadProposal:
     full_layer_bytes: int  # one layer's four products, whole (every rank's), as stored in the checkpoint
     reserve: int = 0  # bytes every device keeps free beyond the peak
     map_unit: int = FAULT_AROUND  # what a mapped read rounds out to (`PlanOptions.map_unit`)
+    quantization: str = "none"  # int8: products held and streamed in int8 (`full_layer_bytes`: the int8 copy's)
+
+    @property
+    def int8(self) -> bool:
+        return Quantization.parse(self.quantization) is Quantization.INT8
 
     @property
     def streamed_layers(self) -> int:
@@ -266,7 +290,8 @@ class OffloadProposal:
         engine = "" if p.mode != DEVICE else "; a prediction: the engine streams on cpu workers only today"
         devices = describe_devices(tuple(sh.device for sh in p.shards))
         n = len(p.shards)
-        lines = [f"offload in {p.dtype} (--memory-budget {compact_bytes(p.budget)}, {p.mode}{engine}): tp={p.tp} × "
+        what = f"{p.dtype} with int8 products (--quantize int8 " if p.int8 else f"{p.dtype} ("
+        lines = [f"offload in {what}--memory-budget {compact_bytes(p.budget)}, {p.mode}{engine}): tp={p.tp} × "
                  f"pp={p.pp} on {n} device{'s' * (n > 1)} ({devices}), layers split evenly"]  # fmt: skip
         working = WORKING_SET[p.mode] + ("; o and down map whole rows" if p.mode == ZERO_COPY and p.tp > 1 else "")
         unit = f"{p.map_unit // MiB} MiB" if p.map_unit % MiB == 0 else f"{p.map_unit // 1024} KiB"
@@ -284,13 +309,17 @@ class OffloadProposal:
                 f"{gb(m.other)} = {gb(m.total)} of {gb(sh.device.memory - p.reserve)} "
                 f"({compact_bytes(sh.device.memory)}{less})"
             )
-        weights = self.critical(0).residency.layer_bytes // b
+        per = self.critical(0).residency.layer_bytes
+        each = (f"{per / 1e6:.1f} MB of int8 values and scales per rank" if p.int8
+                else f"{per // b / 1e6:.1f}M weights per rank × {b} bytes")  # fmt: skip
         lines.append(f"streamed per step (one token at batch 1): {gb(self.streamed_bytes_per_step)} = "
-                     f"{self.streamed_layers} layers × {weights / 1e6:.1f}M weights per rank × {b} bytes")  # fmt: skip
+                     f"{self.streamed_layers} layers × {each}")  # fmt: skip
         c = DType.parse(self.model.checkpoint_dtype).itemsize
-        where = "the checkpoint's pages in the page cache" if p.mode != DEVICE else "host memory to copy from"
-        host = "; ".join(f"{gb(n * self.full_layer_bytes)} on {node} = {n} layers × "
-                         f"{self.full_layer_bytes // c / 1e6:.1f}M weights × {c} bytes"
+        stored = "the int8 copy's" if p.int8 else "the checkpoint's"
+        where = f"{stored} pages in the page cache" if p.mode != DEVICE else "host memory to copy from"
+        layer = (f"{self.full_layer_bytes / 1e6:.1f} MB of int8 values and scales" if p.int8
+                 else f"{self.full_layer_bytes // c / 1e6:.1f}M weights × {c} bytes")  # fmt: skip
+        host = "; ".join(f"{gb(n * self.full_layer_bytes)} on {node} = {n} layers × {layer}"
                          for node, n in self.host_layers().items())  # fmt: skip
         lines.append(f"host memory for the streamed layers as stored ({where}): {host}")
         return lines + self._describe_step()
@@ -316,7 +345,8 @@ class OffloadProposal:
     def to_json(self) -> dict[str, Any]:
         rates = self.rates
         return {
-            "tp": self.tp, "pp": self.pp, "dtype": self.dtype, "mode": self.mode, "memory_budget": self.budget,
+            "tp": self.tp, "pp": self.pp, "dtype": self.dtype, "quantization": self.quantization, "mode": self.mode,
+            "memory_budget": self.budget,
             "map_unit": self.map_unit,
             "streamed_bytes_per_step": self.streamed_bytes_per_step, "read_bytes_per_step": self.read_bytes_per_step,
             "host_bytes": self.host_bytes(), "step_seconds": self.step_seconds(),
@@ -351,15 +381,15 @@ def propose(
     budget = room // MiB * MiB
     if budget <= 0:
         return None
-    mode = streaming_mode(options.runtime.device, model.checkpoint_dtype, options.dtype)
+    mode = streaming_mode(options.runtime.device, model.checkpoint_dtype, options.dtype, options.quantization)
     shards = []
     for s, r, d, m in serving:
-        res = residency(model, split[s], tp, r, options.dtype, budget, mode, options.map_unit)
+        res = residency(model, split[s], tp, r, options.dtype, budget, mode, options.map_unit, options.quantization)
         if res is None:
             return None
         embedding = weight_parts(cfg, tp, r).embedding.nbytes(DType.parse(options.dtype)) if s == 0 else 0
         shards.append(OffloadShard(s, r, d, res, replace(m, weights=res.total_bytes), embedding))
-    full = sum(o * i for o, i in weight_parts(cfg, 1, 0).layer.products)
-    full_bytes = full * DType.parse(model.checkpoint_dtype).itemsize
+    q, stored = Quantization.parse(options.quantization), DType.parse(model.checkpoint_dtype)
+    full_bytes = product_bytes(weight_parts(cfg, 1, 0).layer, stored, q)  # as the checkpoint, or its int8 copy, holds
     return OffloadProposal(model, options.dtype, tp, pp, mode, budget, tuple(shards), options.rates, full_bytes,
-                           options.reserve, options.map_unit)  # fmt: skip
+                           options.reserve, options.map_unit, options.quantization)  # fmt: skip

@@ -30,7 +30,8 @@ the plan it gives (int8 weights on the same devices, another dtype, more devices
 the serving dtype and with int8, a shorter context, fewer KV slots) and offload: the same devices keeping the
 leading layers of each shard resident and streaming the rest every step (`shardmesh.planning.offload`: the
 budget, each stage's split, the bytes streamed per step, the host memory they need and, from `PlanOptions.rates`,
-the predicted step time; not with int8, which a memory budget does not stream).
+the predicted step time; with int8, products held and streamed in int8, and int8 with offload where int8 alone
+does not fit the same devices).
 """
 
 from __future__ import annotations
@@ -54,10 +55,6 @@ BALANCES = ("memory", "speed")
 
 class PlanError(ValueError):
     """A request the planner cannot even try (an invalid tensor degree, too few devices per node)."""
-
-
-# Why offload is not proposed with int8 (`shardmesh.engine.offload` streams float weights; a budget refuses int8).
-OFFLOAD_INT8 = "offload: not with --quantize int8 (a memory budget streams weights in the serving dtype only)"
 
 
 @dataclass(frozen=True)
@@ -90,10 +87,9 @@ class Infeasible(PlanError):
     """The model does not fit the devices; the message says by how much and what would fit."""
 
     def __init__(self, summary: str, missing: int, closest: str, suggestions: list[Suggestion],
-                 totals: Totals | None = None, dtype: str = DType.BFLOAT16,
-                 unavailable: tuple[str, ...] = ()) -> None:  # fmt: skip
+                 totals: Totals | None = None, dtype: str = DType.BFLOAT16) -> None:  # fmt: skip
         self.summary, self.missing, self.closest, self.suggestions = summary, missing, closest, suggestions
-        self.totals, self.unavailable = totals, unavailable
+        self.totals = totals
         lines = [f"{summary}: {format_bytes(missing)} missing ({missing} bytes); closest layout: {closest}"]
         if totals is not None:
             lines.append(totals.describe(dtype))
@@ -102,7 +98,6 @@ class Infeasible(PlanError):
             lines += [f"  - {s.text}" for s in suggestions]
         else:
             lines.append("no single change of quantization, dtype, device count, context or KV slots makes it fit")
-        lines += unavailable
         super().__init__("\n".join(lines))
 
 
@@ -368,9 +363,8 @@ def plan(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) ->
     quant = ", int8" if options.quantization == Quantization.INT8.value else ""
     summary = (f"{model.name} ({options.dtype}{quant}, {lim.kv_slots} KV slots × {lim.max_context} tokens) does not "
                f"fit on {describe_devices(devices)}")  # fmt: skip
-    unavailable = (OFFLOAD_INT8,) if options.quantization != Quantization.NONE.value else ()
     raise Infeasible(summary, closest.missing, where, suggest(model, devices, options), totals(model, devices, options),
-                     options.dtype, unavailable)  # fmt: skip
+                     options.dtype)  # fmt: skip
 
 
 def fill_kv_blocks(p: Plan, block_size: int) -> int:
@@ -492,11 +486,9 @@ def _more_devices(model: ModelInfo, devices: tuple[Device, ...], options: PlanOp
 
 
 def offload(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions) -> OffloadProposal | None:
-    """Offload on these devices in the options' dtype (`offload.propose` for every tensor degree): the layout whose
-    predicted step is shortest (without rates: that waits for the fewest streamed bytes); None with int8 or when
-    no layout holds every shard even with all its layers streamed."""
-    if options.quantization != Quantization.NONE.value:
-        return None
+    """Offload on these devices in the options' dtype and quantization (`offload.propose` for every tensor degree): the
+    layout whose predicted step is shortest (without rates: that waits for the fewest streamed bytes); None when no
+    layout holds every shard even with all its layers streamed."""
     proposals = [p for tp in _degrees(model, devices, options)
                  if (groups := _stage_groups(model, devices, tp, options))
                  and (p := propose(model, groups, tp, options)) is not None]  # fmt: skip
@@ -531,6 +523,13 @@ def suggest(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions)
     if streamed is not None:
         out.append(Suggestion("\n    ".join(streamed.describe()), {"memory_budget": streamed.budget},
                               offload=streamed))  # fmt: skip
+    # int8 and offload together, where int8 alone does not fit these devices: a quarter (or half) of the bytes streamed
+    other = options.quantization != int8.quantization
+    streamed_int8 = offload(model, devices, int8) if other and int8_here is None else None
+    if streamed_int8 is not None:
+        out.append(Suggestion("\n    ".join(streamed_int8.describe()),
+                              {"quantization": Quantization.INT8.value, "memory_budget": streamed_int8.budget},
+                              offload=streamed_int8))  # fmt: skip
 
     def with_context(n: int) -> PlanOptions:
         return replace(options, limits=ServingLimits(lim.kv_slots, n, min(lim.max_batch_tokens, n)))

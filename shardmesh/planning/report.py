@@ -137,5 +137,4 @@ def infeasible_to_json(e: Infeasible) -> dict[str, Any]:
     out["options"] = [{"text": s.text, "changes": s.changes, "plan": _fitted_json(s.plan) if s.plan else None,
                        **({"offload": s.offload.to_json()} if s.offload else {})}
                       for s in e.suggestions]  # fmt: skip
-    out["unavailable"] = [{"option": text.split(":")[0], "text": text} for text in e.unavailable]
     return out

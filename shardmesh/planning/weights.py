@@ -22,7 +22,8 @@ The matrix products of a layer (qkv_proj, o_proj, gate_up_proj, down_proj: `Part
 `Quantization.INT8` stores as int8 (`shardmesh.engine.linear.int8_products`); a layer's are what a memory budget
 streams (`shardmesh.engine.offload`); the norms, biases and the embedding stay in the serving dtype.
 A streamed product maps its reads' bytes in the checkpoint from first to last (`Part.spans`): a slice of whole
-rows spans its own elements, a slice of some columns (o_proj, down_proj at tp > 1) all rows but the last in full.
+rows spans its own elements, a slice of some columns (o_proj, down_proj at tp > 1) all rows but the last in full;
+an int8 shard streams them from the int8 copy, values and scales apart (`Part.int8_spans`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import math
 from dataclasses import dataclass
 
 from shardmesh.core.config import ModelConfig
-from shardmesh.core.dtypes import DType, Quantization
+from shardmesh.core.dtypes import INT8_GROUP, DType, Quantization
 from shardmesh.core.heads import HeadSplit, mlp_range, vocab_range
 
 
@@ -118,6 +119,9 @@ class Part:
     largest_read: int = 0  # the largest single slice read from the checkpoint
     products: tuple[tuple[int, int], ...] = ()  # (out, in) of each product int8 can store (a layer's), sorted
     spans: tuple[int, ...] = ()  # per product read (a layer's), sorted: elements from its first to its last in the file
+    # per product read, its int8 weight's and its scales' bytes from first to last in the int8 copy (`int8_copy`)
+    int8_spans: tuple[int, ...] = ()
+    int8_whole: int = 0  # bytes of the whole products' (every rank's) int8 values and scales: one layer's copy file
 
     @property
     def largest_product(self) -> int:
@@ -148,6 +152,14 @@ def _span(s: TensorSlice) -> int:
     return (s.local[0] - 1) * s.full[1] + s.local[1]
 
 
+def _int8_spans(s: TensorSlice) -> tuple[int, int]:
+    """Bytes of the int8 copy a slice's reads span (`engine.int8_copy`): its int8 values, one byte each, as `_span`
+    counts elements, and its rows' float16 (scale, minimum) pairs, 4 bytes a group, the groups of its columns."""
+    groups, local_groups = -(-s.full[1] // INT8_GROUP), -(-s.local[1] // INT8_GROUP)
+    scales = s.local[0] * groups * 4 if s.local[1] == s.full[1] else ((s.local[0] - 1) * groups + local_groups) * 4
+    return _span(s), scales
+
+
 def _part(slices: list[TensorSlice], relaid: bool = True, quantizable: bool = False) -> Part:
     params: dict[str, tuple[int, ...]] = {}  # the slices stacked by rows into their parameters
     for s in slices:
@@ -156,8 +168,11 @@ def _part(slices: list[TensorSlice], relaid: bool = True, quantizable: bool = Fa
     matrices = [math.prod(shape) for shape in params.values() if len(shape) == 2] if relaid else []
     products = sorted((shape[0], shape[1]) for shape in params.values() if len(shape) == 2) if quantizable else []
     spans = sorted(_span(s) for s in slices if len(params[s.target]) == 2) if quantizable else []
+    int8 = sorted(b for s in slices if len(params[s.target]) == 2 for b in _int8_spans(s)) if quantizable else []
+    whole = {s.source: s.full for s in slices if len(params[s.target]) == 2} if quantizable else {}
+    int8_whole = sum(Quantization.INT8.weight_bytes(o, i, DType.FLOAT32) for o, i in whole.values())
     return Part(sum(s.numel for s in slices), max(matrices, default=0), max((s.numel for s in slices), default=0),
-                tuple(products), tuple(spans))  # fmt: skip
+                tuple(products), tuple(spans), tuple(int8), int8_whole)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=512)

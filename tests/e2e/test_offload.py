@@ -46,6 +46,28 @@ def test_generate_with_a_budget_gives_the_resident_answer(tiny: Path, pp: int, t
     assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)) < 1e-5
 
 
+@pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2)])
+def test_generate_int8_with_a_budget_gives_the_resident_int8_answer(
+    tiny: Path, pp: int, tp: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--quantize int8 --memory-budget`: the int8 copy of the layers is written once, before the ranks start, and
+    each rank streams its layers' int8 products from it; the answer is the resident int8 one."""
+    monkeypatch.setenv("SHARDMESH_CACHE", str(tmp_path))
+    mesh = ("--pp", str(pp), "--tp", str(tp), "--quantize", "int8")
+    resident = generate(tiny, *mesh)
+    assert resident.returncode == 0, resident.stderr
+    refused = generate(tiny, *mesh, "--memory-budget", "1KiB")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert "in float32 with int8 products: it needs at least" in refused.stderr
+    need = int(re.findall(r"needs at least (\d+) B", refused.stderr)[0])
+    streamed = generate(tiny, *mesh, "--memory-budget", str(need))
+    assert streamed.returncode == 0, streamed.stderr
+    want, got = json.loads(resident.stdout), json.loads(streamed.stdout)
+    assert got["token_ids"] == want["token_ids"]
+    assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)) < 1e-5
+    assert len(list((tmp_path / "int8").glob("*/layer-*.safetensors"))) == 6  # one file per layer, written once
+
+
 def test_too_small_a_budget_is_one_line_naming_the_numbers(tiny: Path) -> None:
     r = generate(tiny, "--memory-budget", "100KiB")
     assert r.returncode == 1 and r.stdout == ""
@@ -59,17 +81,25 @@ def test_a_malformed_size_is_a_usage_error(tiny: Path) -> None:
     assert r.returncode == 2 and "--memory-budget: expected a size like 24GiB" in r.stderr
 
 
-def test_a_worker_with_a_budget_serves_the_resident_answer(tiny: Path, stack: Stack) -> None:
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_a_worker_with_a_budget_serves_the_resident_answer(
+    tiny: Path, stack: Stack, quantize: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`worker --memory-budget` (what `up --memory-budget` gives every worker): the worker streams the layers
-    beyond its budget, says which, and the gateway serves what a resident `generate` gives."""
+    beyond its budget, says which, and the gateway serves what a resident `generate` gives (with the coordinator's
+    `--quantize int8`, the int8 layers streamed from the int8 copy, which the worker writes)."""
     import grpc
 
     from shardmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
     from shardmesh_cli.up import free_port, wait_serving
 
-    refused = generate(tiny, "--memory-budget", "1KiB")
+    monkeypatch.setenv("SHARDMESH_CACHE", str(tmp_path))
+    quantized = ("--quantize", quantize)
+    refused = generate(tiny, *quantized, "--memory-budget", "1KiB")
     need = int(re.findall(r"needs at least (\d+) B", refused.stderr)[0])
-    stack.start_coordinator(tiny, 1, 1, "--kv-slots", "2")
+    for f in (tmp_path / "int8").glob("*/*"):  # the refusal wrote the int8 copy: the worker writes its own
+        f.unlink()
+    stack.start_coordinator(tiny, 1, 1, "--kv-slots", "2", *quantized)
     gateway = f"127.0.0.1:{free_port()}"
     stack.spawn("gateway", "gateway", "--listen", gateway, "--coordinator", stack.coordinator)
     stack.start_worker("a", "--memory-budget", str(need))
@@ -80,7 +110,7 @@ def test_a_worker_with_a_budget_serves_the_resident_answer(tiny: Path, stack: St
         ids = gateway_pb2.TokenIds(ids=[int(t) for t in PROMPT.split(",")])
         r = gateway_pb2_grpc.GatewayStub(ch).Generate(gateway_pb2.GenerateRequest(token_ids=ids, params=params),
                                                       timeout=60)  # fmt: skip
-    want = json.loads(generate(tiny).stdout)
+    want = json.loads(generate(tiny, *quantized).stdout)
     assert list(r.token_ids) == want["token_ids"]
     assert max(abs(a - b) for a, b in zip(r.logprobs, want["logprobs"], strict=True)) < 1e-4
     loaded = [json.loads(line) for line in (stack.log_dir / "a.log").read_text().splitlines()

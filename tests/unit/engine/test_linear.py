@@ -159,8 +159,8 @@ INT8_KERNELS = [Int8DequantKernel(), Int8CpuKernel()] + ([BlockedInt8Kernel()] i
 
 # int8-cpu: a row alone and several, the GEMM past its rows; int8-blocked: rows by eight, four and the rest (one and
 # two rows with two sets of sums, each group's inputs in pairs); 72 inputs: two groups and a short one, 71: a short
-# one of an odd length
-@pytest.mark.parametrize("k", [72, 71])
+# one of an odd length, 104: three groups (int8-cpu takes whole groups two at a time: one left) and a short one
+@pytest.mark.parametrize("k", [72, 71, 104])
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 9, 10, 13])
 @pytest.mark.parametrize("kernel", INT8_KERNELS, ids=lambda k: k.name)
 def test_each_int8_kernel_multiplies_by_the_dequantized_weight(kernel, rows: int, k: int) -> None:

@@ -265,11 +265,93 @@ def _refusal(ckpt: Path, spec: ShardSpec) -> str:
     return str(e.value)
 
 
-def test_int8_with_a_budget_is_refused(ck32: Path) -> None:
-    from shardmesh.core.dtypes import Quantization
+def _int8_bytes(ckpt: Path, layers: range, tp: int) -> int:
+    """A rank's int8 bytes of these layers' products, by hand: one byte a weight and 4 (a float16 scale and minimum)
+    per 32 inputs of each of its rows; a column-parallel product has 1/tp of the rows, a row-parallel one 1/tp of the
+    inputs."""
+    total = 0
+    for name, t in load_file(ckpt / "model.safetensors").items():
+        parts = name.split(".")
+        if len(parts) > 3 and parts[1] == "layers" and int(parts[2]) in layers and parts[-2] in PRODUCTS \
+                and parts[-1] == "weight":  # fmt: skip
+            rows, cols = t.shape
+            rows, cols = (rows, cols // tp) if parts[-2] in ("o_proj", "down_proj") else (rows // tp, cols)
+            total += rows * cols + 4 * rows * -(-cols // 32)
+    return total
 
-    with pytest.raises(ValueError, match=r"memory budget with --quantize int8 is not supported"):
-        build_shard(ck32, ShardSpec(0, LAYERS, LAYERS), progress=False, memory_budget=10**9,
+
+@pytest.mark.parametrize(
+    ("which", "dtype", "tp_rank", "tp", "kernel"),
+    [
+        ("ck32", torch.float32, 0, 1, "int8-blocked"),  # float32 decode rows: `int8_cpu` on the mapped int8 rows
+        ("ck32", torch.float32, 1, 2, "int8-blocked"),  # a tp rank: row-parallel slices of inputs, strided rows
+        ("ck16", torch.bfloat16, 0, 1, "int8-dequant"),  # bfloat16: the dequantized weight
+    ],
+)
+def test_int8_layers_stream_from_the_int8_copy_and_give_the_resident_int8_output(
+    request: pytest.FixtureRequest, which: str, dtype: torch.dtype, tp_rank: int, tp: int, kernel: str,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """`--quantize int8` under a budget: the leading layers resident in int8 as any int8 shard's, the others' products
+    mapped from the int8 copy written once into the cache (one file per layer: int8 `weight` and float16
+    `weight_scale`, each the checkpoint's tensor quantized whole), the plan's int8 bytes streamed every step, and
+    the resident int8 shard's tokens and logits; a second build reads the copy and writes nothing."""
+    from shardmesh.core.dtypes import Quantization
+    from shardmesh.engine.int8_copy import copy_dir, layer_file
+    from shardmesh.engine.linear import quantize_groups
+    from shardmesh.models.checkpoint import Checkpoint
+
+    monkeypatch.setenv("SHARDMESH_CACHE", str(tmp_path))
+    ckpt = request.getfixturevalue(which)
+    spec, group, int8 = ShardSpec(0, LAYERS, LAYERS, tp_rank, tp), LocalRank(tp_rank, tp), Quantization.INT8
+    resident = build_shard(ckpt, spec, group, dtype=dtype, progress=False, quantization=int8)
+    assert kernel in resident.linear_kernels
+    held = sum(t.numel() * t.element_size() for t in resident.parameters())
+    held += sum(b.numel() * b.element_size() for n, b in resident.named_buffers() if n.endswith("weight_scale"))
+    layers = _int8_bytes(ckpt, range(LAYERS), tp)
+    budget = held - layers // 2 + (layers // 4 if tp > 1 else 0)
+    streamed = build_shard(ckpt, spec, group, dtype=dtype, progress=False, quantization=int8, memory_budget=budget)
+    plan = plan_of(streamed)
+    assert len(plan.resident_layers) > 0 and len(plan.streamed_layers) >= LAYERS // 4 and plan.zero_copy
+    assert "streamed-int8" in streamed.linear_kernels and plan.total_bytes <= budget
+    assert plan.streamed_bytes_per_step == _int8_bytes(ckpt, plan.streamed_layers, tp)
+    want_tokens, want = run(resident, dtype)
+    before = bytes_streamed(streamed)
+    tokens, got = run(streamed, dtype)
+    assert bytes_streamed(streamed) - before == 5 * plan.streamed_bytes_per_step  # a prefill and 4 steps
+    assert tokens == want_tokens
+    # The same int8 numbers, multiplied by another loop (summed in another order) or dequantized alike.
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+    copy = copy_dir(Checkpoint(ckpt), dtype)
+    files = sorted(copy.glob("*.safetensors"))
+    assert files == [layer_file(copy, i) for i in range(LAYERS)]
+    name = "model.layers.5.self_attn.o_proj.weight"
+    stored = load_file(layer_file(copy, 5))
+    values, scale = quantize_groups(load_file(ckpt / "model.safetensors")[name].to(dtype))
+    assert torch.equal(stored[name], values) and torch.equal(stored[name + "_scale"], scale)
+    written = [f.stat().st_mtime_ns for f in files]
+    build_shard(ckpt, spec, group, dtype=dtype, progress=False, quantization=int8, memory_budget=budget)
+    assert [f.stat().st_mtime_ns for f in files] == written
+
+
+def test_int8_streaming_refuses_a_slice_of_inputs_off_the_groups_and_a_budget_too_small(
+    ck32: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardmesh.core.dtypes import Quantization
+    from shardmesh.engine.int8_copy import int8_reads
+    from shardmesh.models.checkpoint import TensorRead
+
+    read = TensorRead("o.weight", "model.layers.0.self_attn.o_proj.weight", (128, 128), (slice(None), slice(48, 96)))
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.o_proj.weight' is split at inputs \[48, 96\) of "
+                                         r"128, not at multiples of the int8 group \(32\)"):  # fmt: skip
+        int8_reads(read)
+    weights, scales = int8_reads(TensorRead("o.weight", "o.weight", (128, 128), (slice(None), slice(64, 128))))
+    assert scales.source == "o.weight_scale" and scales.full_shape == (128, 4, 2)
+    assert scales.index == (slice(None), slice(2, 4)) and weights.index == (slice(None), slice(64, 128))
+    monkeypatch.setenv("SHARDMESH_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match=r"is too small for layers \[0, 8\) in float32 with int8 products: it needs"):
+        build_shard(ck32, ShardSpec(0, LAYERS, LAYERS), progress=False, memory_budget=1,
                     quantization=Quantization.INT8)  # fmt: skip
 
 

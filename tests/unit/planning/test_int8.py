@@ -102,7 +102,7 @@ def test_70b_on_two_48gib_gpus_is_offered_int8_with_numbers(tmp_path: Path) -> N
     assert f"weights {sh.memory.weights / 1e9:.2f} GB" in text and "of 51.54 GB (48GiB)" in text
     assert "more 48GiB devices in bfloat16" in text and "offload in bfloat16 (--memory-budget" in text
     got = infeasible_to_json(e.value)
-    assert got["weights"]["bytes"] == t.weights and got["unavailable"] == []
+    assert got["weights"]["bytes"] == t.weights
     assert any(o["changes"].keys() == {"memory_budget"} and o["offload"]["tp"] >= 1 for o in got["options"])
     proposal = got["options"][0]["plan"]
     assert proposal["quantization"] == "int8" and all(s["total"] + s["headroom"] == s["device_memory"]

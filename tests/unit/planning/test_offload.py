@@ -53,52 +53,60 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine_plan(model: ModelInfo, spec: ShardSpec, dtype: str, budget: int,
-                 unit: int = FAULT_AROUND) -> engine.OffloadPlan | None:  # fmt: skip
+                 unit: int = FAULT_AROUND, quantization: str = "none") -> engine.OffloadPlan | None:  # fmt: skip
     shard, reads = meta_shard(model.cfg, spec, UnboundGroup(spec.tp_rank, spec.tp_size), None)
+    ckpt, serving = Checkpoint(model.path), getattr(torch, dtype)
+    int8 = engine.int8_streams(ckpt, shard, reads, serving, progress=False) if quantization == "int8" else None
     try:
-        return engine.plan_offload(Checkpoint(model.path), shard, reads, getattr(torch, dtype), budget, unit=unit)
+        return engine.plan_offload(ckpt, shard, reads, serving, budget, unit=unit, int8=int8)
     except engine.BudgetError:
         return None
 
 
-def _thresholds(model: ModelInfo, spec: ShardSpec, dtype: str, mode: str, unit: int = FAULT_AROUND) -> list[int]:
+def _thresholds(model: ModelInfo, spec: ShardSpec, dtype: str, mode: str, unit: int = FAULT_AROUND,
+                quantization: str = "none") -> list[int]:  # fmt: skip
     """The planner's least budget for k = 0..n resident layers: loaded bytes less the streamed products, plus the
     working set of the n - k streamed."""
     layers = (spec.layer_start, spec.layer_end)
-    whole = residency(model, layers, spec.tp_size, spec.tp_rank, dtype, 2**62, mode)
+    whole = residency(model, layers, spec.tp_size, spec.tp_rank, dtype, 2**62, mode, quantization=quantization)
     assert whole is not None and whole.streamed == 0
     parts = weight_parts(model.cfg, spec.tp_size, spec.tp_rank)
     b, c, n = torch.empty(0, dtype=getattr(torch, dtype)).element_size(), 4, spec.layer_end - spec.layer_start
-    return [whole.resident_bytes - (n - k) * whole.layer_bytes + working_set(parts.layer, n - k, b, c, mode, unit)
-            for k in range(n + 1)]  # fmt: skip
+    return [whole.resident_bytes - (n - k) * whole.layer_bytes
+            + working_set(parts.layer, n - k, b, c, mode, unit, quantization) for k in range(n + 1)]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("start", "end", "rank", "tp", "dtype", "mode"),
+    ("start", "end", "rank", "tp", "dtype", "mode", "quantization"),
     [
-        (0, LAYERS, 0, 1, "float32", ZERO_COPY),  # the whole model: embedding, head, every layer
-        (0, 4, 1, 2, "float32", ZERO_COPY),  # a first stage's tp rank: o and down map whole rows
-        (4, LAYERS, 0, 2, "float32", ZERO_COPY),  # a last stage
-        (2, 6, 0, 1, "bfloat16", COPY),  # a middle stage, float32 checkpoint served in bfloat16: copied
+        (0, LAYERS, 0, 1, "float32", ZERO_COPY, "none"),  # the whole model: embedding, head, every layer
+        (0, 4, 1, 2, "float32", ZERO_COPY, "none"),  # a first stage's tp rank: o and down map whole rows
+        (4, LAYERS, 0, 2, "float32", ZERO_COPY, "none"),  # a last stage
+        (2, 6, 0, 1, "bfloat16", COPY, "none"),  # a middle stage, float32 checkpoint served in bfloat16: copied
+        (0, LAYERS, 0, 1, "float32", ZERO_COPY, "int8"),  # int8 products, streamed from the int8 copy
+        (0, LAYERS, 1, 2, "bfloat16", ZERO_COPY, "int8"),  # a tp rank's slices of the copy, values and scales
     ],
 )
 def test_the_split_under_a_budget_is_the_engines(
-    ckpt: Path, start: int, end: int, rank: int, tp: int, dtype: str, mode: str
-) -> None:
+    ckpt: Path, start: int, end: int, rank: int, tp: int, dtype: str, mode: str, quantization: str,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """At each budget the planner says some k resident layers need, the engine keeps the same layers resident and
     streams the same bytes (k is the most that fit: two streamed layers' working set can outweigh them, so a budget
     for k may keep more); its working set, the exact mapped pages, is at most the planner's bound, within two
     fault-around windows per read of it. (Both are given the 64 KiB unit: the engine's default is this host's.)"""
+    monkeypatch.setenv("SHARDMESH_CACHE", str(tmp_path))  # where the engine writes the int8 copy
     model = load_model(ckpt)
     spec = ShardSpec(start, end, LAYERS, rank, tp)
     n = end - start
-    thresholds = _thresholds(model, spec, dtype, mode)
-    reads = len(weight_parts(model.cfg, tp, rank).layer.spans)
+    thresholds = _thresholds(model, spec, dtype, mode, quantization=quantization)
+    parts = weight_parts(model.cfg, tp, rank).layer
+    reads = len(parts.int8_spans if quantization == "int8" else parts.spans)
     kept = set()
     for budget in thresholds:
         k = max(j for j, t in enumerate(thresholds) if t <= budget)
-        ours = residency(model, (start, end), tp, rank, dtype, budget, mode)
-        theirs = _engine_plan(model, spec, dtype, budget)
+        ours = residency(model, (start, end), tp, rank, dtype, budget, mode, quantization=quantization)
+        theirs = _engine_plan(model, spec, dtype, budget, quantization=quantization)
         assert ours is not None and theirs is not None, (k, budget)
         assert ours.resident == len(theirs.resident_layers) == k, (k, budget, theirs)
         assert ours.streamed_bytes_per_step == theirs.streamed_bytes_per_step
@@ -108,8 +116,8 @@ def test_the_split_under_a_budget_is_the_engines(
         assert theirs.working_set_bytes <= ours.working_set_bytes <= theirs.working_set_bytes + slack
         kept.add(k)
         below = [j for j, t in enumerate(thresholds) if t <= budget - 1]
-        fewer = residency(model, (start, end), tp, rank, dtype, budget - 1, mode)
-        engine_fewer = _engine_plan(model, spec, dtype, budget - 1)
+        fewer = residency(model, (start, end), tp, rank, dtype, budget - 1, mode, quantization=quantization)
+        engine_fewer = _engine_plan(model, spec, dtype, budget - 1, quantization=quantization)
         if below:  # a byte less: the planner keeps fewer, never more than the engine
             assert fewer is not None and fewer.resident == max(below) <= k
             assert engine_fewer is not None and len(engine_fewer.resident_layers) >= fewer.resident
@@ -118,8 +126,8 @@ def test_the_split_under_a_budget_is_the_engines(
     # Both ends at least; between them, the splits whose two streamed layers' pages do not outweigh what they free
     # (at tp=2, o and down map whole rows: streaming fewer than all 4 layers of a stage frees nothing).
     assert {0, n} <= kept and (tp > 1 or len(kept) >= n - 1), kept
-    too_small = _thresholds(model, spec, dtype, mode)[0] - 1
-    assert residency(model, (start, end), tp, rank, dtype, too_small, mode) is None
+    too_small = thresholds[0] - 1
+    assert residency(model, (start, end), tp, rank, dtype, too_small, mode, quantization=quantization) is None
 
 
 def test_fault_around_and_the_mapped_bound() -> None:
@@ -143,7 +151,9 @@ def test_70b_on_two_48gib_gpus_offload_by_hand() -> None:
     with pytest.raises(Infeasible) as e:
         plan(model, parse_devices("2x48GiB"), opts)
     found = [s for s in e.value.suggestions if s.offload is not None]
-    assert len(found) == 1 and found[0].changes == {"memory_budget": found[0].offload.budget}  # type: ignore[union-attr]
+    assert len(found) == 2 and found[0].changes == {"memory_budget": found[0].offload.budget}  # type: ignore[union-attr]
+    # int8 alone does not fit two 48 GiB devices either: offload with int8 products is the second (checked below)
+    assert found[1].changes == {"quantization": "int8", "memory_budget": found[1].offload.budget}  # type: ignore[union-attr]
     p = found[0].offload
     assert p is not None and (p.tp, p.pp, p.mode) == (2, 1, "device")
     h, i, kv, v = 8192, 28672, 1024, 128256
@@ -171,8 +181,39 @@ def test_70b_on_two_48gib_gpus_offload_by_hand() -> None:
     got = infeasible_to_json(e.value)
     option = next(o for o in got["options"] if "offload" in o)
     assert option["offload"]["step_seconds"] == pytest.approx(r.streamed * per_rank / 25e9)
-    assert option["offload"]["shards"][0]["streamed_layers"] == [r.resident, 80] and got["unavailable"] == []
+    assert option["offload"]["shards"][0]["streamed_layers"] == [r.resident, 80]
     assert json.loads(json.dumps(got)) == got
+
+
+def test_70b_on_two_48gib_gpus_offload_with_int8_by_hand() -> None:
+    """int8 and offload together: at tp=2 a rank's layer holds the same 427.8M weights, one byte each, plus a float16
+    scale and minimum (4 bytes) for each 32 inputs of each of its rows: qkv 5120 rows of 8192 inputs, o 8192 rows
+    of its 4096, gate_up 28672 rows of 8192, down 8192 rows of its 14336."""
+    model = load_model(CONFIGS / "llama-3-70b")
+    opts = PlanOptions(dtype="bfloat16", limits=LIMITS, runtime=CUDA, rates=PCIE)
+    with pytest.raises(Infeasible) as e:
+        plan(model, parse_devices("2x48GiB"), opts)
+    p = next(s.offload for s in e.value.suggestions if s.offload is not None and s.offload.int8)
+    assert (p.tp, p.pp, p.mode, p.quantization) == (2, 1, "device", "int8")
+    scales = 4 * (5120 * 8192 // 32 + 8192 * 4096 // 32 + 28672 * 8192 // 32 + 8192 * 14336 // 32)
+    per_rank = 855_638_016 // 2 + scales
+    assert per_rank == 481_296_384
+    r = p.shards[0].residency
+    assert r.resident + r.streamed == 80 and 0 < r.streamed < 80
+    assert r.streamed_bytes_per_step == r.streamed * per_rank == p.streamed_bytes_per_step
+    assert r.working_set_bytes == 2 * per_rank and r.total_bytes <= p.budget < r.total_bytes + per_rank
+    full_layer = 855_638_016 + 2 * scales  # both ranks' halves: the int8 copy of one layer
+    assert p.host_bytes() == {"node0": r.streamed * full_layer}
+    assert p.step_seconds() == pytest.approx(r.streamed * per_rank / 25e9)
+    # Fewer layers stream than in bfloat16, each about half the bytes: the step waits on the link for far less.
+    float_p = next(s.offload for s in e.value.suggestions if s.offload is not None and not s.offload.int8)
+    assert r.streamed < float_p.shards[0].residency.streamed and p.step_seconds() < float_p.step_seconds() / 2
+    text = str(e.value)
+    assert f"offload in bfloat16 with int8 products (--quantize int8 --memory-budget {p.budget // 2**20}MiB" in text
+    assert f"{r.streamed} layers × 481.3 MB of int8 values and scales per rank" in text
+    options = infeasible_to_json(e.value)["options"]
+    option = next(o for o in options if o.get("offload", {}).get("quantization") == "int8")
+    assert option["changes"] == {"quantization": "int8", "memory_budget": p.budget}
 
 
 def test_405b_on_eight_80gib_gpus_offload_at_tp8_with_memory_rate(tmp_path: Path) -> None:
@@ -210,13 +251,13 @@ def test_stages_add_up_and_host_memory_is_per_node() -> None:
     assert [sh.residency.layers for sh in p.shards] == [(0, 40), (40, 80)]
 
 
-def test_no_offload_with_int8_and_no_step_time_without_rates() -> None:
+def test_offload_with_int8_asked_for_and_no_step_time_without_rates() -> None:
     model = load_model(CONFIGS / "llama-3-70b")
     devices = parse_devices("2x24GiB")
     with pytest.raises(Infeasible) as e:
         plan(model, devices, PlanOptions("bfloat16", LIMITS, CUDA, quantization="int8"))
-    assert all(s.offload is None for s in e.value.suggestions)
-    assert planner.OFFLOAD_INT8 in str(e.value) and infeasible_to_json(e.value)["unavailable"][0]["option"] == "offload"
+    found = [s.offload for s in e.value.suggestions if s.offload is not None]
+    assert len(found) == 1 and found[0].int8 and found[0].shards[0].residency.streamed > 0  # int8 is already asked for
     with pytest.raises(Infeasible) as e:
         plan(model, devices, PlanOptions("bfloat16", LIMITS, CUDA))
     p = next(s.offload for s in e.value.suggestions if s.offload is not None)
