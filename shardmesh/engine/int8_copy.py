@@ -105,8 +105,6 @@ def _quantize(ckpt: Checkpoint, name: str, dtype: torch.dtype, bar: tqdm) -> tup
                 chunk = sl[r : r + step].to(dtype)
                 values[r : r + step], scale[r : r + step] = quantize_groups(chunk)
                 bar.update(chunk.shape[0] * cols * (info.nbytes // (rows * cols)))
-    except CheckpointError:
-        raise
     except Exception as e:  # safetensors raises its own error types
         raise CheckpointError(f"{info.file}: tensor '{name}': cannot read: {e}") from None
     return values, scale

@@ -51,9 +51,6 @@ inline float half_to_float(at::Half h) {
 #endif
 }
 
-// y[m, n] = sum_g s[n, g] sum_{k in g} x[m, k] q[n, k] + (m[n, g] + 128 s[n, g]) sum_{k in g} x[m, k]: x float32
-// (M, K), q int8 (N, K), so float16 (N, groups, 2), the scale s and minimum m of each group of GROUP inputs
-// (a weight is (q + 128) s + m).
 // sum over the first `whole` groups of s[g] * sum_{k in g} x[k] q[k]. Each lane sums its inputs of every group,
 // scaled group by group, and the lanes are added once, not once per group (adding a group's 32 products across
 // lanes, and c10::Half's portable conversion, took most of the loop's time: 1.1 GB/s of SmolLM2's int8 on one core).
@@ -88,6 +85,9 @@ inline float whole_groups(const float* x, const int8_t* q, const at::Half* so, i
   return total;
 }
 
+// y[m, n] = sum_g s[n, g] sum_{k in g} x[m, k] q[n, k] + (m[n, g] + 128 s[n, g]) sum_{k in g} x[m, k]: x float32
+// (M, K), q int8 (N, K), so float16 (N, groups, 2), the scale s and minimum m of each group of GROUP inputs
+// (a weight is (q + 128) s + m).
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor so) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = (K + GROUP - 1) / GROUP;
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && K == w.size(1), "int8_linear: shapes do not match");
@@ -113,8 +113,6 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor so) {
       const at::Half* sr = sp + n * lds;
       for (int64_t m = 0; m < M; ++m) {
         const float* xr = xp + m * K;
-        // Each lane sums its input of every whole group, scaled group by group: the lanes are added once per row,
-        // not once per group (adding a group's 32 products across lanes took most of the loop's time).
         const int64_t whole = K / GROUP;
         float total = whole_groups(xr, wr, sr, whole);
         if (whole < G) {  // a short last group

@@ -81,7 +81,15 @@ from shardmesh.core.layout import ShardSpec
 from shardmesh.core.units import format_bytes
 from shardmesh.engine import cpu_kernels, int8_cpu
 from shardmesh.engine.int8_copy import ensure_copy, int8_reads, scale_name
-from shardmesh.engine.linear import LinearKernel, LinearProduct, dequantize, int8_products, layer_products
+from shardmesh.engine.linear import (
+    Int8CpuKernel,
+    Int8DequantKernel,
+    LinearKernel,
+    LinearProduct,
+    dequantize,
+    int8_products,
+    layer_products,
+)
 from shardmesh.engine.model import Transformer
 from shardmesh.models.checkpoint import Checkpoint, TensorRead
 
@@ -392,8 +400,9 @@ class StreamedKernel(LinearKernel):
 
 class StreamedInt8Kernel(StreamedKernel):
     """The streamed products of an int8 shard: int8 blocks mapped from the int8 copy (`int8_copy`) with their groups'
-    scales (`scales`), multiplied by `int8_cpu.linear` for decode rows of float32 (row-major int8, strided rows for a
-    row-parallel slice of inputs), else by the dequantized weight (`Int8DequantKernel`'s numbers)."""
+    scales (`scales`), each multiplied as it lies, row-major, by the int8 kernels that read that layout:
+    `Int8CpuKernel` for float32 (`int8_cpu.linear` on decode rows, reading a row-parallel slice's strided rows in
+    place), else `Int8DequantKernel`."""
 
     quantized = True
 
@@ -403,12 +412,8 @@ class StreamedInt8Kernel(StreamedKernel):
 
     def _block(self, x: Tensor, i: int, bias: Tensor | None) -> Tensor:
         assert self.blocks is not None and self.scales is not None
-        w, s = self.blocks[i], self.scales[i]
-        rows = x.numel() // max(1, x.shape[-1])
-        if rows <= int8_cpu.MAX_ROWS and x.dtype == torch.float32 and int8_cpu.available():
-            y = int8_cpu.linear(x.reshape(rows, x.shape[-1]), w, s).reshape(*x.shape[:-1], w.shape[0])
-            return y + bias if bias is not None else y
-        return F.linear(x, dequantize(w, s).to(x.dtype), bias)
+        rows = Int8CpuKernel if x.dtype == torch.float32 and int8_cpu.available() else Int8DequantKernel
+        return rows()(x, self.blocks[i], bias, self.scales[i])
 
 
 ROWS_LINEAR_MAX = 8  # rows of x up to which `cpu_kernels.rows_linear` multiplies streamed weights; a prompt's GEMM

@@ -515,21 +515,19 @@ def suggest(model: ModelInfo, devices: tuple[Device, ...], options: PlanOptions)
     more = _more_devices(model, devices, options)
     if more is not None:
         out.append(more)
-    if options.quantization != int8.quantization and int8_here is None:
+    int8_short = options.quantization != int8.quantization and int8_here is None  # int8 alone does not fit here
+    if int8_short:
         more_int8 = _more_devices(model, devices, int8)
         if more_int8 is not None:
             out.append(more_int8)
-    streamed = offload(model, devices, options)
-    if streamed is not None:
-        out.append(Suggestion("\n    ".join(streamed.describe()), {"memory_budget": streamed.budget},
-                              offload=streamed))  # fmt: skip
-    # int8 and offload together, where int8 alone does not fit these devices: a quarter (or half) of the bytes streamed
-    other = options.quantization != int8.quantization
-    streamed_int8 = offload(model, devices, int8) if other and int8_here is None else None
-    if streamed_int8 is not None:
-        out.append(Suggestion("\n    ".join(streamed_int8.describe()),
-                              {"quantization": Quantization.INT8.value, "memory_budget": streamed_int8.budget},
-                              offload=streamed_int8))  # fmt: skip
+    # Offload in the options' quantization, then, where int8 alone does not fit these devices, int8 and offload
+    # together: a quarter (or half) of the bytes streamed.
+    for opts in (options, int8) if int8_short else (options,):
+        streamed = offload(model, devices, opts)
+        if streamed is not None:
+            changes = {"quantization": Quantization.INT8.value} if opts is int8 else {}
+            out.append(Suggestion("\n    ".join(streamed.describe()), {**changes, "memory_budget": streamed.budget},
+                                  offload=streamed))  # fmt: skip
 
     def with_context(n: int) -> PlanOptions:
         return replace(options, limits=ServingLimits(lim.kv_slots, n, min(lim.max_batch_tokens, n)))
