@@ -14,8 +14,9 @@ Eligible: a CPU shard whose decoder products all use the blocked kernels (`linea
 bfloat16; its subclass `BlockedInt8Kernel`: int8 weights of a float32 shard; kernels built), the slot KV cache, a
 step of one-token segments (decode), logits of each sequence's last token. A float32 shard under a memory budget
 qualifies too: its streamed layers' products are the row-major blocks the offload streamer maps from the
-checkpoint, which the halves multiply as they lie (`rows`), the streamer bringing each layer in around its calls
-as the layer's hooks do in eager mode (eager dispatch had been most of a hot streamed step's extra time).
+checkpoint (an int8 shard's: int8 blocks and their groups' scales from its int8 copy), which the halves multiply as
+they lie (`rows`), the streamer bringing each layer in around its calls as the layer's hooks do in eager mode
+(eager dispatch had been most of a hot streamed step's extra time).
 """
 
 from __future__ import annotations
@@ -42,9 +43,7 @@ def cpu_decode(model: Transformer, cache: AnyKVCache, device: torch.device) -> C
     products = [m for layer in model.model.layers.values() for m in layer.modules() if isinstance(m, LinearProduct)]
     streamed = model.dtype == torch.float32 and model.streamer is not None
     allowed = (BlockedCpuKernel, StreamedKernel) if streamed else (BlockedCpuKernel,)
-    # not int8 streamed layers: the halves multiply float32 rows only (the eager layers run those)
-    if not products or not all(isinstance(m.kernel, allowed) and not isinstance(m.kernel, StreamedInt8Kernel)
-                               for m in products):  # fmt: skip
+    if not products or not all(isinstance(m.kernel, allowed) for m in products):
         return None
     return CpuDecode(model, cache)
 
@@ -169,8 +168,13 @@ def _args(layer: DecoderLayer, keys: Tensor, values: Tensor, rows: bool, qkv: li
 
 
 def _blocks(product: LinearProduct) -> list[Tensor]:
+    """A streamed product's row-major blocks as the halves take them: float32 blocks, or int8 blocks each followed by
+    its groups' scales (an int8 shard's, mapped from its int8 copy)."""
     kernel = product.kernel
     assert isinstance(kernel, StreamedKernel) and kernel.blocks is not None, "the layer is not acquired"
+    if isinstance(kernel, StreamedInt8Kernel):
+        assert kernel.scales is not None
+        return [t for pair in zip(kernel.blocks, kernel.scales, strict=True) for t in pair]
     return kernel.blocks
 
 

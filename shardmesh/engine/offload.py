@@ -18,8 +18,9 @@ oneDNN product and the dense one sum in different orders).
 
 An int8 shard (`Quantization.INT8`) streams its layers' products from the int8 copy of the checkpoint's layers
 (`int8_copy`: int8 values and float16 scales, written once into the cache at the first load), zero copy: the plan
-counts every product's int8 bytes, resident or streamed (`Int8Streams`), the kernel is `StreamedInt8Kernel`, and
-such layers run eagerly (`cpu_decode` multiplies float32 rows only).
+counts every product's int8 bytes, resident or streamed (`Int8Streams`), and the kernel is `StreamedInt8Kernel`;
+a float32 int8 shard's decode steps multiply those int8 rows in `cpu_decode`'s layer halves, other steps in the
+eager layers.
 
 Bringing a layer in: `madvise(MADV_POPULATE_READ)` on its byte ranges reads them from disk into the page cache if
 they are not there and maps them, so the products take no page faults; or in copy mode the layer is copied into
@@ -402,7 +403,8 @@ class StreamedInt8Kernel(StreamedKernel):
     """The streamed products of an int8 shard: int8 blocks mapped from the int8 copy (`int8_copy`) with their groups'
     scales (`scales`), each multiplied as it lies, row-major, by the int8 kernels that read that layout:
     `Int8CpuKernel` for float32 (`int8_cpu.linear` on decode rows, reading a row-parallel slice's strided rows in
-    place), else `Int8DequantKernel`."""
+    place), else `Int8DequantKernel`. (`cpu_decode`'s layer halves take the blocks and scales themselves, and sum
+    as `int8_cpu.linear` does.)"""
 
     quantized = True
 

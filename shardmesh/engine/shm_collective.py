@@ -24,10 +24,12 @@ bfloat16, goes over the wrapped Gloo group.
 
 The wait is C++ (std::atomic on the mapped memory), built at first use like `int8_cpu`: a short spin with the
 pause instruction, then sched_yield, then short sleeps, so that a host with fewer cores than ranks still makes
-progress. Every millisecond it checks that each peer it waits for is alive (kill(pid, 0), and not a zombie) and
-that the group timeout has not passed; either failure raises RuntimeError naming the peer, as a broken Gloo group
-would, and the worker treats it as a lost peer. Without a C++ compiler the kernel is not built and `negotiate`
-reports shm as unavailable, so every rank keeps Gloo.
+progress. On such a host a rank does not spin at all (`spin_seconds`): the peer it waits for may be queued on its
+core, and spinning only delays it (SmolLM2 tp=3 on 2 cores, a decode step in process: bfloat16 14.2 ms with a
+50 µs spin, 11.1 ms yielding at once; float32 22.5 against 19.3). Every millisecond it checks that each peer it
+waits for is alive (kill(pid, 0), and not a zombie) and that the group timeout has not passed; either failure raises
+RuntimeError naming the peer, as a broken Gloo group would, and the worker treats it as a lost peer. Without a C++
+compiler the kernel is not built and `negotiate` reports shm as unavailable, so every rank keeps Gloo.
 """
 
 from __future__ import annotations
@@ -73,7 +75,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr int64_t LINE = 64;
-constexpr double SPIN_S = 50e-6;     // spin this long: a peer on another core usually arrives within it
 constexpr double YIELD_S = 2e-3;     // then hand the core over while the peer may need it (oversubscribed host)
 constexpr long SLEEP_NS = 50000;     // then sleep: a peer that is this late is computing, not about to arrive
 constexpr double CHECK_S = 1e-3;     // how often peers' liveness and the timeout are checked
@@ -106,8 +107,10 @@ bool peer_dead(int64_t pid) {
   return paren != nullptr && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
 }
 
-// Publish `seq` and wait until every rank has. 0: all did; p + 1: peer p died; -(p + 1): timed out waiting on p.
-int64_t barrier(uint8_t* base, int64_t rank, int64_t size, int64_t seq, const int64_t* pids, double timeout_s) {
+// Publish `seq` and wait until every rank has: spin for `spin_s` (0: yield at once), then yield, then sleep.
+// 0: all did; p + 1: peer p died; -(p + 1): timed out waiting on p.
+int64_t barrier(uint8_t* base, int64_t rank, int64_t size, int64_t seq, const int64_t* pids, double spin_s,
+                double timeout_s) {
   counter(base, rank)->store(seq, std::memory_order_release);
   const auto start = Clock::now();
   double next_check = CHECK_S;
@@ -116,12 +119,12 @@ int64_t barrier(uint8_t* base, int64_t rank, int64_t size, int64_t seq, const in
   while (true) {
     while (waiting < size && counter(base, waiting)->load(std::memory_order_acquire) >= seq) ++waiting;
     if (waiting == size) return 0;
-    if ((++spins & 63) != 0) {  // the clock costs more than a pause: read it every 64 tries
+    if (spin_s > 0 && (++spins & 63) != 0) {  // the clock costs more than a pause: read it every 64 tries
       cpu_relax();
       continue;
     }
     const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-    if (elapsed < SPIN_S) {
+    if (elapsed < spin_s) {
       cpu_relax();
     } else if (elapsed < YIELD_S) {
       sched_yield();
@@ -162,14 +165,14 @@ uint8_t* slot(uint8_t* base, int64_t data_offset, int64_t capacity, int64_t size
 
 // x (in and out, contiguous, at most `capacity` bytes): the sum over ranks, in rank order. dtype 0 float32, 1 bf16.
 int64_t shm_all_reduce(torch::Tensor seg, torch::Tensor x, int64_t dtype, int64_t rank, int64_t size, int64_t seq,
-                       int64_t capacity, int64_t data_offset, torch::Tensor pids, double timeout_s) {
+                       int64_t capacity, int64_t data_offset, torch::Tensor pids, double spin_s, double timeout_s) {
   uint8_t* base = seg.data_ptr<uint8_t>();
   const int64_t* pid = pids.data_ptr<int64_t>();
   const int64_t n = x.numel();
   void* data = x.data_ptr();
   pybind11::gil_scoped_release no_gil;  // ranks may be threads of one process
   std::memcpy(slot(base, data_offset, capacity, size, seq, rank), data, n * x.element_size());
-  const int64_t status = barrier(base, rank, size, seq, pid, timeout_s);
+  const int64_t status = barrier(base, rank, size, seq, pid, spin_s, timeout_s);
   if (status != 0) return status;
   if (dtype == 0) {
     float* out = static_cast<float*>(data);
@@ -195,7 +198,8 @@ int64_t shm_all_reduce(torch::Tensor seg, torch::Tensor x, int64_t dtype, int64_
 
 // x (rows, d) contiguous, at most `capacity` bytes; out (rows, size * d): every rank's rows side by side.
 int64_t shm_all_gather(torch::Tensor seg, torch::Tensor x, torch::Tensor out, int64_t rank, int64_t size,
-                       int64_t seq, int64_t capacity, int64_t data_offset, torch::Tensor pids, double timeout_s) {
+                       int64_t seq, int64_t capacity, int64_t data_offset, torch::Tensor pids, double spin_s,
+                       double timeout_s) {
   uint8_t* base = seg.data_ptr<uint8_t>();
   const int64_t* pid = pids.data_ptr<int64_t>();
   const int64_t rows = x.size(0), row_bytes = x.size(1) * x.element_size();
@@ -203,7 +207,7 @@ int64_t shm_all_gather(torch::Tensor seg, torch::Tensor x, torch::Tensor out, in
   uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
   pybind11::gil_scoped_release no_gil;
   std::memcpy(slot(base, data_offset, capacity, size, seq, rank), in, rows * row_bytes);
-  const int64_t status = barrier(base, rank, size, seq, pid, timeout_s);
+  const int64_t status = barrier(base, rank, size, seq, pid, spin_s, timeout_s);
   if (status != 0) return status;
   for (int64_t r = 0; r < size; ++r) {
     const uint8_t* s = slot(base, data_offset, capacity, size, seq, r);
@@ -217,6 +221,7 @@ int64_t shm_all_gather(torch::Tensor seg, torch::Tensor x, torch::Tensor out, in
 
 _KERNEL = InlineKernel("shardmesh_shm", _SOURCE, ["shm_all_reduce", "shm_all_gather"], ["-O3"])
 MAX_RANKS = 64  # the bfloat16 sum keeps one pointer per rank on the stack
+SPIN_S = 50e-6  # a waiting rank's spin before it yields, with a core per rank: a peer usually arrives within it
 
 
 def available() -> bool:
@@ -235,6 +240,15 @@ class Fallback(Protocol):
     def all_reduce(self, x: Tensor) -> Tensor: ...
 
     def all_gather(self, x: Tensor) -> Tensor: ...
+
+
+def spin_seconds(size: int, cores: int | None = None) -> float:
+    """How long a rank waiting in a collective spins before it yields its core: SPIN_S when the group has a core
+    per rank, 0 when it does not (`cores`: this process's, by default), since then the peer it waits for may be
+    queued behind it on its own core, and every microsecond of spinning delays that peer by as much."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return SPIN_S if size <= cores else 0.0
 
 
 def data_offset(size: int) -> int:
@@ -323,6 +337,7 @@ class ShmCollective:
         self._ext = ext
         self.segment, self.rank, self.size, self.capacity = segment, rank, size, capacity
         self.timeout_s = timeout.total_seconds()
+        self.spin_s = spin_seconds(size)
         self.fallback = fallback
         self._seg = torch.frombuffer(segment.mm, dtype=torch.uint8)
         self._pids = torch.tensor(pids, dtype=torch.int64)
@@ -334,20 +349,23 @@ class ShmCollective:
         self.wait_s = 0.0
 
     def describe(self) -> str:
-        return f"shm ({self.size} ranks, {self.capacity >> 10} KiB slots)"
+        spin = f"spin {self.spin_s * 1e6:g} µs" if self.spin_s else "yields at once: more ranks than cores"
+        return f"shm ({self.size} ranks, {self.capacity >> 10} KiB slots, {spin})"
 
     def all_reduce(self, x: Tensor) -> Tensor:
         """Sum over ranks, in place on `x.contiguous()` (returned), as `GroupCollective.all_reduce` does."""
         x = x.contiguous()
         t0 = time.perf_counter()
-        if x.dtype not in SUPPORTED:
+        code = SUPPORTED.get(x.dtype)
+        if code is None:
             x = self.fallback.all_reduce(x)
+        elif x.numel() * x.element_size() <= self.capacity:  # a decode step's: one slot, no chunking to set up
+            self._run("all_reduce", self._ext.shm_all_reduce, x, code)
         else:
             flat = x.view(-1)
             step = self.capacity // x.element_size()
-            for start in range(0, max(flat.numel(), 1), step):
-                chunk = flat[start : start + step]
-                self._run("all_reduce", self._ext.shm_all_reduce, chunk, SUPPORTED[x.dtype])
+            for start in range(0, flat.numel(), step):
+                self._run("all_reduce", self._ext.shm_all_reduce, flat[start : start + step], code)
         self._count(x, t0)
         return x
 
@@ -377,7 +395,7 @@ class ShmCollective:
         self._seq += 1
         t0 = time.perf_counter()
         status = fn(self._seg, *args, self.rank, self.size, self._seq, self.capacity, self._offset, self._pids,
-                    self.timeout_s)  # fmt: skip
+                    self.spin_s, self.timeout_s)  # fmt: skip
         if status == 0:
             return
         peer = abs(status) - 1

@@ -427,27 +427,47 @@ def test_rss_stays_within_the_budget_plus_the_fixed_overhead(big_checkpoint: Pat
 
 @pytest.mark.parametrize(
     ("which", "tp_rank", "tp", "kernel"),
-    [("ck32", 0, 1, "streamed"), ("ck32", 1, 2, "streamed"), ("ck16", 0, 1, "streamed-copy")],
+    [
+        ("ck32", 0, 1, "streamed"),
+        ("ck32", 1, 2, "streamed"),
+        ("ck16", 0, 1, "streamed-copy"),
+        ("ck32", 0, 1, "streamed-int8"),  # int8 rows and their scales, mapped from the int8 copy
+        ("ck32", 1, 2, "streamed-int8"),  # a tp rank's row-parallel slices of them: strided rows, sliced scales
+    ],
 )
 def test_streamed_layers_decode_natively_as_eager_does(
-    which: str, tp_rank: int, tp: int, kernel: str, request: pytest.FixtureRequest
-) -> None:
+    which: str, tp_rank: int, tp: int, kernel: str, request: pytest.FixtureRequest, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """A float32 shard with half its layers streamed decodes through `cpu_decode`'s layer halves: resident layers'
     blocked weights, streamed ones' mapped row-major blocks (stacked qkv / gate_up block by block, a tp rank's
-    column slices), or, from a bfloat16 checkpoint, the two buffers they are copied into, each layer brought in and
-    dropped around its calls. Step after step, the same logits and KV cache as the eager streamed model, and the
-    plan's bytes streamed per step (the eager model a second build, so that the native one's layers take their
-    buffers in turn as serving does); copied layers come into both buffers, and their arguments follow them."""
+    column slices; an int8 shard's int8 blocks with their scales), or, from a bfloat16 checkpoint, the two buffers
+    they are copied into, each layer brought in and dropped around its calls. Step after step, the same logits and
+    KV cache as the eager streamed model, and the plan's bytes streamed per step (the eager model a second build, so
+    that the native one's layers take their buffers in turn as serving does); copied layers come into both buffers,
+    and their arguments follow them."""
+    from shardmesh.core.dtypes import Quantization
     from shardmesh.engine.cpu_decode import cpu_decode
     from tests.unit.engine.test_model import PROMPTS, prefilled
 
+    monkeypatch.setenv("SHARDMESH_CACHE", str(tmp_path))  # where an int8 shard writes its int8 copy
     ckpt: Path = request.getfixturevalue(which)
     spec = ShardSpec(0, LAYERS, LAYERS, tp_rank, tp)
-    budget = half_budget(ckpt, torch.float32, spec) + (
-        layer_bytes(ckpt, torch.float32, range(LAYERS)) // 8 if tp > 1 else 0
-    )
+    quantization = Quantization.INT8 if kernel == "streamed-int8" else Quantization.NONE
+    if quantization == Quantization.INT8:  # as in the int8 test above: the resident int8 shard less half its layers
+        resident = build_shard(ckpt, spec, LocalRank(tp_rank, tp), dtype=torch.float32, progress=False,
+                               quantization=quantization)  # fmt: skip
+        held = sum(t.numel() * t.element_size() for t in resident.parameters())
+        held += sum(b.numel() * b.element_size() for n, b in resident.named_buffers() if n.endswith("weight_scale"))
+        layers = _int8_bytes(ckpt, range(LAYERS), tp)
+        budget = held - layers // 2 + (layers // 4 if tp > 1 else 0)
+    else:
+        budget = half_budget(ckpt, torch.float32, spec) + (
+            layer_bytes(ckpt, torch.float32, range(LAYERS)) // 8 if tp > 1 else 0
+        )
     model, eager_model = (build_shard(ckpt, spec, LocalRank(tp_rank, tp), dtype=torch.float32, progress=False,
-                                      max_len=64, memory_budget=budget) for _ in range(2))  # fmt: skip
+                                      max_len=64, memory_budget=budget, quantization=quantization)
+                          for _ in range(2))  # fmt: skip
     assert plan_of(model).streamed_layers and plan_of(model).resident_layers
     slots = [1, 0]
     eager_cache, native_cache = prefilled(eager_model, slots, torch.float32), prefilled(model, slots, torch.float32)

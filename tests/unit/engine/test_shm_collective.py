@@ -74,8 +74,10 @@ def reference_sum(size: int, shape: tuple[int, ...], dtype: torch.dtype) -> torc
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 576), (16, 576), (3, 7, 5)])
-def test_all_reduce_is_the_rank_order_sum_on_every_rank_bit_for_bit(store, dtype, shape) -> None:
+@pytest.mark.parametrize("spin_s", [0.0, shm_collective.SPIN_S], ids=["yield", "spin"])
+def test_all_reduce_is_the_rank_order_sum_on_every_rank_bit_for_bit(store, dtype, shape, spin_s) -> None:
     def body(tp: Any, rank: int) -> tuple[str, list[torch.Tensor], tuple[int, int]]:
+        tp.spin_s = spin_s  # either wait, whatever this host's cores would pick
         outs = [tp.all_reduce(rank_input(rank, shape, dtype)) for _ in range(5)]  # both buffers, twice over
         return tp.describe(), outs, (tp.calls, tp.bytes)
 
@@ -91,6 +93,14 @@ def test_all_reduce_is_the_rank_order_sum_on_every_rank_bit_for_bit(store, dtype
                                expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))  # fmt: skip
         assert (calls, nbytes) == (5, 5 * expected.numel() * elem)
     assert our_segments() == set()
+
+
+def test_a_rank_spins_only_when_its_group_has_a_core_per_rank() -> None:
+    # More ranks than cores: the peer a rank waits for may be queued on its core, so it yields at once.
+    assert shm_collective.spin_seconds(3, cores=2) == 0.0
+    assert shm_collective.spin_seconds(2, cores=2) == shm_collective.SPIN_S
+    assert shm_collective.spin_seconds(3, cores=16) == shm_collective.SPIN_S
+    assert shm_collective.spin_seconds(3) == shm_collective.spin_seconds(3, cores=len(os.sched_getaffinity(0)))
 
 
 def test_all_gather_concatenates_every_rank_along_the_last_dim(store) -> None:
