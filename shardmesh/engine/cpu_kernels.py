@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from shardmesh.core.dtypes import INT8_GROUP
+from shardmesh.engine import int8_cpu
 from shardmesh.engine.native import InlineKernel
 
 NB = 32  # output features per block: two AVX-512 registers of float32
@@ -460,80 +461,18 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, Opt bias) {
   return y;
 }
 
-// Row-major int8 weights (N, K) with their groups' float16 (N, groups, 2) scales and minima, as an int8 shard's
-// streamed layers map them from its int8 copy (`int8_copy`; rows may be a column slice, strides ldw and lds). The
-// same sums in the same order as `int8_cpu.linear`, which multiplies them in eager steps: per output and input row,
-// the whole groups' products summed in lanes and scaled group by group, a short last group, then each group's
-// offset m + 128 s times its inputs' sum.
-static inline float half_to_float(at::Half h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h.x);
-#else
-  return static_cast<float>(h);
-#endif
-}
-static inline float i8_row_dot(const float* x, const int8_t* q, const at::Half* so, int64_t K) {
-  const int64_t whole = K / GROUP;
-  int64_t g = 0;
-#ifdef __AVX512F__
-  static_assert(GROUP == 32, "a group is two vectors of 16 floats");
-  // Two groups at a time into four sums, so that consecutive groups' FMAs do not wait on each other.
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-  auto widen = [](const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  };
-  for (; g + 2 <= whole; g += 2) {
-    const float* xg = x + g * GROUP;
-    const int8_t* qg = q + g * GROUP;
-    const __m512 s0 = _mm512_set1_ps(half_to_float(so[g * 2])), s1 = _mm512_set1_ps(half_to_float(so[g * 2 + 2]));
-    a0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(xg), widen(qg)), s0, a0);
-    a1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(xg + 16), widen(qg + 16)), s0, a1);
-    a2 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(xg + 32), widen(qg + 32)), s1, a2);
-    a3 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(xg + 48), widen(qg + 48)), s1, a3);
-  }
-  float total = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-#else
-  float total = 0.f;
-#endif
-  for (; g < whole; ++g) {
-    float a = 0.f;
-    for (int64_t j = 0; j < GROUP; ++j) a += x[g * GROUP + j] * static_cast<float>(q[g * GROUP + j]);
-    total += a * half_to_float(so[g * 2]);
-  }
-  if (whole * GROUP < K) {  // a short last group
-    float a = 0.f;
-    for (int64_t k = whole * GROUP; k < K; ++k) a += x[k] * static_cast<float>(q[k]);
-    total += a * half_to_float(so[whole * 2]);
-  }
-  return total;
-}
-static void rows_gemm_i8(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t ldw, const at::Half* so,
-                         int64_t lds, int64_t N, const float* bias, float* y, int64_t ldy) {
-  const int64_t G = (K + GROUP - 1) / GROUP;
-  std::vector<float> xsum(M * G, 0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xsum[m * G + k / GROUP] += x[m * K + k];
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* wr = w + n * ldw;
-      const at::Half* sr = so + n * lds;
-      for (int64_t m = 0; m < M; ++m) {
-        float total = i8_row_dot(x + m * K, wr, sr, K);
-        for (int64_t g = 0; g < G; ++g)
-          total += xsum[m * G + g] * (half_to_float(sr[g * 2 + 1]) + 128.f * half_to_float(sr[g * 2]));
-        y[m * ldy + n] = bias ? total + bias[n] : total;
-      }
-    }
-  });
-}
+// Row-major int8 weights with their groups' scales, as an int8 shard's streamed layers map them from its int8 copy
+// (`int8_copy`): `int8_gemm` (`int8_cpu.ROW_SOURCE`), the loop `int8_cpu.linear` runs in eager steps, so both sum
+// alike.
+@ROW@
 
 // One product of a layer half: its weight `pack`ed (one tensor; `rows` false), or, for a layer the offload streamer
 // maps (`rows` true), the row-major blocks of a stacked product in output order (q, k, v; gate, up), each as the
 // file holds it: float32 blocks of the checkpoint, or int8 blocks of the int8 copy, each followed by its scales.
 using Weights = std::vector<torch::Tensor>;
-static bool int8_rows(const Weights& w) { return !w.empty() && w[0].scalar_type() == at::kChar; }
+static bool int8_pairs(const Weights& w) { return !w.empty() && w[0].scalar_type() == at::kChar; }
 static int64_t out_features(const Weights& w) {
-  const size_t step = int8_rows(w) ? 2 : 1;  // (weight, scales) pairs: count the weights' rows
+  const size_t step = int8_pairs(w) ? 2 : 1;  // (weight, scales) pairs: count the weights' rows
   int64_t n = 0;
   for (size_t i = 0; i < w.size(); i += step) n += w[i].size(0);
   return n;
@@ -548,7 +487,7 @@ static void product(const float* x, int64_t M, int64_t K, const Weights& w, bool
   TORCH_CHECK(!round_bf16 && scale == nullptr, "row-major (streamed) weights are for float32 activations");
   const int64_t N = out_features(w);
   int64_t col = 0;
-  if (int8_rows(w)) {
+  if (int8_pairs(w)) {
     TORCH_CHECK(w.size() % 2 == 0, "row-major int8 blocks come as (weight, scales) pairs, not ", w.size(), " tensors");
     const int64_t G = (K + GROUP - 1) / GROUP;
     for (size_t i = 0; i < w.size(); i += 2) {
@@ -559,7 +498,7 @@ static void product(const float* x, int64_t M, int64_t K, const Weights& w, bool
                   so.size(2) == 2 && so.stride(2) == 1 && so.stride(1) == 2,
                   "int8 rows' scales must be float16 (", q.size(0), ", ", G, ", 2) with contiguous rows, not ",
                   so.scalar_type(), " ", so.sizes());
-      rows_gemm_i8(x, M, K, q.data_ptr<int8_t>(), q.stride(0), so.data_ptr<at::Half>(), so.stride(0), q.size(0),
+      int8_gemm(x, M, K, q.data_ptr<int8_t>(), q.stride(0), so.data_ptr<at::Half>(), so.stride(0), q.size(0),
                    bias ? bias + col : nullptr, y + col, N);
       col += q.size(0);
     }
@@ -837,7 +776,7 @@ torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, Weights
 
 _KERNEL = InlineKernel(
     "shardmesh_cpu",
-    _SOURCE.replace("@GROUP@", str(INT8_GROUP)),
+    _SOURCE.replace("@ROW@", int8_cpu.ROW_SOURCE).replace("@GROUP@", str(INT8_GROUP)),
     ["linear", "rows_linear", "attention_block", "mlp_block"],
     ["-O3", "-march=native", "-fopenmp-simd"],
 )

@@ -30,17 +30,10 @@ from shardmesh.engine.native import InlineKernel
 
 MAX_ROWS = 8  # beyond this the product is compute-bound and a dequantized float GEMM is faster
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <vector>
-
-#if defined(__F16C__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-constexpr int64_t GROUP = @GROUP@;
-
+# Row-major int8 weights times a few float32 rows (`int8_gemm`, row by row `int8_row`): this kernel's loop, and the
+# one `cpu_kernels`' layer halves run on an int8 shard's streamed rows, so both sum alike. Needs GROUP, <vector>,
+# <ATen/Parallel.h> and, for the intrinsics, <immintrin.h> before it.
+ROW_SOURCE = r"""
 // One instruction where the CPU converts float16 (F16C); c10::Half's portable conversion is some twenty, three per
 // group of 32 weights: most of the loop's time before.
 inline float half_to_float(at::Half h) {
@@ -85,9 +78,55 @@ inline float whole_groups(const float* x, const int8_t* q, const at::Half* so, i
   return total;
 }
 
-// y[m, n] = sum_g s[n, g] sum_{k in g} x[m, k] q[n, k] + (m[n, g] + 128 s[n, g]) sum_{k in g} x[m, k]: x float32
-// (M, K), q int8 (N, K), so float16 (N, groups, 2), the scale s and minimum m of each group of GROUP inputs
-// (a weight is (q + 128) s + m).
+// sum_g s[g] * sum_{k in g} x[k] q[k] over a row of K inputs: its whole groups, then a short last group.
+inline float int8_row(const float* x, const int8_t* q, const at::Half* so, int64_t K) {
+  const int64_t whole = K / GROUP;
+  float total = whole_groups(x, q, so, whole);
+  if (whole * GROUP < K) {
+    float a = 0.f;
+    for (int64_t k = whole * GROUP; k < K; ++k) a += x[k] * static_cast<float>(q[k]);
+    total += a * half_to_float(so[whole * 2]);
+  }
+  return total;
+}
+
+// y[m * ldy + n] = sum_g s[n, g] sum_{k in g} x[m, k] q[n, k] + (m[n, g] + 128 s[n, g]) sum_{k in g} x[m, k] + b[n]:
+// x float32 (M, K), q int8 (N, K) and so float16 (N, groups, 2), the scale s and minimum m of each group of GROUP
+// inputs (a weight is (q + 128) s + m); rows of q and so lie ldw and lds apart (a column slice of wider ones).
+inline void int8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t ldw, const at::Half* so,
+                      int64_t lds, int64_t N, const float* bias, float* y, int64_t ldy) {
+  const int64_t G = (K + GROUP - 1) / GROUP;
+  std::vector<float> xsum(M * G, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xsum[m * G + k / GROUP] += x[m * K + k];
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* wr = w + n * ldw;
+      const at::Half* sr = so + n * lds;
+      for (int64_t m = 0; m < M; ++m) {
+        float total = int8_row(x + m * K, wr, sr, K);
+        for (int64_t g = 0; g < G; ++g)
+          total += xsum[m * G + g] * (half_to_float(sr[g * 2 + 1]) + 128.f * half_to_float(sr[g * 2]));
+        y[m * ldy + n] = bias ? total + bias[n] : total;
+      }
+    }
+  });
+}
+"""
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <vector>
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+constexpr int64_t GROUP = @GROUP@;
+
+@ROW@
+// int8_gemm's y (M, N) = x w^T for a float32 x and int8 w with its float16 scales.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor so) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = (K + GROUP - 1) / GROUP;
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && K == w.size(1), "int8_linear: shapes do not match");
@@ -98,41 +137,16 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor so) {
   // w and so may be column slices of wider tensors (a row-parallel slice streamed from a whole one): rows strided
   TORCH_CHECK(x.is_contiguous() && w.stride(1) == 1 && so.stride(2) == 1 && so.stride(1) == 2,
               "int8_linear: rows of w and so must be contiguous");
-  const int64_t ldw = w.stride(0), lds = so.stride(0);
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const at::Half* sp = so.data_ptr<at::Half>();
-  float* yp = y.data_ptr<float>();
-  std::vector<float> xsum(M * G, 0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xsum[m * G + k / GROUP] += xp[m * K + k];
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* wr = wp + n * ldw;
-      const at::Half* sr = sp + n * lds;
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xr = xp + m * K;
-        const int64_t whole = K / GROUP;
-        float total = whole_groups(xr, wr, sr, whole);
-        if (whole < G) {  // a short last group
-          float a = 0.f;
-          for (int64_t k = whole * GROUP; k < K; ++k) a += xr[k] * static_cast<float>(wr[k]);
-          total += a * half_to_float(sr[whole * 2]);
-        }
-        for (int64_t g = 0; g < G; ++g)
-          total += xsum[m * G + g] * (half_to_float(sr[g * 2 + 1]) + 128.f * half_to_float(sr[g * 2]));
-        yp[m * N + n] = total;
-      }
-    }
-  });
+  int8_gemm(x.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), w.stride(0), so.data_ptr<at::Half>(), so.stride(0), N,
+            nullptr, y.data_ptr<float>(), N);
   return y;
 }
 """
 
 _KERNEL = InlineKernel(
     "shardmesh_int8",
-    _SOURCE.replace("@GROUP@", str(INT8_GROUP)),
+    _SOURCE.replace("@ROW@", ROW_SOURCE).replace("@GROUP@", str(INT8_GROUP)),
     ["int8_linear"],
     ["-O3", "-march=native", "-fopenmp-simd"],
 )
