@@ -191,26 +191,32 @@ def test_a_seeded_mix_of_kills_drains_and_joins(
         if done.returncode != 0:
             failures.append(AssertionError(done.stderr))
 
+    def undrained_serving(found: list[str]) -> bool:
+        """Fill `found` with the serving workers, never one a drain was started on (its `shardmesh drain` may not
+        have reached the coordinator yet); whether there are any."""
+        found[:] = sorted(w for w, info in workers(mesh).items() if info["state"] == "serving" and w not in drained)
+        return bool(found)
+
     def chaos() -> None:
         try:
             progress.wait_for(2)
             for i, action in enumerate(rng.sample(["kill", "drain", "join"], 3)):
                 wait_serving(mesh)
-                # Never one a drain was started on: its `shardmesh drain` may not have reached the coordinator yet.
-                serving = sorted(
-                    w for w, info in workers(mesh).items() if info["state"] == "serving" and w not in drained
-                )
+                if action == "join":  # no victim
+                    spawner.worker(mesh.coordinator, f"chaos-{i}")
+                    wait_until(lambda i=i: f"chaos-{i}" in workers(mesh), timeout=MESH_WAIT_S)
+                    continue
+                # While a drain hands its slot over, the worker draining may be the only one serving: wait for another.
+                serving: list[str] = []
+                wait_until(lambda found=serving: undrained_serving(found), timeout=MESH_WAIT_S)
                 victim = rng.choice(serving)
                 if action == "kill":
                     os.kill(mesh.process(victim).pid, signal.SIGKILL)
                     wait_until(lambda v=victim: workers(mesh).get(v, {}).get("state") != "serving", timeout=MESH_WAIT_S)
-                elif action == "drain":
+                else:
                     drained.add(victim)
                     drains.append(threading.Thread(target=drain, args=(victim,), daemon=True))
                     drains[-1].start()
-                else:
-                    spawner.worker(mesh.coordinator, f"chaos-{i}")
-                    wait_until(lambda i=i: f"chaos-{i}" in workers(mesh), timeout=MESH_WAIT_S)
             for t in drains:
                 t.join(timeout=160)
             wait_serving(mesh)
