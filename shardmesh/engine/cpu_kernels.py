@@ -489,17 +489,11 @@ static void product(const float* x, int64_t M, int64_t K, const Weights& w, bool
   int64_t col = 0;
   if (int8_pairs(w)) {
     TORCH_CHECK(w.size() % 2 == 0, "row-major int8 blocks come as (weight, scales) pairs, not ", w.size(), " tensors");
-    const int64_t G = (K + GROUP - 1) / GROUP;
     for (size_t i = 0; i < w.size(); i += 2) {
       const auto &q = w[i], &so = w[i + 1];
-      TORCH_CHECK(q.dim() == 2 && q.size(1) == K && q.stride(1) == 1, "row-major int8 weights must be (N, ", K,
-                  ") with contiguous rows, not ", q.sizes());
-      TORCH_CHECK(so.scalar_type() == at::kHalf && so.dim() == 3 && so.size(0) == q.size(0) && so.size(1) == G &&
-                  so.size(2) == 2 && so.stride(2) == 1 && so.stride(1) == 2,
-                  "int8 rows' scales must be float16 (", q.size(0), ", ", G, ", 2) with contiguous rows, not ",
-                  so.scalar_type(), " ", so.sizes());
+      check_int8_rows(q, so, K, "a streamed int8 product");
       int8_gemm(x, M, K, q.data_ptr<int8_t>(), q.stride(0), so.data_ptr<at::Half>(), so.stride(0), q.size(0),
-                   bias ? bias + col : nullptr, y + col, N);
+                bias ? bias + col : nullptr, y + col, N);
       col += q.size(0);
     }
     return;

@@ -90,6 +90,17 @@ inline float int8_row(const float* x, const int8_t* q, const at::Half* so, int64
   return total;
 }
 
+// What int8_gemm reads: q int8 (N, K) and so float16 (N, groups, 2), each row contiguous (rows may lie apart).
+inline void check_int8_rows(const torch::Tensor& q, const torch::Tensor& so, int64_t K, const char* who) {
+  const int64_t G = (K + GROUP - 1) / GROUP;
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.size(1) == K && q.stride(1) == 1, who,
+              ": int8 weights must be (N, ", K, ") with contiguous rows, not ", q.scalar_type(), " ", q.sizes());
+  TORCH_CHECK(so.scalar_type() == at::kHalf && so.dim() == 3 && so.size(0) == q.size(0) && so.size(1) == G &&
+              so.size(2) == 2 && so.stride(2) == 1 && so.stride(1) == 2,
+              who, ": scales must be float16 (", q.size(0), ", ", G, ", 2) with contiguous rows, not ",
+              so.scalar_type(), " ", so.sizes());
+}
+
 // y[m * ldy + n] = sum_g s[n, g] sum_{k in g} x[m, k] q[n, k] + (m[n, g] + 128 s[n, g]) sum_{k in g} x[m, k] + b[n]:
 // x float32 (M, K), q int8 (N, K) and so float16 (N, groups, 2), the scale s and minimum m of each group of GROUP
 // inputs (a weight is (q + 128) s + m); rows of q and so lie ldw and lds apart (a column slice of wider ones).
@@ -128,15 +139,11 @@ constexpr int64_t GROUP = @GROUP@;
 @ROW@
 // int8_gemm's y (M, N) = x w^T for a float32 x and int8 w with its float16 scales.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor so) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = (K + GROUP - 1) / GROUP;
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && K == w.size(1), "int8_linear: shapes do not match");
-  TORCH_CHECK(so.dim() == 3 && so.size(0) == N && so.size(1) == G && so.size(2) == 2,
-              "int8_linear: scales of ", so.sizes(), " for ", N, " rows of ", G, " groups");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && so.scalar_type() == at::kHalf,
-              "int8_linear: expects float32 x, int8 w and float16 scales");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int8_linear: x must be contiguous float32 (rows, in)");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   // w and so may be column slices of wider tensors (a row-parallel slice streamed from a whole one): rows strided
-  TORCH_CHECK(x.is_contiguous() && w.stride(1) == 1 && so.stride(2) == 1 && so.stride(1) == 2,
-              "int8_linear: rows of w and so must be contiguous");
+  check_int8_rows(w, so, K, "int8_linear");
   auto y = torch::empty({M, N}, x.options());
   int8_gemm(x.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), w.stride(0), so.data_ptr<at::Half>(), so.stride(0), N,
             nullptr, y.data_ptr<float>(), N);
