@@ -280,6 +280,15 @@ def _int8_bytes(ckpt: Path, layers: range, tp: int) -> int:
     return total
 
 
+def int8_half_budget(ckpt: Path, resident: Transformer, tp: int) -> int:
+    """The resident int8 shard's bytes (parameters and scales) less half its layers' int8 bytes (a tp rank's
+    row-parallel slices map whole rows, so a quarter of them back there)."""
+    held = sum(t.numel() * t.element_size() for t in resident.parameters())
+    held += sum(b.numel() * b.element_size() for n, b in resident.named_buffers() if n.endswith("weight_scale"))
+    layers = _int8_bytes(ckpt, range(LAYERS), tp)
+    return held - layers // 2 + (layers // 4 if tp > 1 else 0)
+
+
 @pytest.mark.parametrize(
     ("which", "dtype", "tp_rank", "tp", "kernel"),
     [
@@ -306,10 +315,7 @@ def test_int8_layers_stream_from_the_int8_copy_and_give_the_resident_int8_output
     spec, group, int8 = ShardSpec(0, LAYERS, LAYERS, tp_rank, tp), LocalRank(tp_rank, tp), Quantization.INT8
     resident = build_shard(ckpt, spec, group, dtype=dtype, progress=False, quantization=int8)
     assert kernel in resident.linear_kernels
-    held = sum(t.numel() * t.element_size() for t in resident.parameters())
-    held += sum(b.numel() * b.element_size() for n, b in resident.named_buffers() if n.endswith("weight_scale"))
-    layers = _int8_bytes(ckpt, range(LAYERS), tp)
-    budget = held - layers // 2 + (layers // 4 if tp > 1 else 0)
+    budget = int8_half_budget(ckpt, resident, tp)
     streamed = build_shard(ckpt, spec, group, dtype=dtype, progress=False, quantization=int8, memory_budget=budget)
     plan = plan_of(streamed)
     assert len(plan.resident_layers) > 0 and len(plan.streamed_layers) >= LAYERS // 4 and plan.zero_copy
@@ -454,13 +460,10 @@ def test_streamed_layers_decode_natively_as_eager_does(
     ckpt: Path = request.getfixturevalue(which)
     spec = ShardSpec(0, LAYERS, LAYERS, tp_rank, tp)
     quantization = Quantization.INT8 if kernel == "streamed-int8" else Quantization.NONE
-    if quantization == Quantization.INT8:  # as in the int8 test above: the resident int8 shard less half its layers
+    if quantization == Quantization.INT8:
         resident = build_shard(ckpt, spec, LocalRank(tp_rank, tp), dtype=torch.float32, progress=False,
                                quantization=quantization)  # fmt: skip
-        held = sum(t.numel() * t.element_size() for t in resident.parameters())
-        held += sum(b.numel() * b.element_size() for n, b in resident.named_buffers() if n.endswith("weight_scale"))
-        layers = _int8_bytes(ckpt, range(LAYERS), tp)
-        budget = held - layers // 2 + (layers // 4 if tp > 1 else 0)
+        budget = int8_half_budget(ckpt, resident, tp)
     else:
         budget = half_budget(ckpt, torch.float32, spec) + (
             layer_bytes(ckpt, torch.float32, range(LAYERS)) // 8 if tp > 1 else 0
