@@ -20,11 +20,17 @@ Pure: no torch at module level. The caller passes the visible GPU count (`visibl
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from collections.abc import Sequence
 
 _CUDA_INDEX = re.compile(r"cuda:(\d+)")
 VISIBLE_HINT = "CUDA_VISIBLE_DEVICES, when set, limits which GPUs a process sees"
+
+
+def cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the OS reports one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def visible_gpu_count() -> int:

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardmesh.core import device_map
 from shardmesh.engine.native import InlineKernel
 
 SHM_DIR = Path("/dev/shm")
@@ -246,9 +247,7 @@ def spin_seconds(size: int, cores: int | None = None) -> float:
     """How long a rank waiting in a collective spins before it yields its core: SPIN_S when the group has a core
     per rank, 0 when it does not (`cores`: this process's, by default), since then the peer it waits for may be
     queued behind it on its own core, and every microsecond of spinning delays that peer by as much."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return SPIN_S if size <= cores else 0.0
+    return SPIN_S if size <= (device_map.cores() if cores is None else cores) else 0.0
 
 
 def data_offset(size: int) -> int:

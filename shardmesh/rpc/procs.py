@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
+from shardmesh.core.device_map import cores
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -89,11 +91,6 @@ def tail(path: Path, lines: int = 20) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def threads_per_process(processes: int) -> int:
