@@ -2,7 +2,7 @@
 machine and dtype.
 
     .venv/bin/python bench/run.py [--model smollm2-135m-instruct] [--layouts 1x1,2x1,1x3,2x3] [--streams 1,4,16,64]
-                                  [--dtypes float32,bfloat16] [--quick] [--out bench/results]
+                                  [--dtypes float32,bfloat16] [--quick] [--rounds 1] [--out bench/results]
 
 Writes <out>/<host>-<date>.{md,json} and prints the markdown; both record the CPU model and the CPU flags that
 pick kernels (bench/conditions.py `machine`). Every number is measured in this run, for each of `--dtypes`:
@@ -11,6 +11,13 @@ a GGUF of the same weights and type when llama-cpp-python is installed: F32 for 
 (F16 if this llama.cpp cannot run BF16), see bench/llamacpp.py), then the mesh (`shardmesh up --dtype` for
 each pp×tp layout, requests through the gateway). Layouts use tp=3, not 2: SmolLM2's 9 attention heads cannot
 be split in 2. `--quick`: layouts 1x1,2x1,1x3 and streams 1,16 (what the targets need) unless given.
+
+`--rounds N` runs llama.cpp and every mesh N times, alternated: odd rounds in the planned order, even rounds in
+the reverse order (so pp=1 stays beside llama.cpp, and each mesh's neighbours change sides), with the
+`transformers` baselines once before them. A host whose memory speed drifts within the hour (one such host took
+10.6 ms a token at pp=1 in one run and 17.0 half an hour later) then meets each layout in both of its phases:
+every derived line is computed within each round, from that round's meshes and llama.cpp only, and reported as
+the median of the rounds' values with their range.
 
 - single stream: decode tokens/s = completion tokens / (total - time to first token), TTFT as the
   gateway reports it (queue wait + prefill + first step), and client-side totals; the median of 3
@@ -225,6 +232,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["none", "by-speed"],
         help="pp >= 2: split layers evenly (default) or by measured stage speeds",
     )
+    ap.add_argument(
+        "--rounds",
+        default="1",
+        help="run llama.cpp and the meshes this many times, alternating their order; lines are per-round medians",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
     a.layouts = a.layouts or (QUICK_LAYOUTS if a.quick else LAYOUTS)
@@ -232,6 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         a.layout_list = [_layout(x) for x in a.layouts.split(",")]
         a.stream_list = [_positive("--streams", x) for x in a.streams.split(",")]
+        a.rounds = _positive("--rounds", a.rounds, each=False)
     except ValueError as exc:
         ap.error(str(exc))
     a.dtype_list = [d.strip() for d in a.dtypes.split(",") if d.strip()]
@@ -243,13 +256,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a  # fmt: skip
 
 
-def _positive(flag: str, text: str) -> int:
+def _positive(flag: str, text: str, each: bool = True) -> int:
     try:
         n = int(text)
     except ValueError:
         n = 0
     if n < 1:
-        raise ValueError(f"{flag}: each must be a positive whole number, got {text!r}")
+        raise ValueError(f"{flag}: {'each must' if each else 'must'} be a positive whole number, got {text!r}")
     return n
 
 
@@ -293,8 +306,8 @@ def run_mesh(model_dir: Path, run: dict, prompt_ids: list[int], a: argparse.Name
                 r = run_streams(mesh.address, prompt_ids, a.new_tokens, n)
                 r.update({k: v for k, v in run.items() if k != "streams"})
                 mine.append(r)
-                print(f"{run['dtype']} pp={run['pp']} tp={run['tp']} pipeline={run['pipeline']} "
-                      f"threads={run['threads']}: {r}", file=sys.stderr)  # fmt: skip
+                print(f"round {run.get('round', 1)} {run['dtype']} pp={run['pp']} tp={run['tp']} "
+                      f"pipeline={run['pipeline']} threads={run['threads']}: {r}", file=sys.stderr)  # fmt: skip
             rss = [round(x / 2**20) for x in mesh.worker_peak_rss()]
             return [{**r, "worker_peak_rss_mib": rss, "layers": mesh.layers()} for r in mine]
         finally:
@@ -310,23 +323,32 @@ def main(argv: list[str] | None = None) -> None:
     prompt_ids = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])
     info = machine()
     print(f"machine: {info}", file=sys.stderr)
-    # Every baseline first, while the mesh's processes are not running, each dtype against its own kind.
+    # The transformers baselines once, first; llama.cpp beside the meshes of its dtype in every round. No mesh
+    # runs while a baseline does: each is closed, its processes gone, before the next thing starts.
     bases = {}
     for dtype in a.dtype_list:
-        base = baseline_transformers(model_dir, prompt_ids, a.new_tokens, dtype)
-        print(f"transformers {dtype}: {base}", file=sys.stderr)
-        base["llama_cpp"] = baseline_llamacpp(a.model, prompt_ids, a.new_tokens, info["cores"], dtype)
-        print(f"llama.cpp {dtype}: {base['llama_cpp']}", file=sys.stderr)
-        bases[dtype] = base
+        bases[dtype] = baseline_transformers(model_dir, prompt_ids, a.new_tokens, dtype)
+        print(f"transformers {dtype}: {bases[dtype]}", file=sys.stderr)
+        bases[dtype]["llama_cpp_rounds"] = []
     rows = []
-    for dtype in a.dtype_list:
-        for run in plan_runs(a.layout_list, a.stream_list, dtype):
-            try:
-                rows += run_mesh(model_dir, run, prompt_ids, a)
-            except Exception as exc:  # one layout or dtype that will not serve must not lose the others' numbers
-                failure = one_line(exc)
-                print(f"{dtype} pp={run['pp']} tp={run['tp']}: FAILED {failure}", file=sys.stderr)
-                rows.append({**{k: v for k, v in run.items() if k != "streams"}, "failed": failure})
+    for number in range(a.rounds):
+        for dtype in a.dtype_list:
+            steps: list[dict | None] = [None, *plan_runs(a.layout_list, a.stream_list, dtype)]  # None: llama.cpp
+            for run in steps if number % 2 == 0 else steps[::-1]:
+                if run is None:
+                    llama = baseline_llamacpp(a.model, prompt_ids, a.new_tokens, info["cores"], dtype)
+                    print(f"round {number + 1} llama.cpp {dtype}: {llama}", file=sys.stderr)
+                    bases[dtype]["llama_cpp_rounds"].append(llama)
+                    continue
+                run = {**run, "round": number + 1}
+                try:
+                    rows += run_mesh(model_dir, run, prompt_ids, a)
+                except Exception as exc:  # one layout or dtype that will not serve must not lose the others' numbers
+                    failure = one_line(exc)
+                    print(f"{dtype} pp={run['pp']} tp={run['tp']}: FAILED {failure}", file=sys.stderr)
+                    rows.append({**{k: v for k, v in run.items() if k != "streams"}, "failed": failure})
+    for base in bases.values():
+        base["llama_cpp"] = base["llama_cpp_rounds"][0]
     report(info, bases, rows, a, Path(a.out))
 
 
@@ -360,7 +382,8 @@ def _target(name: str, dtype: str, value: float | None, unit: str, op: str, goal
     if value is not None and goal is not None:
         met = value >= goal if op == ">=" else value <= goal
     return {"name": name, "dtype": dtype, "value": value, "unit": unit, "target": None if goal is None else
-            f"{op} {goal:g}{unit}", "met": met, "detail": detail, "note": why_none}  # fmt: skip
+            f"{op} {goal:g}{unit}", "met": met, "detail": detail, "note": why_none, "op": op,
+            "goal": goal}  # fmt: skip
 
 
 def llama_target(dtype: str, llama: dict, rows: list[dict], flags: list[str]) -> dict:
@@ -445,6 +468,7 @@ def throughput_targets(dtype: str, rows: list[dict]) -> list[dict]:
 
 
 def targets(bases: dict[str, dict], rows: list[dict], flags: list[str]) -> list[dict]:
+    """Every derived line of one round: its rows, and its llama.cpp (`llama_cpp`) per dtype."""
     out = []
     for dtype, base in bases.items():
         mine = _measured(rows, dtype)
@@ -453,6 +477,43 @@ def targets(bases: dict[str, dict], rows: list[dict], flags: list[str]) -> list[
         out += boundary_targets(dtype, mine)
         out += throughput_targets(dtype, mine)
     return out
+
+
+def round_targets(bases: dict[str, dict], rows: list[dict], flags: list[str]) -> list[dict]:
+    """The derived lines of a run of one or more rounds: each line computed within each round (that round's
+    meshes and llama.cpp, `llama_cpp_rounds`), then the median of the rounds' values beside the target, their
+    range, and each round's value in `rounds` (None where that round lacks it). One round: that round's lines."""
+    numbers = sorted({r.get("round", 1) for r in rows}) or [1]
+    per_round = []
+    for number in numbers:
+        mine = [r for r in rows if r.get("round", 1) == number]
+        here = {dtype: {**base, "llama_cpp": _nth(base.get("llama_cpp_rounds"), number - 1, base.get("llama_cpp"))}
+                for dtype, base in bases.items()}  # fmt: skip
+        per_round.append({(t["dtype"], t["name"]): t for t in targets(here, mine, flags)})
+    if len(per_round) == 1:
+        return list(per_round[0].values())
+    out = []
+    for key in dict.fromkeys(k for found in per_round for k in found):  # every line once, in first-seen order
+        seen = [found.get(key) for found in per_round]
+        values = [t["value"] if t else None for t in seen]
+        measured = [v for v in values if v is not None]
+        at, first = next((i, t) for i, t in enumerate(seen) if t)
+        if not measured:
+            out.append({**first, "rounds": values})
+            continue
+        median = statistics.median(measured)
+        line = _target(first["name"], first["dtype"], median, first["unit"], first["op"], first["goal"],
+                       why_none=first["note"])  # fmt: skip
+        shown = ", ".join("–" if v is None else f"{v:+.2f}" if first["unit"] == " ms" else f"{v:.2f}" for v in values)
+        line["detail"] = f"median of {len(measured)} rounds ({shown})"
+        if first["detail"]:
+            line["detail"] += f"; round {numbers[at]}: {first['detail']}"
+        out.append({**line, "rounds": values, "range": [min(measured), max(measured)]})
+    return out
+
+
+def _nth(items: list | None, i: int, default: object) -> object:
+    return items[i] if items and i < len(items) else default
 
 
 # --------------------------------------------------------------------------------------------------
@@ -464,10 +525,14 @@ def _target_line(t: dict) -> str:
     if t["value"] is None:
         return f"- {t['dtype']}: {t['name']}: not measured ({t['note']})."
     number = f"{t['value']:+.2f}{t['unit']}" if t["unit"] == " ms" else f"{t['value']:.2f}{t['unit']}"
+    spread = ""
+    if t.get("range"):
+        low, high = (f"{x:+.2f}" if t["unit"] == " ms" else f"{x:.2f}" for x in t["range"])
+        spread = f" (range {low} to {high})"
     verdict = ("**met**" if t["met"] else "**not met**") if t["met"] is not None else t["note"]
     target = f"target {t['target']}: {verdict}" if t["target"] else verdict
     detail = f"; {t['detail']}" if t["detail"] else ""
-    return f"- {t['dtype']}: {t['name']}: **{number}** ({target}{detail})."
+    return f"- {t['dtype']}: {t['name']}: **{number}**{spread} ({target}{detail})."
 
 
 def _llama_line(dtype: str, llama: dict) -> str:
@@ -479,11 +544,12 @@ def _llama_line(dtype: str, llama: dict) -> str:
             f"({llama['ms_per_token_median']:.1f} ms/token median), TTFT {llama['ttft_ms']:.0f} ms.")  # fmt: skip
 
 
-def _row_line(r: dict, base: dict) -> str:
+def _row_line(r: dict, base: dict, rounds: bool = False) -> str:
     mode = r["pipeline"] if r["pp"] > 1 else "a call per token" if r.get("decode_steps") == 1 else ""
     if r["pp"] > 1 and r.get("decode_steps", 1) > 1:
         mode += f", {r['decode_steps']} steps per call"
-    head = f"| {r['dtype']} | {r['pp']} | {r['tp']} | {mode} |"
+    head = f"| {r.get('round', 1)} |" if rounds else "|"
+    head += f" {r['dtype']} | {r['pp']} | {r['tp']} | {mode} |"
     if "failed" in r:
         return f"{head} | {r['threads']} | | failed: {r['failed']} | | | | |"
     tok_s = 1e3 / r["ms_per_token"] if r["streams"] == 1 else r["aggregate_tok_s"]
@@ -502,17 +568,25 @@ def markdown(info: dict, bases: dict[str, dict], rows: list[dict], found: list[d
         f"Model `{a.model}` in {', '.join(bases)}, greedy, chat prompt of {PROMPT!r}, {a.new_tokens} new tokens; "
         f"pipeline layouts started with `--rebalance {a.rebalance}`.",
     ]  # fmt: skip
+    rounds = getattr(a, "rounds", 1) > 1
+    if rounds:
+        lines += [f"{a.rounds} rounds of llama.cpp and every mesh, alternated (odd rounds in the planned order, "
+                  "even rounds reversed, the table in the order they ran); each derived line is computed within "
+                  "each round, then the median of the rounds' values is set against its target."]  # fmt: skip
     for dtype, base in bases.items():
         lines += ["", f"Baseline `transformers.generate` {dtype} (same run): **{base['decode_tok_s']:.1f} tok/s** "
                       f"decode ({base['ms_per_token']:.1f} ms/token), TTFT {base['ttft_ms']:.0f} ms.",
                   _llama_line(dtype, base.get("llama_cpp") or {})]  # fmt: skip
+        each = [x.get("ms_per_token_median") for x in base.get("llama_cpp_rounds") or []]
+        if rounds and all(each):
+            lines.append(f"llama.cpp {dtype} ms/token in rounds 1-{len(each)}: {', '.join(f'{x:.2f}' for x in each)}.")
     lines += [
         "",
-        "| dtype | pp | tp | pipeline | layers per stage | threads/worker | streams | decode ms/token (median) | "
-        "TTFT ms | aggregate tok/s | × transformers (same dtype) | worker peak RSS MiB |",
-        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+        ("| round " if rounds else "") + "| dtype | pp | tp | pipeline | layers per stage | threads/worker | streams | "
+        "decode ms/token (median) | TTFT ms | aggregate tok/s | × transformers (same dtype) | worker peak RSS MiB |",
+        ("|---:" if rounds else "") + "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]  # fmt: skip
-    lines += [_row_line(r, bases[r["dtype"]]) for r in rows]
+    lines += [_row_line(r, bases[r["dtype"]], rounds) for r in rows]
     lines += ["", "Targets (this run's rows; ratios > 1 against llama.cpp mean faster than llama.cpp):", ""]
     lines += [_target_line(t) for t in found]
     return "\n".join(lines) + "\n"
@@ -520,10 +594,10 @@ def markdown(info: dict, bases: dict[str, dict], rows: list[dict], found: list[d
 
 def report(info: dict, bases: dict[str, dict], rows: list[dict], a: argparse.Namespace, out: Path) -> None:
     info = {**info, "load_avg_1m_end": round(os.getloadavg()[0], 2)}  # how busy the shared machine was
-    found = targets(bases, rows, info.get("cpu_flags", []))
+    found = round_targets(bases, rows, info.get("cpu_flags", []))
     data = {"baselines": bases, "rows": rows, "targets": found, "options": {
         "layouts": a.layouts, "streams": a.streams, "dtypes": a.dtypes, "new_tokens": a.new_tokens,
-        "rebalance": a.rebalance, "quick": a.quick}}  # fmt: skip
+        "rebalance": a.rebalance, "quick": a.quick, "rounds": a.rounds}}  # fmt: skip
     save_results(out, info, "", markdown(info, bases, rows, found, a), data)
 
 

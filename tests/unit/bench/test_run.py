@@ -162,3 +162,92 @@ def test_machine_records_cpu_model_and_kernel_flags(monkeypatch: pytest.MonkeyPa
     info = conditions.machine()
     assert info["cpu_flags"] == ["avx2", "avx512_bf16", "amx_int8"]  # only those that pick kernels, in order
     assert info["cpu"]
+
+
+def test_rounds_option() -> None:
+    assert run.parse_args([]).rounds == 1
+    assert run.parse_args(["--quick", "--rounds", "3"]).rounds == 3
+
+
+def test_rounds_must_be_positive(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        run.parse_args(["--rounds", "0"])
+    assert "--rounds: must be a positive whole number, got '0'" in capsys.readouterr().err
+
+
+def test_rounds_are_alternated_and_llamacpp_stays_beside_pp1(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Round 1 runs llama.cpp then the planned meshes; round 2 the same in reverse, so pp=1 (planned first) is
+    beside llama.cpp in both; each mesh row carries its round."""
+    monkeypatch.setattr(run, "cores", lambda: 2)
+    order: list[str] = []
+
+    def mesh(model_dir: Path, r: dict, ids: list[int], a: argparse.Namespace) -> list[dict]:
+        order.append(f"{r['round']}:{r['pp']}x{r['tp']}:{r['pipeline']}:{r['threads']}")
+        row = _row(r["dtype"], r["pp"], r["tp"], 1, ms=10.0 * r["round"], tok_s=1.0, pipeline=r["pipeline"],
+                   threads=r["threads"], deployed=r["deployed"], decode_steps=r["decode_steps"])  # fmt: skip
+        return [row | {"round": r["round"]}]
+
+    def llama(model: str, ids: list[int], n: int, threads: int, dtype: str) -> dict:
+        order.append(f"llama:{dtype}")
+        return _llama(11.0 * sum(x.startswith("llama") for x in order))  # 11 ms in round 1, 22 in round 2
+
+    saved = {}
+    monkeypatch.setattr(run, "run_mesh", mesh)
+    monkeypatch.setattr(run, "baseline_llamacpp", llama)
+    monkeypatch.setattr(run, "baseline_transformers", lambda *args: {"decode_tok_s": 1.0, "ms_per_token": 1e3,
+                                                                     "ttft_ms": 1.0})  # fmt: skip
+    monkeypatch.setattr(run, "machine", lambda: {"cores": 2, "cpu_flags": []})
+    monkeypatch.setattr(run, "report", lambda info, bases, rows, a, out: saved.update(bases=bases, rows=rows))
+    monkeypatch.setattr("shardmesh.models.registry.resolve", lambda model: tmp_path)
+    monkeypatch.setattr("shardmesh.models.tokenizer.Tokenizer.from_dir",
+                        lambda d: type("T", (), {"encode_chat": lambda self, m: [1, 2]})())  # fmt: skip
+    run.main(["--layouts", "1x1,2x1", "--streams", "1", "--dtypes", "float32", "--rounds", "2"])
+    first = ["llama:float32", "1:1x1:full:2", "1:2x1:turns:2", "1:2x1:full:1", "1:1x1:full:1"]
+    second = ["2:1x1:full:1", "2:2x1:full:1", "2:2x1:turns:2", "2:1x1:full:2", "llama:float32"]
+    assert order == first + second
+    base = saved["bases"]["float32"]
+    assert [x["ms_per_token_median"] for x in base["llama_cpp_rounds"]] == [11.0, 22.0]
+    assert base["llama_cpp"] is base["llama_cpp_rounds"][0]
+    assert [r["round"] for r in saved["rows"]] == [1] * 4 + [2] * 4
+
+
+def test_round_targets_are_medians_of_each_rounds_own_ratio() -> None:
+    """Each line is computed within a round against that round's llama.cpp and pp=1; the reported value is the
+    median of the rounds' values, with their range; a line a round lacks is shown as missing, not as zero."""
+    rows = []
+    for number, (pp1, tp3) in enumerate([(10.0, 14.0), (16.0, 20.0), (11.0, 17.6)], 1):
+        rows += [_row("float32", 1, 1, 1, ms=pp1, tok_s=1.0) | {"round": number},
+                 _row("float32", 1, 3, 1, ms=tp3, tok_s=1.0) | {"round": number}]  # fmt: skip
+    rows = [r for r in rows if not (r["round"] == 2 and r["tp"] == 3)]  # round 2's tp=3 mesh: no row
+    bases = {"float32": {"llama_cpp": _llama(11.0), "llama_cpp_rounds": [_llama(11.0), _llama(14.0), _llama(12.1)]}}
+    found = run.round_targets(bases, rows, [])
+    vs = _by_name(found, "float32", "pp=1 one stream vs llama.cpp")
+    # 11/10, 14/16, 12.1/11: the median 1.1, not a ratio of medians across rounds (12.1/11 = 1.1 too; see range).
+    assert vs["rounds"] == [pytest.approx(1.1), pytest.approx(0.875), pytest.approx(1.1)]
+    assert vs["value"] == pytest.approx(1.1) and vs["met"] is True
+    assert vs["range"] == [pytest.approx(0.875), pytest.approx(1.1)]
+    assert vs["detail"].startswith("median of 3 rounds (1.10, 0.88, 1.10); round 1: llama.cpp F32 11.00 ms/token")
+    tp = _by_name(found, "float32", "tp=3 vs pp=1")
+    assert tp["rounds"] == [pytest.approx(1.4), None, pytest.approx(1.6)]
+    assert tp["value"] == pytest.approx(1.5) and tp["met"] is True  # median of 1.4 and 1.6, within 1.5
+    assert "median of 2 rounds (1.40, –, 1.60)" in tp["detail"]
+    assert "(range 1.40 to 1.60)" in run._target_line(tp)
+    # One round: exactly the single-round lines.
+    one = [r for r in rows if r["round"] == 1]
+    assert run.round_targets(bases, one, []) == run.targets(bases, one, [])
+
+
+def test_markdown_of_rounds_has_a_round_column() -> None:
+    rows = [_row("float32", 1, 1, 1, ms=20.0, tok_s=50.0) | {"round": n} for n in (1, 2)]
+    bases = {"float32": {"decode_tok_s": 40.0, "ms_per_token": 25.0, "ttft_ms": 60.0, "llama_cpp": _llama(22.0),
+                         "llama_cpp_rounds": [_llama(22.0), _llama(18.0)]}}  # fmt: skip
+    info = {"cpu": "AMD EPYC", "cpu_id": "family 25", "cpu_flags": [], "cores": 2, "torch": "2",
+            "date": "2026-01-01T00:00:00+00:00", "host": "h"}  # fmt: skip
+    a = argparse.Namespace(model="m", new_tokens=8, rebalance="none", layouts="1x1", streams="1", dtypes="float32",
+                           quick=False, rounds=2)  # fmt: skip
+    md = run.markdown(info, bases, rows, run.round_targets(bases, rows, []), a)
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| round | dtype |") and len({line.count("|") for line in table}) == 1
+    assert [line.split("|")[1].strip() for line in table[1:]] == ["1", "2"]
+    assert "llama.cpp float32 ms/token in rounds 1-2: 22.00, 18.00." in md
+    assert "**1.00×** (range 0.90 to 1.10) (target >= 1×: **met**" in md
