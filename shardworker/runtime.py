@@ -28,7 +28,7 @@ from torch import Tensor
 
 from shardmesh.core.config import ModelConfig
 from shardmesh.core.dtypes import Quantization
-from shardmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from shardmesh.core.errors import FailedPrecondition, InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.step import (
     MAX_DECODE_STEPS,
@@ -548,9 +548,17 @@ class StageWorkerCore:
         tokens (last stage only) and the steps' timings and traffic. Steps run one at a time; callers that keep
         several in flight order them with `turn`."""
         with self._lock:  # taken here, never on the compute thread (see `_on_compute`)
-            if decode_steps <= 1:
-                return self._on_compute(self._step, topology_version, entries)
-            return self._on_compute(self._decode_steps, topology_version, entries, decode_steps)
+            rt = self._runtime
+            try:
+                if decode_steps <= 1:
+                    return self._on_compute(self._step, topology_version, entries)
+                return self._on_compute(self._decode_steps, topology_version, entries, decode_steps)
+            except MeshError:  # refused before anything was sent, or a lost peer (the epoch is broken already)
+                raise
+            except Exception as e:
+                if rt is None or rt is not self._runtime or not _has_peers(rt.placement):
+                    raise
+                raise self._failed_part_way(rt, e, [x.request_id for x in entries]) from e
 
     def _decode_steps(self, topology_version: int, entries: list[StepEntry], n: int) -> StepResult:
         """`n` decode steps in one call (worker.proto `StepRequest.decode_steps`): each feeds every entry the token
@@ -667,15 +675,34 @@ class StageWorkerCore:
         """A collective or link of `rt`'s groups failed: the epoch is broken for good (only a new one heals
         it), the steps waiting for their turn in it are failed, and the caller raises what this returns.
         Lock held."""
+        self._break_epoch(rt, f"process group broken: {error}")
+        self.log.error("peer_lost", error=str(error), **log_fields)
+        return Unavailable(f"a peer of stage {rt.placement.stage} was lost: {error}")
+
+    def _failed_part_way(self, rt: _Runtime, error: Exception, request_ids: list[str]) -> MeshError:
+        """A step raised something other than a refusal or a lost peer (a bug, or memory running out) on a shard
+        with peers. Its peers may be waiting on it in a collective or a link, or be one collective apart from it
+        (a pipeline's first stage waiting for a drawn token that will not come, a tensor-parallel rank at an
+        all-reduce this one never reached), so the epoch is broken as for a lost peer: its groups close, and every
+        peer fails now rather than at the group timeout. What this returns goes to the gateway (INTERNAL), which
+        resumes the step's requests on the next epoch. Lock held."""
+        what = f"{type(error).__name__}: {error}"
+        self._break_epoch(rt, f"a step failed part-way: {what}")
+        self.log.error("step_failed", error=what, request_ids=request_ids, exc_info=error)
+        return MeshError(f"stage {rt.placement.stage} tp rank {rt.placement.spec.tp_rank} failed part-way through a "
+                         f"step ({what}); its epoch is broken and the next one forms its groups anew")  # fmt: skip
+
+    def _break_epoch(self, rt: _Runtime, detail: str) -> None:
+        """`rt`'s epoch is broken for good: only a new one heals it. The steps waiting for their turn in it are
+        failed, and its groups are closed so that peers still waiting on this shard fail too. Lock held."""
         self._broken_epochs.add(rt.groups_epoch)
         # The cache stays good up to the positions every step before this one wrote (this step's partial writes
         # lie past what the gateway counts as cached, and are written again): the next epoch may keep it.
         self._kept = rt.caches
         self._runtime, self.state = None, ShardState.PENDING
-        self.detail = f"process group broken: {error}"
-        rt.order.close(self.detail)
-        self.log.error("peer_lost", error=str(error), **log_fields)
-        return Unavailable(f"a peer of stage {rt.placement.stage} was lost: {error}")
+        self.detail = detail
+        rt.order.close(detail)
+        rt.engine.groups.close(detail)
 
     def _validate(self, rt: _Runtime, entries: list[StepEntry]) -> None:
         limits, cfg, stages = rt.placement.limits, rt.engine.model.cfg, rt.placement.num_stages
@@ -811,6 +838,11 @@ class StageWorkerCore:
         model = rt.engine.model
         return {"timing": timing, "weights_bytes": _nbytes(model), "kv_cache_bytes": rt.engine.cache.nbytes,
                 "num_layers": len(model.layer_range)}  # fmt: skip
+
+
+def _has_peers(p: Placement) -> bool:
+    """Whether a shard at `p` shares its steps with other processes (a pipeline's other stages, its tp ranks)."""
+    return p.num_stages > 1 or p.spec.tp_size > 1
 
 
 def _validate_decode_steps(rt: _Runtime, entries: list[StepEntry], n: int) -> None:

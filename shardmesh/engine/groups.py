@@ -23,7 +23,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 import torch
@@ -79,6 +79,17 @@ class UnboundGroup:
         return self.all_reduce(x)
 
 
+class ClosedGroup:
+    """What a closed collective or link holds instead of its process group (`ShardGroups.close`): every use
+    raises RuntimeError, as a broken group does, and the group itself is gone."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"the process group was closed: {self.why}")
+
+
 class GroupCollective:
     """Collectives over a c10d ProcessGroup object (Gloo or NCCL).
 
@@ -88,10 +99,15 @@ class GroupCollective:
     """
 
     def __init__(self, pg: dist.ProcessGroup, rank: int, size: int) -> None:
-        self.pg, self.rank, self.size = pg, rank, size
+        self.pg: dist.ProcessGroup | ClosedGroup = pg
+        self.rank, self.size = rank, size
         self.calls = 0
         self.bytes = 0
         self.wait_s = 0.0
+
+    def close(self, why: str) -> None:
+        """Drop the process group, which closes its connections: a peer waiting on it fails at once."""
+        self.pg = ClosedGroup(why)
 
     def all_reduce(self, x: Tensor) -> Tensor:
         x = x.contiguous()
@@ -223,7 +239,7 @@ class StageLink:
     side whose tensors live on a GPU (or that forces it). `staged_bytes` counts what this side copied."""
 
     def __init__(self, pg: dist.ProcessGroup, is_sender: bool, plan: LinkPlan | None = None) -> None:
-        self.pg = pg
+        self.pg: dist.ProcessGroup | ClosedGroup = pg
         self.plan = plan or LinkPlan("gloo", False, "cpu", "cpu")
         self.is_sender = is_sender
         self.peer = 1 if is_sender else 0
@@ -249,6 +265,10 @@ class StageLink:
 
     def describe(self) -> str:
         return self.plan.describe()
+
+    def close(self, why: str) -> None:
+        """Drop the process group, which closes its connection: the peer waiting on it fails at once."""
+        self.pg = ClosedGroup(why)
 
     def send(self, x: Tensor) -> None:
         x = x.contiguous()
@@ -293,6 +313,18 @@ class ShardGroups:
         """How each link moves its tensors, for log lines: {"prev_link": "gloo host-staged (cuda <-> cpu)", ...}."""
         links = {"prev_link": self.prev, "next_link": self.next, "loop_link": self.loop}
         return {name: link.describe() for name, link in links.items() if link is not None}
+
+    def close(self, why: str) -> None:
+        """Close this shard's side of every group and link, once its epoch is broken (a lost peer, a step that
+        failed part-way): each peer still waiting on one of them fails now, rather than at the group timeout, and
+        breaks its own epoch, which closes its groups in turn. Dropping a Gloo group closes its connections (the
+        peer reads "Connection closed by peer"); a shared-memory group marks itself closed in its segment, which
+        a waiting peer reads within a millisecond. The model may outlive the epoch with this tp group bound to it
+        (`tp.bind_group`), so the group is dropped here rather than left to the garbage collector."""
+        for part in (self.tp, self.prev, self.next, self.loop):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close(why)
 
 
 class Backend:

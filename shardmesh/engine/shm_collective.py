@@ -5,8 +5,9 @@ segment in /dev/shm that every rank maps it is a copy, one barrier and a sum. Ra
 rank maps it while the group forms (`negotiate`, called by `groups.form_groups`); it is unlinked as soon as all
 ranks have mapped it (or given up), so no file is left in /dev/shm even when a rank is later killed.
 
-Layout: a header (a nonce that proves a rank mapped the segment rank 0 created, then one sequence counter per rank,
-each on its own cache line) and two buffers of `size` slots of `capacity` bytes each. Collective n uses buffer
+Layout: a header (a nonce that proves a rank mapped the segment rank 0 created and, in the same line, the word in
+which a rank that closed the group writes its rank + 1; then one sequence counter per rank, each on its own cache
+line) and two buffers of `size` slots of `capacity` bytes each. Collective n uses buffer
 n % 2: every rank copies its input into its own slot, publishes n in its counter (release), waits until every
 counter reads at least n (acquire), then sums all slots in rank order 0..size-1 (every rank adds the same numbers
 in the same order, so every rank gets the same bits), or concatenates them for an all-gather.
@@ -28,7 +29,9 @@ progress. On such a host a rank does not spin at all (`spin_seconds`): the peer 
 core, and spinning only delays it (SmolLM2 tp=3 on 2 cores, a decode step in process: bfloat16 14.2 ms with a
 50 µs spin, 11.1 ms yielding at once; float32 22.5 against 19.3). Every millisecond it checks that each peer it
 waits for is alive (kill(pid, 0), and not a zombie) and that the group timeout has not passed; either failure raises
-RuntimeError naming the peer, as a broken Gloo group would, and the worker treats it as a lost peer. Without a C++
+RuntimeError naming the peer, as a broken Gloo group would, and the worker treats it as a lost peer. So does a
+peer's `close` (its epoch broke: it lost a peer of its own, or a step failed part-way on it), which it writes into the
+header: a live peer that will never arrive. Without a C++
 compiler the kernel is not built and `negotiate` reports shm as unavailable, so every rank keeps Gloo.
 """
 
@@ -78,7 +81,9 @@ using Clock = std::chrono::steady_clock;
 constexpr int64_t LINE = 64;
 constexpr double YIELD_S = 2e-3;     // then hand the core over while the peer may need it (oversubscribed host)
 constexpr long SLEEP_NS = 50000;     // then sleep: a peer that is this late is computing, not about to arrive
-constexpr double CHECK_S = 1e-3;     // how often peers' liveness and the timeout are checked
+constexpr double CHECK_S = 1e-3;     // how often peers' liveness, the group's closing and the timeout are checked
+constexpr int64_t CLOSED_AT = 56;    // the word in the nonce's line where a rank that closed the group writes rank + 1
+constexpr int64_t CLOSED = 1 << 20;  // barrier(): CLOSED + p, rank p closed the group
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -109,7 +114,7 @@ bool peer_dead(int64_t pid) {
 }
 
 // Publish `seq` and wait until every rank has: spin for `spin_s` (0: yield at once), then yield, then sleep.
-// 0: all did; p + 1: peer p died; -(p + 1): timed out waiting on p.
+// 0: all did; p + 1: peer p died; CLOSED + p: peer p closed the group; -(p + 1): timed out waiting on p.
 int64_t barrier(uint8_t* base, int64_t rank, int64_t size, int64_t seq, const int64_t* pids, double spin_s,
                 double timeout_s) {
   counter(base, rank)->store(seq, std::memory_order_release);
@@ -135,6 +140,8 @@ int64_t barrier(uint8_t* base, int64_t rank, int64_t size, int64_t seq, const in
     }
     if (elapsed >= next_check) {
       next_check = elapsed + CHECK_S;
+      const int64_t closer = reinterpret_cast<std::atomic<int64_t>*>(base + CLOSED_AT)->load(std::memory_order_acquire);
+      if (closer > 0) return CLOSED + closer - 1;
       for (int64_t p = waiting; p < size; ++p) {
         if (counter(base, p)->load(std::memory_order_acquire) < seq && peer_dead(pids[p])) return p + 1;
       }
@@ -222,6 +229,8 @@ int64_t shm_all_gather(torch::Tensor seg, torch::Tensor x, torch::Tensor out, in
 
 _KERNEL = InlineKernel("shardmesh_shm", _SOURCE, ["shm_all_reduce", "shm_all_gather"], ["-O3"])
 MAX_RANKS = 64  # the bfloat16 sum keeps one pointer per rank on the stack
+CLOSED_AT = 56  # the kernel's CLOSED_AT: the byte of the header where a rank that closed the group writes rank + 1
+CLOSED = 1 << 20  # the kernel's CLOSED: a barrier's status CLOSED + p says rank p closed the group
 SPIN_S = 50e-6  # a waiting rank's spin before it yields, with a core per rank: a peer usually arrives within it
 
 
@@ -347,6 +356,15 @@ class ShmCollective:
         self.bytes = 0
         self.wait_s = 0.0
 
+    def close(self, why: str) -> None:
+        """Mark the group closed in the segment (every rank waiting in a collective reads it within a millisecond
+        and raises, naming this rank) and close the Gloo group under it; this rank's later calls raise too."""
+        self._broken = self._broken or f"rank {self.rank} closed the group: {why}"
+        self._seg[CLOSED_AT : CLOSED_AT + 8].view(torch.int64).fill_(self.rank + 1)  # one aligned 8-byte store
+        close = getattr(self.fallback, "close", None)
+        if close is not None:
+            close(why)
+
     def describe(self) -> str:
         spin = f"spin {self.spin_s * 1e6:g} µs" if self.spin_s else "yields at once: more ranks than cores"
         return f"shm ({self.size} ranks, {self.capacity >> 10} KiB slots, {spin})"
@@ -397,9 +415,12 @@ class ShmCollective:
                     self.spin_s, self.timeout_s)  # fmt: skip
         if status == 0:
             return
-        peer = abs(status) - 1
+        peer = status - CLOSED if status >= CLOSED else abs(status) - 1
         waited = time.perf_counter() - t0
-        if status > 0:
+        if status >= CLOSED:
+            why = (f"rank {peer} (pid {int(self._pids[peer])}) closed the group (its epoch broke) while rank "
+                   f"{self.rank} waited {waited:.3f} s")  # fmt: skip
+        elif status > 0:
             why = f"rank {peer} (pid {int(self._pids[peer])}) died while rank {self.rank} waited {waited:.3f} s"
         else:
             why = (f"rank {peer} (pid {int(self._pids[peer])}) did not arrive within the group timeout of "

@@ -216,3 +216,22 @@ def test_form_groups_links_neighbouring_stages_and_describes_them(store: dist.TC
     assert torch.equal(got[0], drawn) and (into.messages_received, back.messages_sent) == (1, 1)
     with pytest.raises(ValueError, match="--link-staging: 'gpu'"):
         groups.form_groups(store, "t/bad", ShardSpec(0, 4, 4, 0, 1), 0, 1, torch.device("cpu"), "gpu")
+
+
+def test_a_closed_link_fails_its_waiting_peer_at_once_and_raises_on_use(store: dist.TCPStore) -> None:
+    """Side 0 closes its end instead of sending: side 1's receive fails on the closed connection, not at the group
+    timeout (20 s here, which the message would name), and side 0's own later use raises naming why it closed."""
+
+    def side_main(client: dist.Store, side: int) -> str:
+        pg, plan = groups.form_link(client, "t/closed", side, torch.device("cpu"), "auto", TIMEOUT, f"side {1 - side}")
+        link = StageLink(pg, is_sender=side == 0, plan=plan)
+        if side == 0:
+            link.close("its epoch broke")
+            with pytest.raises(RuntimeError, match="the process group was closed: its epoch broke"):
+                link.send(torch.ones(3))
+            return ""
+        with pytest.raises(RuntimeError) as e:
+            link.recv((3,), torch.float32, "cpu")
+        return str(e.value)
+
+    assert "Connection closed by peer" in on_both_sides(store, side_main)[1]

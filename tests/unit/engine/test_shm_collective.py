@@ -164,6 +164,34 @@ def test_a_rank_that_never_arrives_times_out_naming_it_and_breaks_the_group(stor
     assert "the group broke earlier" in message
 
 
+def test_a_rank_that_closes_the_group_is_named_by_the_rank_waiting_for_it(store) -> None:
+    """Rank 1 closes the group (its epoch broke) instead of arriving: rank 0, waiting in an all-reduce, reads that
+    in the segment and raises naming it, before the group timeout (30 s here, which the message would name); the
+    closed rank's own later calls raise, and so does the Gloo group under it."""
+
+    def body(client: dist.Store, rank: int) -> list[str]:
+        pg = groups.Backend("gloo", TIMEOUT).group(client, "closed", rank, 2)
+        fallback = GroupCollective(pg, rank, 2)
+        shm, _ = negotiate(client, "closed/shm", rank, 2, timedelta(seconds=30), fallback)
+        assert shm is not None
+        errors = []
+        if rank == 1:
+            shm.close("a step failed part-way")
+            for call in (lambda: shm.all_reduce(torch.ones(4)), lambda: fallback.all_reduce(torch.ones(4))):
+                with pytest.raises(RuntimeError) as e:
+                    call()
+                errors.append(str(e.value))
+            return errors
+        with pytest.raises(RuntimeError) as e:
+            shm.all_reduce(torch.ones(4))
+        return [str(e.value)]
+
+    waiting, closed = on_ranks(store, 2, body)
+    assert f"rank 1 (pid {os.getpid()}) closed the group (its epoch broke) while rank 0 waited" in waiting[0]
+    assert "the group broke earlier (rank 1 closed the group: a step failed part-way)" in closed[0]
+    assert closed[1] == "the process group was closed: a step failed part-way"
+
+
 def test_transport_env_forces_gloo_or_shm_and_rejects_other_values(store, monkeypatch) -> None:
     monkeypatch.setenv(groups.TP_TRANSPORT_ENV, "gloo")
     assert all(isinstance(tp, GroupCollective) for tp in tp_groups(store, 2, lambda tp, r: tp, "g"))

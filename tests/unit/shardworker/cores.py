@@ -27,8 +27,10 @@ def new_core(worker_id: str) -> StageWorkerCore:
     return StageWorkerCore(worker_id, torch.device("cpu"), structlog.wrap_logger(structlog.ReturnLogger()), 30.0)
 
 
-def on_every_core(cores: list[StageWorkerCore], fn: Callable[[StageWorkerCore], Any]) -> list[Any]:
-    """`fn(core)` for every core at once, each in its own thread; the results in core order."""
+def on_every_core(cores: list[StageWorkerCore], fn: Callable[[StageWorkerCore], Any],
+                  raising: bool = True) -> list[Any]:  # fmt: skip
+    """`fn(core)` for every core at once, each in its own thread; the results in core order (an exception one raised
+    is raised here, or with `raising` False, returned in its place)."""
     results: list[Any] = [None] * len(cores)
 
     def run(i: int) -> None:
@@ -42,8 +44,9 @@ def on_every_core(cores: list[StageWorkerCore], fn: Callable[[StageWorkerCore], 
         t.start()
     for t in threads:
         t.join(WAIT_S * 3)
+    assert not any(t.is_alive() for t in threads), "a core did not return"
     for r in results:
-        if isinstance(r, BaseException):
+        if isinstance(r, BaseException) and raising:
             raise r
     return results
 

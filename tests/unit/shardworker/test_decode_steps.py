@@ -13,9 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from shardmesh.core.errors import InvalidArgument, MeshError, ResourceExhausted
+from shardmesh.core.errors import InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from shardmesh.core.step import SamplingParams, StepEntry
-from shardmesh.core.topology import ServingLimits
+from shardmesh.core.topology import ServingLimits, ShardState
+from shardmesh.engine.sampling import sample
+from shardworker import runtime
 from shardworker.metrics import WorkerMetrics
 from shardworker.runtime import MAX_DECODE_STEPS, StageWorkerCore, _validate_decode_steps
 from tests.checkpoints import reference_greedy
@@ -79,14 +81,15 @@ def test_two_sequences_step_together_and_a_paged_cache_too(model: Path, store: d
     assert [b, *drawn[1::2]] == reference_greedy(model, list(other), 5)[0]
 
 
-def pipelined(cores: list[StageWorkerCore], sampling: SamplingParams, n: int, per_call: int) -> list[int]:
+def pipelined(cores: list[StageWorkerCore], sampling: SamplingParams, n: int, per_call: int,
+              version: int = 5) -> list[int]:  # fmt: skip
     """`decode` on every core of a pipeline at once; each call's results are checked against its steps: the last
     stage alone returns tokens, and each of them but the call's last went round the loop (last stage to first)."""
-    first = run_step(cores, 5, [entry(0, PROMPT, sampling)])
+    first = run_step(cores, version, [entry(0, PROMPT, sampling)])
     out = [first[-1].sampled[0].token_id]
     while len(out) < n:
         k, step = min(per_call, n - len(out)), entry(len(PROMPT) + len(out) - 1, (out[-1],), sampling)
-        results = on_every_core(cores, lambda core, k=k, step=step: core.step(5, [step], k))
+        results = on_every_core(cores, lambda core, k=k, step=step: core.step(version, [step], k))
         assert [len(r.sampled) for r in results] == [0] * (len(cores) - 1) + [k]
         assert all(r.steps == k for r in results)
         assert (results[0].comm.recv_messages, results[-1].comm.send_messages) == (k - 1, k - 1)
@@ -115,6 +118,47 @@ def test_a_pipeline_loops_its_drawn_tokens_back_to_the_first_stage(model: Path, 
     assert pipelined(cores, GREEDY, 10, 4) == reference_greedy(model, list(PROMPT), 10)[0]  # calls of 4, 4, 1
     # Seeded sampling with a repetition penalty draws the same tokens in calls of one step and of several.
     assert pipelined(cores, SEEDED, 7, 6) == pipelined(cores, SEEDED, 7, 1)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_stage_failing_part_way_through_a_call_fails_its_peers_at_once(model: Path, store: dist.TCPStore,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        stages: int) -> None:  # fmt: skip
+    """The last stage raises something that is neither a refusal nor a lost peer in the second step of a call of
+    4, after the first stage has begun waiting for that step's token: its epoch breaks and its groups close, so the
+    first stage (and the stage between) fail on a closed connection, not at the group timeout (30 s here: the
+    message would say so), and every stage waits for a new epoch."""
+    ids = tuple(f"w{i}" for i in range(stages))
+    cores = [new_core(w) for w in ids]
+    apply_all(cores, mesh(model, 5, ids, epoch=5, store_port=store.port))
+    first = run_step(cores, 5, [entry(0, PROMPT)])[-1].sampled[0].token_id
+    calls = []
+
+    def failing_sample(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("a bug in sampling")
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "sample", failing_sample)
+    step = entry(len(PROMPT), (first,))
+    results = on_every_core(cores, lambda core: core.step(5, [step], 4), raising=False)
+    assert len(calls) == 2
+    assert all(isinstance(r, MeshError) for r in results), results
+    assert str(results[-1]).startswith(f"stage {stages - 1} tp rank 0 failed part-way through a step (ValueError: a "
+                                       "bug in sampling); its epoch is broken")  # fmt: skip
+    for r in results[:-1]:  # a peer lost: the connection closed, not the group timeout
+        assert isinstance(r, Unavailable) and "Connection closed" in str(r), r
+    assert all(core.state is ShardState.PENDING for core in cores)
+    assert all(core.detail.startswith(("a step failed part-way", "process group broken")) for core in cores)
+    # The broken epoch is not joined again, whatever the version; a new epoch forms new groups, and serves.
+    on_every_core(cores, lambda core: core.apply(mesh(model, 6, ids, epoch=5, store_port=store.port)))
+    assert all(core.state is ShardState.PENDING for core in cores)
+    monkeypatch.setattr(runtime, "sample", sample)
+    apply_all(cores, mesh(model, 7, ids, epoch=7, store_port=store.port))
+    for core in cores:
+        core.release([("r", 1)])
+    assert pipelined(cores, GREEDY, 6, 3, version=7) == reference_greedy(model, list(PROMPT), 6)[0]
 
 
 def _rt(stages: int = 1, tp: int = 1, limits: ServingLimits = SLOTS) -> SimpleNamespace:
