@@ -504,7 +504,7 @@ def round_targets(bases: dict[str, dict], rows: list[dict], flags: list[str]) ->
         median = statistics.median(measured)
         line = _target(first["name"], first["dtype"], median, first["unit"], first["op"], first["goal"],
                        why_none=first["note"])  # fmt: skip
-        shown = ", ".join("–" if v is None else f"{v:+.2f}" if first["unit"] == " ms" else f"{v:.2f}" for v in values)
+        shown = ", ".join("–" if v is None else _shown(v, first["unit"]) for v in values)
         line["detail"] = f"median of {len(measured)} rounds ({shown})"
         if first["detail"]:
             line["detail"] += f"; round {numbers[at]}: {first['detail']}"
@@ -524,15 +524,20 @@ def _nth(items: list | None, i: int, default: object) -> object:
 def _target_line(t: dict) -> str:
     if t["value"] is None:
         return f"- {t['dtype']}: {t['name']}: not measured ({t['note']})."
-    number = f"{t['value']:+.2f}{t['unit']}" if t["unit"] == " ms" else f"{t['value']:.2f}{t['unit']}"
+    number = _shown(t["value"], t["unit"]) + t["unit"]
     spread = ""
     if t.get("range"):
-        low, high = (f"{x:+.2f}" if t["unit"] == " ms" else f"{x:.2f}" for x in t["range"])
+        low, high = (_shown(x, t["unit"]) for x in t["range"])
         spread = f" (range {low} to {high})"
     verdict = ("**met**" if t["met"] else "**not met**") if t["met"] is not None else t["note"]
     target = f"target {t['target']}: {verdict}" if t["target"] else verdict
     detail = f"; {t['detail']}" if t["detail"] else ""
     return f"- {t['dtype']}: {t['name']}: **{number}**{spread} ({target}{detail})."
+
+
+def _shown(value: float, unit: str) -> str:
+    """A derived number as the report prints it: milliseconds signed (a difference), ratios not."""
+    return f"{value:+.2f}" if unit == " ms" else f"{value:.2f}"
 
 
 def _llama_line(dtype: str, llama: dict) -> str:
@@ -568,7 +573,7 @@ def markdown(info: dict, bases: dict[str, dict], rows: list[dict], found: list[d
         f"Model `{a.model}` in {', '.join(bases)}, greedy, chat prompt of {PROMPT!r}, {a.new_tokens} new tokens; "
         f"pipeline layouts started with `--rebalance {a.rebalance}`.",
     ]  # fmt: skip
-    rounds = getattr(a, "rounds", 1) > 1
+    rounds = a.rounds > 1
     if rounds:
         lines += [f"{a.rounds} rounds of llama.cpp and every mesh, alternated (odd rounds in the planned order, "
                   "even rounds reversed, the table in the order they ran); each derived line is computed within "

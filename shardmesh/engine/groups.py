@@ -45,6 +45,9 @@ class Collective(Protocol):
 
     def all_gather(self, x: Tensor) -> Tensor: ...
 
+    def close(self, why: str) -> None:
+        """Give up the group for good (`ShardGroups.close`): peers waiting in it fail, later calls raise."""
+
 
 class SingleRank:
     """A group of one: tensor parallelism degree 1. Every collective is the identity."""
@@ -57,6 +60,9 @@ class SingleRank:
 
     def all_gather(self, x: Tensor) -> Tensor:
         return x
+
+    def close(self, why: str) -> None:
+        """No peers, nothing to close."""
 
 
 class UnboundGroup:
@@ -77,6 +83,9 @@ class UnboundGroup:
 
     def all_gather(self, x: Tensor) -> Tensor:
         return self.all_reduce(x)
+
+    def close(self, why: str) -> None:
+        """Not formed: nothing to close."""
 
 
 class ClosedGroup:
@@ -321,10 +330,10 @@ class ShardGroups:
         peer reads "Connection closed by peer"); a shared-memory group marks itself closed in its segment, which
         a waiting peer reads within a millisecond. The model may outlive the epoch with this tp group bound to it
         (`tp.bind_group`), so the group is dropped here rather than left to the garbage collector."""
-        for part in (self.tp, self.prev, self.next, self.loop):
-            close = getattr(part, "close", None)
-            if close is not None:
-                close(why)
+        self.tp.close(why)
+        for link in (self.prev, self.next, self.loop):
+            if link is not None:
+                link.close(why)
 
 
 class Backend:

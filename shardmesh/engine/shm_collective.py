@@ -30,9 +30,9 @@ core, and spinning only delays it (SmolLM2 tp=3 on 2 cores, a decode step in pro
 50 µs spin, 11.1 ms yielding at once; float32 22.5 against 19.3). Every millisecond it checks that each peer it
 waits for is alive (kill(pid, 0), and not a zombie) and that the group timeout has not passed; either failure raises
 RuntimeError naming the peer, as a broken Gloo group would, and the worker treats it as a lost peer. So does a
-peer's `close` (its epoch broke: it lost a peer of its own, or a step failed part-way on it), which it writes into the
-header: a live peer that will never arrive. Without a C++
-compiler the kernel is not built and `negotiate` reports shm as unavailable, so every rank keeps Gloo.
+peer's `close` (its epoch broke: it lost a peer of its own, or a step failed part-way on it), which it writes into
+the header: a live peer that will never arrive. Without a C++ compiler the kernel is not built and `negotiate`
+reports shm as unavailable, so every rank keeps Gloo.
 """
 
 from __future__ import annotations
@@ -251,6 +251,8 @@ class Fallback(Protocol):
 
     def all_gather(self, x: Tensor) -> Tensor: ...
 
+    def close(self, why: str) -> None: ...
+
 
 def spin_seconds(size: int, cores: int | None = None) -> float:
     """How long a rank waiting in a collective spins before it yields its core: SPIN_S when the group has a core
@@ -361,9 +363,7 @@ class ShmCollective:
         and raises, naming this rank) and close the Gloo group under it; this rank's later calls raise too."""
         self._broken = self._broken or f"rank {self.rank} closed the group: {why}"
         self._seg[CLOSED_AT : CLOSED_AT + 8].view(torch.int64).fill_(self.rank + 1)  # one aligned 8-byte store
-        close = getattr(self.fallback, "close", None)
-        if close is not None:
-            close(why)
+        self.fallback.close(why)
 
     def describe(self) -> str:
         spin = f"spin {self.spin_s * 1e6:g} µs" if self.spin_s else "yields at once: more ranks than cores"

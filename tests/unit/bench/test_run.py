@@ -121,7 +121,7 @@ def test_skipped_llama_and_failed_rows_are_reported(tmp_path: Path) -> None:
     info = {"cpu": "AMD EPYC", "cpu_id": "family 25", "cpu_flags": ["avx512_bf16"], "cores": 2, "torch": "2",
             "date": "2026-01-01T00:00:00+00:00", "host": "h"}  # fmt: skip
     a = argparse.Namespace(model="m", new_tokens=8, rebalance="none", layouts="1x1", streams="1",
-                           dtypes="float32,bfloat16", quick=False)  # fmt: skip
+                           dtypes="float32,bfloat16", quick=False, rounds=1)  # fmt: skip
     md = run.markdown(info, bases, rows, run.targets(bases, rows, info["cpu_flags"]), a)
     assert "CPU flags that pick kernels: avx512_bf16." in md
     assert "llama.cpp, float32: not measured (no llama)." in md

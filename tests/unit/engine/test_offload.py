@@ -43,6 +43,9 @@ class LocalRank:
     def all_gather(self, x: Tensor) -> Tensor:
         return x
 
+    def close(self, why: str) -> None:
+        pass
+
 
 @pytest.fixture(scope="module")
 def ck32(tmp_path_factory: pytest.TempPathFactory) -> Path:
