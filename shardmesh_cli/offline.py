@@ -80,10 +80,10 @@ def generate_local(
     check_shards(model_dir, shard_specs(cfg.num_layers, pp, tp), cfg)  # fail here, not in a child
     if memory_budget is not None:
         specs = shard_specs(cfg.num_layers, pp, tp)
-        # offload streams on cpu only: a GPU rank anywhere is refused, naming its device; with int8 the int8 copy of
-        # the layers is written here, once, before the ranks map it
-        check_budget(model_dir, cfg, specs, parse_dtype(dtype), memory_budget,
-                     next((d for d in devices if d != "cpu"), "cpu"), Quantization(quantization))  # fmt: skip
+        # each rank on its own device (a CPU rank maps the checkpoint, a GPU rank streams from pinned memory); with
+        # int8 on a CPU the int8 copy of the layers is written here, once, before the ranks map it
+        check_budget(model_dir, cfg, specs, parse_dtype(dtype), memory_budget, devices,
+                     Quantization(quantization))  # fmt: skip
     if len(request.input_ids) + request.max_new_tokens > cfg.max_context:
         raise ValueError(
             f"max_new_tokens: prompt ({len(request.input_ids)}) + max_new_tokens ({request.max_new_tokens}) "

@@ -172,14 +172,16 @@ def _offload(i: dict[str, Any]) -> Iterator[Any]:
     if s is None:
         return
     yield CounterMetricFamily("shardmesh_offload_read_bytes", "Weight bytes the streamer's reads brought in "
-                              "(mapped in, or copied into its buffers)", s.read_bytes)  # fmt: skip
+                              "(mapped in, or copied into its buffers; on CUDA, the copies not replayed from a "
+                              "graph)", s.read_bytes)  # fmt: skip
     yield CounterMetricFamily("shardmesh_offload_read_seconds", "Time those reads took (read bytes / read seconds: "
                               "the achieved streaming rate)", s.read_seconds)  # fmt: skip
     yield CounterMetricFamily("shardmesh_offload_wait_seconds", "Time the compute thread waited for a streamed "
                               "layer's read", s.wait_seconds)  # fmt: skip
     yield GaugeMetricFamily("shardmesh_offload_bound_bytes_per_second", "The bound: the same reads' rate measured "
                             "at load with the checkpoint in the page cache (the hot rate; a cold file reads at the "
-                            "disk's)", s.bound_bytes_per_second)  # fmt: skip
+                            "disk's; on CUDA, the pinned host-to-device copy rate)",
+                            s.bound_bytes_per_second)  # fmt: skip
     yield GaugeMetricFamily("shardmesh_offload_planned_bytes_per_step", "Bytes the plan streams per forward",
                             s.planned_bytes_per_step)  # fmt: skip
     yield GaugeMetricFamily("shardmesh_offload_huge_pages", "1 when the streamed layers map in huge pages",

@@ -106,6 +106,8 @@ class DecodeGraphs:
             g = self.graphs[(rows, length)] = self._capture(rows, length)
         elif g.graph is not None:
             g.graph.replay()
+            if self.model.streamer is not None:  # layers streamed from host memory: count what the replay copied
+                self.model.streamer.replayed()
         else:
             g.out.copy_(self._forward(rows, g.layout))
         # A copy: the next replay overwrites `out` while the caller may still hold this step's rows.

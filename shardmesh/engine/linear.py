@@ -27,8 +27,9 @@ were once quantized to a 4- or 8-bit grid in blocks of 32 (SmolLM2's GGUF: Q4_1 
 exactly, up to the scale's float16 rounding; one scale per output row, the first format, lost 0.051 nats per token on
 SmolLM2 (bench/int8_quality.py). The activations stay in float, so every tensor-parallel degree computes the same
 numbers. On a float32 CPU shard with AVX-512 the blocked loop (`BlockedInt8Kernel`); other CPUs a loop compiled for
-them (`Int8CpuKernel`, `shardmesh.engine.int8_cpu`); without a compiler, CUDA, or other dtypes, each weight converted
-to the activations' dtype inside the product (`Int8DequantKernel`). PyTorch's own int8 product
+them (`Int8CpuKernel`, `shardmesh.engine.int8_cpu`); on CUDA a Triton kernel that dequantizes as it reads
+(`Int8CudaKernel`, `shardmesh.engine.int8_cuda`); without a compiler or Triton, or in other CPU dtypes, each weight
+converted to the activations' dtype inside the product (`Int8DequantKernel`). PyTorch's own int8 product
 (`_weight_int8pack_mm`) takes one scale per row, so none of them uses it.
 `SHARDMESH_LINEAR_KERNEL` names a kernel to use instead of the one chosen.
 """
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardmesh.core.dtypes import INT8_GROUP, INT8_QUANTIZE_CHUNK
-from shardmesh.engine import cpu_kernels, int8_cpu
+from shardmesh.engine import cpu_kernels, int8_cpu, int8_cuda
 from shardmesh.engine.cpu_features import cpu_flags
 
 # The batch size oneDNN chooses the packed layout for. Not 1, though decode multiplies one row per sequence:
@@ -149,8 +150,8 @@ class BlockedInt8Kernel(BlockedCpuKernel):
 
 class Int8DequantKernel(LinearKernel):
     """Y = X (Q · s + o)ᵀ + b, the weight dequantized to X's dtype inside the product: activations stay as they are,
-    so every tensor-parallel degree computes the same numbers as a float product of the dequantized weight (CUDA,
-    dtypes other than float32, CPUs without a compiler)."""
+    so every tensor-parallel degree computes the same numbers as a float product of the dequantized weight (CUDA
+    without Triton, CPU dtypes other than float32, CPUs without a compiler)."""
 
     name = "int8-dequant"
     quantized = True
@@ -179,6 +180,31 @@ class Int8CpuKernel(Int8DequantKernel):
         return y + bias if bias is not None else y
 
 
+class Int8CudaKernel(Int8DequantKernel):
+    """`int8_cuda.linear` (a Triton kernel that dequantizes as it reads) for up to `int8_cuda.MAX_ROWS` rows (decode),
+    `Int8DequantKernel`'s float product for more (a prompt) (CUDA, where Triton is)."""
+
+    name = "int8-triton"
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+        assert scale is not None
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > int8_cuda.MAX_ROWS:
+            return super().__call__(x, weight, bias, scale)
+        y = int8_cuda.linear(rows, weight, scale).reshape(*x.shape[:-1], weight.shape[0])
+        return y + bias if bias is not None else y
+
+
+def row_major_int8(x: Tensor) -> Int8DequantKernel:
+    """The int8 kernel for weights as `quantize_groups` lays them out (row-major, not re-stored for a kernel) times
+    `x`: a compiled loop on CPU float32, Triton on CUDA, else the weight dequantized in the product."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and int8_cpu.available():
+        return Int8CpuKernel()
+    if x.device.type == "cuda" and int8_cuda.available():
+        return Int8CudaKernel()
+    return Int8DequantKernel()
+
+
 DENSE = DenseKernel()
 KERNELS: dict[str, type[LinearKernel]] = {
     k.name: k
@@ -190,6 +216,7 @@ KERNELS: dict[str, type[LinearKernel]] = {
         Int8DequantKernel,
         Int8CpuKernel,
         BlockedInt8Kernel,
+        Int8CudaKernel,
     )
 }
 KERNEL_ENV = "SHARDMESH_LINEAR_KERNEL"
@@ -218,7 +245,10 @@ def choose_kernel(dtype: torch.dtype, device: torch.device | str, quantized: boo
             return kernel
     cpu = torch.device(device).type == "cpu"
     if quantized:
-        if not (cpu and dtype == torch.float32):
+        if not cpu:
+            cuda = torch.device(device).type == "cuda" and int8_cuda.available()
+            return Int8CudaKernel() if cuda else Int8DequantKernel()
+        if dtype != torch.float32:
             return Int8DequantKernel()
         if _blocked_suits_cpu():
             return BlockedInt8Kernel()

@@ -107,7 +107,7 @@ def build_shard(
     """Load layers `spec.layers` (and tensor slice `spec.tp_rank`) of the checkpoint in `model_dir`, with
     every product computed by the kernel `linear.choose_kernel` picks for `dtype` on `device`.
 
-    With `Quantization.INT8` the decoder layers' products are quantized as each is read (`_Int8`): the shard
+    With `Quantization.INT8` the decoder layers' products are quantized as each is read (`Int8Finish`): the shard
     never holds more than one of them in float.
 
     With `memory_budget` (bytes of weights in memory), the leading layers that fit are loaded and the others'
@@ -125,7 +125,7 @@ def build_shard(
         reads = stream_layers(ckpt, model, reads, dtype, device, memory_budget, quantization, progress)
     for p in model.parameters():
         p.requires_grad_(False)  # before loading: an int8 tensor cannot be a parameter that requires grad
-    int8 = _Int8(model) if quantization is Quantization.INT8 else None
+    int8 = Int8Finish(model) if quantization is Quantization.INT8 else None
     tensors = read_tensors(ckpt, reads, dtype, device, progress, finish=int8)
     model.load_state_dict(tensors, strict=True, assign=True)
     del tensors  # the model holds them now; no second reference may outlive `use_kernel`'s copies
@@ -143,7 +143,7 @@ def build_shard(
     return model.eval()
 
 
-class _Int8:
+class Int8Finish:
     """`read_tensors`' finish step: each quantized product, as soon as it is read, to int8 values (returned, for
     the model to load) and its groups' float16 scales and minima (kept in `scales` for `build_shard` to attach)."""
 

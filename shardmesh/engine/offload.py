@@ -80,16 +80,15 @@ from shardmesh.core.config import ModelConfig
 from shardmesh.core.dtypes import DType, Quantization
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.units import format_bytes
-from shardmesh.engine import cpu_kernels, int8_cpu
+from shardmesh.engine import cpu_kernels, host_offload
 from shardmesh.engine.int8_copy import ensure_copy, int8_reads, scale_name
 from shardmesh.engine.linear import (
-    Int8CpuKernel,
-    Int8DequantKernel,
     LinearKernel,
     LinearProduct,
     dequantize,
     int8_products,
     layer_products,
+    row_major_int8,
 )
 from shardmesh.engine.model import Transformer
 from shardmesh.models.checkpoint import Checkpoint, TensorRead
@@ -226,10 +225,11 @@ def _two_largest(values: list[int]) -> int:
 @dataclass(frozen=True)
 class Int8Streams:
     """An int8 shard's side of a plan: the products it holds in int8 (`linear.int8_products`, resident ones
-    quantized at load) and the int8 copy its streamed layers map (`int8_copy`)."""
+    quantized at load) and the int8 copy its streamed layers map (`int8_copy`; None on CUDA, whose streamed layers
+    are quantized as they are pinned, `host_offload`)."""
 
     products: set[str]
-    copy: Checkpoint
+    copy: Checkpoint | None
 
     def held_bytes(self, r: TensorRead) -> int:
         """Bytes a product read holds in int8, values and its groups' scales (`Quantization.weight_bytes`)."""
@@ -272,21 +272,68 @@ def _plan(
     ckpt: Checkpoint, model: Transformer, reads: list[TensorRead], dtype: torch.dtype, budget: int,
     device: torch.device | str, unit: int, int8: Int8Streams | None,
 ) -> OffloadPlan:  # fmt: skip
+    if torch.device(device).type == "cuda":
+        return _plan_host(model, reads, dtype, budget, int8)
     if torch.device(device).type != "cpu":
-        raise ValueError(f"memory budget: offload streams weights on cpu only, not on {device}")
+        raise ValueError(f"memory budget: offload streams weights on cpu or cuda, not on {device}")
     layers = model.layer_range
     streams = layer_products(model)
     mapped_reads = [m for r in reads if r.target in streams for m in _streamed_reads(r, int8)]
-    located = _locate(int8.copy if int8 is not None else ckpt, mapped_reads)
+    located = _locate(int8.copy or ckpt if int8 is not None else ckpt, mapped_reads)
     # The int8 copy is mapped as it lies (int8 values, float16 scales); a float checkpoint when it is the serving dtype
     zero_copy = int8 is not None or all(
         located[r.source].dtype == dtype and located[r.source].offset % dtype.itemsize == 0 for r in mapped_reads
     )
-    base = 0
-    kept: dict[int, int] = defaultdict(int)  # per layer: bytes resident whether it streams or not (norms, biases)
-    streamed: dict[int, int] = defaultdict(int)  # per layer: bytes of its products' weights
+    base, kept, streamed = _layer_bytes(model, reads, dtype, int8)
     spans: dict[int, list[tuple[Path, int, int]]] = defaultdict(list)  # per layer: the bytes its weights map
     largest_read = 0
+    for r in reads:
+        if r.target in streams:
+            for m in _streamed_reads(r, int8):
+                loc = located[m.source]
+                if loc.dtype is None:
+                    raise ValueError(f"memory budget: tensor '{m.source}' cannot be streamed (not a float dtype)")
+                spans[layer_index(r.target) or 0].append((loc.file, *_byte_range(m, loc)))
+                largest_read = max(largest_read, _mapped_bytes([spans[layer_index(r.target) or 0][-1]], unit))
+    mapped = {i: _mapped_bytes(spans[i], unit) for i in layers}
+
+    def working(streaming: range) -> int:
+        if zero_copy:
+            return _two_largest([mapped[i] for i in streaming])
+        copies = min(2, len(streaming)) * max((streamed[i] for i in streaming), default=0)
+        return copies + (largest_read if streaming else 0)
+
+    return _split(model, dtype, budget, int8, base, kept, streamed, working, zero_copy, unit)
+
+
+def _plan_host(model: Transformer, reads: list[TensorRead], dtype: torch.dtype, budget: int,
+               int8: Int8Streams | None) -> OffloadPlan:  # fmt: skip
+    """A CUDA shard's split (`host_offload`): the working set is the device ring, two buffers of the largest
+    streamed layer as packed; the streamed layers' pinned host copies are host memory, outside the budget."""
+    base, kept, streamed = _layer_bytes(model, reads, dtype, int8)
+    streams = layer_products(model)
+    by_layer: dict[int, list[TensorRead]] = defaultdict(list)
+    for r in reads:
+        if r.target in streams:
+            by_layer[layer_index(r.target) or 0].append(r)
+    products = int8.products if int8 is not None else set()
+    packed = {i: host_offload.packed_bytes(rs, dtype, products) for i, rs in by_layer.items()}
+
+    def working(streaming: range) -> int:
+        return min(2, len(streaming)) * max((packed[i] for i in streaming), default=0)
+
+    return _split(model, dtype, budget, int8, base, kept, streamed, working, False, host_offload.ALIGN)
+
+
+def _layer_bytes(
+    model: Transformer, reads: list[TensorRead], dtype: torch.dtype, int8: Int8Streams | None
+) -> tuple[int, dict[int, int], dict[int, int]]:
+    """Bytes held outside the decoder layers; per layer, bytes resident whether it streams or not (norms, biases);
+    per layer, bytes of its products' weights (int8: values and scales)."""
+    streams = layer_products(model)
+    base = 0
+    kept: dict[int, int] = defaultdict(int)
+    streamed: dict[int, int] = defaultdict(int)
     for r in reads:
         i = layer_index(r.target)
         size = int8.held_bytes(r) if int8 is not None and r.target in int8.products else r.numel * dtype.itemsize
@@ -294,28 +341,25 @@ def _plan(
             base += size
         elif r.target in streams:
             streamed[i] += size
-            for m in _streamed_reads(r, int8):
-                loc = located[m.source]
-                if loc.dtype is None:
-                    raise ValueError(f"memory budget: tensor '{m.source}' cannot be streamed (not a float dtype)")
-                spans[i].append((loc.file, *_byte_range(m, loc)))
-                largest_read = max(largest_read, _mapped_bytes(spans[i][-1:], unit))
         else:
             kept[i] += size
-    mapped = {i: _mapped_bytes(spans[i], unit) for i in layers}
+    return base, kept, streamed
+
+
+def _split(
+    model: Transformer, dtype: torch.dtype, budget: int, int8: Int8Streams | None, base: int, kept: dict[int, int],
+    streamed: dict[int, int], working: Callable[[range], int], zero_copy: bool, unit: int,
+) -> OffloadPlan:  # fmt: skip
+    """As many leading layers resident as fit next to `working(streamed layers)`, else BudgetError."""
+    layers = model.layer_range
     need = 0
     for resident in range(len(layers), -1, -1):
         split = layers.start + resident
         streaming = range(split, layers.stop)
         bytes_resident = base + sum(kept[i] + (streamed[i] if i < split else 0) for i in layers)
-        if zero_copy:
-            working = _two_largest([mapped[i] for i in streaming])
-        else:
-            working = min(2, len(streaming)) * max((streamed[i] for i in streaming), default=0)
-            working += largest_read if streaming else 0
-        need = bytes_resident + working
+        need = bytes_resident + working(streaming)
         if need <= budget:
-            return OffloadPlan(budget, range(layers.start, split), streaming, bytes_resident, working,
+            return OffloadPlan(budget, range(layers.start, split), streaming, bytes_resident, need - bytes_resident,
                                sum(streamed[i] for i in streaming), zero_copy, unit)  # fmt: skip
     held = str(dtype).removeprefix("torch.") + (" with int8 products" if int8 is not None else "")
     raise BudgetError(
@@ -349,19 +393,22 @@ def int8_streams(
 
 def check_budget(
     model_dir: str | Path, cfg: ModelConfig, specs: list[ShardSpec], dtype: torch.dtype, budget: int,
-    device: torch.device | str = "cpu", quantization: Quantization = Quantization.NONE,
+    devices: list[str] | str = "cpu", quantization: Quantization = Quantization.NONE,
 ) -> None:  # fmt: skip
-    """`plan_offload` for every shard of a mesh from the checkpoint's headers, before any process starts (with int8,
-    from the int8 copy of its layers, written now if the cache lacks it); a refusal names the shard that needs the
-    most."""
+    """`plan_offload` for every shard of a mesh from the checkpoint's headers, before any process starts, each on its
+    own device (`devices`: one per spec, or one for all; with int8 on a CPU, from the int8 copy of its layers,
+    written now if the cache lacks it); a refusal names the shard that needs the most."""
     from shardmesh.engine.groups import UnboundGroup
     from shardmesh.engine.loader import meta_shard  # here: the loader imports this module
 
     ckpt = Checkpoint(model_dir)
     refused: list[BudgetError] = []
-    for spec in specs:
+    for spec, device in zip(specs, [devices] * len(specs) if isinstance(devices, str) else devices, strict=True):
         model, reads = meta_shard(cfg, spec, UnboundGroup(spec.tp_rank, spec.tp_size), None)
-        int8 = int8_streams(ckpt, model, reads, dtype) if quantization is Quantization.INT8 else None
+        int8 = None
+        if quantization is Quantization.INT8:
+            on_cpu = torch.device(device).type == "cpu"
+            int8 = int8_streams(ckpt, model, reads, dtype) if on_cpu else Int8Streams(int8_products(model), None)
         try:
             plan_offload(ckpt, model, reads, dtype, budget, device, int8=int8)
         except BudgetError as e:
@@ -414,8 +461,7 @@ class StreamedInt8Kernel(StreamedKernel):
 
     def _block(self, x: Tensor, i: int, bias: Tensor | None) -> Tensor:
         assert self.blocks is not None and self.scales is not None
-        rows = Int8CpuKernel if x.dtype == torch.float32 and int8_cpu.available() else Int8DequantKernel
-        return rows()(x, self.blocks[i], bias, self.scales[i])
+        return row_major_int8(x)(x, self.blocks[i], bias, self.scales[i])
 
 
 ROWS_LINEAR_MAX = 8  # rows of x up to which `cpu_kernels.rows_linear` multiplies streamed weights; a prompt's GEMM
@@ -734,7 +780,10 @@ def stream_layers(
     model, give those products a `StreamedKernel` and their layers the hooks that stream them. Returns the reads
     left for the loader to load resident. With int8 the streamed products map the int8 copy of the checkpoint's
     layers (`int8_streams`), their kernel a `StreamedInt8Kernel`."""
-    int8 = int8_streams(ckpt, model, reads, dtype, progress) if quantization is Quantization.INT8 else None
+    cuda = torch.device(device).type == "cuda"
+    int8 = None
+    if quantization is Quantization.INT8:  # CUDA quantizes its streamed layers as it pins them: no int8 copy
+        int8 = Int8Streams(int8_products(model), None) if cuda else int8_streams(ckpt, model, reads, dtype, progress)
     plan = plan_offload(ckpt, model, reads, dtype, budget, device, int8=int8)
     if not plan.streamed_layers:
         return reads
@@ -743,11 +792,16 @@ def stream_layers(
     by_layer: dict[int, list[TensorRead]] = defaultdict(list)
     for r in streamed:
         by_layer[layer_index(r.target) or 0].append(r)  # (never None: streamed reads are in layers)
+    kind = StreamedInt8Kernel if int8 is not None else StreamedKernel
+    if cuda:
+        model.streamer = host_offload.stream_from_host(ckpt, model, plan, by_layer, dtype, torch.device(device),
+                                                       quantization, progress, kind, "streamed-pinned")  # fmt: skip
+        targets = {r.target for r in streamed}
+        return [r for r in reads if r.target not in targets]
     mapped = {i: [m for r in rs for m in _streamed_reads(r, int8)] for i, rs in by_layer.items()}
-    located = _locate(int8.copy if int8 is not None else ckpt, [m for ms in mapped.values() for m in ms])
+    located = _locate(int8.copy or ckpt if int8 is not None else ckpt, [m for ms in mapped.values() for m in ms])
     streamer = LayerStreamer(plan, dtype, max(sum(r.numel for r in rs) for rs in by_layer.values()))
     name = "streamed-int8" if int8 is not None else "streamed" if plan.zero_copy else "streamed-copy"
-    kind = StreamedInt8Kernel if int8 is not None else StreamedKernel
     for index in plan.streamed_layers:
         kernels, shapes = {}, {}
         for r in by_layer[index]:

@@ -13,7 +13,8 @@ Per shard of n layers on rank r of tp, serving dtype b bytes, checkpoint dtype c
                   maps on the workers' hosts (`engine.offload.map_unit()`: 64 KiB, or a 2 MiB huge page);
                 copy (cpu, c ≠ b): min(2, m) × products + the largest single read's `mapped_bound` (the two buffers
                   and the pages of the read being copied);
-                device (cuda): min(2, m) × products (two device buffers; the engine streams on cpu only today).
+                device (cuda): min(2, m) × products, each product (int8: its values and its scales) rounded up to
+                  `DEVICE_ALIGN` (two device buffers the layers are copied into from pinned host memory).
   k           = the most leading layers with resident(k) + working(n − k) ≤ B; none fits when k = 0 does not.
   streamed    = (n − k) × products per step: one forward (a decode step: one token at batch 1) reads each once.
 
@@ -39,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from shardmesh.core.dtypes import DType, Quantization
+from shardmesh.core.dtypes import INT8_GROUP, DType, Quantization
 from shardmesh.core.layout import split_layers
 from shardmesh.planning.devices import Device, compact_bytes, describe_devices, gb
 from shardmesh.planning.memory import ModelInfo, ShardMemory
@@ -52,6 +53,8 @@ if TYPE_CHECKING:
 # to this much around a read fault on a file mapping, so a streamed read holds its bytes rounded out to it (more
 # where huge pages map the page cache: `PlanOptions.map_unit`).
 FAULT_AROUND = 64 * 1024
+# `shardmesh.engine.host_offload.ALIGN`: each product a CUDA worker streams starts at a multiple of this in its buffers
+DEVICE_ALIGN = 256
 MiB = 2**20
 ZERO_COPY, COPY, DEVICE = "zero-copy", "copy", "device"
 WORKING_SET = {ZERO_COPY: "two layers' mapped pages",
@@ -124,8 +127,10 @@ def working_set(layer: Part, streaming: int, b: int, c: int, mode: str, unit: in
         return two * min(reads, mapped_bound(layer.int8_whole, unit))
     if mode == ZERO_COPY:
         return two * sum(mapped_bound(span * c, unit) for span in layer.spans)
-    if q is Quantization.INT8:
-        return two * product_bytes(layer, DType.FLOAT32, q)  # device buffers of int8 layers
+    if mode == DEVICE:  # two device buffers of one layer's products packed back to back, each aligned
+        int8 = q is Quantization.INT8
+        sizes = [(o * i, o * -(-i // INT8_GROUP) * 4) if int8 else (o * i * b,) for o, i in layer.products]
+        return two * sum(-(-n // DEVICE_ALIGN) * DEVICE_ALIGN for size in sizes for n in size)
     products = sum(o * i for o, i in layer.products) * b
     largest_read = max((mapped_bound(span * c, unit) for span in layer.spans), default=0)
     return two * products + (largest_read if mode == COPY else 0)
@@ -287,11 +292,10 @@ class OffloadProposal:
         """The proposal's lines: the command, each stage's split and peak, the bytes streamed, the host memory and
         the step time, each a product a person can check."""
         p, b = self, DType.parse(self.dtype).itemsize
-        engine = "" if p.mode != DEVICE else "; a prediction: the engine streams on cpu workers only today"
         devices = describe_devices(tuple(sh.device for sh in p.shards))
         n = len(p.shards)
         what = f"{p.dtype} with int8 products (--quantize int8 " if p.int8 else f"{p.dtype} ("
-        lines = [f"offload in {what}--memory-budget {compact_bytes(p.budget)}, {p.mode}{engine}): tp={p.tp} × "
+        lines = [f"offload in {what}--memory-budget {compact_bytes(p.budget)}, {p.mode}): tp={p.tp} × "
                  f"pp={p.pp} on {n} device{'s' * (n > 1)} ({devices}), layers split evenly"]  # fmt: skip
         working = WORKING_SET[p.mode] + ("; o and down map whole rows" if p.mode == ZERO_COPY and p.tp > 1 else "")
         unit = f"{p.map_unit // MiB} MiB" if p.map_unit % MiB == 0 else f"{p.map_unit // 1024} KiB"

@@ -12,8 +12,10 @@ import torch
 
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.topology import ServingLimits
+from shardmesh.engine import host_offload
 from shardmesh.engine import offload as engine
 from shardmesh.engine.groups import UnboundGroup
+from shardmesh.engine.linear import int8_products
 from shardmesh.engine.loader import meta_shard
 from shardmesh.models.checkpoint import Checkpoint
 from shardmesh.planning import planner
@@ -22,6 +24,8 @@ from shardmesh.planning.link import parse_rate
 from shardmesh.planning.memory import ModelInfo, RuntimeCosts, load_model
 from shardmesh.planning.offload import (
     COPY,
+    DEVICE,
+    DEVICE_ALIGN,
     FAULT_AROUND,
     ZERO_COPY,
     LinkRates,
@@ -52,13 +56,17 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            intermediate_size=512)  # fmt: skip
 
 
-def _engine_plan(model: ModelInfo, spec: ShardSpec, dtype: str, budget: int,
-                 unit: int = FAULT_AROUND, quantization: str = "none") -> engine.OffloadPlan | None:  # fmt: skip
+def _engine_plan(model: ModelInfo, spec: ShardSpec, dtype: str, budget: int, unit: int = FAULT_AROUND,
+                 quantization: str = "none", device: str = "cpu") -> engine.OffloadPlan | None:  # fmt: skip
     shard, reads = meta_shard(model.cfg, spec, UnboundGroup(spec.tp_rank, spec.tp_size), None)
     ckpt, serving = Checkpoint(model.path), getattr(torch, dtype)
-    int8 = engine.int8_streams(ckpt, shard, reads, serving, progress=False) if quantization == "int8" else None
+    int8 = None
+    if quantization == "int8":  # a CUDA shard quantizes its streamed layers as it pins them: no int8 copy
+        cpu = device == "cpu"
+        int8 = engine.int8_streams(ckpt, shard, reads, serving, progress=False) if cpu else engine.Int8Streams(
+            int8_products(shard), None)  # fmt: skip
     try:
-        return engine.plan_offload(ckpt, shard, reads, serving, budget, unit=unit, int8=int8)
+        return engine.plan_offload(ckpt, shard, reads, serving, budget, device, unit=unit, int8=int8)
     except engine.BudgetError:
         return None
 
@@ -85,6 +93,8 @@ def _thresholds(model: ModelInfo, spec: ShardSpec, dtype: str, mode: str, unit: 
         (2, 6, 0, 1, "bfloat16", COPY, "none"),  # a middle stage, float32 checkpoint served in bfloat16: copied
         (0, LAYERS, 0, 1, "float32", ZERO_COPY, "int8"),  # int8 products, streamed from the int8 copy
         (0, LAYERS, 1, 2, "bfloat16", ZERO_COPY, "int8"),  # a tp rank's slices of the copy, values and scales
+        (0, LAYERS, 0, 1, "bfloat16", DEVICE, "none"),  # cuda: two device buffers of a layer, products aligned
+        (2, 6, 1, 2, "float32", DEVICE, "int8"),  # cuda, a tp rank's int8 values and scales
     ],
 )
 def test_the_split_under_a_budget_is_the_engines(
@@ -96,6 +106,7 @@ def test_the_split_under_a_budget_is_the_engines(
     for k may keep more); its working set, the exact mapped pages, is at most the planner's bound, within two
     fault-around windows per read of it. (Both are given the 64 KiB unit: the engine's default is this host's.)"""
     monkeypatch.setenv("SHARDMESH_CACHE", str(tmp_path))  # where the engine writes the int8 copy
+    device = "cuda" if mode == DEVICE else "cpu"  # planned only: nothing is loaded on the device
     model = load_model(ckpt)
     spec = ShardSpec(start, end, LAYERS, rank, tp)
     n = end - start
@@ -106,18 +117,18 @@ def test_the_split_under_a_budget_is_the_engines(
     for budget in thresholds:
         k = max(j for j, t in enumerate(thresholds) if t <= budget)
         ours = residency(model, (start, end), tp, rank, dtype, budget, mode, quantization=quantization)
-        theirs = _engine_plan(model, spec, dtype, budget, quantization=quantization)
+        theirs = _engine_plan(model, spec, dtype, budget, quantization=quantization, device=device)
         assert ours is not None and theirs is not None, (k, budget)
         assert ours.resident == len(theirs.resident_layers) == k, (k, budget, theirs)
         assert ours.streamed_bytes_per_step == theirs.streamed_bytes_per_step
         assert ours.resident_bytes == theirs.resident_bytes
         assert theirs.zero_copy == (mode == ZERO_COPY)
-        slack = min(2, n - k) * reads * 2 * FAULT_AROUND
+        slack = min(2, n - k) * reads * 2 * FAULT_AROUND if mode != DEVICE else 0  # the device ring: exact
         assert theirs.working_set_bytes <= ours.working_set_bytes <= theirs.working_set_bytes + slack
         kept.add(k)
         below = [j for j, t in enumerate(thresholds) if t <= budget - 1]
         fewer = residency(model, (start, end), tp, rank, dtype, budget - 1, mode, quantization=quantization)
-        engine_fewer = _engine_plan(model, spec, dtype, budget - 1, quantization=quantization)
+        engine_fewer = _engine_plan(model, spec, dtype, budget - 1, quantization=quantization, device=device)
         if below:  # a byte less: the planner keeps fewer, never more than the engine
             assert fewer is not None and fewer.resident == max(below) <= k
             assert engine_fewer is not None and len(engine_fewer.resident_layers) >= fewer.resident
@@ -128,6 +139,10 @@ def test_the_split_under_a_budget_is_the_engines(
     assert {0, n} <= kept and (tp > 1 or len(kept) >= n - 1), kept
     too_small = thresholds[0] - 1
     assert residency(model, (start, end), tp, rank, dtype, too_small, mode, quantization=quantization) is None
+
+
+def test_the_device_alignment_is_the_engines() -> None:
+    assert DEVICE_ALIGN == host_offload.ALIGN
 
 
 def test_fault_around_and_the_mapped_bound() -> None:
