@@ -47,6 +47,17 @@ MARGIN = 0.1
 AGREE_STEPS = 32
 
 
+def shape_args(doc: str | None, steps: int) -> argparse.ArgumentParser:
+    """The arguments the GPU decode benches share: the model's shape, the streams, the prompt, the steps timed."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--streams", default="1,16")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    return ap
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -170,12 +181,7 @@ def agreement(engine, hf, prompt: list[int], steps: int, device: torch.device) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
-    ap.add_argument("--streams", default="1,16")
-    ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap = shape_args(__doc__, steps=64)
     ap.add_argument("--compile", action="store_true", help="also torch.compile the captured step")
     ap.add_argument("--device", default="cuda:0", help="cpu only to try the script (--shape tiny)")
     a = ap.parse_args()

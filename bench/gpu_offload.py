@@ -18,7 +18,6 @@ Writes <out>/<host>-<date>-gpu-offload.{md,json} and prints the markdown.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import tempfile
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.conditions import machine, save_results  # noqa: E402
-from bench.gpu_decode import SHAPES, WARMUP, sync  # noqa: E402
+from bench.gpu_decode import SHAPES, WARMUP, shape_args, sync  # noqa: E402
 
 PROBES = 5
 
@@ -102,12 +101,7 @@ def weight_bytes(model) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
-    ap.add_argument("--streams", default="1,16")
-    ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap = shape_args(__doc__, steps=32)
     ap.add_argument("--variants", default="resident,streamed,int8", help="which shards (resident always runs)")
     a = ap.parse_args()
     if not torch.cuda.is_available():

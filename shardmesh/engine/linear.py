@@ -165,34 +165,42 @@ class Int8DequantKernel(LinearKernel):
         return F.linear(x, dequantize(weight, scale).to(x.dtype), bias)
 
 
-class Int8CpuKernel(Int8DequantKernel):
-    """`int8_cpu.linear` for up to `int8_cpu.MAX_ROWS` rows (decode), `Int8DequantKernel`'s float GEMM for more
-    (a prompt), float32 in and out (CPU, float32, where the kernel builds)."""
+class Int8DecodeKernel(Int8DequantKernel):
+    """A kernel of its own (`rows_linear`) for up to `max_rows` rows (decode), `Int8DequantKernel`'s float product for
+    more (a prompt, where the product is compute-bound)."""
+
+    max_rows = 0
+
+    def rows_linear(self, rows: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+        assert scale is not None
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > self.max_rows:
+            return super().__call__(x, weight, bias, scale)
+        y = self.rows_linear(rows, weight, scale).reshape(*x.shape[:-1], weight.shape[0])
+        return y + bias if bias is not None else y
+
+
+class Int8CpuKernel(Int8DecodeKernel):
+    """`int8_cpu.linear` on decode rows, float32 in and out (CPU, float32, where the kernel builds)."""
 
     name = "int8-cpu"
+    max_rows = int8_cpu.MAX_ROWS
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-        assert scale is not None
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] > int8_cpu.MAX_ROWS:
-            return super().__call__(x, weight, bias, scale)
-        y = int8_cpu.linear(rows, weight, scale).reshape(*x.shape[:-1], weight.shape[0])
-        return y + bias if bias is not None else y
+    def rows_linear(self, rows: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        return int8_cpu.linear(rows, weight, scale)
 
 
-class Int8CudaKernel(Int8DequantKernel):
-    """`int8_cuda.linear` (a Triton kernel that dequantizes as it reads) for up to `int8_cuda.MAX_ROWS` rows (decode),
-    `Int8DequantKernel`'s float product for more (a prompt) (CUDA, where Triton is)."""
+class Int8CudaKernel(Int8DecodeKernel):
+    """`int8_cuda.linear` on decode rows, a Triton kernel that dequantizes as it reads (CUDA, where Triton is)."""
 
     name = "int8-triton"
+    max_rows = int8_cuda.MAX_ROWS
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-        assert scale is not None
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] > int8_cuda.MAX_ROWS:
-            return super().__call__(x, weight, bias, scale)
-        y = int8_cuda.linear(rows, weight, scale).reshape(*x.shape[:-1], weight.shape[0])
-        return y + bias if bias is not None else y
+    def rows_linear(self, rows: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        return int8_cuda.linear(rows, weight, scale)
 
 
 def row_major_int8(x: Tensor) -> Int8DequantKernel:
