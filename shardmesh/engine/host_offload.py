@@ -31,7 +31,6 @@ without a timer).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +39,6 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from shardmesh.core.dtypes import INT8_GROUP, Quantization
-from shardmesh.engine.linear import LinearProduct, layer_products
 from shardmesh.models.checkpoint import Checkpoint, TensorRead
 
 ALIGN = 256  # each packed tensor starts at a multiple of this many bytes (any dtype's alignment, and cuBLAS's)
@@ -62,8 +60,12 @@ class _Part:
         return torch.Size(self.shape).numel() * self.dtype.itemsize
 
     def view(self, buffer: Tensor) -> Tensor:
-        """This tensor inside `buffer` (a uint8 buffer packed as `pack` lays it out)."""
+        """This tensor inside `buffer` (a uint8 buffer packed as `layout` lays it out)."""
         return buffer[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def layout(tensors: dict[tuple[str, bool], Tensor]) -> tuple[list[_Part], int]:
@@ -71,7 +73,7 @@ def layout(tensors: dict[tuple[str, bool], Tensor]) -> tuple[list[_Part], int]:
     parts, at = [], 0
     for (target, scale), t in tensors.items():
         parts.append(_Part(target, scale, t.dtype, tuple(t.shape), at))
-        at += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        at += _aligned(t.numel() * t.element_size())
     return parts, at
 
 
@@ -95,7 +97,7 @@ class HostLayerStreamer:
         self.ring = [torch.empty(ring_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self.layers: dict[int, _HostLayer] = {}
         self.bytes_streamed = 0
-        self.bound_bytes_per_second, self.wait_seconds = 0.0, 0.0
+        self.bound_bytes_per_second = 0.0
         self._copied_through = -1  # the last position whose copy is enqueued in this forward
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []  # uncaptured copies, not summed yet
         self._read_seconds, self._timed_bytes = 0.0, 0
@@ -170,12 +172,6 @@ class HostLayerStreamer:
         for kernel in self.layers[index].kernels.values():
             kernel.blocks = kernel.scales = None
 
-    def pre_hook(self, index: int) -> Callable[[nn.Module, Any], None]:
-        def hook(_module: nn.Module, _inputs: Any) -> None:
-            self.acquire(index)
-
-        return hook
-
     def _fold(self, wait: bool) -> None:
         """Add the timed copies that are done (`wait`: all of them, waiting for those in flight) to the sums."""
         left = []
@@ -198,8 +194,9 @@ class HostLayerStreamer:
         from shardmesh.engine.offload import StreamStats  # here: offload imports this module
 
         seconds = self.read_seconds
-        return StreamStats(self.bytes_streamed, self._timed_bytes, seconds, self.wait_seconds,
-                           self.bound_bytes_per_second, self.plan.streamed_bytes_per_step, False)  # fmt: skip
+        # no wait on the host: the compute stream waits for the copies on the device
+        return StreamStats(self.bytes_streamed, self._timed_bytes, seconds, 0.0, self.bound_bytes_per_second,
+                           self.plan.streamed_bytes_per_step, False)  # fmt: skip
 
 
 def packed_bytes(reads: list[TensorRead], dtype: torch.dtype, int8: set[str]) -> int:
@@ -210,7 +207,7 @@ def packed_bytes(reads: list[TensorRead], dtype: torch.dtype, int8: set[str]) ->
     total = 0
     for target, (rows, cols) in target_shapes(reads).items():
         sizes = [rows * cols, rows * -(-cols // INT8_GROUP) * 4] if target in int8 else [rows * cols * dtype.itemsize]
-        total += sum(-(-n // ALIGN) * ALIGN for n in sizes)
+        total += sum(_aligned(n) for n in sizes)
     return total
 
 
@@ -224,9 +221,9 @@ def pin_layers(
     from shardmesh.engine.reads import read_tensors
 
     out = {}
+    finish = Int8Finish(model) if quantization is Quantization.INT8 else None
     for index, reads in tqdm(by_layer.items(), desc="pinning streamed layers", unit="layer", delay=1.0,
                              disable=not progress):  # fmt: skip
-        finish = Int8Finish(model) if quantization is Quantization.INT8 else None
         loaded = read_tensors(ckpt, reads, dtype, device, progress=False, finish=finish)
         tensors: dict[tuple[str, bool], Tensor] = {}
         for target, t in loaded.items():
@@ -240,31 +237,3 @@ def pin_layers(
         out[index] = (pinned, parts)
         del loaded, tensors
     return out
-
-
-def stream_from_host(
-    ckpt: Checkpoint, model: nn.Module, plan: Any, by_layer: dict[int, list[TensorRead]], dtype: torch.dtype,
-    device: torch.device, quantization: Quantization, progress: bool, kernel_type: type, name: str,
-) -> HostLayerStreamer:  # fmt: skip
-    """Pin the streamed layers (`pin_layers`), give their products `kernel_type` kernels and their layers the hooks
-    that stream them, and start the shard's first layer by copying the first streamed one in."""
-    pinned = pin_layers(ckpt, model, by_layer, dtype, device, quantization, progress)
-    streamer = HostLayerStreamer(plan, device, max(p.numel() for p, _ in pinned.values()))
-    first = model.model.layers[str(model.layer_range.start)]
-    first.register_forward_pre_hook(lambda _m, _a: streamer.begin())  # before a streamed first layer's own hook
-    streams = layer_products(model)
-    for index in plan.streamed_layers:
-        kernels = {}
-        for r in by_layer[index]:
-            if r.target in kernels or r.target not in streams:
-                continue
-            module = model.get_submodule(r.target.removesuffix(".weight"))
-            assert isinstance(module, LinearProduct)
-            module.weight = None  # type: ignore[assignment]  # no parameter: the streamer hands weights over
-            module.kernel = kernels[r.target] = kernel_type(name)
-        streamer.add(index, *pinned[index], kernels)
-        layer = model.model.layers[str(index)]
-        layer.register_forward_pre_hook(streamer.pre_hook(index))
-        layer.register_forward_hook(lambda _m, _a, _o, i=index: streamer.release(i), always_call=True)
-    streamer.settle()
-    return streamer

@@ -203,12 +203,14 @@ class Int8CudaKernel(Int8DecodeKernel):
         return int8_cuda.linear(rows, weight, scale)
 
 
-def row_major_int8(x: Tensor) -> Int8DequantKernel:
+def row_major_int8(device: torch.device | str, dtype: torch.dtype) -> Int8DequantKernel:
     """The int8 kernel for weights as `quantize_groups` lays them out (row-major, not re-stored for a kernel) times
-    `x`: a compiled loop on CPU float32, Triton on CUDA, else the weight dequantized in the product."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and int8_cpu.available():
+    activations in `dtype` on `device`: a compiled loop on CPU float32, Triton on CUDA, else the weight dequantized in
+    the product."""
+    kind = torch.device(device).type
+    if kind == "cpu" and dtype == torch.float32 and int8_cpu.available():
         return Int8CpuKernel()
-    if x.device.type == "cuda" and int8_cuda.available():
+    if kind == "cuda" and int8_cuda.available():
         return Int8CudaKernel()
     return Int8DequantKernel()
 
@@ -253,14 +255,9 @@ def choose_kernel(dtype: torch.dtype, device: torch.device | str, quantized: boo
             return kernel
     cpu = torch.device(device).type == "cpu"
     if quantized:
-        if not cpu:
-            cuda = torch.device(device).type == "cuda" and int8_cuda.available()
-            return Int8CudaKernel() if cuda else Int8DequantKernel()
-        if dtype != torch.float32:
-            return Int8DequantKernel()
-        if _blocked_suits_cpu():
+        if cpu and dtype == torch.float32 and _blocked_suits_cpu():
             return BlockedInt8Kernel()
-        return Int8CpuKernel() if int8_cpu.available() else Int8DequantKernel()
+        return row_major_int8(device, dtype)
     if not cpu:
         return DENSE
     if dtype in (torch.float32, torch.bfloat16) and _blocked_suits_cpu():

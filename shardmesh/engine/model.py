@@ -201,7 +201,7 @@ class Transformer(nn.Module):
         self.rope_cos: Tensor | None = None
         self.rope_sin: Tensor | None = None
         self.linear_kernels: list[str] = []  # the names of the kernels the loader chose for the products
-        self.streamer: Any = None  # an `offload.LayerStreamer` when layers stream from the checkpoint (a budget)
+        self.streamer: Any = None  # when layers stream (a budget): `offload.LayerStreamer`, `host_offload`'s on CUDA
 
     @property
     def dtype(self) -> torch.dtype:

@@ -378,10 +378,14 @@ class BudgetError(ValueError):
 
 
 def int8_streams(
-    ckpt: Checkpoint, model: Transformer, reads: list[TensorRead], dtype: torch.dtype, progress: bool = True
-) -> Int8Streams:
+    ckpt: Checkpoint, model: Transformer, reads: list[TensorRead], dtype: torch.dtype, progress: bool = True,
+    device: torch.device | str = "cpu",
+) -> Int8Streams:  # fmt: skip
     """An int8 shard's `Int8Streams`: the int8 copy of its layers' products, written now where the cache lacks it
-    (`int8_copy.ensure_copy`: every layer of the shard, for the plan to place any of them)."""
+    (`int8_copy.ensure_copy`: every layer of the shard, for the plan to place any of them). On CUDA none: its
+    streamed layers are quantized as they are pinned (`host_offload`)."""
+    if torch.device(device).type == "cuda":
+        return Int8Streams(int8_products(model), None)
     streams = layer_products(model)
     sources: dict[int, list[str]] = defaultdict(list)
     for r in reads:
@@ -405,10 +409,7 @@ def check_budget(
     refused: list[BudgetError] = []
     for spec, device in zip(specs, [devices] * len(specs) if isinstance(devices, str) else devices, strict=True):
         model, reads = meta_shard(cfg, spec, UnboundGroup(spec.tp_rank, spec.tp_size), None)
-        int8 = None
-        if quantization is Quantization.INT8:
-            on_cpu = torch.device(device).type == "cpu"
-            int8 = int8_streams(ckpt, model, reads, dtype) if on_cpu else Int8Streams(int8_products(model), None)
+        int8 = int8_streams(ckpt, model, reads, dtype, device=device) if quantization is Quantization.INT8 else None
         try:
             plan_offload(ckpt, model, reads, dtype, budget, device, int8=int8)
         except BudgetError as e:
@@ -461,7 +462,7 @@ class StreamedInt8Kernel(StreamedKernel):
 
     def _block(self, x: Tensor, i: int, bias: Tensor | None) -> Tensor:
         assert self.blocks is not None and self.scales is not None
-        return row_major_int8(x)(x, self.blocks[i], bias, self.scales[i])
+        return row_major_int8(x.device, x.dtype)(x, self.blocks[i], bias, self.scales[i])
 
 
 ROWS_LINEAR_MAX = 8  # rows of x up to which `cpu_kernels.rows_linear` multiplies streamed weights; a prompt's GEMM
@@ -715,14 +716,6 @@ class LayerStreamer:
             self._pending = (index, slot, _done())
         return slot
 
-    def pre_hook(self, index: int) -> Callable[[nn.Module, Any], None]:
-        """A forward pre-hook that acquires layer `index` (and returns None: a value would replace the inputs)."""
-
-        def hook(_module: nn.Module, _inputs: Any) -> None:
-            self.acquire(index)
-
-        return hook
-
     def _wait_for(self, index: int) -> int:
         """The reader's prefetch of layer `index` done (fetched now if another one was prefetched, or `inline`):
         its slot."""
@@ -778,12 +771,11 @@ def stream_layers(
 ) -> list[TensorRead]:  # fmt: skip
     """Plan the shard under `budget`; when layers must stream, take their products' weights out of the (meta)
     model, give those products a `StreamedKernel` and their layers the hooks that stream them. Returns the reads
-    left for the loader to load resident. With int8 the streamed products map the int8 copy of the checkpoint's
-    layers (`int8_streams`), their kernel a `StreamedInt8Kernel`."""
+    left for the loader to load resident. On a CPU they map the checkpoint (with int8, the int8 copy of its layers,
+    `int8_streams`); on CUDA they are packed into pinned host memory and copied in each step (`host_offload`). An
+    int8 shard's streamed kernel is a `StreamedInt8Kernel`."""
     cuda = torch.device(device).type == "cuda"
-    int8 = None
-    if quantization is Quantization.INT8:  # CUDA quantizes its streamed layers as it pins them: no int8 copy
-        int8 = Int8Streams(int8_products(model), None) if cuda else int8_streams(ckpt, model, reads, dtype, progress)
+    int8 = int8_streams(ckpt, model, reads, dtype, progress, device) if quantization is Quantization.INT8 else None
     plan = plan_offload(ckpt, model, reads, dtype, budget, device, int8=int8)
     if not plan.streamed_layers:
         return reads
@@ -792,16 +784,20 @@ def stream_layers(
     by_layer: dict[int, list[TensorRead]] = defaultdict(list)
     for r in streamed:
         by_layer[layer_index(r.target) or 0].append(r)  # (never None: streamed reads are in layers)
+    streamer: LayerStreamer | host_offload.HostLayerStreamer
+    if cuda:  # packed into pinned host memory, copied into a device ring each step
+        pinned = host_offload.pin_layers(ckpt, model, by_layer, dtype, torch.device(device), quantization, progress)
+        host = host_offload.HostLayerStreamer(plan, torch.device(device), max(p.numel() for p, _ in pinned.values()))
+        first = model.model.layers[str(model.layer_range.start)]
+        first.register_forward_pre_hook(lambda _m, _a: host.begin())  # before a streamed first layer's own hook
+        streamer = host
+        name = "streamed-pinned"
+    else:  # mapped from the checkpoint (or the int8 copy) where it lies
+        mapped = {i: [m for r in rs for m in _streamed_reads(r, int8)] for i, rs in by_layer.items()}
+        located = _locate(int8.copy or ckpt if int8 is not None else ckpt, [m for ms in mapped.values() for m in ms])
+        streamer = LayerStreamer(plan, dtype, max(sum(r.numel for r in rs) for rs in by_layer.values()))
+        name = "streamed-int8" if int8 is not None else "streamed" if plan.zero_copy else "streamed-copy"
     kind = StreamedInt8Kernel if int8 is not None else StreamedKernel
-    if cuda:
-        model.streamer = host_offload.stream_from_host(ckpt, model, plan, by_layer, dtype, torch.device(device),
-                                                       quantization, progress, kind, "streamed-pinned")  # fmt: skip
-        targets = {r.target for r in streamed}
-        return [r for r in reads if r.target not in targets]
-    mapped = {i: [m for r in rs for m in _streamed_reads(r, int8)] for i, rs in by_layer.items()}
-    located = _locate(int8.copy or ckpt if int8 is not None else ckpt, [m for ms in mapped.values() for m in ms])
-    streamer = LayerStreamer(plan, dtype, max(sum(r.numel for r in rs) for rs in by_layer.values()))
-    name = "streamed-int8" if int8 is not None else "streamed" if plan.zero_copy else "streamed-copy"
     for index in plan.streamed_layers:
         kernels, shapes = {}, {}
         for r in by_layer[index]:
@@ -812,14 +808,27 @@ def stream_layers(
             shapes[r.target] = tuple(module.weight.shape)
             module.weight = None  # type: ignore[assignment]  # no parameter: the streamer hands weights over
             module.kernel = kernels[r.target] = kind(name)
-        streamer.add(index, mapped[index], located, kernels, shapes)
+        if isinstance(streamer, LayerStreamer):
+            streamer.add(index, mapped[index], located, kernels, shapes)
+        else:
+            streamer.add(index, *pinned[index], kernels)
         layer = model.model.layers[str(index)]
-        layer.register_forward_pre_hook(streamer.pre_hook(index))
+        layer.register_forward_pre_hook(_acquire_hook(streamer, index))
         layer.register_forward_hook(lambda _m, _a, _o, i=index: streamer.release(i), always_call=True)
     streamer.settle()
     model.streamer = streamer
     targets = {r.target for r in streamed}
     return [r for r in reads if r.target not in targets]
+
+
+def _acquire_hook(streamer: LayerStreamer | host_offload.HostLayerStreamer,
+                  index: int) -> Callable[[nn.Module, Any], None]:  # fmt: skip
+    """A forward pre-hook that acquires layer `index` (and returns None: a value would replace the inputs)."""
+
+    def hook(_module: nn.Module, _inputs: Any) -> None:
+        streamer.acquire(index)
+
+    return hook
 
 
 def is_streamed(module: nn.Module) -> bool:

@@ -15,7 +15,6 @@ from shardmesh.core.topology import ServingLimits
 from shardmesh.engine import host_offload
 from shardmesh.engine import offload as engine
 from shardmesh.engine.groups import UnboundGroup
-from shardmesh.engine.linear import int8_products
 from shardmesh.engine.loader import meta_shard
 from shardmesh.models.checkpoint import Checkpoint
 from shardmesh.planning import planner
@@ -60,11 +59,7 @@ def _engine_plan(model: ModelInfo, spec: ShardSpec, dtype: str, budget: int, uni
                  quantization: str = "none", device: str = "cpu") -> engine.OffloadPlan | None:  # fmt: skip
     shard, reads = meta_shard(model.cfg, spec, UnboundGroup(spec.tp_rank, spec.tp_size), None)
     ckpt, serving = Checkpoint(model.path), getattr(torch, dtype)
-    int8 = None
-    if quantization == "int8":  # a CUDA shard quantizes its streamed layers as it pins them: no int8 copy
-        cpu = device == "cpu"
-        int8 = engine.int8_streams(ckpt, shard, reads, serving, progress=False) if cpu else engine.Int8Streams(
-            int8_products(shard), None)  # fmt: skip
+    int8 = engine.int8_streams(ckpt, shard, reads, serving, False, device) if quantization == "int8" else None
     try:
         return engine.plan_offload(ckpt, shard, reads, serving, budget, device, unit=unit, int8=int8)
     except engine.BudgetError:
