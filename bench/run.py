@@ -159,6 +159,17 @@ class Mesh:
                   if '"event": "calibrated"' in line]  # fmt: skip
         return checks[-1]["layers"] if checks else []
 
+    def links(self) -> list[str]:
+        """How the stages' links moved their bytes (shm, gloo, nccl), from the workers' `ready` lines: a pipeline on
+        one host takes shared memory unless a side refused it (`groups.form_link`)."""
+        kinds = set()
+        for log in self.log_dir.glob("worker*.log"):
+            for line in log.read_text().splitlines():
+                if '"event": "ready"' in line:
+                    ready = json.loads(line)
+                    kinds |= {ready[k].split()[0] for k in ("prev_link", "next_link", "loop_link") if k in ready}
+        return sorted(kinds)
+
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
@@ -309,7 +320,7 @@ def run_mesh(model_dir: Path, run: dict, prompt_ids: list[int], a: argparse.Name
                 print(f"round {run.get('round', 1)} {run['dtype']} pp={run['pp']} tp={run['tp']} "
                       f"pipeline={run['pipeline']} threads={run['threads']}: {r}", file=sys.stderr)  # fmt: skip
             rss = [round(x / 2**20) for x in mesh.worker_peak_rss()]
-            return [{**r, "worker_peak_rss_mib": rss, "layers": mesh.layers()} for r in mine]
+            return [{**r, "worker_peak_rss_mib": rss, "layers": mesh.layers(), "links": mesh.links()} for r in mine]
         finally:
             mesh.close()
 
@@ -553,6 +564,8 @@ def _row_line(r: dict, base: dict, rounds: bool = False) -> str:
     mode = r["pipeline"] if r["pp"] > 1 else "a call per token" if r.get("decode_steps") == 1 else ""
     if r["pp"] > 1 and r.get("decode_steps", 1) > 1:
         mode += f", {r['decode_steps']} steps per call"
+    if r.get("links"):
+        mode += f", links over {'/'.join(r['links'])}"
     head = f"| {r.get('round', 1)} |" if rounds else "|"
     head += f" {r['dtype']} | {r['pp']} | {r['tp']} | {mode} |"
     if "failed" in r:

@@ -459,9 +459,10 @@ class StageWorkerCore:
         the device its messages travel on. The two workers agree on the backend as a stage link's sides do: a CUDA
         worker handing over to a CPU one (or the other way) gets Gloo, and its cache goes through host memory."""
         other = receiver if me == 0 else sender
+        # A process group: the hand-over sends the cache in tensors of its own sizes (`kv_transfer`).
         pg, plan = form_link(store, f"kv/{sender}/{receiver}/rank{rank}", me, self.device, self.link_staging,
                              timedelta(seconds=KV_TRANSFER_TIMEOUT_S), f"worker {other} (hand-over of rank {rank})",
-                             timeout_flag="the hand-over's timeout")  # fmt: skip
+                             timeout_flag="the hand-over's timeout", share=False)  # fmt: skip
         self.log.info("kv_pair_formed", peer=other, rank=rank, link=plan.describe())
         return pg, self.device if plan.backend == "nccl" else torch.device("cpu")
 

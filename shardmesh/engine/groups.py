@@ -13,6 +13,8 @@ neighbours forms its own point-to-point link and no extra broadcast is needed).
 Neighbouring stages may sit on different device types (a GPU stage next to one in host memory, for a
 model larger than the GPU): each link agrees on its backend through the store (`negotiate_link`), NCCL
 between two GPUs and Gloo otherwise, and a GPU side of a Gloo link stages its tensors through host memory.
+Two CPU sides on one host (and a pipeline's two ends, for its loop) share a ring in /dev/shm instead when both
+can map it (`shm_link`): a hop there is a copy and a futex wake-up, not loopback TCP and Gloo's threads.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -31,8 +33,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardmesh.core.layout import ShardSpec
+from shardmesh.engine import shm_link
 from shardmesh.engine.shm_collective import TRANSPORT_ENV as TP_TRANSPORT_ENV
 from shardmesh.engine.shm_collective import check_transport, negotiate
+from shardmesh.engine.shm_link import ShmLinkWire
 
 
 class Collective(Protocol):
@@ -163,6 +167,9 @@ class LinkPlan:
     staged: bool  # this side copies through a host buffer around every send and recv
     local: str  # this side's device type
     peer: str  # the other side's device type
+    # Both sides are plain CPU ones (no forced staging), so shared memory may carry it (`form_link`); decided
+    # from both announcements, so both sides try it or neither does.
+    shareable: bool = False
 
     def describe(self) -> str:
         how = "host-staged" if self.staged else "direct"
@@ -180,7 +187,8 @@ def plan_link(local: str, local_staging: str, peer: str, peer_staging: str) -> L
     nccl = local == peer == "cuda" and local_staging == peer_staging == "auto"
     backend = "nccl" if nccl else "gloo"
     staged = backend == "gloo" and (local == "cuda" or local_staging == "host")
-    return LinkPlan(backend, staged, local, peer)
+    shareable = local == peer == "cpu" and local_staging == peer_staging == "auto"
+    return LinkPlan(backend, staged, local, peer, shareable)
 
 
 def negotiate_link(store: dist.Store, prefix: str, side: int, device: torch.device, staging: str,
@@ -241,17 +249,47 @@ class HostStaging:
         self.copies += 1
 
 
+class Wire(Protocol):
+    """How a link's bytes move: a process group's point-to-point calls (`GroupWire`), or a shared-memory ring
+    (`shm_link.ShmLinkWire`). Both block until their copy is done."""
+
+    def send(self, x: Tensor) -> None: ...
+
+    def recv_into(self, out: Tensor) -> None: ...
+
+    def close(self, why: str) -> None: ...
+
+
+class GroupWire:
+    """A two-rank process group's send and recv (Gloo or NCCL), to the other rank."""
+
+    def __init__(self, pg: dist.ProcessGroup, peer: int) -> None:
+        self.pg: dist.ProcessGroup | ClosedGroup = pg
+        self.peer = peer
+
+    def send(self, x: Tensor) -> None:
+        self.pg.send([x], self.peer, 0).wait()  # waited for: a staging buffer is reused by the next send
+
+    def recv_into(self, out: Tensor) -> None:
+        self.pg.recv([out], self.peer, 0).wait()
+
+    def close(self, why: str) -> None:
+        """Drop the process group, which closes its connection: the peer waiting on it fails at once."""
+        self.pg = ClosedGroup(why)
+
+
 class StageLink:
     """A point-to-point link between rank t of stage s (sender) and rank t of stage s + 1 (receiver).
 
-    `plan` says how (`negotiate_link`): over NCCL between two GPUs, or over Gloo, staged through host memory on a
-    side whose tensors live on a GPU (or that forces it). `staged_bytes` counts what this side copied."""
+    `plan` says how (`negotiate_link`): through shared memory between two CPU sides on one host, over NCCL between
+    two GPUs, or over Gloo, staged through host memory on a side whose tensors live on a GPU (or that forces it).
+    `wire` moves the bytes (a `GroupWire`, or a `ShmLinkWire`); a process group is wrapped in a GroupWire.
+    `staged_bytes` counts what this side copied."""
 
-    def __init__(self, pg: dist.ProcessGroup, is_sender: bool, plan: LinkPlan | None = None) -> None:
-        self.pg: dist.ProcessGroup | ClosedGroup = pg
+    def __init__(self, wire: Wire | dist.ProcessGroup, is_sender: bool, plan: LinkPlan | None = None) -> None:
         self.plan = plan or LinkPlan("gloo", False, "cpu", "cpu")
         self.is_sender = is_sender
-        self.peer = 1 if is_sender else 0
+        self.wire: Wire = wire if hasattr(wire, "recv_into") else GroupWire(wire, 1 if is_sender else 0)
         self.bytes_sent = 0
         self.bytes_received = 0
         self.messages_sent = 0
@@ -276,15 +314,13 @@ class StageLink:
         return self.plan.describe()
 
     def close(self, why: str) -> None:
-        """Drop the process group, which closes its connection: the peer waiting on it fails at once."""
-        self.pg = ClosedGroup(why)
+        """Close this side of the wire: the peer waiting on it fails at once."""
+        self.wire.close(why)
 
     def send(self, x: Tensor) -> None:
         x = x.contiguous()
         t0 = time.perf_counter()
-        wire = self._staging.to_host(x) if self._staging is not None else x
-        # Waited for: the staging buffer is reused by the next send.
-        self.pg.send([wire], self.peer, 0).wait()
+        self.wire.send(self._staging.to_host(x) if self._staging is not None else x)
         self.send_s += time.perf_counter() - t0
         self.bytes_sent += x.numel() * x.element_size()
         self.messages_sent += 1
@@ -293,10 +329,10 @@ class StageLink:
         t0 = time.perf_counter()
         if self._staging is None:
             x = torch.empty(shape, dtype=dtype, device=device)
-            self.pg.recv([x], self.peer, 0).wait()
+            self.wire.recv_into(x)
         else:
             host = self._staging.buffer(shape, dtype, pinned=torch.device(device).type == "cuda")
-            self.pg.recv([host], self.peer, 0).wait()
+            self.wire.recv_into(host)
             x = self._staging.from_host(host, device)
         self.wait_s += time.perf_counter() - t0
         self.bytes_received += x.numel() * x.element_size()
@@ -363,11 +399,31 @@ class Backend:
 
 
 def form_link(store: dist.Store, prefix: str, side: int, device: torch.device, staging: str, timeout: timedelta,
-              peer_name: str, timeout_flag: str = "--group-timeout") -> tuple[dist.ProcessGroup, LinkPlan]:  # fmt: skip
-    """Negotiate a two-rank link under `prefix` (`negotiate_link`) and build its group on the agreed backend:
-    side 0 is the group's rank 0."""
+              peer_name: str, timeout_flag: str = "--group-timeout",
+              share: bool = True) -> tuple[Wire | dist.ProcessGroup, LinkPlan]:  # fmt: skip
+    """Negotiate a two-rank link under `prefix` (`negotiate_link`) and build what carries it: with `share`, a
+    shared-memory ring when both sides are CPU ones that can map one segment (`shared_wire`), else a group on the
+    agreed backend, side 0 being its rank 0. Both sides must pass the same `share`."""
     plan = negotiate_link(store, prefix, side, device, staging, timeout, peer_name, timeout_flag)
+    if share and plan.shareable:
+        wire = shared_wire(store, prefix, side, timeout)
+        if wire is not None:
+            return wire, replace(plan, backend="shm")
     return Backend(plan.backend, timeout).group(store, prefix, side, 2), plan
+
+
+def shared_wire(store: dist.Store, prefix: str, side: int, timeout: timedelta) -> ShmLinkWire | None:
+    """A shared-memory ring for the link under `prefix` when both sides can map one segment and
+    $SHARDMESH_LINK_TRANSPORT allows it ("auto", the default, or "shm", which raises where it cannot work), else
+    None: the link takes a process group. Both sides reach the same answer (`shm_link.negotiate`)."""
+    wanted = shm_link.transport()
+    wire, reason = shm_link.negotiate(store, f"{prefix}/shm", side, timeout, wanted)
+    if wire is None and wanted == "shm":
+        raise RuntimeError(f"{shm_link.TRANSPORT_ENV}=shm, but the two sides of link {prefix} cannot share memory: "
+                           f"{reason}")  # fmt: skip
+    if reason and wanted != "gloo":
+        structlog.get_logger().info("link_shm_refused", link=prefix, side=side, reason=reason)
+    return wire
 
 
 def tp_transport() -> str:
@@ -422,12 +478,12 @@ def form_groups(
     t = spec.tp_rank
     if stage > 0:
         peer = f"stage {stage - 1} tp rank {t} (global rank {(stage - 1) * spec.tp_size + t})"
-        pg, plan = form_link(store, f"{prefix}/pp/{stage - 1}-{stage}/tp{t}", 1, device, staging, timeout, peer)
-        prev = StageLink(pg, is_sender=False, plan=plan)
+        wire, plan = form_link(store, f"{prefix}/pp/{stage - 1}-{stage}/tp{t}", 1, device, staging, timeout, peer)
+        prev = StageLink(wire, is_sender=False, plan=plan)
     if stage < num_stages - 1:
         peer = f"stage {stage + 1} tp rank {t} (global rank {(stage + 1) * spec.tp_size + t})"
-        pg, plan = form_link(store, f"{prefix}/pp/{stage}-{stage + 1}/tp{t}", 0, device, staging, timeout, peer)
-        nxt = StageLink(pg, is_sender=True, plan=plan)
+        wire, plan = form_link(store, f"{prefix}/pp/{stage}-{stage + 1}/tp{t}", 0, device, staging, timeout, peer)
+        nxt = StageLink(wire, is_sender=True, plan=plan)
     loop = form_loop(store, prefix, spec, stage, num_stages, timeout)
     return ShardGroups(spec, stage, num_stages, tp, prev, nxt, loop)
 
@@ -438,10 +494,14 @@ def form_loop(store: dist.Store, prefix: str, spec: ShardSpec, stage: int, num_s
     between): the tokens the last stage draws go back over it when a call runs several decode steps (worker.proto
     `StepRequest.decode_steps`), so the first stage can embed them without a round trip through the gateway.
     Every tp rank of the last stage draws the same token (greedy, or seeded), so each pair carries its own copy.
-    Always Gloo over host memory, whatever the stages' devices: a few token ids per step, which the last stage
-    holds on the host anyway (it samples there)."""
+    Host memory whatever the stages' devices (a few token ids per step, which the last stage holds on the host
+    anyway, as it samples there): a shared-memory ring when both ends can map one segment, else Gloo."""
     last, t = stage == num_stages - 1, spec.tp_rank
     if num_stages < 2 or not (stage == 0 or last):
         return None
-    pg = Backend("gloo", timeout).group(store, f"{prefix}/loop/tp{t}", 0 if last else 1, 2)
+    side, loop = 0 if last else 1, f"{prefix}/loop/tp{t}"
+    wire = shared_wire(store, loop, side, timeout)
+    if wire is not None:
+        return StageLink(wire, is_sender=last, plan=LinkPlan("shm", False, "cpu", "cpu", True))
+    pg = Backend("gloo", timeout).group(store, loop, side, 2)
     return StageLink(pg, is_sender=last, plan=LinkPlan("gloo", False, "cpu", "cpu"))

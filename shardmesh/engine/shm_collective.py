@@ -63,7 +63,8 @@ TRANSPORT_ENV = "SHARDMESH_TP_TRANSPORT"  # auto (default), shm or gloo: a CPU t
 TRANSPORTS = ("auto", "shm", "gloo")
 SUPPORTED = {torch.float32: 0, torch.bfloat16: 1}  # dtype -> the kernel's dtype code
 
-_SOURCE = r"""
+# What the collectives here and the pipeline links (`shm_link`) share: waiting politely, and telling a dead peer.
+PRELUDE = r"""
 #include <torch/extension.h>
 #include <atomic>
 #include <cerrno>
@@ -83,7 +84,6 @@ constexpr double YIELD_S = 2e-3;     // then hand the core over while the peer m
 constexpr long SLEEP_NS = 50000;     // then sleep: a peer that is this late is computing, not about to arrive
 constexpr double CHECK_S = 1e-3;     // how often peers' liveness, the group's closing and the timeout are checked
 constexpr int64_t CLOSED_AT = 56;    // the word in the nonce's line where a rank that closed the group writes rank + 1
-constexpr int64_t CLOSED = 1 << 20;  // barrier(): CLOSED + p, rank p closed the group
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -91,10 +91,6 @@ inline void cpu_relax() {
 #elif defined(__aarch64__)
   asm volatile("yield" ::: "memory");
 #endif
-}
-
-inline std::atomic<int64_t>* counter(uint8_t* base, int64_t r) {
-  return reinterpret_cast<std::atomic<int64_t>*>(base + LINE * (1 + r));
 }
 
 // Gone: no such process, or a zombie (killed but not yet reaped by its parent, which kill(pid, 0) still finds).
@@ -111,6 +107,18 @@ bool peer_dead(int64_t pid) {
   buf[n] = 0;
   const char* paren = strrchr(buf, ')');  // the command name may hold spaces and parentheses
   return paren != nullptr && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+}
+
+}  // namespace
+"""
+
+_SOURCE = r"""
+namespace {
+
+constexpr int64_t CLOSED = 1 << 20;  // barrier(): CLOSED + p, rank p closed the group
+
+inline std::atomic<int64_t>* counter(uint8_t* base, int64_t r) {
+  return reinterpret_cast<std::atomic<int64_t>*>(base + LINE * (1 + r));
 }
 
 // Publish `seq` and wait until every rank has: spin for `spin_s` (0: yield at once), then yield, then sleep.
@@ -227,7 +235,7 @@ int64_t shm_all_gather(torch::Tensor seg, torch::Tensor x, torch::Tensor out, in
 }
 """
 
-_KERNEL = InlineKernel("shardmesh_shm", _SOURCE, ["shm_all_reduce", "shm_all_gather"], ["-O3"])
+_KERNEL = InlineKernel("shardmesh_shm", PRELUDE + _SOURCE, ["shm_all_reduce", "shm_all_gather"], ["-O3"])
 MAX_RANKS = 64  # the bfloat16 sum keeps one pointer per rank on the stack
 CLOSED_AT = 56  # the kernel's CLOSED_AT: the byte of the header where a rank that closed the group writes rank + 1
 CLOSED = 1 << 20  # the kernel's CLOSED: a barrier's status CLOSED + p says rank p closed the group
@@ -286,16 +294,17 @@ def _map(fd: int, length: int) -> mmap.mmap:
     return mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def create_segment(size: int, capacity: int) -> Segment:
-    """Rank 0: a new segment with a random name and nonce. Its pages are reserved now (posix_fallocate): a full
-    /dev/shm fails here with an OSError, not later with SIGBUS in the middle of a collective."""
-    name = f"shardmesh-tp-{os.getpid()}-{secrets.token_hex(8)}"
+def create_segment(nbytes: int, kind: str = "tp") -> Segment:
+    """Rank 0: a new segment of `nbytes` with a random name (naming `kind`: "tp", "link") and nonce. Its pages are
+    reserved now (posix_fallocate): a full /dev/shm fails here with an OSError, not later with SIGBUS in the middle
+    of a collective."""
+    name = f"shardmesh-{kind}-{os.getpid()}-{secrets.token_hex(8)}"
     nonce = secrets.token_bytes(NONCE_BYTES)
     path = SHM_DIR / name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.posix_fallocate(fd, 0, segment_bytes(size, capacity))
-        mm = _map(fd, segment_bytes(size, capacity))
+        os.posix_fallocate(fd, 0, nbytes)
+        mm = _map(fd, nbytes)
     except BaseException:
         path.unlink(missing_ok=True)
         raise
@@ -305,14 +314,14 @@ def create_segment(size: int, capacity: int) -> Segment:
     return Segment(name, nonce, mm)
 
 
-def attach_segment(name: str, nonce: bytes, size: int, capacity: int) -> Segment:
+def attach_segment(name: str, nonce: bytes, nbytes: int) -> Segment:
     """Another rank: map the segment rank 0 announced and check its nonce (the file of that name in this rank's
     /dev/shm may be another one: another host's, or another container's). Raises OSError or ValueError."""
     fd = os.open(SHM_DIR / name, os.O_RDWR)
     try:
         found = os.fstat(fd).st_size
-        if found != segment_bytes(size, capacity):
-            raise ValueError(f"{SHM_DIR / name} holds {found} bytes, not {segment_bytes(size, capacity)}")
+        if found != nbytes:
+            raise ValueError(f"{SHM_DIR / name} holds {found} bytes, not {nbytes}")
         mm = _map(fd, found)
     finally:
         os.close(fd)
@@ -451,42 +460,56 @@ def check_transport(wanted: str) -> str:
 
 def negotiate(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta, fallback: Fallback,
               wanted: str = "auto", capacity: int = DEFAULT_CAPACITY) -> tuple[ShmCollective | None, str]:  # fmt: skip
-    """Whether every rank of a group can use a shared segment, agreed through `store` under `prefix`.
+    """Whether every rank of a group can use a shared segment (`agree`): a ShmCollective when they can, else None
+    and the first reason. `wanted` "gloo" makes this rank refuse (and so every rank)."""
+    check_transport(wanted)
+    refusal = f"{TRANSPORT_ENV}=gloo" if wanted == "gloo" else ""
+    segment, pids, reason = agree(store, prefix, rank, size, timeout, refusal, segment_bytes(size, capacity), "tp")
+    if segment is None:
+        return None, reason
+    return ShmCollective(segment, rank, size, pids, timeout, fallback, capacity), ""
+
+
+def agree(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta, refusal: str, nbytes: int,
+          kind: str) -> tuple[Segment | None, list[int], str]:  # fmt: skip
+    """Whether every rank of a group (a tp group, or a link's two sides) can map one segment of `nbytes`, agreed
+    through `store` under `prefix`.
 
     Rank 0 creates a segment and announces its name and nonce; every other rank maps it and checks the nonce
     (which proves the same host and the same /dev/shm); every rank reports whether it could, with its pid and pid
-    namespace; rank 0 then unlinks the file. All ranks read the same reports and so reach the same answer: a
-    ShmCollective when every rank succeeded and all share a pid namespace, else None and the first reason.
-    `wanted` "gloo" makes this rank refuse (and so every rank). Raises RuntimeError when a rank never reports
-    within `timeout`."""
-    check_transport(wanted)
+    namespace; rank 0 then unlinks the file. All ranks read the same reports and so reach the same answer: the
+    segment and every rank's pid when every rank succeeded and all share a pid namespace, else None and the first
+    reason. A non-empty `refusal` makes this rank refuse (and so every rank). Raises RuntimeError when a rank
+    never reports within `timeout`."""
     # Built before any wait: ranks on one host build it together (one waits on the other's lock).
-    refusal = f"{TRANSPORT_ENV}=gloo" if wanted == "gloo" else _unavailable()
+    refusal = refusal or _unavailable()
     segment: Segment | None = None
     created = ""
+    what = f"shared-memory {kind} {prefix}"
     try:
         if rank == 0:
             offer: dict[str, Any] = {"name": "", "nonce": "", "reason": refusal}
             if not refusal:
                 try:
-                    segment = create_segment(size, capacity)
+                    segment = create_segment(nbytes, kind)
                     created = segment.name
                     offer.update(name=segment.name, nonce=segment.nonce.hex())
                 except OSError as e:
                     refusal = offer["reason"] = f"cannot create a segment in {SHM_DIR}: {e}"
             store.set(f"{prefix}/offer", json.dumps(offer))
         else:
-            offer = json.loads(_wait_get(store, f"{prefix}/offer", timeout, "rank 0"))
+            offer = json.loads(_wait_get(store, f"{prefix}/offer", timeout, what, "rank 0"))
             if not refusal and offer["name"]:
                 try:
-                    segment = attach_segment(offer["name"], bytes.fromhex(offer["nonce"]), size, capacity)
+                    segment = attach_segment(offer["name"], bytes.fromhex(offer["nonce"]), nbytes)
                 except (OSError, ValueError) as e:
                     refusal = f"cannot map rank 0's segment: {e}"
             elif not refusal:
                 refusal = f"rank 0 offered none ({offer['reason']})"
         mine = {"reason": refusal, "pid": os.getpid(), "pidns": pid_namespace()}
         store.set(f"{prefix}/rank/{rank}", json.dumps(mine))
-        reports = [json.loads(_wait_get(store, f"{prefix}/rank/{r}", timeout, f"rank {r}")) for r in range(size)]
+        reports = [json.loads(_wait_get(store, f"{prefix}/rank/{r}", timeout, what, f"rank {r}"))
+                   for r in range(size)]  # fmt: skip
     except BaseException:
         if segment is not None:
             segment.close()
@@ -498,10 +521,9 @@ def negotiate(store: dist.Store, prefix: str, rank: int, size: int, timeout: tim
     if reason:
         if segment is not None:
             segment.close()
-        return None, reason
+        return None, [], reason
     assert segment is not None
-    pids = [int(r["pid"]) for r in reports]
-    return ShmCollective(segment, rank, size, pids, timeout, fallback, capacity), ""
+    return segment, [int(r["pid"]) for r in reports], ""
 
 
 def _unavailable() -> str:
@@ -524,10 +546,10 @@ def _verdict(reports: list[dict[str, Any]]) -> str:
     return ""
 
 
-def _wait_get(store: dist.Store, key: str, timeout: timedelta, who: str) -> str:
+def _wait_get(store: dist.Store, key: str, timeout: timedelta, what: str, who: str) -> str:
     try:
         store.wait([key], timeout)
         return store.get(key).decode()
     except RuntimeError:  # DistStoreError: that rank never came (or the store is gone)
-        raise RuntimeError(f"shared-memory tp group: {who} did not report within {timeout.total_seconds():g} s "
+        raise RuntimeError(f"{what}: {who} did not report within {timeout.total_seconds():g} s "
                            f"(--group-timeout)") from None  # fmt: skip

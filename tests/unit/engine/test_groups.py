@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shardmesh.core.layout import ShardSpec
-from shardmesh.engine import groups
+from shardmesh.engine import groups, shm_link
 from shardmesh.engine.groups import HostStaging, LinkPlan, ShardGroups, SingleRank, StageLink, plan_link
 
 TIMEOUT = timedelta(seconds=20)
@@ -110,8 +110,11 @@ def assert_arrived(got: list[torch.Tensor]) -> None:
 def test_plan_link(local: str, local_staging: str, peer: str, peer_staging: str, backend: str, staged: bool) -> None:
     plan = plan_link(local, local_staging, peer, peer_staging)
     assert (plan.backend, plan.staged) == (backend, staged)
-    # The other side computes the same backend from the same two announcements.
-    assert plan_link(peer, peer_staging, local, local_staging).backend == backend
+    # Only two plain CPU sides may try shared memory (`form_link`).
+    assert plan.shareable == (local == peer == "cpu" and local_staging == peer_staging == "auto")
+    # The other side computes the same backend and the same shareability from the same two announcements.
+    other = plan_link(peer, peer_staging, local, local_staging)
+    assert (other.backend, other.shareable) == (backend, plan.shareable)
 
 
 def test_an_unknown_staging_names_the_flag() -> None:
@@ -119,12 +122,17 @@ def test_an_unknown_staging_names_the_flag() -> None:
         plan_link("cpu", "device", "cpu", "auto")
 
 
-def test_cpu_sides_link_over_gloo_without_staging(store: dist.TCPStore) -> None:
+@pytest.mark.parametrize("transport,backend", [("auto", "shm"), ("gloo", "gloo")])
+def test_cpu_sides_link_without_staging_through_shared_memory_or_gloo(
+    store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch, transport: str, backend: str
+) -> None:  # fmt: skip
+    """Two CPU sides on one host share a ring (`shm_link`) unless $SHARDMESH_LINK_TRANSPORT says gloo."""
+    monkeypatch.setenv(shm_link.TRANSPORT_ENV, transport)
     links, got = link_pair(store, "t/plain", ("auto", "auto"), MESSAGES)
     assert_arrived(got)
     for link in links:
-        assert (link.backend, link.staged, link.staged_bytes) == ("gloo", False, 0)
-        assert link.describe() == "gloo direct (cpu <-> cpu)"
+        assert (link.backend, link.staged, link.staged_bytes) == (backend, False, 0)
+        assert link.describe() == f"{backend} direct (cpu <-> cpu)"
     assert links[0].bytes_sent == links[1].bytes_received == NBYTES
 
 
@@ -201,13 +209,14 @@ def test_form_groups_links_neighbouring_stages_and_describes_them(store: dist.TC
 
     first, second = on_both_sides(store, rank_main)
     assert isinstance(first.tp, SingleRank) and first.prev is None and second.next is None
-    # The loop (last stage to first, for the tokens of several decode steps per call) never stages: token ids.
+    # A side forcing host staging keeps its link on Gloo (both sides agree); the loop (last stage to first, for
+    # the tokens of several decode steps per call) never stages, token ids, and two ends on one host share memory.
     assert first.describe_links() == {
         "next_link": "gloo direct (cpu <-> cpu)",
-        "loop_link": "gloo direct (cpu <-> cpu)",
+        "loop_link": "shm direct (cpu <-> cpu)",
     }
     assert second.describe_links() == {"prev_link": "gloo host-staged (cpu <-> cpu)",
-                                       "loop_link": "gloo direct (cpu <-> cpu)"}  # fmt: skip
+                                       "loop_link": "shm direct (cpu <-> cpu)"}  # fmt: skip
     into, back = first.loop, second.loop
     assert into is not None and back is not None
     drawn = torch.tensor([7, 11, 13])
@@ -218,9 +227,13 @@ def test_form_groups_links_neighbouring_stages_and_describes_them(store: dist.TC
         groups.form_groups(store, "t/bad", ShardSpec(0, 4, 4, 0, 1), 0, 1, torch.device("cpu"), "gpu")
 
 
-def test_a_closed_link_fails_its_waiting_peer_at_once_and_raises_on_use(store: dist.TCPStore) -> None:
-    """Side 0 closes its end instead of sending: side 1's receive fails on the closed connection, not at the group
-    timeout (20 s here, which the message would name), and side 0's own later use raises naming why it closed."""
+def test_a_closed_link_fails_its_waiting_peer_at_once_and_raises_on_use(
+    store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Side 0 closes its end of a Gloo link instead of sending: side 1's receive fails on the closed connection, not
+    at the group timeout (20 s here, which the message would name), and side 0's own later use raises naming why it
+    closed. (A shared-memory link's close: tests/unit/engine/test_shm_link.py.)"""
+    monkeypatch.setenv(shm_link.TRANSPORT_ENV, "gloo")
 
     def side_main(client: dist.Store, side: int) -> str:
         pg, plan = groups.form_link(client, "t/closed", side, torch.device("cpu"), "auto", TIMEOUT, f"side {1 - side}")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from shardmesh.core.errors import InvalidArgument, MeshError, ResourceExhausted, Unavailable
 from shardmesh.core.step import SamplingParams, StepEntry
 from shardmesh.core.topology import ServingLimits, ShardState
+from shardmesh.engine import shm_link
 from shardmesh.engine.sampling import sample
 from shardworker import runtime
 from shardworker.metrics import WorkerMetrics
@@ -120,14 +121,20 @@ def test_a_pipeline_loops_its_drawn_tokens_back_to_the_first_stage(model: Path, 
     assert pipelined(cores, SEEDED, 7, 6) == pipelined(cores, SEEDED, 7, 1)
 
 
+# How a waiting peer learns its link closed: Gloo's connection, or the mark in a shared-memory ring.
+CLOSED_LINK = {"gloo": "Connection closed", "shm": "closed the link (its epoch broke)"}
+
+
 @pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("links", ["gloo", "shm"])
 def test_a_stage_failing_part_way_through_a_call_fails_its_peers_at_once(model: Path, store: dist.TCPStore,
                                                                         monkeypatch: pytest.MonkeyPatch,
-                                                                        stages: int) -> None:  # fmt: skip
+                                                                        stages: int, links: str) -> None:  # fmt: skip
     """The last stage raises something that is neither a refusal nor a lost peer in the second step of a call of
     4, after the first stage has begun waiting for that step's token: its epoch breaks and its groups close, so the
-    first stage (and the stage between) fail on a closed connection, not at the group timeout (30 s here: the
-    message would say so), and every stage waits for a new epoch."""
+    first stage (and the stage between) fail on a closed link, not at the group timeout (30 s here: the message
+    would say so), and every stage waits for a new epoch. Over Gloo links and over shared-memory ones."""
+    monkeypatch.setenv(shm_link.TRANSPORT_ENV, links)
     ids = tuple(f"w{i}" for i in range(stages))
     cores = [new_core(w) for w in ids]
     apply_all(cores, mesh(model, 5, ids, epoch=5, store_port=store.port))
@@ -147,8 +154,8 @@ def test_a_stage_failing_part_way_through_a_call_fails_its_peers_at_once(model: 
     assert all(isinstance(r, MeshError) for r in results), results
     assert str(results[-1]).startswith(f"stage {stages - 1} tp rank 0 failed part-way through a step (ValueError: a "
                                        "bug in sampling); its epoch is broken")  # fmt: skip
-    for r in results[:-1]:  # a peer lost: the connection closed, not the group timeout
-        assert isinstance(r, Unavailable) and "Connection closed" in str(r), r
+    for r in results[:-1]:  # a peer lost: the link closed, not the group timeout
+        assert isinstance(r, Unavailable) and CLOSED_LINK[links] in str(r), r
     assert all(core.state is ShardState.PENDING for core in cores)
     assert all(core.detail.startswith(("a step failed part-way", "process group broken")) for core in cores)
     # The broken epoch is not joined again, whatever the version; a new epoch forms new groups, and serves.

@@ -1,0 +1,134 @@
+"""Latency of a pipeline hop on this host: a shared-memory link against a Gloo one, in the same run.
+
+    .venv/bin/python bench/pp_link.py [--hidden 576] [--tokens 1,16] [--iters 500] [--rounds 5]
+
+Writes bench/results/<host>-<date>-pp-link.{md,json} and prints the markdown. Two processes (spawned here, one
+store served by this process) form two pairs of links the way pipeline stages do (`groups.form_link`): a forward
+link from A to B and a link back from B to A, once with SHARDMESH_LINK_TRANSPORT=shm and once with gloo. What one
+round trip carries is a two-stage pipeline's decode step: `tokens` rows of `--hidden` float32 forward (576:
+SmolLM2-135M), one int64 token id per row back, as the last stage returns what it drew to the first. A number is
+A's mean µs per round trip over `--iters` back-to-back trips, halved (one hop), and the table gives the median
+over `--rounds` rounds; the two transports alternate round by round, so drift on a shared machine hits both
+alike. Each process has one intra-op thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.conditions import machine, save_results  # noqa: E402  (the repository root is on the path only now)
+
+TIMEOUT = timedelta(seconds=120)
+TRANSPORTS = ("shm", "gloo")
+
+
+def side_main(port: int, me: int, a: dict[str, Any], out: Any) -> None:
+    """Process A (me 0) or B (me 1): form both transports' links, then time round trips; A reports."""
+    os.environ.setdefault("SHARDMESH_LOG_LEVEL", "warning")
+    import torch
+    import torch.distributed as dist
+
+    from shardmesh.engine import shm_link
+    from shardmesh.engine.groups import StageLink, form_link
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
+    cpu = torch.device("cpu")
+    links: dict[str, tuple[StageLink, StageLink]] = {}
+    for name in TRANSPORTS:
+        os.environ[shm_link.TRANSPORT_ENV] = name
+        # forward: A is side 0 (sends); back: B is side 0 (sends)
+        fwd, fplan = form_link(store, f"bench/{name}/fwd", me, cpu, "auto", TIMEOUT, "the other process")
+        back, bplan = form_link(store, f"bench/{name}/back", 1 - me, cpu, "auto", TIMEOUT, "the other process")
+        assert fplan.backend == bplan.backend == name, (fplan, bplan)
+        links[name] = (StageLink(fwd, is_sender=me == 0, plan=fplan), StageLink(back, is_sender=me == 1, plan=bplan))
+    samples: dict[str, list[float]] = {f"{name} {tokens}": [] for tokens in a["tokens"] for name in TRANSPORTS}
+    for r in range(a["rounds"]):
+        for tokens in a["tokens"]:
+            x = torch.randn(tokens, a["hidden"])
+            drawn = torch.arange(tokens, dtype=torch.int64)
+            for name in TRANSPORTS if r % 2 == 0 else TRANSPORTS[::-1]:
+                fwd_link, back_link = links[name]
+                for i in range(5 + a["iters"]):  # 5 trips of warm-up before the clock starts
+                    if i == 5:
+                        t0 = time.perf_counter()
+                    if me == 0:
+                        fwd_link.send(x)
+                        back_link.recv((tokens,), torch.int64, cpu)
+                    else:
+                        fwd_link.recv((tokens, a["hidden"]), torch.float32, cpu)
+                        back_link.send(drawn)
+                samples[f"{name} {tokens}"].append((time.perf_counter() - t0) / a["iters"] / 2 * 1e6)
+    if me == 0:
+        out.put({"transport": links["shm"][0].wire.describe(), "samples": samples})
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    args = {"hidden": a.hidden, "tokens": a.tokens, "iters": a.iters, "rounds": a.rounds}
+    procs = [ctx.Process(target=side_main, args=(store.port, me, args, out)) for me in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        return out.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+
+
+def markdown(info: dict[str, Any], a: argparse.Namespace, result: dict[str, Any], rows: list[dict]) -> str:
+    lines = [
+        f"# A pipeline hop on one host: shared memory vs Gloo ({info['date'][:10]})",
+        "",
+        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}; two processes, one intra-op thread each; "
+        f"a round trip is `tokens` {a.hidden}-wide float32 rows forward and `tokens` int64 ids back; {a.iters} "
+        f"round trips per round, halved (one hop), median of {a.rounds} rounds. shm: {result['transport']}.",
+        "",
+        "| tokens | bytes forward | shm µs per hop | Gloo µs per hop | Gloo / shm |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['bytes']} | {r['shm_us']:.1f} | {r['gloo_us']:.1f} | "
+                     f"{r['gloo_us'] / r['shm_us']:.1f}x |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=576)
+    p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[1, 16])
+    p.add_argument("--iters", type=int, default=500)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    a = p.parse_args()
+    if a.iters < 1 or a.rounds < 1:
+        p.error(f"--iters and --rounds must be at least 1 (got {a.iters}, {a.rounds})")
+    result = run(a)
+    med = {k: statistics.median(v) for k, v in result["samples"].items()}
+    rows = [{"tokens": t, "bytes": t * a.hidden * 4, "shm_us": med[f"shm {t}"], "gloo_us": med[f"gloo {t}"]}
+            for t in a.tokens]  # fmt: skip
+    info = machine()
+    data = {"args": {k: str(v) for k, v in vars(a).items()}, "transport": result["transport"], "rows": rows,
+            "samples_us": result["samples"]}  # fmt: skip
+    save_results(a.out, info, "-pp-link", markdown(info, a, result, rows), data)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""A pipeline link through a shared-memory segment, for two neighbouring stages (or a pipeline's two ends) on one host.
+
+Over Gloo a message between two processes on one host crosses loopback TCP and wakes three threads: the receiver's
+Gloo loop thread reads the socket and signals the thread waiting in `recv`, which then wakes its OpenMP team for the
+next layer. Gloo's loop threads also wake every 10 ms while idle, about 100 times a second each, on the cores the
+stages compute on. A decode step of a two-stage pipeline crosses two links (the activations forward, the drawn token
+back), so on a 2-core host each hop cost ~0.2 ms of the step (`docs/performance.md`). Through a segment that both
+sides map, a message is a copy and a futex wake-up: the waiting thread is woken directly by the sender's store.
+
+Layout: a header (the nonce, and in its line the word in which a side that closed the link writes side + 1; then
+the count of messages the sender has published and the count the receiver has consumed, each on its own cache line
+with a 32-bit futex word beside it; then each slot's message size) and `slots` slots of `capacity` bytes, a ring:
+message s (1-based) goes to slot (s - 1) % slots. The sender waits for room (consumed >= s - slots), copies, then
+publishes s and wakes the receiver; the receiver waits until s is published, checks the size it expected, copies out,
+publishes that it consumed s and wakes the sender. With several slots a sender runs ahead of a busy receiver, as a
+socket's buffer lets it on Gloo (a `full` pipeline sends its next micro-batch while the next stage still computes).
+Messages larger than a slot go through in slot-sized chunks, one message each, so a prefill of thousands of tokens
+uses the same ring.
+
+A waiting side spins for `spin_s` (0 by default: on a host where the stages take turns on shared cores the peer
+it waits for needs that core), then sleeps on the futex word for at most a millisecond at a time. Every millisecond
+it checks that its peer lives (kill(pid, 0), not a zombie), that the peer has not closed the link, and the group
+timeout; each failure returns a status that `ShmLinkWire` raises as RuntimeError naming the peer, as a broken Gloo
+link would, and the worker treats it as a lost peer. The kernel is `shm_collective`'s prelude plus the functions
+here, built at first use; without a C++ compiler the negotiation refuses and the link stays on Gloo.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from shardmesh.engine import shm_collective
+from shardmesh.engine.native import InlineKernel
+from shardmesh.engine.shm_collective import LINE, PRELUDE, Segment
+
+TRANSPORT_ENV = "SHARDMESH_LINK_TRANSPORT"  # auto (default), shm or gloo: a CPU pipeline link's transport
+SLOTS = 4
+CAPACITY = 256 << 10  # bytes per slot: 113 tokens of a 576-wide float32 hidden state, 16 of a 8192-wide bfloat16
+HEAD_AT = LINE  # messages the sender published (int64), its futex word at +8
+TAIL_AT = 2 * LINE  # messages the receiver consumed (int64), its futex word at +8
+SIZES_AT = 3 * LINE  # each slot's message size (int64 per slot)
+MAX_SLOTS = (mmap.PAGESIZE - SIZES_AT) // 8
+DEAD, CLOSED, TIMED_OUT = 1, 2, 3  # the kernel's statuses; MISMATCH + n: the sender's message held n bytes
+MISMATCH = 16
+
+_SOURCE = r"""
+#include <climits>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+
+namespace {
+
+constexpr int64_t HEAD_AT = LINE, TAIL_AT = 2 * LINE, SIZES_AT = 3 * LINE;
+constexpr int64_t DEAD = 1, CLOSED = 2, TIMED_OUT = 3, MISMATCH = 16;
+
+inline std::atomic<int64_t>* count_at(uint8_t* base, int64_t at) {
+  return reinterpret_cast<std::atomic<int64_t>*>(base + at);
+}
+inline std::atomic<int32_t>* word_at(uint8_t* base, int64_t at) {  // the futex word beside a count
+  return reinterpret_cast<std::atomic<int32_t>*>(base + at + 8);
+}
+
+void wake(std::atomic<int32_t>* word) {
+  word->fetch_add(1, std::memory_order_release);
+  syscall(SYS_futex, reinterpret_cast<int32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+void publish(uint8_t* base, int64_t at, int64_t value) {
+  count_at(base, at)->store(value, std::memory_order_release);
+  wake(word_at(base, at));
+}
+
+// Wait until the count at `at` reaches `target`: 0, or DEAD, CLOSED (the peer closed the link), TIMED_OUT.
+// The futex word is read before the count, and the publisher stores the count before bumping the word: a count
+// published after our check changes the word, so FUTEX_WAIT returns at once instead of sleeping through it.
+int64_t wait_for(uint8_t* base, int64_t at, int64_t target, int64_t peer_pid, double spin_s, double timeout_s) {
+  std::atomic<int64_t>* count = count_at(base, at);
+  std::atomic<int32_t>* word = word_at(base, at);
+  std::atomic<int64_t>* closed = count_at(base, CLOSED_AT);
+  if (count->load(std::memory_order_acquire) >= target) return 0;
+  const auto start = Clock::now();
+  double next_check = CHECK_S;
+  uint64_t spins = 0;
+  while (true) {
+    if (spin_s > 0 && (++spins & 63) != 0) {
+      cpu_relax();
+      if (count->load(std::memory_order_acquire) >= target) return 0;
+      continue;
+    }
+    const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    if (elapsed < spin_s) continue;
+    if (closed->load(std::memory_order_acquire) > 0) return CLOSED;  // link_close wakes us to read it
+    if (elapsed >= next_check) {
+      next_check = elapsed + CHECK_S;
+      if (peer_dead(peer_pid)) return DEAD;
+      if (elapsed >= timeout_s) return TIMED_OUT;
+    }
+    const int32_t seen = word->load(std::memory_order_acquire);
+    if (count->load(std::memory_order_acquire) >= target) return 0;
+    timespec ts{0, static_cast<long>(CHECK_S * 1e9)};
+    syscall(SYS_futex, reinterpret_cast<int32_t*>(word), FUTEX_WAIT, seen, &ts, nullptr, 0);
+    if (count->load(std::memory_order_acquire) >= target) return 0;
+  }
+}
+
+uint8_t* slot_at(uint8_t* base, int64_t data_offset, int64_t capacity, int64_t slots, int64_t s) {
+  return base + data_offset + ((s - 1) % slots) * capacity;
+}
+
+}  // namespace
+
+// Send x's bytes as messages seq + 1, seq + 2, ... (one per `capacity` bytes, at least one).
+int64_t link_send(torch::Tensor seg, torch::Tensor x, int64_t seq, int64_t slots, int64_t capacity,
+                  int64_t data_offset, int64_t peer_pid, double spin_s, double timeout_s) {
+  uint8_t* base = seg.data_ptr<uint8_t>();
+  const uint8_t* src = static_cast<const uint8_t*>(x.data_ptr());
+  const int64_t nbytes = x.numel() * x.element_size();
+  const int64_t chunks = nbytes == 0 ? 1 : (nbytes + capacity - 1) / capacity;
+  pybind11::gil_scoped_release no_gil;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t s = seq + 1 + c;
+    const int64_t status = wait_for(base, TAIL_AT, s - slots, peer_pid, spin_s, timeout_s);  // room in the ring
+    if (status != 0) return status;
+    const int64_t len = std::min(capacity, nbytes - c * capacity);
+    std::memcpy(slot_at(base, data_offset, capacity, slots, s), src + c * capacity, len);
+    count_at(base, SIZES_AT + 8 * ((s - 1) % slots))->store(len, std::memory_order_relaxed);
+    publish(base, HEAD_AT, s);
+  }
+  return 0;
+}
+
+// Receive messages seq + 1, ... into out (contiguous), whose size says what the sender must have sent.
+int64_t link_recv(torch::Tensor seg, torch::Tensor out, int64_t seq, int64_t slots, int64_t capacity,
+                  int64_t data_offset, int64_t peer_pid, double spin_s, double timeout_s) {
+  uint8_t* base = seg.data_ptr<uint8_t>();
+  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t nbytes = out.numel() * out.element_size();
+  const int64_t chunks = nbytes == 0 ? 1 : (nbytes + capacity - 1) / capacity;
+  pybind11::gil_scoped_release no_gil;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t s = seq + 1 + c;
+    const int64_t status = wait_for(base, HEAD_AT, s, peer_pid, spin_s, timeout_s);
+    if (status != 0) return status;
+    const int64_t len = std::min(capacity, nbytes - c * capacity);
+    const int64_t sent = count_at(base, SIZES_AT + 8 * ((s - 1) % slots))->load(std::memory_order_relaxed);
+    if (sent != len) return MISMATCH + sent;
+    std::memcpy(dst + c * capacity, slot_at(base, data_offset, capacity, slots, s), len);
+    publish(base, TAIL_AT, s);
+  }
+  return 0;
+}
+
+// Mark the link closed by `side` and wake whichever side waits, so it reads the mark now.
+void link_close(torch::Tensor seg, int64_t side) {
+  uint8_t* base = seg.data_ptr<uint8_t>();
+  count_at(base, CLOSED_AT)->store(side + 1, std::memory_order_release);
+  wake(word_at(base, HEAD_AT));
+  wake(word_at(base, TAIL_AT));
+}
+"""
+
+_KERNEL = InlineKernel("shardmesh_link", PRELUDE + _SOURCE, ["link_send", "link_recv", "link_close"], ["-O3"])
+
+
+def data_offset() -> int:
+    """Where the slots start: after the header's page."""
+    return mmap.PAGESIZE
+
+
+def segment_bytes(slots: int = SLOTS, capacity: int = CAPACITY) -> int:
+    return data_offset() + slots * capacity
+
+
+def transport() -> str:
+    """The pipeline-link transport asked for in $SHARDMESH_LINK_TRANSPORT: "auto" (shared memory when both sides can
+    map one segment, else Gloo), "shm" (shared memory, or an error) or "gloo"."""
+    wanted = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
+    if wanted not in shm_collective.TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV}={wanted!r} is not one of {', '.join(shm_collective.TRANSPORTS)}")
+    return wanted
+
+
+class ShmLinkWire:
+    """One side of a two-process link over a mapped segment (see the module docstring): `send` on side 0, `recv_into`
+    on side 1, each blocking until its copy is done. After a failure the link is broken and every later call raises
+    (the sides may disagree on how many messages went through); the next topology forms a new one."""
+
+    def __init__(self, segment: Segment, side: int, peer_pid: int, timeout: timedelta, slots: int = SLOTS,
+                 capacity: int = CAPACITY, spin_s: float = 0.0) -> None:  # fmt: skip
+        if side not in (0, 1):
+            raise ValueError(f"a link has sides 0 and 1, got {side}")
+        if not 1 <= slots <= MAX_SLOTS:
+            raise ValueError(f"a shared-memory link has 1 to {MAX_SLOTS} slots, got {slots}")
+        ext = _KERNEL.module()
+        if ext is None:
+            raise RuntimeError(f"shared-memory links need their C++ kernel: {_KERNEL.build_error}")
+        self._ext = ext
+        self.segment, self.side, self.peer_pid = segment, side, peer_pid
+        self.slots, self.capacity, self.spin_s = slots, capacity, spin_s
+        self.timeout_s = timeout.total_seconds()
+        self._seg = torch.frombuffer(segment.mm, dtype=torch.uint8)
+        self._seq = 0  # messages through the ring so far, counted alike on both sides
+        self._broken = ""
+
+    def describe(self) -> str:
+        return f"shm ({self.slots} x {self.capacity >> 10} KiB slots)"
+
+    def send(self, x: Tensor) -> None:
+        self._run("send", self._ext.link_send, x)
+
+    def recv_into(self, out: Tensor) -> None:
+        self._run("recv", self._ext.link_recv, out)
+
+    def close(self, why: str) -> None:
+        """Mark the link closed in the segment: a peer waiting on it raises within a millisecond, naming this side."""
+        if not self._broken:
+            self._broken = f"side {self.side} closed the link: {why}"
+            self._ext.link_close(self._seg, self.side)
+
+    def _run(self, what: str, fn: Any, x: Tensor) -> None:
+        if self._broken:
+            raise RuntimeError(f"link {what} over shm: the link broke earlier ({self._broken})")
+        if x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError(f"a shared-memory link moves contiguous host tensors, got {x.device} "
+                             f"contiguous={x.is_contiguous()}")  # fmt: skip
+        nbytes = x.numel() * x.element_size()
+        t0 = time.perf_counter()
+        status = fn(self._seg, x, self._seq, self.slots, self.capacity, data_offset(), self.peer_pid, self.spin_s,
+                    self.timeout_s)  # fmt: skip
+        self._seq += max(1, math.ceil(nbytes / self.capacity))
+        if status == 0:
+            return
+        peer, waited = f"side {1 - self.side} (pid {self.peer_pid})", time.perf_counter() - t0
+        if status == DEAD:
+            why = f"{peer} died while side {self.side} waited {waited:.3f} s"
+        elif status == CLOSED:
+            why = f"{peer} closed the link (its epoch broke) while side {self.side} waited {waited:.3f} s"
+        elif status == TIMED_OUT:
+            why = (f"{peer} did not come within the group timeout of {self.timeout_s:g} s (--group-timeout); "
+                   f"side {self.side} waited {waited:.3f} s")  # fmt: skip
+        else:
+            why = f"{peer} sent {status - MISMATCH} bytes where side {self.side} expected a message of {nbytes}"
+        self._broken = why
+        raise RuntimeError(f"link {what} #{self._seq} over shm: {why}")
+
+
+def negotiate(store: dist.Store, prefix: str, side: int, timeout: timedelta,
+              wanted: str = "auto") -> tuple[ShmLinkWire | None, str]:  # fmt: skip
+    """Whether both sides of a link can map one segment (`shm_collective.agree`, side 0 creating it): a ShmLinkWire
+    when they can, else None and the reason. `wanted` "gloo" makes this side refuse (and so both)."""
+    refusal = f"{TRANSPORT_ENV}=gloo" if wanted == "gloo" else _unavailable()
+    segment, pids, reason = shm_collective.agree(store, prefix, side, 2, timeout, refusal, segment_bytes(), "link")
+    if segment is None:
+        return None, reason
+    return ShmLinkWire(segment, side, pids[1 - side], timeout), ""
+
+
+def _unavailable() -> str:
+    if _KERNEL.module() is None:
+        return f"no C++ build of the shm link kernel ({_KERNEL.build_error})"
+    return ""
