@@ -18,10 +18,11 @@ Messages larger than a slot go through in slot-sized chunks, one message each, s
 uses the same ring.
 
 A waiting side spins for `spin_s` (0 by default: on a host where the stages take turns on shared cores the peer
-it waits for needs that core), then sleeps on the futex word for at most a millisecond at a time. Every millisecond
-it checks that its peer lives (kill(pid, 0), not a zombie), that the peer has not closed the link, and the group
-timeout; each failure returns a status that `ShmLinkWire` raises as RuntimeError naming the peer, as a broken Gloo
-link would, and the worker treats it as a lost peer. The kernel is `shm_collective`'s prelude plus the functions
+it waits for needs that core), then sleeps on the futex word for at most 10 ms at a time (a stage waits through the
+other stage's whole turn, and each wake-up would take a core from it), after which it checks that its peer lives
+(kill(pid, 0), not a zombie) and the group timeout. A peer that closes the link (its epoch broke) wakes it at once.
+Each failure returns a status that `ShmLinkWire` raises as RuntimeError naming the peer, as a broken Gloo link
+would, and the worker treats it as a lost peer. The kernel is `shm_collective`'s prelude plus the functions
 here, built at first use; without a C++ compiler the negotiation refuses and the link stays on Gloo.
 """
 
@@ -60,6 +61,10 @@ _SOURCE = r"""
 namespace {
 
 constexpr int64_t HEAD_AT = LINE, TAIL_AT = 2 * LINE, SIZES_AT = 3 * LINE;
+// How long a waiting side sleeps on the futex before it checks its peer's liveness and the timeout. Not CHECK_S: a
+// stage waits here for a whole turn of the other stage's compute (tens of ms), and every wake-up of this process
+// takes a core from the threads computing in that turn. A close wakes it at once (link_close).
+constexpr double LINK_CHECK_S = 10e-3;
 constexpr int64_t DEAD = 1, CLOSED = 2, TIMED_OUT = 3, MISMATCH = 16;
 
 inline std::atomic<int64_t>* count_at(uint8_t* base, int64_t at) {
@@ -88,7 +93,7 @@ int64_t wait_for(uint8_t* base, int64_t at, int64_t target, int64_t peer_pid, do
   std::atomic<int64_t>* closed = count_at(base, CLOSED_AT);
   if (count->load(std::memory_order_acquire) >= target) return 0;
   const auto start = Clock::now();
-  double next_check = CHECK_S;
+  double next_check = LINK_CHECK_S;
   uint64_t spins = 0;
   while (true) {
     if (spin_s > 0 && (++spins & 63) != 0) {
@@ -100,13 +105,13 @@ int64_t wait_for(uint8_t* base, int64_t at, int64_t target, int64_t peer_pid, do
     if (elapsed < spin_s) continue;
     if (closed->load(std::memory_order_acquire) > 0) return CLOSED;  // link_close wakes us to read it
     if (elapsed >= next_check) {
-      next_check = elapsed + CHECK_S;
+      next_check = elapsed + LINK_CHECK_S;
       if (peer_dead(peer_pid)) return DEAD;
       if (elapsed >= timeout_s) return TIMED_OUT;
     }
     const int32_t seen = word->load(std::memory_order_acquire);
     if (count->load(std::memory_order_acquire) >= target) return 0;
-    timespec ts{0, static_cast<long>(CHECK_S * 1e9)};
+    timespec ts{0, static_cast<long>(LINK_CHECK_S * 1e9)};
     syscall(SYS_futex, reinterpret_cast<int32_t*>(word), FUTEX_WAIT, seen, &ts, nullptr, 0);
     if (count->load(std::memory_order_acquire) >= target) return 0;
   }
@@ -221,7 +226,7 @@ class ShmLinkWire:
         self._run("recv", self._ext.link_recv, out)
 
     def close(self, why: str) -> None:
-        """Mark the link closed in the segment: a peer waiting on it raises within a millisecond, naming this side."""
+        """Mark the link closed in the segment and wake the peer: if it waits on the link, it raises now."""
         if not self._broken:
             self._broken = f"side {self.side} closed the link: {why}"
             self._ext.link_close(self._seg, self.side)
