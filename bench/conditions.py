@@ -1,6 +1,7 @@
 """What every benchmark here holds fixed and records: the prompt it sends, and the machine it ran on.
 
-Shared by bench/run.py, bench/llamacpp.py and bench/tracing.py, so their numbers are for the same request.
+Shared by bench/run.py, bench/llamacpp.py and bench/tracing.py, so their numbers are for the same request; and how
+the benches of several processes (bench/tp_allreduce.py, bench/pp_link.py) start them (`spawned`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import json
 import os
 import platform
 import socket
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -64,3 +67,26 @@ def save_results(out: Path, info: dict, suffix: str, md: str, data: dict) -> Non
     (out / f"{stem}.md").write_text(md)
     (out / f"{stem}.json").write_text(json.dumps({"machine": info, **data}, indent=1))
     print(md)
+
+
+def spawned(target: Any, count: int, args: dict[str, Any], timeout: timedelta) -> Any:
+    """Run `target(port, i, args, out)` in `count` fresh interpreters (spawn) that meet at a store this process
+    serves on a free loopback port, and return the first thing one of them puts on `out`; every process is
+    joined, or killed if it has not ended a minute later."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(store.port, i, args, out)) for i in range(count)]
+    for p in procs:
+        p.start()
+    try:
+        return out.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()

@@ -15,7 +15,6 @@ alike. Each process has one intra-op thread.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.conditions import machine, save_results  # noqa: E402  (the repository root is on the path only now)
+from bench.conditions import machine, save_results, spawned  # noqa: E402  (the repository root is on the path only now)
 
 TIMEOUT = timedelta(seconds=120)
 TRANSPORTS = ("shm", "gloo")
@@ -75,22 +74,8 @@ def side_main(port: int, me: int, a: dict[str, Any], out: Any) -> None:
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     args = {"hidden": a.hidden, "tokens": a.tokens, "iters": a.iters, "rounds": a.rounds}
-    procs = [ctx.Process(target=side_main, args=(store.port, me, args, out)) for me in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        return out.get(timeout=600)
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+    return spawned(side_main, 2, args, TIMEOUT)
 
 
 def markdown(info: dict[str, Any], a: argparse.Namespace, result: dict[str, Any], rows: list[dict]) -> str:

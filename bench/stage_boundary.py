@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -46,27 +45,20 @@ TIMEOUT = timedelta(seconds=600)
 
 
 def topology(model_dir: Path, dtype: str, stages: int, port: int, epoch: int, rows: int) -> Any:
+    """pp = `stages`, tp = 1, stage i held by worker "w{i}", the layers split evenly, a rendezvous of `epoch`."""
+    from shardmesh.core import topology as t
     from shardmesh.core.config import ModelConfig
     from shardmesh.core.layout import split_layers
-    from shardmesh.core.topology import (
-        ModelSpec,
-        Rendezvous,
-        ServingLimits,
-        ShardAssignment,
-        ShardState,
-        Stage,
-        Topology,
-    )
 
     cfg = ModelConfig.from_dir(model_dir)
     spans = split_layers(cfg.num_layers, stages)
-    placed = tuple(Stage(i, a, b, (ShardAssignment(0, i, f"w{i}", "", ShardState.READY),))
+    placed = tuple(t.Stage(i, a, b, (t.ShardAssignment(0, i, f"w{i}", "", t.ShardState.READY),))
                    for i, (a, b) in enumerate(spans))  # fmt: skip
-    spec = ModelSpec(str(model_dir), dtype, "LlamaForCausalLM", cfg.num_layers, cfg.hidden_size, cfg.vocab_size, 1024)
-    limits = ServingLimits(rows, 1024, max(rows * len(PROMPT), 64))
-    topo = Topology(epoch, spec, stages, 1, placed, Rendezvous.for_epoch("127.0.0.1", port, epoch, stages), True,
-                    limits)  # fmt: skip
-    return replace(topo, limits=limits)
+    spec = t.ModelSpec(str(model_dir), dtype, "LlamaForCausalLM", cfg.num_layers, cfg.hidden_size, cfg.vocab_size,
+                       1024)  # fmt: skip
+    limits = t.ServingLimits(rows, 1024, max(rows * len(PROMPT), 64))
+    return t.Topology(epoch, spec, stages, 1, placed, t.Rendezvous.for_epoch("127.0.0.1", port, epoch, stages), True,
+                      limits)  # fmt: skip
 
 
 def stage_main(layout: str, stage: int, port: int, a: argparse.Namespace) -> None:

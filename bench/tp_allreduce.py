@@ -17,7 +17,6 @@ shared-memory wait's yielding and sleeping is for.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.conditions import machine, save_results  # noqa: E402  (the repository root is on the path only now)
+from bench.conditions import machine, save_results, spawned  # noqa: E402  (the repository root is on the path only now)
 
 TIMEOUT = timedelta(seconds=120)
 
@@ -64,22 +63,8 @@ def rank_main(port: int, rank: int, a: dict[str, Any], out: Any) -> None:
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     args = {"ranks": a.ranks, "hidden": a.hidden, "tokens": a.tokens, "iters": a.iters, "rounds": a.rounds}
-    procs = [ctx.Process(target=rank_main, args=(store.port, r, args, out)) for r in range(a.ranks)]
-    for p in procs:
-        p.start()
-    try:
-        return out.get(timeout=600)
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+    return spawned(rank_main, a.ranks, args, TIMEOUT)
 
 
 def markdown(info: dict[str, Any], a: argparse.Namespace, result: dict[str, Any], rows: list[dict]) -> str:
