@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from datetime import timedelta
@@ -26,7 +25,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.conditions import machine, save_results, spawned  # noqa: E402  (the repository root is on the path only now)
+from bench.conditions import machine, spawned  # noqa: E402  (the repository root is on the path only now)
+from bench.tp_allreduce import report, transport_args  # noqa: E402
 
 TIMEOUT = timedelta(seconds=120)
 TRANSPORTS = ("shm", "gloo")
@@ -78,41 +78,22 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return spawned(side_main, 2, args, TIMEOUT)
 
 
-def markdown(info: dict[str, Any], a: argparse.Namespace, result: dict[str, Any], rows: list[dict]) -> str:
-    lines = [
-        f"# A pipeline hop on one host: shared memory vs Gloo ({info['date'][:10]})",
-        "",
-        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}; two processes, one intra-op thread each; "
-        f"a round trip is `tokens` {a.hidden}-wide float32 rows forward and `tokens` int64 ids back; {a.iters} "
-        f"round trips per round, halved (one hop), median of {a.rounds} rounds. shm: {result['transport']}.",
-        "",
-        "| tokens | bytes forward | shm µs per hop | Gloo µs per hop | Gloo / shm |",
-        "|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['tokens']} | {r['bytes']} | {r['shm_us']:.1f} | {r['gloo_us']:.1f} | "
-                     f"{r['gloo_us'] / r['shm_us']:.1f}x |")  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=576)
-    p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[1, 16])
-    p.add_argument("--iters", type=int, default=500)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    transport_args(p, iters=500)
     a = p.parse_args()
     if a.iters < 1 or a.rounds < 1:
         p.error(f"--iters and --rounds must be at least 1 (got {a.iters}, {a.rounds})")
     result = run(a)
-    med = {k: statistics.median(v) for k, v in result["samples"].items()}
-    rows = [{"tokens": t, "bytes": t * a.hidden * 4, "shm_us": med[f"shm {t}"], "gloo_us": med[f"gloo {t}"]}
-            for t in a.tokens]  # fmt: skip
     info = machine()
-    data = {"args": {k: str(v) for k, v in vars(a).items()}, "transport": result["transport"], "rows": rows,
-            "samples_us": result["samples"]}  # fmt: skip
-    save_results(a.out, info, "-pp-link", markdown(info, a, result, rows), data)
+    head = [
+        f"# A pipeline hop on one host: shared memory vs Gloo ({info['date'][:10]})",
+        "",
+        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}; two processes, one intra-op thread each; "
+        f"a round trip is `tokens` {a.hidden}-wide float32 rows forward (bytes below) and `tokens` int64 ids back; "
+        f"{a.iters} round trips per round, halved (one hop), median of {a.rounds} rounds. shm: {result['transport']}.",
+    ]
+    report(a, result, "-pp-link", head, "per hop")
 
 
 if __name__ == "__main__":

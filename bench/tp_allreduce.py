@@ -67,43 +67,53 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return spawned(rank_main, a.ranks, args, TIMEOUT)
 
 
-def markdown(info: dict[str, Any], a: argparse.Namespace, result: dict[str, Any], rows: list[dict]) -> str:
+def transport_args(p: argparse.ArgumentParser, iters: int) -> None:
+    """The options this bench and bench/pp_link.py share: what is moved, how often, where the results go."""
+    p.add_argument("--hidden", type=int, default=576)
+    p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[1, 16])
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+
+
+def report(a: argparse.Namespace, result: dict[str, Any], suffix: str, head: list[str], unit: str) -> None:
+    """The median over rounds of each transport's µs per `unit` at each token count, shared memory beside Gloo,
+    under `head` (the title and what was run), saved as <out>/<host>-<date><suffix>.{md,json}."""
+    med = {k: statistics.median(v) for k, v in result["samples"].items()}
+    rows = [{"tokens": t, "bytes": t * a.hidden * 4, "shm_us": med[f"shm {t}"], "gloo_us": med[f"gloo {t}"]}
+            for t in a.tokens]  # fmt: skip
     lines = [
-        f"# Tensor-parallel all-reduce on one host: shared memory vs Gloo ({info['date'][:10]})",
+        *head,
         "",
-        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}; {a.ranks} rank processes, one intra-op "
-        f"thread each; {a.hidden}-wide float32 rows; {a.iters} all-reduces per round, median of {a.rounds} rounds "
-        f"(rank 0's mean per all-reduce). shm: {result['transport']}.",
-        "",
-        "| tokens | bytes | shm µs | Gloo µs | Gloo / shm |",
+        f"| tokens | bytes | shm µs {unit} | Gloo µs {unit} | Gloo / shm |",
         "|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(f"| {r['tokens']} | {r['bytes']} | {r['shm_us']:.1f} | {r['gloo_us']:.1f} | "
                      f"{r['gloo_us'] / r['shm_us']:.1f}x |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+    data = {"args": {k: str(v) for k, v in vars(a).items()}, "transport": result["transport"], "rows": rows,
+            "samples_us": result["samples"]}  # fmt: skip
+    save_results(a.out, machine(), suffix, "\n".join(lines) + "\n", data)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=576)
-    p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[1, 16])
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    transport_args(p, iters=200)
     a = p.parse_args()
     if a.ranks < 2 or a.iters < 1 or a.rounds < 1:
         p.error(f"--ranks must be at least 2 (got {a.ranks}), --iters and --rounds at least 1 "
                 f"(got {a.iters}, {a.rounds})")  # fmt: skip
     result = run(a)
-    med = {k: statistics.median(v) for k, v in result["samples"].items()}
-    rows = [{"tokens": t, "bytes": t * a.hidden * 4, "shm_us": med[f"shm {t}"], "gloo_us": med[f"gloo {t}"]}
-            for t in a.tokens]  # fmt: skip
     info = machine()
-    data = {"args": {k: str(v) for k, v in vars(a).items()}, "transport": result["transport"], "rows": rows,
-            "samples_us": result["samples"]}  # fmt: skip
-    save_results(a.out, info, "-tp-allreduce", markdown(info, a, result, rows), data)
+    head = [
+        f"# Tensor-parallel all-reduce on one host: shared memory vs Gloo ({info['date'][:10]})",
+        "",
+        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}; {a.ranks} rank processes, one intra-op "
+        f"thread each; {a.hidden}-wide float32 rows; {a.iters} all-reduces per round, median of {a.rounds} rounds "
+        f"(rank 0's mean per all-reduce). shm: {result['transport']}.",
+    ]
+    report(a, result, "-tp-allreduce", head, "per all-reduce")
 
 
 if __name__ == "__main__":
