@@ -43,7 +43,7 @@ from shardmesh.core.step import (
 from shardmesh.core.topology import HeldShard, Rendezvous, ServingLimits, ShardState, Topology
 from shardmesh.engine import kv_transfer, offload
 from shardmesh.engine.batch import BatchLayout
-from shardmesh.engine.groups import Backend, ShardGroups, check_staging, form_groups, form_link
+from shardmesh.engine.groups import Backend, ShardGroups, build_transport_kernels, check_staging, form_groups, form_link
 from shardmesh.engine.kv_cache import ActivationLog, AnyKVCache, PagedActivationLog, PagedKVCache
 from shardmesh.engine.loader import build_shard, parse_dtype
 from shardmesh.engine.model import Transformer
@@ -358,7 +358,10 @@ class StageWorkerCore:
                       decode_runner=runtime.engine.decode_runner, **runtime.engine.groups.describe_links())  # fmt: skip
 
     def _load(self, p: Placement) -> Transformer:
-        return self._load_shard(p.spec, p.model_path, p.dtype, p.limits.max_context, p.quantization)
+        model = self._load_shard(p.spec, p.model_path, p.dtype, p.limits.max_context, p.quantization)
+        if _has_peers(p):  # now, not inside the negotiation, where a first build would eat the peers' timeout
+            build_transport_kernels(self.device)
+        return model
 
     def _load_shard(self, spec: ShardSpec, model_path: str, dtype: str, max_context: int,
                     quantization: str) -> Transformer:  # fmt: skip

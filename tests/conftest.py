@@ -15,16 +15,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 @pytest.fixture(scope="session", autouse=True)
 def native_kernels() -> None:
     """Build the C++ kernels (blocked products and decode layers, int8 products, paged decode attention, the
-    shared-memory collectives) once, before the first test: a worker builds
+    shared-memory collectives and links) once, before the first test: a worker builds
     them at first use (about a minute each on 2 cores, then cached under ~/.cache/torch_extensions), which on a
     fresh machine would otherwise fall inside some test's wait for a worker to load. Where they cannot be built the
     engine falls back to its torch paths, as it would in service."""
-    from shardmesh.engine import cpu_kernels, int8_cpu, paged_attention, shm_collective
+    from shardmesh.engine import cpu_kernels, int8_cpu, paged_attention, shm_collective, shm_link
 
     cpu_kernels.available()
     int8_cpu.available()
     paged_attention.available()
     shm_collective.available()
+    shm_link.available()
 
 
 @pytest.fixture

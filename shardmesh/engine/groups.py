@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardmesh.core.layout import ShardSpec
-from shardmesh.engine import shm_link
+from shardmesh.engine import shm_collective, shm_link
 from shardmesh.engine.shm_collective import TRANSPORT_ENV as TP_TRANSPORT_ENV
 from shardmesh.engine.shm_collective import check_transport, negotiate
 from shardmesh.engine.shm_link import ShmLinkWire
@@ -424,6 +424,17 @@ def shared_wire(store: dist.Store, prefix: str, side: int, timeout: timedelta) -
     if reason and wanted != "gloo":
         structlog.get_logger().info("link_shm_refused", link=prefix, side=side, reason=reason)
     return wire
+
+
+def build_transport_kernels(device: torch.device) -> None:
+    """Build (or load from the cache) the C++ kernels of the shared-memory transports a shard with peers may
+    negotiate: the tp collectives on a CPU shard, and the link rings on any (the loop between a pipeline's ends is
+    host memory whatever the device). A worker calls this while it loads its shard: built inside the negotiation
+    instead, a first build on a fresh machine (about 40 s each on 2 cores) would eat into the time its peers wait
+    there (--group-timeout). Where a kernel cannot be built the negotiation refuses shared memory, as before."""
+    if device.type == "cpu":
+        shm_collective.available()
+    shm_link.available()
 
 
 def tp_transport() -> str:

@@ -1,5 +1,5 @@
 """C++ kernels compiled at first use, for the CPU they run on (`cpu_kernels`, `int8_cpu`, `paged_attention`,
-`shm_collective`).
+`shm_collective`, `shm_link`).
 
 Each is built with `torch.utils.cpp_extension.load_inline` under a name that carries a digest of its source, its
 compiler flags, this CPU's flags and torch's version, so a machine with other flags or another torch builds its own,
@@ -28,7 +28,10 @@ from shardmesh.engine.cpu_features import cpu_flags
 # Every kernel is compiled and linked with OpenMP: `at::parallel_for` is a header template whose parallel region is
 # compiled into the extension itself, and without -fopenmp it silently runs on one thread (all SmolLM2 products, one
 # row, 2 cores: 25 ms instead of 16.5 ms). With it, the extension shares PyTorch's OpenMP runtime and threads.
-OPENMP = ["-fopenmp"]
+# A tuple, and copied into every call: `load_inline` appends torch's own link flags to the lists it is given, so a
+# shared list would grow with every kernel a process loads, and with it the next kernels' names (their digests), so
+# each process would look for (and build) kernels under names that depend on what it happened to load first.
+OPENMP = ("-fopenmp",)
 log = structlog.get_logger()
 STALE_LOCK_S = 15 * 60  # a build takes about a minute on 2 cores; a lock this old was left by a dead process
 
@@ -43,7 +46,7 @@ class InlineKernel:
     @property
     def name(self) -> str:
         flags = " ".join(sorted(cpu_flags()))
-        compiler = " ".join(self.cflags + OPENMP)
+        compiler = " ".join([*self.cflags, *OPENMP])
         digest = hashlib.sha256((self.source + compiler + flags + torch.__version__).encode()).hexdigest()[:16]
         return f"{self.prefix}_{digest}"
 
@@ -63,7 +66,8 @@ class InlineKernel:
                          note="once per machine, CPU and torch version; about a minute on 2 cores")  # fmt: skip
             t0 = time.perf_counter()
             ext = cpp_extension.load_inline(name, cpp_sources=self.source, functions=self.functions,
-                                            extra_cflags=self.cflags + OPENMP, extra_ldflags=OPENMP)  # fmt: skip
+                                            extra_cflags=[*self.cflags, *OPENMP],
+                                            extra_ldflags=list(OPENMP))  # fmt: skip
             if building:
                 log.info("kernel_built", kernel=self.prefix, seconds=round(time.perf_counter() - t0, 1))
             return ext

@@ -269,7 +269,12 @@ def negotiate(store: dist.Store, prefix: str, side: int, timeout: timedelta,
     return ShmLinkWire(segment, side, pids[1 - side], timeout), ""
 
 
+def available() -> bool:
+    """Whether the kernel is built (building it now if it is not cached)."""
+    return _KERNEL.module() is not None
+
+
 def _unavailable() -> str:
-    if _KERNEL.module() is None:
+    if not available():
         return f"no C++ build of the shm link kernel ({_KERNEL.build_error})"
     return ""

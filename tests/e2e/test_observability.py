@@ -270,6 +270,17 @@ def test_metrics_move_with_traffic_and_memory_matches_rss(mesh: Mesh) -> None:
     assert coord.value("shardmesh_stage_decode_seconds", stage="1") > 0 and coord.value("shardmesh_stage_layers") > 1
 
 
+def test_stages_on_one_host_link_through_shared_memory_and_say_so(mesh: Mesh) -> None:
+    """Each worker's `ready` line names how its links move their bytes: real worker processes on one host, pp=2 tp=2,
+    so every link (and each tp rank's loop from the last stage to the first) is a shared-memory ring."""
+    for w in WORKERS:
+        lines = [json.loads(line) for line in (mesh.stack.log_dir / f"{w}.log").read_text().splitlines()
+                 if line.startswith("{") and '"event": "ready"' in line]  # fmt: skip
+        links = {k: v for k, v in lines[-1].items() if k.endswith("_link")}
+        assert set(links) in ({"next_link", "loop_link"}, {"prev_link", "loop_link"}), (w, links)
+        assert set(links.values()) == {"shm direct (cpu <-> cpu)"}, (w, links)
+
+
 def test_top_once_renders_the_mesh(mesh: Mesh) -> None:
     out = subprocess.run([sys.executable, "-m", "shardmesh_cli", "top", "--once", "--interval", "0.3", "--coordinator",
                           mesh.stack.coordinator, "--gateway-metrics", mesh.gateway_metrics],

@@ -33,3 +33,22 @@ def test_a_stale_lock_in_the_build_directory_does_not_block_the_build(tmp_path: 
     module = kernel.module()
     assert module is not None, kernel.build_error
     assert module.twice(21) == 42
+
+
+def test_a_kernels_name_does_not_depend_on_what_the_process_loaded_before(monkeypatch) -> None:
+    """`load_inline` appends torch's link flags to the flag lists it is given; were they shared, every kernel loaded
+    after the first would carry another name (another digest) in each process, depending on the order of loads, and
+    a worker would build again what the cache already holds."""
+    from torch.utils import cpp_extension
+
+    def load_inline(name: str, **kwargs: list[str]) -> object:
+        for flags in (kwargs["extra_cflags"], kwargs["extra_ldflags"]):
+            flags += ["-L/torch/lib", "-lc10"]  # what torch does to the lists it is handed
+        return object()
+
+    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    first = native.InlineKernel("shardmesh_native_first", "int one() { return 1; }", ["one"], ["-O1"])
+    second = native.InlineKernel("shardmesh_native_second", "int two() { return 2; }", ["two"], ["-O1"])
+    name = second.name
+    assert first.module() is not None and second.module() is not None
+    assert second.name == name and native.OPENMP == ("-fopenmp",)
