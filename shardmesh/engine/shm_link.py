@@ -13,7 +13,9 @@ with a 32-bit futex word beside it; then each slot's message size) and `slots` s
 message s (1-based) goes to slot (s - 1) % slots. The sender waits for room (consumed >= s - slots), copies, then
 publishes s and wakes the receiver; the receiver waits until s is published, checks the size it expected, copies out,
 publishes that it consumed s and wakes the sender. With several slots a sender runs ahead of a busy receiver, as a
-socket's buffer lets it on Gloo (a `full` pipeline sends its next micro-batch while the next stage still computes).
+socket's buffer lets it on Gloo (a `full` pipeline sends its next micro-batch while the next stage still computes);
+so that it does not hand a message to a receiver that is gone, each send first checks that the receiver lives and
+has not closed the link (Gloo's send fails on the closed socket the same way).
 Messages larger than a slot go through in slot-sized chunks, one message each, so a prefill of thousands of tokens
 uses the same ring.
 
@@ -131,6 +133,9 @@ int64_t link_send(torch::Tensor seg, torch::Tensor x, int64_t seq, int64_t slots
   const int64_t nbytes = x.numel() * x.element_size();
   const int64_t chunks = nbytes == 0 ? 1 : (nbytes + capacity - 1) / capacity;
   pybind11::gil_scoped_release no_gil;
+  // The ring would take a message for a receiver that is gone (Gloo's send fails on the closed socket): check first.
+  if (count_at(base, CLOSED_AT)->load(std::memory_order_acquire) > 0) return CLOSED;
+  if (peer_dead(peer_pid)) return DEAD;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t s = seq + 1 + c;
     const int64_t status = wait_for(base, TAIL_AT, s - slots, peer_pid, spin_s, timeout_s);  // room in the ring

@@ -205,37 +205,44 @@ def test_the_transport_variable_rejects_other_values(monkeypatch) -> None:
 # ---- sides as processes -------------------------------------------------------------------------------------
 
 
-def process_side(port: int, side: int, die: bool, out: Any) -> None:
-    """One side in its own interpreter: side 0 sends one message, then (with `die`) kills itself; side 1 receives
-    it and then waits for a second one."""
+def process_side(port: int, side: int, victim: int, out: Any) -> None:
+    """One side in its own interpreter: side 0 sends a message and then another; side 1 receives both. `victim` (a
+    side, or -1) kills itself once the first message went through."""
     torch.set_num_threads(1)
     client = dist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
-    end = link(client, side, prefix=f"proc/{die}")
+    end = link(client, side, prefix=f"proc/{victim}")
     try:
         if side == 0:
             end.send(torch.arange(6, dtype=torch.float32))
-            if die:
-                client.wait([f"received/{die}"])
+            client.wait([f"received/{victim}"])
+            if victim == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if victim == 1:
+                client.wait([f"dying/{victim}"])
+                while True:  # until the receiver's death shows: a kill is not instantaneous
+                    end.send(torch.ones(2))
             end.send(torch.ones(2))
             out.put((side, type(end.wire).__name__, [], ""))
         else:
             first = end.recv((6,), torch.float32, CPU).tolist()
-            client.set(f"received/{die}", "1")
+            client.set(f"received/{victim}", "1")
+            if victim == 1:
+                client.set(f"dying/{victim}", "1")
+                os.kill(os.getpid(), signal.SIGKILL)
             end.recv((2,), torch.float32, CPU)
             out.put((side, type(end.wire).__name__, first, ""))
     except RuntimeError as e:
         out.put((side, type(end.wire).__name__, [], str(e)))
 
 
-def run_sides(store: dist.TCPStore, die: bool) -> tuple[dict[int, tuple], list[int]]:
+def run_sides(store: dist.TCPStore, victim: int) -> tuple[dict[int, tuple], list[int]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=process_side, args=(store.port, s, die, out), daemon=True) for s in (0, 1)]
+    procs = [ctx.Process(target=process_side, args=(store.port, s, victim, out), daemon=True) for s in (0, 1)]
     for p in procs:
         p.start()
     try:
-        got = {s: tuple(rest) for s, *rest in (out.get(timeout=120) for _ in range(1 if die else 2))}
+        got = {s: tuple(rest) for s, *rest in (out.get(timeout=120) for _ in range(1 if victim >= 0 else 2))}
     finally:
         for p in procs:
             p.join(30)
@@ -244,13 +251,17 @@ def run_sides(store: dist.TCPStore, die: bool) -> tuple[dict[int, tuple], list[i
     return got, [p.pid or 0 for p in procs]
 
 
-def test_processes_pass_messages_and_a_killed_sender_is_named_by_the_receiver(store) -> None:
-    got, pids = run_sides(store, die=False)
+def test_processes_pass_messages_and_a_killed_side_is_named_by_the_other(store) -> None:
+    got, pids = run_sides(store, victim=-1)
     assert got == {0: ("ShmLinkWire", [], ""), 1: ("ShmLinkWire", [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], "")}
-    # The victim is a zombie until joined here, after the receiver answered: the wait must see through that.
-    got, pids = run_sides(store, die=True)
+    # The victim is a zombie until joined here, after the other side answered: the check must see through that.
+    got, pids = run_sides(store, victim=0)
     kind, _, error = got[1]
     assert kind == "ShmLinkWire" and f"side 0 (pid {pids[0]}) died while side 1 waited" in error
+    # A sender does not hand messages to a dead receiver (the ring has room for four): its send fails naming it.
+    got, pids = run_sides(store, victim=1)
+    kind, _, error = got[0]
+    assert kind == "ShmLinkWire" and f"side 1 (pid {pids[1]}) died while side 0 waited" in error
     assert not any(SHM_DIR.glob(f"shardmesh-link-{pids[0]}-*"))
 
 
