@@ -7,6 +7,7 @@ reads; its copies are then CPU clones through the same staging code.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -21,6 +22,7 @@ from shardmesh.engine import groups, shm_link
 from shardmesh.engine.groups import HostStaging, LinkPlan, ShardGroups, SingleRank, StageLink, plan_link
 
 TIMEOUT = timedelta(seconds=20)
+GLOO_CLOSED = r"Connection (closed by peer|reset)"  # what a Gloo peer reads when the other side closed its group
 
 
 @pytest.fixture
@@ -247,4 +249,6 @@ def test_a_closed_link_fails_its_waiting_peer_at_once_and_raises_on_use(
             link.recv((3,), torch.float32, "cpu")
         return str(e.value)
 
-    assert "Connection closed by peer" in on_both_sides(store, side_main)[1]
+    # The peer's socket closed: Gloo reads it as "Connection closed by peer" or, when the close raced unread bytes,
+    # "Connection reset"; either way not the group timeout.
+    assert re.search(GLOO_CLOSED, on_both_sides(store, side_main)[1])
