@@ -451,10 +451,11 @@ def pid_namespace() -> str:
         return ""
 
 
-def check_transport(wanted: str) -> str:
-    """`wanted` when it is one of TRANSPORTS, else a ValueError naming the variable and the choices."""
+def check_transport(wanted: str, variable: str = TRANSPORT_ENV) -> str:
+    """`wanted` when it is one of TRANSPORTS, else a ValueError naming `variable` (this module's, or the pipeline
+    links' `shm_link.TRANSPORT_ENV`) and the choices."""
     if wanted not in TRANSPORTS:
-        raise ValueError(f"{TRANSPORT_ENV}={wanted!r} is not one of {', '.join(TRANSPORTS)}")
+        raise ValueError(f"{variable}={wanted!r} is not one of {', '.join(TRANSPORTS)}")
     return wanted
 
 
@@ -463,7 +464,8 @@ def negotiate(store: dist.Store, prefix: str, rank: int, size: int, timeout: tim
     """Whether every rank of a group can use a shared segment (`agree`): a ShmCollective when they can, else None
     and the first reason. `wanted` "gloo" makes this rank refuse (and so every rank)."""
     check_transport(wanted)
-    refusal = f"{TRANSPORT_ENV}=gloo" if wanted == "gloo" else ""
+    # Built before any wait: ranks on one host build it together (one waits on the other's lock).
+    refusal = f"{TRANSPORT_ENV}=gloo" if wanted == "gloo" else _unbuilt()
     segment, pids, reason = agree(store, prefix, rank, size, timeout, refusal, segment_bytes(size, capacity), "tp")
     if segment is None:
         return None, reason
@@ -479,10 +481,10 @@ def agree(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedel
     (which proves the same host and the same /dev/shm); every rank reports whether it could, with its pid and pid
     namespace; rank 0 then unlinks the file. All ranks read the same reports and so reach the same answer: the
     segment and every rank's pid when every rank succeeded and all share a pid namespace, else None and the first
-    reason. A non-empty `refusal` makes this rank refuse (and so every rank). Raises RuntimeError when a rank
-    never reports within `timeout`."""
-    # Built before any wait: ranks on one host build it together (one waits on the other's lock).
-    refusal = refusal or _unavailable()
+    reason. A non-empty `refusal` (the caller's: its variable says gloo, its kernel is not built) makes this rank
+    refuse (and so every rank); so does a host without SHM_DIR. Raises RuntimeError when a rank never reports
+    within `timeout`."""
+    refusal = refusal or (f"no {SHM_DIR}" if not SHM_DIR.is_dir() else "")
     segment: Segment | None = None
     created = ""
     what = f"shared-memory {kind} {prefix}"
@@ -526,13 +528,9 @@ def agree(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedel
     return segment, [int(r["pid"]) for r in reports], ""
 
 
-def _unavailable() -> str:
-    """Why this rank cannot use shm, or ""."""
-    if not SHM_DIR.is_dir():
-        return f"no {SHM_DIR}"
-    if not available():
-        return f"no C++ build of the shm kernel ({build_error()})"
-    return ""
+def _unbuilt() -> str:
+    """Why this rank has no collective kernel, or ""."""
+    return "" if available() else f"no C++ build of the shm kernel ({build_error()})"
 
 
 def _verdict(reports: list[dict[str, Any]]) -> str:

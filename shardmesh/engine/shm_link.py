@@ -193,10 +193,8 @@ def segment_bytes(slots: int = SLOTS, capacity: int = CAPACITY) -> int:
 def transport() -> str:
     """The pipeline-link transport asked for in $SHARDMESH_LINK_TRANSPORT: "auto" (shared memory when both sides can
     map one segment, else Gloo), "shm" (shared memory, or an error) or "gloo"."""
-    wanted = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
-    if wanted not in shm_collective.TRANSPORTS:
-        raise ValueError(f"{TRANSPORT_ENV}={wanted!r} is not one of {', '.join(shm_collective.TRANSPORTS)}")
-    return wanted
+    return shm_collective.check_transport(os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto",
+                                          TRANSPORT_ENV)  # fmt: skip
 
 
 class ShmLinkWire:
@@ -267,6 +265,7 @@ def negotiate(store: dist.Store, prefix: str, side: int, timeout: timedelta,
               wanted: str = "auto") -> tuple[ShmLinkWire | None, str]:  # fmt: skip
     """Whether both sides of a link can map one segment (`shm_collective.agree`, side 0 creating it): a ShmLinkWire
     when they can, else None and the reason. `wanted` "gloo" makes this side refuse (and so both)."""
+    # Built before any wait (a worker builds it while loading: `groups.build_transport_kernels`); no tp kernel needed.
     refusal = f"{TRANSPORT_ENV}=gloo" if wanted == "gloo" else _unavailable()
     segment, pids, reason = shm_collective.agree(store, prefix, side, 2, timeout, refusal, segment_bytes(), "link")
     if segment is None:
