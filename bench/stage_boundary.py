@@ -2,7 +2,7 @@
 pp=2 alternated call by call so that this host's drift cancels.
 
     .venv/bin/python bench/stage_boundary.py [--model smollm2-135m-instruct] [--dtype float32] [--rows 1,16]
-                                             [--cycles 40] [--out bench/results]
+                                             [--cycles 40] [--spin-variants N,...] [--out bench/results]
 
 Why: through the mesh (bench/run.py, bench/pipeline_seams.py) pp=2 minus pp=1 moved by ±5 ms from one round to the
 next on the 2-vCPU machines here, where the target is 0.5 ms: a request takes seconds, and this host's memory speed
@@ -14,7 +14,10 @@ each layout in turn (the order rotates from cycle to cycle), the others idle mea
 the last stage sends each drawn token back to the first over the loop link. A number is one call's ms per token;
 each derived number is taken within a cycle and reported as the median over cycles with its quartiles:
 - stage boundary: pp=2's ms/token minus pp=1's (target <= 0.5 ms), at each of `--rows` sequences per step;
-- pp=2 ÷ pp=1 tokens per second at the largest `--rows` (target >= 0.9x at 16).
+- pp=2 ÷ pp=1 tokens per second at the largest `--rows` (target >= 0.9x at 16);
+- the boundary split in two: the pp=2 stages' compute per token (each stage's `stats.compute_s`, its steps less its
+  waits for input) minus pp=1's, and the rest (the links, each step's Python, the stages' handing over).
+`--spin-variants 3000,1000` adds shm pipelines whose processes get that GOMP_SPINCOUNT instead (one more layout each).
 What it leaves out: the gateway's round trip, paid once per call of 8 steps by both layouts (twice as many Step
 RPCs for pp=2, one per stage, sent at once). Writes bench/results/<host>-<date>-stage-boundary.{md,json}.
 """
@@ -40,12 +43,29 @@ from bench.conditions import machine, save_results  # noqa: E402  (the repositor
 STEPS = 8  # decode steps per call, as the gateway's default --decode-steps
 # name: (stages, SHARDMESH_LINK_TRANSPORT): "shm" fails loudly where the ring cannot be had, so the row is what it says
 LAYOUTS = {"pp=1": (1, "auto"), "pp=2 shm": (2, "shm"), "pp=2 gloo": (2, "gloo")}
+
+
+def layouts_of(a: argparse.Namespace) -> dict[str, tuple[int, str, str]]:
+    """name: (stages, SHARDMESH_LINK_TRANSPORT, GOMP_SPINCOUNT); `--spin-variants` adds shm pipelines whose stages
+    spin that long before sleeping (what an idle stage's OpenMP threads take from the stage computing)."""
+    out = {name: (stages, transport, a.spincount) for name, (stages, transport) in LAYOUTS.items()}
+    for spin in a.spin_variants:
+        out[f"pp=2 shm spin={spin}"] = (2, "shm", spin)
+    return out
+
+
 PROMPT = (1, 17, 5, 42, 9, 3, 8, 100)
 TIMEOUT = timedelta(seconds=600)
 
 
-def topology(model_dir: Path, dtype: str, stages: int, port: int, epoch: int, rows: int) -> Any:
-    """pp = `stages`, tp = 1, stage i held by worker "w{i}", the layers split evenly, a rendezvous of `epoch`."""
+def context(cycles: int) -> int:
+    """The positions one sequence fills: the prompt, then a call of `STEPS` per cycle and the warm-up's."""
+    return len(PROMPT) + (cycles + 1) * STEPS
+
+
+def topology(model_dir: Path, dtype: str, stages: int, port: int, epoch: int, rows: int, cycles: int) -> Any:
+    """pp = `stages`, tp = 1, stage i held by worker "w{i}", the layers split evenly, a rendezvous of `epoch`, room
+    for every cycle's tokens."""
     from shardmesh.core import topology as t
     from shardmesh.core.config import ModelConfig
     from shardmesh.core.layout import split_layers
@@ -55,8 +75,8 @@ def topology(model_dir: Path, dtype: str, stages: int, port: int, epoch: int, ro
     placed = tuple(t.Stage(i, a, b, (t.ShardAssignment(0, i, f"w{i}", "", t.ShardState.READY),))
                    for i, (a, b) in enumerate(spans))  # fmt: skip
     spec = t.ModelSpec(str(model_dir), dtype, "LlamaForCausalLM", cfg.num_layers, cfg.hidden_size, cfg.vocab_size,
-                       1024)  # fmt: skip
-    limits = t.ServingLimits(rows, 1024, max(rows * len(PROMPT), 64))
+                       context(cycles))  # fmt: skip
+    limits = t.ServingLimits(rows, context(cycles), max(rows * len(PROMPT), 64))
     return t.Topology(epoch, spec, stages, 1, placed, t.Rendezvous.for_epoch("127.0.0.1", port, epoch, stages), True,
                       limits)  # fmt: skip
 
@@ -71,32 +91,35 @@ def stage_main(layout: str, stage: int, port: int, a: argparse.Namespace) -> Non
     from shardworker.runtime import StageWorkerCore
 
     torch.set_num_threads(2)
-    stages, _ = LAYOUTS[layout]
-    names = list(LAYOUTS)
+    layouts = layouts_of(a)
+    stages = layouts[layout][0]
+    names = list(layouts)
     epoch = names.index(layout) + 1  # each layout's groups under a prefix of their own
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
     core = StageWorkerCore(f"w{stage}", torch.device("cpu"),
                            structlog.wrap_logger(structlog.ReturnLogger()), 120.0)  # fmt: skip
     last = stage == stages - 1
     results: dict[int, list[float]] = {}
+    computed: dict[int, list[float]] = {}  # this stage's compute per token (`stats.compute_s`: its steps less waits)
     for rows in a.rows:
-        core.apply(topology(Path(a.model_dir), a.dtype, stages, port, epoch + 10 * rows, rows))
+        core.apply(topology(Path(a.model_dir), a.dtype, stages, port, epoch + 10 * rows, rows, a.cycles))
         greedy = SamplingParams()
         first = core.step(epoch + 10 * rows, [StepEntry(f"r{i}", i, 0, len(PROMPT), PROMPT, greedy)
                                               for i in range(rows)])  # fmt: skip
         key = f"{layout}/{rows}/tokens"
         if last:
             store.set(key, json.dumps([s.token_id for s in first.sampled]))
-        tokens, pos, times = json.loads(store.get(key)), len(PROMPT), []
+        tokens, pos, times, compute = json.loads(store.get(key)), len(PROMPT), [], []
         for c in range(a.cycles + 1):  # cycle 0 warms up
             order = names[c % len(names) :] + names[: c % len(names)]
             before = order[: order.index(layout)]
             if before:
                 store.wait([f"{rows}/{c}/{before[-1]}"])
             entries = [StepEntry(f"r{i}", i, pos, 1, (tokens[i],), greedy) for i in range(rows)]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), core.stats.compute_s
             result = core.step(epoch + 10 * rows, entries, STEPS)
             times.append((time.perf_counter() - t0) * 1e3 / STEPS)
+            compute.append((core.stats.compute_s - c0) * 1e3 / STEPS)
             pos += STEPS
             key = f"{layout}/{rows}/{c}/tokens"
             if last:
@@ -104,8 +127,9 @@ def stage_main(layout: str, stage: int, port: int, a: argparse.Namespace) -> Non
                 store.set(f"{rows}/{c}/{layout}", "done")  # the last stage ends the call
             tokens = json.loads(store.get(key))
             store.wait([f"{rows}/{c}/{order[-1]}"])  # the cycle is over for everyone
-        results[rows] = times[1:]
+        results[rows], computed[rows] = times[1:], compute[1:]
         core.release([(f"r{i}", i) for i in range(rows)])
+    store.set(f"compute/{layout}/{stage}", json.dumps(computed))
     if last:
         store.set(f"result/{layout}", json.dumps({"ms": results}))
     core.close()
@@ -116,10 +140,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
     procs = []
-    for layout, (stages, transport) in LAYOUTS.items():
+    layouts = layouts_of(a)
+    for layout, (stages, transport, spin) in layouts.items():
         env = {**os.environ, "OMP_NUM_THREADS": "2", "SHARDMESH_LINK_TRANSPORT": transport,
-               "SHARDMESH_LOG_LEVEL": "warning", "PYTHONPATH": str(ROOT)}  # fmt: skip
-        env.setdefault("GOMP_SPINCOUNT", a.spincount)
+               "SHARDMESH_LOG_LEVEL": "warning", "PYTHONPATH": str(ROOT), "GOMP_SPINCOUNT": spin}  # fmt: skip
         for stage in range(stages):
             args = [sys.executable, __file__, "--stage-of", layout, str(stage), str(store.port), *sys.argv[1:]]
             procs.append(subprocess.Popen(args, env=env, cwd=ROOT))
@@ -127,7 +151,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for p in procs:
             if p.wait(timeout=3600) != 0:
                 raise RuntimeError(f"a stage process failed: {p.args}")
-        return {layout: json.loads(store.get(f"result/{layout}")) for layout in LAYOUTS}
+        got = {layout: json.loads(store.get(f"result/{layout}")) for layout in layouts}
+        for layout, (stages, _, _) in layouts.items():
+            each = [json.loads(store.get(f"compute/{layout}/{i}")) for i in range(stages)]
+            got[layout]["compute_ms"] = {r: [sum(c) for c in zip(*(e[r] for e in each), strict=True)] for r in each[0]}
+        return got
     finally:
         for p in procs:
             if p.poll() is None:
@@ -138,14 +166,19 @@ def derived(got: dict[str, Any], rows: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for r in rows:
         base = got["pp=1"]["ms"][str(r)]
-        for layout in ("pp=2 shm", "pp=2 gloo"):
+        for layout in (name for name in got if name != "pp=1"):
             mine = got[layout]["ms"][str(r)]
             diff = [b - a for a, b in zip(base, mine, strict=True)]
             ratio = [a / b for a, b in zip(base, mine, strict=True)]  # tokens/s of pp=2 over pp=1
+            # the boundary split: the stages' compute beside pp=1's, and the rest (links, waits, per-step Python)
+            more = [b - a for a, b in zip(got["pp=1"]["compute_ms"][str(r)], got[layout]["compute_ms"][str(r)],
+                                          strict=True)]  # fmt: skip
+            rest = [d - m for d, m in zip(diff, more, strict=True)]
             q = statistics.quantiles(diff, n=4)
             out[f"{layout} rows={r}"] = {
                 "pp1_ms": statistics.median(base), "pp2_ms": statistics.median(mine),
                 "boundary_ms": statistics.median(diff), "boundary_quartiles": [q[0], q[2]],
+                "compute_more_ms": statistics.median(more), "rest_ms": statistics.median(rest),
                 "ratio": statistics.median(ratio),
             }  # fmt: skip
     return out
@@ -156,21 +189,27 @@ def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any]) -> str:
         f"# A stage boundary per decode step, pp=1 and pp=2 alternated call by call ({info['date'][:10]})",
         "",
         f"{info['cpu']} ({info.get('cpu_id', '')}), {info['cores']} cores, torch {info['torch']}, load average "
-        f"{info.get('load_avg_1m')} at the start. Model `{a.model}` in {a.dtype}, greedy; stage cores in five "
-        f"processes (no gateway), 2 torch threads each, GOMP_SPINCOUNT={a.spincount}; {a.cycles} cycles, each one "
+        f"{info.get('load_avg_1m')} at the start. Model `{a.model}` in {a.dtype}, greedy; stage cores in "
+        f"{sum(v[0] for v in layouts_of(a).values())} processes (no gateway), 2 torch threads each, GOMP_SPINCOUNT="
+        f"{a.spincount} unless the layout names another; {a.cycles} cycles, each one "
         f"call of {STEPS} decode steps on every layout in a rotating order. Medians over cycles of the per-cycle "
         f"values (quartiles of the boundary in brackets).",
         "",
-        "| layout | sequences per step | pp=1 ms/token | pp=2 ms/token | stage boundary ms | pp=2 ÷ pp=1 tok/s |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| layout | sequences per step | pp=1 ms/token | pp=2 ms/token | stage boundary ms | of which compute "
+        "| of which the rest | pp=2 ÷ pp=1 tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, d in found.items():
         layout, rows = name.rsplit(" rows=", 1)
         lo, hi = d["boundary_quartiles"]
         lines.append(f"| {layout} | {rows} | {d['pp1_ms']:.2f} | {d['pp2_ms']:.2f} | **{d['boundary_ms']:+.2f}** "
-                     f"({lo:+.2f} to {hi:+.2f}) | {d['ratio']:.3f}× |")  # fmt: skip
+                     f"({lo:+.2f} to {hi:+.2f}) | {d['compute_more_ms']:+.2f} | {d['rest_ms']:+.2f} "
+                     f"| {d['ratio']:.3f}× |")  # fmt: skip
     lines += ["", "Targets: stage boundary <= 0.5 ms per step (one sequence); pp=2 >= 0.9× pp=1's tokens at 16 "
-              "sequences. Not included: the gateway's round trip, once per call of 8 steps.", ""]  # fmt: skip
+              "sequences. Not included: the gateway's round trip, once per call of 8 steps. Of the boundary, "
+              "`compute` is the pp=2 stages' compute per token (each stage's steps less their waits for input) "
+              "minus pp=1's, and `the rest` what is left: the links, the stages' waits, each step's Python.",
+              ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -180,7 +219,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     ap.add_argument("--cycles", type=int, default=40)
-    ap.add_argument("--spincount", default="10000", help="GOMP_SPINCOUNT unless set (what `up` sets for turns)")
+    ap.add_argument(
+        "--spincount",
+        default=os.environ.get("GOMP_SPINCOUNT", "10000"),
+        help="GOMP_SPINCOUNT of every layout (what `up` sets for turns)",
+    )
+    ap.add_argument(
+        "--spin-variants",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=[],
+        help="more shm pipelines, each with this GOMP_SPINCOUNT (comma-separated)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--stage-of", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -191,9 +240,15 @@ def main() -> None:
         return
     if a.cycles < 4 or min(a.rows) < 1:
         ap.error(f"--cycles must be at least 4 and --rows positive (got {a.cycles}, {a.rows})")
+    from shardmesh.core.config import ModelConfig
     from shardmesh.models.registry import resolve
 
-    sys.argv += ["--model-dir", str(resolve(a.model))]
+    model_dir = resolve(a.model)
+    longest = ModelConfig.from_dir(model_dir).max_position_embeddings
+    if context(a.cycles) > longest:
+        ap.error(f"--cycles {a.cycles}: a sequence would reach position {context(a.cycles)}, past the model's "
+                 f"max_position_embeddings={longest}")  # fmt: skip
+    sys.argv += ["--model-dir", str(model_dir)]
     info = machine()
     got = run(a)
     found = derived(got, a.rows)
