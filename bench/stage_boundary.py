@@ -8,10 +8,11 @@ Why: through the mesh (bench/run.py, bench/pipeline_seams.py) pp=2 minus pp=1 mo
 next on the 2-vCPU machines here, where the target is 0.5 ms: a request takes seconds, and this host's memory speed
 changes within seconds. Here five processes stay up, each a `StageWorkerCore` holding its shard as a worker does:
 one with all the layers (pp=1), two stages of a pipeline whose links are shared-memory rings (`shm_link`, the default
-on one host), and two whose links are Gloo (SHARDMESH_LINK_TRANSPORT=gloo). Every process has 2 torch threads and
-GOMP_SPINCOUNT as `up` sets it for stages taking turns on shared cores. A cycle runs one call of 8 decode steps on
-each layout in turn (the order rotates from cycle to cycle), the others idle meanwhile, as in `up --pipeline turns`;
-the last stage sends each drawn token back to the first over the loop link. A number is one call's ms per token;
+on one host), and two whose links are Gloo (SHARDMESH_LINK_TRANSPORT=gloo). Every process has `--threads` torch
+threads (2) and GOMP_SPINCOUNT as `up` sets it for stages taking turns on shared cores. A cycle runs one call of 8
+decode steps on each layout in turn (the order rotates from cycle to cycle), the others idle meanwhile, as in
+`up --pipeline turns`; the last stage sends each drawn token back to the first over the loop link. A number is one
+call's ms per token;
 each derived number is taken within a cycle and reported as the median over cycles with its quartiles:
 - stage boundary: pp=2's ms/token minus pp=1's (target <= 0.5 ms), at each of `--rows` sequences per step;
 - pp=2 ÷ pp=1 tokens per second at the largest `--rows` (target >= 0.9x at 16);
@@ -90,7 +91,7 @@ def stage_main(layout: str, stage: int, port: int, a: argparse.Namespace) -> Non
     from shardmesh.core.step import SamplingParams, StepEntry
     from shardworker.runtime import StageWorkerCore
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(a.threads)
     layouts = layouts_of(a)
     stages = layouts[layout][0]
     names = list(layouts)
@@ -142,7 +143,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     procs = []
     layouts = layouts_of(a)
     for layout, (stages, transport, spin) in layouts.items():
-        env = {**os.environ, "OMP_NUM_THREADS": "2", "SHARDMESH_LINK_TRANSPORT": transport,
+        env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "SHARDMESH_LINK_TRANSPORT": transport,
                "SHARDMESH_LOG_LEVEL": "warning", "PYTHONPATH": str(ROOT), "GOMP_SPINCOUNT": spin}  # fmt: skip
         for stage in range(stages):
             args = [sys.executable, __file__, "--stage-of", layout, str(stage), str(store.port), *sys.argv[1:]]
@@ -190,8 +191,8 @@ def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any]) -> str:
         "",
         f"{info['cpu']} ({info.get('cpu_id', '')}), {info['cores']} cores, torch {info['torch']}, load average "
         f"{info.get('load_avg_1m')} at the start. Model `{a.model}` in {a.dtype}, greedy; stage cores in "
-        f"{sum(v[0] for v in layouts_of(a).values())} processes (no gateway), 2 torch threads each, GOMP_SPINCOUNT="
-        f"{a.spincount} unless the layout names another; {a.cycles} cycles, each one "
+        f"{sum(v[0] for v in layouts_of(a).values())} processes (no gateway), {a.threads} torch threads each, "
+        f"GOMP_SPINCOUNT={a.spincount} unless the layout names another; {a.cycles} cycles, each one "
         f"call of {STEPS} decode steps on every layout in a rotating order. Medians over cycles of the per-cycle "
         f"values (quartiles of the boundary in brackets).",
         "",
@@ -230,6 +231,12 @@ def main() -> None:
         default=[],
         help="more shm pipelines, each with this GOMP_SPINCOUNT (comma-separated)",
     )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads per process (2: what `up` gives stages taking turns on 2 cores)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--stage-of", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -238,8 +245,8 @@ def main() -> None:
         layout, stage, port = a.stage_of
         stage_main(layout, int(stage), int(port), a)
         return
-    if a.cycles < 4 or min(a.rows) < 1:
-        ap.error(f"--cycles must be at least 4 and --rows positive (got {a.cycles}, {a.rows})")
+    if a.cycles < 4 or min(a.rows) < 1 or a.threads < 1:
+        ap.error(f"--cycles must be at least 4, --rows and --threads positive (got {a.cycles}, {a.rows}, {a.threads})")
     from shardmesh.core.config import ModelConfig
     from shardmesh.models.registry import resolve
 

@@ -1,5 +1,5 @@
 """The arithmetic bench/stage_boundary.py reports from: each cycle's boundary and its split into the stages' compute
-and the rest, the layouts it starts, and the positions a run fills."""
+and the rest, the layouts it starts, and the positions a run fills; and bench/idle_gap.py's table."""
 
 from __future__ import annotations
 
@@ -31,3 +31,12 @@ def test_the_layouts_add_a_pipeline_per_spin_count() -> None:
 
 def test_a_run_has_room_for_every_cycle() -> None:
     assert context(40) == len(PROMPT) + 41 * STEPS
+
+
+def test_the_idle_gap_table_sets_each_mode_beside_the_other() -> None:
+    from bench.idle_gap import MODES, markdown
+
+    info = {"date": "2026-11-27T20:00:00", "cpu": "cpu", "cores": 2, "torch": "2.13.0", "load_avg_1m": 0.1}
+    a = argparse.Namespace(model="m", dtype="float32", blocks=2, gap_ms=15.0)
+    md = markdown(info, a, {2: {MODES[0]: [30.0, 31.0, 29.0], MODES[1]: [33.0, 30.0, 36.0]}})
+    assert "| 2 | 30.00 | 33.00 | **1.100×** (+3.00 ms) |" in md
