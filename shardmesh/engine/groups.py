@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -35,7 +34,7 @@ from torch import Tensor
 from shardmesh.core.layout import ShardSpec
 from shardmesh.engine import shm_collective, shm_link
 from shardmesh.engine.shm_collective import TRANSPORT_ENV as TP_TRANSPORT_ENV
-from shardmesh.engine.shm_collective import check_transport, negotiate
+from shardmesh.engine.shm_collective import negotiate, transport_from_env
 from shardmesh.engine.shm_link import ShmLinkWire
 
 
@@ -440,7 +439,7 @@ def build_transport_kernels(device: torch.device) -> None:
 def tp_transport() -> str:
     """The CPU tensor-parallel transport asked for in $SHARDMESH_TP_TRANSPORT: "auto" (shared memory when every
     rank of the group can map one segment, else Gloo), "shm" (shared memory, or an error) or "gloo"."""
-    return check_transport(os.environ.get(TP_TRANSPORT_ENV, "auto").strip().lower() or "auto")
+    return transport_from_env(TP_TRANSPORT_ENV)
 
 
 def form_tp_collective(store: dist.Store, prefix: str, rank: int, size: int, device: torch.device,

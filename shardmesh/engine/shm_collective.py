@@ -459,6 +459,12 @@ def check_transport(wanted: str, variable: str = TRANSPORT_ENV) -> str:
     return wanted
 
 
+def transport_from_env(variable: str = TRANSPORT_ENV) -> str:
+    """The transport asked for in $`variable` ("auto" when unset or empty, case aside), checked (`check_transport`):
+    this module's for tp groups, `shm_link.TRANSPORT_ENV` for pipeline links."""
+    return check_transport(os.environ.get(variable, "auto").strip().lower() or "auto", variable)
+
+
 def negotiate(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta, fallback: Fallback,
               wanted: str = "auto", capacity: int = DEFAULT_CAPACITY) -> tuple[ShmCollective | None, str]:  # fmt: skip
     """Whether every rank of a group can use a shared segment (`agree`): a ShmCollective when they can, else None

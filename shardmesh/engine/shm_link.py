@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -193,8 +192,7 @@ def segment_bytes(slots: int = SLOTS, capacity: int = CAPACITY) -> int:
 def transport() -> str:
     """The pipeline-link transport asked for in $SHARDMESH_LINK_TRANSPORT: "auto" (shared memory when both sides can
     map one segment, else Gloo), "shm" (shared memory, or an error) or "gloo"."""
-    return shm_collective.check_transport(os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto",
-                                          TRANSPORT_ENV)  # fmt: skip
+    return shm_collective.transport_from_env(TRANSPORT_ENV)
 
 
 class ShmLinkWire:
