@@ -27,9 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.conditions import machine, save_results  # noqa: E402  (the repository root is on the path only now)
-from bench.stage_boundary import PROMPT, STEPS, topology  # noqa: E402
+from bench.stage_boundary import PROMPT, STEPS, past_the_model, topology  # noqa: E402
 
 MODES = ("back to back", "after a gap")
+
+
+def cycles(blocks: int) -> int:
+    """In `stage_boundary`'s terms (`context`: room for (cycles + 1) calls of STEPS after the prompt), what
+    `blocks` pairs of blocks of STEPS steps fill."""
+    return 2 * blocks - 1
 
 
 def measure(a: argparse.Namespace, threads: int) -> dict[str, list[float]]:
@@ -44,8 +50,7 @@ def measure(a: argparse.Namespace, threads: int) -> dict[str, list[float]]:
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     core = StageWorkerCore("w0", torch.device("cpu"), structlog.wrap_logger(structlog.ReturnLogger()), 120.0)
-    cycles = 2 * a.blocks + 1  # positions: `topology` makes room for (cycles + 1) * STEPS after the prompt
-    core.apply(topology(Path(a.model_dir), a.dtype, 1, store.port, 1, 1, cycles))
+    core.apply(topology(Path(a.model_dir), a.dtype, 1, store.port, 1, 1, cycles(a.blocks)))
     greedy = SamplingParams()
     token = core.step(1, [StepEntry("r0", 0, 0, len(PROMPT), PROMPT, greedy)]).sampled[0].token_id
     pos, out = len(PROMPT), {m: [] for m in MODES}
@@ -99,9 +104,12 @@ def main() -> None:
                  f"{a.gap_ms})")  # fmt: skip
     from shardmesh.models.registry import resolve
 
+    model_dir = resolve(a.model)
+    if why := past_the_model(model_dir, cycles(a.blocks)):
+        ap.error(f"--blocks {a.blocks}: {why}")
     info, found = machine(), {}
     for threads in a.threads:  # a fresh process each: one OpenMP team size per process
-        args = [sys.executable, __file__, *sys.argv[1:], "--one", str(threads), "--model-dir", str(resolve(a.model))]
+        args = [sys.executable, __file__, *sys.argv[1:], "--one", str(threads), "--model-dir", str(model_dir)]
         env = {"OMP_NUM_THREADS": str(threads), "SHARDMESH_LOG_LEVEL": "warning"}
         done = subprocess.run(args, env={**os.environ, **env}, capture_output=True, text=True, check=True)
         found[threads] = json.loads(done.stdout.strip().splitlines()[-1])

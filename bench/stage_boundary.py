@@ -64,6 +64,16 @@ def context(cycles: int) -> int:
     return len(PROMPT) + (cycles + 1) * STEPS
 
 
+def past_the_model(model_dir: Path, cycles: int) -> str:
+    """Why `cycles` do not fit the model's positions (`context`), or ""."""
+    from shardmesh.core.config import ModelConfig
+
+    longest = ModelConfig.from_dir(model_dir).max_position_embeddings
+    if context(cycles) <= longest:
+        return ""
+    return f"a sequence would reach position {context(cycles)}, past the model's max_position_embeddings={longest}"
+
+
 def topology(model_dir: Path, dtype: str, stages: int, port: int, epoch: int, rows: int, cycles: int) -> Any:
     """pp = `stages`, tp = 1, stage i held by worker "w{i}", the layers split evenly, a rendezvous of `epoch`, room
     for every cycle's tokens."""
@@ -247,14 +257,11 @@ def main() -> None:
         return
     if a.cycles < 4 or min(a.rows) < 1 or a.threads < 1:
         ap.error(f"--cycles must be at least 4, --rows and --threads positive (got {a.cycles}, {a.rows}, {a.threads})")
-    from shardmesh.core.config import ModelConfig
     from shardmesh.models.registry import resolve
 
     model_dir = resolve(a.model)
-    longest = ModelConfig.from_dir(model_dir).max_position_embeddings
-    if context(a.cycles) > longest:
-        ap.error(f"--cycles {a.cycles}: a sequence would reach position {context(a.cycles)}, past the model's "
-                 f"max_position_embeddings={longest}")  # fmt: skip
+    if why := past_the_model(model_dir, a.cycles):
+        ap.error(f"--cycles {a.cycles}: {why}")
     sys.argv += ["--model-dir", str(model_dir)]
     info = machine()
     got = run(a)

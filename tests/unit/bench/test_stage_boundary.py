@@ -40,3 +40,9 @@ def test_the_idle_gap_table_sets_each_mode_beside_the_other() -> None:
     a = argparse.Namespace(model="m", dtype="float32", blocks=2, gap_ms=15.0)
     md = markdown(info, a, {2: {MODES[0]: [30.0, 31.0, 29.0], MODES[1]: [33.0, 30.0, 36.0]}})
     assert "| 2 | 30.00 | 33.00 | **1.100×** (+3.00 ms) |" in md
+
+
+def test_the_idle_gap_has_room_for_its_blocks_and_no_more() -> None:
+    from bench.idle_gap import cycles
+
+    assert context(cycles(30)) == len(PROMPT) + 2 * 30 * STEPS  # two blocks of STEPS one-step calls per pair
