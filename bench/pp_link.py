@@ -4,12 +4,13 @@
 
 Writes bench/results/<host>-<date>-pp-link.{md,json} and prints the markdown. Two processes (spawned here, one
 store served by this process) form two pairs of links the way pipeline stages do (`groups.form_link`): a forward
-link from A to B and a link back from B to A, once with SHARDMESH_LINK_TRANSPORT=shm and once with gloo. What one
-round trip carries is a two-stage pipeline's decode step: `tokens` rows of `--hidden` float32 forward (576:
-SmolLM2-135M), one int64 token id per row back, as the last stage returns what it drew to the first. A number is
-A's mean µs per round trip over `--iters` back-to-back trips, halved (one hop), and the table gives the median
-over `--rounds` rounds; the two transports alternate round by round, so drift on a shared machine hits both
-alike. Each process has one intra-op thread.
+link from A to B and a link back from B to A, with SHARDMESH_LINK_TRANSPORT=shm, with gloo, and with shm once more
+whose sender checks that its receiver lives as where no pidfd can be had (kill(pid, 0) and /proc: the same run's
+baseline for the pidfd check). What one round trip carries is a two-stage pipeline's decode step: `tokens` rows of
+`--hidden` float32 forward (576: SmolLM2-135M), one int64 token id per row back, as the last stage returns what it
+drew to the first. A number is A's mean µs per round trip over `--iters` back-to-back trips, halved (one hop), and
+the table gives the median over `--rounds` rounds; the transports rotate round by round, so drift on a shared
+machine hits them alike. Each process has one intra-op thread.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from bench.conditions import machine, spawned  # noqa: E402  (the repository roo
 from bench.tp_allreduce import report, transport_args  # noqa: E402
 
 TIMEOUT = timedelta(seconds=120)
-TRANSPORTS = ("shm", "gloo")
+# "shm no pidfd": the ring with its liveness check before every send done as without a pidfd (kill(pid, 0) and a read
+# of /proc), the way every ring checked its peer before pidfds: the same run's baseline for what the pidfd saves.
+TRANSPORTS = ("shm", "shm no pidfd", "gloo")
+NO_PIDFD = "shm no pidfd"
 
 
 def side_main(port: int, me: int, a: dict[str, Any], out: Any) -> None:
@@ -45,19 +49,21 @@ def side_main(port: int, me: int, a: dict[str, Any], out: Any) -> None:
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
     cpu = torch.device("cpu")
     links: dict[str, tuple[StageLink, StageLink]] = {}
+    with_pidfd = shm_link.pidfd
     for name in TRANSPORTS:
-        os.environ[shm_link.TRANSPORT_ENV] = name
+        os.environ[shm_link.TRANSPORT_ENV] = "shm" if name == NO_PIDFD else name
+        shm_link.pidfd = (lambda pid: -1) if name == NO_PIDFD else with_pidfd
         # forward: A is side 0 (sends); back: B is side 0 (sends)
         fwd, fplan = form_link(store, f"bench/{name}/fwd", me, cpu, "auto", TIMEOUT, "the other process")
         back, bplan = form_link(store, f"bench/{name}/back", 1 - me, cpu, "auto", TIMEOUT, "the other process")
-        assert fplan.backend == bplan.backend == name, (fplan, bplan)
+        assert fplan.backend == bplan.backend == name.split()[0], (fplan, bplan)
         links[name] = (StageLink(fwd, is_sender=me == 0, plan=fplan), StageLink(back, is_sender=me == 1, plan=bplan))
     samples: dict[str, list[float]] = {f"{name} {tokens}": [] for tokens in a["tokens"] for name in TRANSPORTS}
     for r in range(a["rounds"]):
         for tokens in a["tokens"]:
             x = torch.randn(tokens, a["hidden"])
             drawn = torch.arange(tokens, dtype=torch.int64)
-            for name in TRANSPORTS if r % 2 == 0 else TRANSPORTS[::-1]:
+            for name in TRANSPORTS[r % len(TRANSPORTS) :] + TRANSPORTS[: r % len(TRANSPORTS)]:
                 fwd_link, back_link = links[name]
                 for i in range(5 + a["iters"]):  # 5 trips of warm-up before the clock starts
                     if i == 5:
@@ -70,7 +76,7 @@ def side_main(port: int, me: int, a: dict[str, Any], out: Any) -> None:
                         back_link.send(drawn)
                 samples[f"{name} {tokens}"].append((time.perf_counter() - t0) / a["iters"] / 2 * 1e6)
     if me == 0:
-        out.put({"transport": links["shm"][0].wire.describe(), "samples": samples})
+        out.put({"transport": links["shm"][0].wire.describe(), "samples": samples, "variants": [NO_PIDFD]})
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:

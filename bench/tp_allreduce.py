@@ -77,20 +77,22 @@ def transport_args(p: argparse.ArgumentParser, iters: int) -> None:
 
 
 def report(a: argparse.Namespace, result: dict[str, Any], suffix: str, head: list[str], unit: str) -> None:
-    """The median over rounds of each transport's µs per `unit` at each token count, shared memory beside Gloo,
-    under `head` (the title and what was run), saved as <out>/<host>-<date><suffix>.{md,json}."""
+    """The median over rounds of each transport's µs per `unit` at each token count, shared memory beside Gloo (and
+    beside each variant named in `result["variants"]`), under `head` (the title and what was run), saved as
+    <out>/<host>-<date><suffix>.{md,json}."""
     med = {k: statistics.median(v) for k, v in result["samples"].items()}
-    rows = [{"tokens": t, "bytes": t * a.hidden * 4, "shm_us": med[f"shm {t}"], "gloo_us": med[f"gloo {t}"]}
-            for t in a.tokens]  # fmt: skip
+    names = ["shm", *result.get("variants", []), "gloo"]
+    rows = [{"tokens": t, "bytes": t * a.hidden * 4, **{f"{n}_us": med[f"{n} {t}"] for n in names}} for t in a.tokens]
+    titles = {"shm": "shm", "gloo": "Gloo"}
     lines = [
         *head,
         "",
-        f"| tokens | bytes | shm µs {unit} | Gloo µs {unit} | Gloo / shm |",
-        "|---:|---:|---:|---:|---:|",
+        "| tokens | bytes | " + "".join(f"{titles.get(n, n)} µs {unit} | " for n in names) + "Gloo / shm |",
+        "|---:|---:|" + "---:|" * len(names) + "---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['tokens']} | {r['bytes']} | {r['shm_us']:.1f} | {r['gloo_us']:.1f} | "
-                     f"{r['gloo_us'] / r['shm_us']:.1f}x |")  # fmt: skip
+        cells = "".join(f"{r[f'{n}_us']:.1f} | " for n in names)
+        lines.append(f"| {r['tokens']} | {r['bytes']} | {cells}{r['gloo_us'] / r['shm_us']:.1f}x |")
     data = {"args": {k: str(v) for k, v in vars(a).items()}, "transport": result["transport"], "rows": rows,
             "samples_us": result["samples"]}  # fmt: skip
     save_results(a.out, machine(), suffix, "\n".join(lines) + "\n", data)

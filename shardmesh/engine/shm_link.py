@@ -22,7 +22,8 @@ uses the same ring.
 A waiting side spins for `spin_s` (0 by default: on a host where the stages take turns on shared cores the peer
 it waits for needs that core), then sleeps on the futex word for at most 10 ms at a time (a stage waits through the
 other stage's whole turn, and each wake-up would take a core from it), after which it checks that its peer lives
-(kill(pid, 0), not a zombie) and the group timeout. A peer that closes the link (its epoch broke) wakes it at once.
+(one poll() of a pidfd of it; kill(pid, 0) and /proc for a zombie where there is no pidfd) and the group timeout.
+A peer that closes the link (its epoch broke) wakes it at once.
 Each failure returns a status that `ShmLinkWire` raises as RuntimeError naming the peer, as a broken Gloo link
 would, and the worker treats it as a lost peer. The kernel is `shm_collective`'s prelude plus the functions
 here, built at first use; without a C++ compiler the negotiation refuses and the link stays on Gloo.
@@ -32,7 +33,9 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -57,6 +60,7 @@ MISMATCH = 16
 _SOURCE = r"""
 #include <climits>
 #include <linux/futex.h>
+#include <poll.h>
 #include <sys/syscall.h>
 
 namespace {
@@ -67,6 +71,17 @@ constexpr int64_t HEAD_AT = LINE, TAIL_AT = 2 * LINE, SIZES_AT = 3 * LINE;
 // takes a core from the threads computing in that turn. A close wakes it at once (link_close).
 constexpr double LINK_CHECK_S = 10e-3;
 constexpr int64_t DEAD = 1, CLOSED = 2, TIMED_OUT = 3, MISMATCH = 16;
+
+// Gone: with a pidfd of the peer (Linux 5.3+, -1 without), one poll(), readable once it exited, zombie or reaped;
+// peer_dead's kill() and read of /proc cost ~12 us, paid before every send.
+bool peer_gone(int64_t pid, int64_t pidfd) {
+  if (pidfd >= 0) {
+    pollfd p{static_cast<int>(pidfd), POLLIN, 0};
+    const int ready = poll(&p, 1, 0);
+    if (ready >= 0) return ready > 0;
+  }
+  return peer_dead(pid);
+}
 
 inline std::atomic<int64_t>* count_at(uint8_t* base, int64_t at) {
   return reinterpret_cast<std::atomic<int64_t>*>(base + at);
@@ -88,7 +103,8 @@ void publish(uint8_t* base, int64_t at, int64_t value) {
 // Wait until the count at `at` reaches `target`: 0, or DEAD, CLOSED (the peer closed the link), TIMED_OUT.
 // The futex word is read before the count, and the publisher stores the count before bumping the word: a count
 // published after our check changes the word, so FUTEX_WAIT returns at once instead of sleeping through it.
-int64_t wait_for(uint8_t* base, int64_t at, int64_t target, int64_t peer_pid, double spin_s, double timeout_s) {
+int64_t wait_for(uint8_t* base, int64_t at, int64_t target, int64_t peer_pid, int64_t peer_fd, double spin_s,
+                 double timeout_s) {
   std::atomic<int64_t>* count = count_at(base, at);
   std::atomic<int32_t>* word = word_at(base, at);
   std::atomic<int64_t>* closed = count_at(base, CLOSED_AT);
@@ -107,7 +123,7 @@ int64_t wait_for(uint8_t* base, int64_t at, int64_t target, int64_t peer_pid, do
     if (closed->load(std::memory_order_acquire) > 0) return CLOSED;  // link_close wakes us to read it
     if (elapsed >= next_check) {
       next_check = elapsed + LINK_CHECK_S;
-      if (peer_dead(peer_pid)) return DEAD;
+      if (peer_gone(peer_pid, peer_fd)) return DEAD;
       if (elapsed >= timeout_s) return TIMED_OUT;
     }
     const int32_t seen = word->load(std::memory_order_acquire);
@@ -126,7 +142,7 @@ uint8_t* slot_at(uint8_t* base, int64_t data_offset, int64_t capacity, int64_t s
 
 // Send x's bytes as messages seq + 1, seq + 2, ... (one per `capacity` bytes, at least one).
 int64_t link_send(torch::Tensor seg, torch::Tensor x, int64_t seq, int64_t slots, int64_t capacity,
-                  int64_t data_offset, int64_t peer_pid, double spin_s, double timeout_s) {
+                  int64_t data_offset, int64_t peer_pid, int64_t peer_fd, double spin_s, double timeout_s) {
   uint8_t* base = seg.data_ptr<uint8_t>();
   const uint8_t* src = static_cast<const uint8_t*>(x.data_ptr());
   const int64_t nbytes = x.numel() * x.element_size();
@@ -134,10 +150,11 @@ int64_t link_send(torch::Tensor seg, torch::Tensor x, int64_t seq, int64_t slots
   pybind11::gil_scoped_release no_gil;
   // The ring would take a message for a receiver that is gone (Gloo's send fails on the closed socket): check first.
   if (count_at(base, CLOSED_AT)->load(std::memory_order_acquire) > 0) return CLOSED;
-  if (peer_dead(peer_pid)) return DEAD;
+  if (peer_gone(peer_pid, peer_fd)) return DEAD;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t s = seq + 1 + c;
-    const int64_t status = wait_for(base, TAIL_AT, s - slots, peer_pid, spin_s, timeout_s);  // room in the ring
+    // room in the ring
+    const int64_t status = wait_for(base, TAIL_AT, s - slots, peer_pid, peer_fd, spin_s, timeout_s);
     if (status != 0) return status;
     const int64_t len = std::min(capacity, nbytes - c * capacity);
     std::memcpy(slot_at(base, data_offset, capacity, slots, s), src + c * capacity, len);
@@ -149,7 +166,7 @@ int64_t link_send(torch::Tensor seg, torch::Tensor x, int64_t seq, int64_t slots
 
 // Receive messages seq + 1, ... into out (contiguous), whose size says what the sender must have sent.
 int64_t link_recv(torch::Tensor seg, torch::Tensor out, int64_t seq, int64_t slots, int64_t capacity,
-                  int64_t data_offset, int64_t peer_pid, double spin_s, double timeout_s) {
+                  int64_t data_offset, int64_t peer_pid, int64_t peer_fd, double spin_s, double timeout_s) {
   uint8_t* base = seg.data_ptr<uint8_t>();
   uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
   const int64_t nbytes = out.numel() * out.element_size();
@@ -157,7 +174,7 @@ int64_t link_recv(torch::Tensor seg, torch::Tensor out, int64_t seq, int64_t slo
   pybind11::gil_scoped_release no_gil;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t s = seq + 1 + c;
-    const int64_t status = wait_for(base, HEAD_AT, s, peer_pid, spin_s, timeout_s);
+    const int64_t status = wait_for(base, HEAD_AT, s, peer_pid, peer_fd, spin_s, timeout_s);
     if (status != 0) return status;
     const int64_t len = std::min(capacity, nbytes - c * capacity);
     const int64_t sent = count_at(base, SIZES_AT + 8 * ((s - 1) % slots))->load(std::memory_order_relaxed);
@@ -178,6 +195,18 @@ void link_close(torch::Tensor seg, int64_t side) {
 """
 
 _KERNEL = InlineKernel("shardmesh_link", PRELUDE + _SOURCE, ["link_send", "link_recv", "link_close"], ["-O3"])
+
+
+def pidfd(pid: int) -> int:
+    """A pidfd of process `pid` (Linux 5.3+; its holder closes it), or -1 where none can be had (an older kernel, a
+    seccomp filter, a peer already reaped, or this process itself: ranks as threads of one process). The kernel then
+    checks the peer with kill() and /proc."""
+    if pid == os.getpid() or not hasattr(os, "pidfd_open"):
+        return -1
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return -1
 
 
 def data_offset() -> int:
@@ -213,6 +242,9 @@ class ShmLinkWire:
         self.segment, self.side, self.peer_pid = segment, side, peer_pid
         self.slots, self.capacity, self.spin_s = slots, capacity, spin_s
         self.timeout_s = timeout.total_seconds()
+        self.peer_fd = pidfd(peer_pid)
+        if self.peer_fd >= 0:
+            weakref.finalize(self, os.close, self.peer_fd)
         self._seg = torch.frombuffer(segment.mm, dtype=torch.uint8)
         self._seq = 0  # messages through the ring so far, counted alike on both sides
         self._broken = ""
@@ -240,8 +272,8 @@ class ShmLinkWire:
                              f"contiguous={x.is_contiguous()}")  # fmt: skip
         nbytes = x.numel() * x.element_size()
         t0 = time.perf_counter()
-        status = fn(self._seg, x, self._seq, self.slots, self.capacity, data_offset(), self.peer_pid, self.spin_s,
-                    self.timeout_s)  # fmt: skip
+        status = fn(self._seg, x, self._seq, self.slots, self.capacity, data_offset(), self.peer_pid, self.peer_fd,
+                    self.spin_s, self.timeout_s)  # fmt: skip
         self._seq += max(1, math.ceil(nbytes / self.capacity))
         if status == 0:
             return

@@ -8,11 +8,12 @@ close or a death would surface as the group-timeout message instead (60 s here),
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -35,11 +36,6 @@ CPU = torch.device("cpu")
 def kernel() -> None:
     if shm_link._unavailable():
         pytest.skip(shm_link._unavailable())
-
-
-@pytest.fixture
-def store() -> Iterator[dist.TCPStore]:
-    yield dist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
 
 
 @pytest.fixture(autouse=True)
@@ -263,6 +259,37 @@ def test_processes_pass_messages_and_a_killed_side_is_named_by_the_other(store) 
     kind, _, error = got[0]
     assert kind == "ShmLinkWire" and f"side 1 (pid {pids[1]}) died while side 0 waited" in error
     assert not any(SHM_DIR.glob(f"shardmesh-link-{pids[0]}-*"))
+
+
+@pytest.mark.parametrize("with_pidfd", [True, False], ids=["pidfd", "kill-and-proc"])
+def test_a_peer_killed_and_not_yet_reaped_is_dead_to_either_check(monkeypatch, with_pidfd) -> None:
+    """A wire tells a dead peer by a pidfd's poll where it can have one, else by kill(pid, 0) and /proc; both must see
+    through a zombie. The peer here is a child process, killed and not reaped until the end."""
+    if not with_pidfd:
+        monkeypatch.setattr(shm_link, "pidfd", lambda pid: -1)
+    elif shm_link.pidfd(os.getppid()) < 0:
+        pytest.skip("no pidfd on this kernel: the kill-and-proc case covers the check")
+    child = subprocess.Popen(["sleep", "600"])
+    segment = shm_collective.create_segment(shm_link.segment_bytes(), "link")
+    try:
+        receiver, sender = ShmLinkWire(segment, 1, child.pid, TIMEOUT), ShmLinkWire(segment, 0, child.pid, TIMEOUT)
+        assert (receiver.peer_fd >= 0) == with_pidfd
+        child.kill()
+        with pytest.raises(RuntimeError, match=rf"side 0 \(pid {child.pid}\) died while side 1 waited"):
+            receiver.recv_into(torch.empty(4))
+        with pytest.raises(RuntimeError, match=rf"side 1 \(pid {child.pid}\) died while side 0 waited"):
+            sender.send(torch.ones(4))
+        fd = sender.peer_fd
+        del receiver, sender
+        gc.collect()
+        if fd >= 0:  # the wire's pidfd goes with it
+            with pytest.raises(OSError):
+                os.fstat(fd)
+    finally:
+        child.kill()
+        child.wait()
+        segment.close()
+        (SHM_DIR / segment.name).unlink(missing_ok=True)
 
 
 def test_a_wire_refuses_device_or_strided_tensors(store) -> None:
