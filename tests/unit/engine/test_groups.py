@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -23,12 +23,6 @@ from shardmesh.engine.groups import HostStaging, LinkPlan, ShardGroups, SingleRa
 
 TIMEOUT = timedelta(seconds=20)
 GLOO_CLOSED = r"Connection (closed by peer|reset)"  # what a Gloo peer reads when the other side closed its group
-
-
-@pytest.fixture
-def store() -> Iterator[dist.TCPStore]:
-    s = dist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
-    yield s
 
 
 def pretend_cuda(monkeypatch: pytest.MonkeyPatch, *sides: int) -> None:

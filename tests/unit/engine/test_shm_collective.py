@@ -12,7 +12,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -32,11 +32,6 @@ TIMEOUT = timedelta(seconds=60)
 def kernel() -> None:
     if not shm_collective.available():
         pytest.skip(f"no C++ build: {shm_collective.build_error()}")
-
-
-@pytest.fixture
-def store() -> Iterator[dist.TCPStore]:
-    yield dist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
 
 
 @pytest.fixture(autouse=True)

@@ -32,11 +32,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("soft"), "llama-gqa-tied", num_layers=4, seed=3)
 
 
-@pytest.fixture
-def store() -> dist.TCPStore:
-    return new_store()
-
-
 def step_all(cores: list[StageWorkerCore], version: int, request_id: str = "r") -> list[StepResult]:
     """One prefill step of PROMPT through every stage at once; the results in stage order."""
     results = run_step(cores, version, [StepEntry(request_id, 0, 0, len(PROMPT), PROMPT, SamplingParams())])
