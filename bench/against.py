@@ -1,6 +1,6 @@
 """This checkout against an earlier commit, in one run: did a change make serving slower?
 
-    .venv/bin/python bench/against.py REV [--layouts 1x1,2x1] [--streams 1,16] [--rounds 3]
+    .venv/bin/python bench/against.py REV [--layouts 1x1,2x1] [--streams 1,16] [--dtype float32] [--rounds 3]
 
 REV is checked out into a temporary git worktree (removed afterwards). For each layout, the two
 checkouts' meshes (`shardmesh up`, same model, flags and threads) are started in turn, A B A B ...,
@@ -41,10 +41,11 @@ def worktree(rev: str, into: Path) -> str:
 
 
 def measure(tree: Path, model_dir: Path, pp: int, tp: int, streams: list[int], prompt_ids: list[int],
-            new_tokens: int) -> dict[int, dict]:  # fmt: skip
+            new_tokens: int, dtype: str) -> dict[int, dict]:  # fmt: skip
     share = share_cores(pp, tp, "cpu", "auto", None, cores())
     with tempfile.TemporaryDirectory() as logs:
-        mesh = Mesh(model_dir, pp, tp, share.pipeline, max(streams), Path(logs), share.worker_threads, "none", tree)
+        mesh = Mesh(model_dir, pp, tp, share.pipeline, max(streams), Path(logs), share.worker_threads, "none", tree,
+                    extra=("--dtype", dtype))  # fmt: skip
         try:
             return {n: run_streams(mesh.address, prompt_ids, new_tokens, n) for n in streams}
         finally:
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument("--layouts", default="1x1,2x1", help="pp x tp pairs")
     ap.add_argument("--streams", default="1,16")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--rounds", type=int, default=3, help="meshes started per checkout and layout, alternating")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
@@ -81,7 +83,7 @@ def main() -> None:
                     for side, tree in (
                         (("this", ROOT), ("rev", other)) if i % 2 == 0 else (("rev", other), ("this", ROOT))
                     ):
-                        runs[side].append(measure(tree, model_dir, pp, tp, streams, prompt_ids, a.new_tokens))
+                        runs[side].append(measure(tree, model_dir, pp, tp, streams, prompt_ids, a.new_tokens, a.dtype))
                         print(f"pp={pp} tp={tp} {side} round {i}: {runs[side][-1]}", file=sys.stderr)
                 for n in streams:
                     row = {"pp": pp, "tp": tp, "streams": n}
@@ -100,7 +102,7 @@ def report(info: dict, commit: str, rows: list[dict], a: argparse.Namespace) -> 
         f"## This checkout against {commit[:7]} — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
         f"{info['date']}",
         "",
-        f"Model `{a.model}` float32, greedy, {a.new_tokens} new tokens; each side's median over {a.rounds} meshes "
+        f"Model `{a.model}` {a.dtype}, greedy, {a.new_tokens} new tokens; each side's median over {a.rounds} meshes "
         "started in turn (A B A B ...). Ratio = this ÷ REV: below 1 is faster for ms/token, above 1 for tok/s.",
         "",
         "| pp | tp | streams | ms/token this | ms/token REV | ratio | tok/s this | tok/s REV | ratio |",

@@ -116,8 +116,9 @@ class OneDNNPackedKernel(LinearKernel):
 
 class BlockedCpuKernel(LinearKernel):
     """`cpu_kernels.linear`: weights in blocks of output features, multiplied by a loop compiled for this CPU (float32,
-    or bfloat16 through AVX512-BF16 where the CPU has it); the layout and the measurements are in `cpu_kernels`. The
-    decode runner (`cpu_decode`) reads these weights too (CPU, float32 and bfloat16, where the kernels build)."""
+    or bfloat16 on AMX tiles or through AVX512-BF16 where the CPU has them); the layout and the measurements are in
+    `cpu_kernels`. The decode runner (`cpu_decode`) reads these weights too (CPU, float32 and bfloat16, where the
+    kernels build)."""
 
     name = "cpu-blocked"
 
