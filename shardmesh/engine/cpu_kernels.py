@@ -282,9 +282,10 @@ static inline void block_dp(const uint32_t* x, int64_t xs, int64_t K2, const uin
 // tokens longer than float32's). One TDPBF16PS multiplies 16 rows by 32 inputs of 16 outputs. The blocked layout is
 // already the tiles' operand layout: block b's rows of pairs (k, k + 1) for its 32 outputs are 128 bytes each, so 16
 // of them, 128 bytes apart, are the B tile of outputs 0-15, and 64 bytes further those of 16-31; the rows' pairs
-// (`xq`) are the A tile. Measured there (2 threads, SmolLM2's products): 0.58-0.64x vdpbf16ps's time at one row,
-// 0.22-0.28x at 16, 0.21-0.28x at 736 (a prefill), at the same numbers (both sum pairs of bfloat16 products in
-// float32).
+// (`xq`) are the A tile. Measured there (bench/bf16_products.py, 2 threads, SmolLM2's products): 0.18-0.36x
+// vdpbf16ps's time at 16 rows, 0.24-0.46x at 736 (a prefill); at one row 0.73x for the LM head and 0.92-1.43x for a
+// layer's products whose weights sit in cache (a tile configuration per call), about even for a whole step. The same
+// numbers up to the order of sums: both sum pairs of bfloat16 products in float32.
 
 // The kernel lets a process use AMX's tile registers only once it asks (Linux 5.16+): once per process, false where
 // the kernel or a hypervisor says no, or $SHARDMESH_CPU_AMX is 0 (the vdpbf16ps path is used then).
