@@ -26,9 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.conditions import machine, save_results  # noqa: E402  (the repository root is on the path only now)
+from shardmesh.engine.cpu_kernels import AMX_ENV  # noqa: E402
 
 PRODUCTS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
-WAYS = {"amx": "1", "vdpbf16ps": "0"}  # name: $SHARDMESH_CPU_AMX
+WAYS = {"amx": "1", "vdpbf16ps": "0"}  # name: $SHARDMESH_CPU_AMX (`cpu_kernels.AMX_ENV`)
 
 
 def child(rows: list[int], iters: int) -> dict[str, float]:
@@ -77,7 +78,7 @@ def main() -> None:
     for r in range(a.rounds):
         got = {}
         for way in list(WAYS) if r % 2 == 0 else list(WAYS)[::-1]:
-            env = {**os.environ, "SHARDMESH_CPU_AMX": WAYS[way], "PYTHONPATH": str(ROOT)}
+            env = {**os.environ, AMX_ENV: WAYS[way], "PYTHONPATH": str(ROOT)}
             got[way] = json.loads(subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True,
                                                  check=True).stdout.splitlines()[-1])  # fmt: skip
         rounds.append(got)

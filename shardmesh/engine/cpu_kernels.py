@@ -106,7 +106,7 @@ static inline void add_rows(Sums* a, const float* x, int64_t xs, int64_t k, __m5
   }
 }
 
-// On the first pass over a block (`ahead`: its weights come from memory; later passes of more rows find it in L2),
+// On the first pass over a block (`Ahead`: its weights come from memory; later passes of more rows find it in L2),
 // float32 weights are asked for F32_AHEAD inputs on (4 KiB, both lines of each input's 32 weights), into L1. On a Xeon
 // of family 6 model 207 the CPU's own prefetch left the loop waiting: SmolLM2's products took 0.91x the time at one
 // row and 0.69x at 16 with it (8 and 16 KiB ahead: 0.93-0.96x and 0.72x; 2 KiB: 0.96x and 0.79x). On a Zen 5 an
@@ -285,6 +285,17 @@ static inline void block_dp(const uint32_t* x, int64_t xs, int64_t K2, const uin
 }
 #endif
 
+// y's rows m .. m + rows of block b (outputs b·NB ..., at most N) = acc's (rows x NB) + bias, rounded to bfloat16 when
+// `round_bf16`.
+static inline void store_block(float* y, int64_t N, int64_t b, int64_t m, int rows, const float* acc, const float* bias,
+                               bool round_bf16) {
+  const int64_t n0 = b * NB, nn = std::min(NB, N - n0);
+  for (int i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < nn; ++j) {
+      y[(m + i) * N + n0 + j] = round_to(round_bf16, acc[i * NB + j] + (bias ? bias[n0 + j] : 0.f));
+    }
+}
+
 #ifdef SHARDMESH_AMX
 // bfloat16 products on AMX tiles, where the CPU has them. vdpbf16ps multiplies 32 weights by one row's pair per
 // instruction, so 16 rows take 16 instructions per weight register: from a few rows on the product waits on them, not
@@ -298,10 +309,10 @@ static inline void block_dp(const uint32_t* x, int64_t xs, int64_t K2, const uin
 // numbers up to the order of sums: both sum pairs of bfloat16 products in float32.
 
 // The kernel lets a process use AMX's tile registers only once it asks (Linux 5.16+): once per process, false where
-// the kernel or a hypervisor says no, or $SHARDMESH_CPU_AMX is 0 (the vdpbf16ps path is used then).
+// the kernel or a hypervisor says no, or $@AMX_ENV@ is 0 (the vdpbf16ps path is used then).
 static bool amx_permitted() {
   static const bool ok = [] {
-    const char* env = std::getenv("SHARDMESH_CPU_AMX");
+    const char* env = std::getenv("@AMX_ENV@");
     if (env != nullptr && std::strcmp(env, "0") == 0) return false;
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
@@ -345,11 +356,7 @@ static inline void block_amx(const uint32_t* xq, int64_t K2, const uint16_t* w, 
 template <typename F>
 static void over_blocks(int64_t M, int64_t N, const float* bias, float* y, bool round_bf16, F&& kernel) {
   auto store = [&](int64_t b, int64_t m, int rows, const float* acc) {
-    const int64_t n0 = b * NB, nn = std::min(NB, N - n0);
-    for (int i = 0; i < rows; ++i)
-      for (int64_t j = 0; j < nn; ++j) {
-        y[(m + i) * N + n0 + j] = round_to(round_bf16, acc[i * NB + j] + (bias ? bias[n0 + j] : 0.f));
-      }
+    store_block(y, N, b, m, rows, acc, bias, round_bf16);
   };
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
     float acc[8 * NB];
@@ -411,17 +418,13 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
     at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
       float acc[16 * NB];
       int configured = 0;
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t n0 = b * NB, nn = std::min(NB, N - n0);
+      for (int64_t b = b0; b < b1; ++b)
         for (int64_t m = 0; m < M; m += 16) {
           const int mb = static_cast<int>(std::min<int64_t>(16, M - m));
           if (mb != configured) { configure_tiles(mb); configured = mb; }
           block_amx(xq.data() + m * K2, K2, wp + b * K2 * 2 * NB, acc);
-          for (int i = 0; i < mb; ++i)
-            for (int64_t j = 0; j < nn; ++j)
-              y[(m + i) * N + n0 + j] = round_to(round_bf16, acc[i * NB + j] + (bias ? bias[n0 + j] : 0.f));
+          store_block(y, N, b, m, mb, acc, bias, round_bf16);
         }
-      }
       if (configured) _tile_release();  // no tile state left for the kernel to save at each switch
     });
     return;
@@ -867,7 +870,7 @@ torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, Weights
 
 _KERNEL = InlineKernel(
     "shardmesh_cpu",
-    _SOURCE.replace("@ROW@", int8_cpu.ROW_SOURCE).replace("@GROUP@", str(INT8_GROUP)),
+    _SOURCE.replace("@ROW@", int8_cpu.ROW_SOURCE).replace("@GROUP@", str(INT8_GROUP)).replace("@AMX_ENV@", AMX_ENV),
     ["linear", "rows_linear", "attention_block", "mlp_block"],
     ["-O3", "-march=native", "-fopenmp-simd"],
 )
