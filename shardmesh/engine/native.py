@@ -42,6 +42,7 @@ class InlineKernel:
     def __init__(self, prefix: str, source: str, functions: list[str], cflags: list[str]) -> None:
         self.prefix, self.source, self.functions, self.cflags = prefix, source, functions, cflags
         self.build_error = ""  # why it could not be built ("" when it was, or was not tried)
+        self.ext: Any | None = None  # the extension, once `module` has built and loaded it
 
     @property
     def name(self) -> str:
@@ -70,6 +71,7 @@ class InlineKernel:
                                             extra_ldflags=list(OPENMP))  # fmt: skip
             if building:
                 log.info("kernel_built", kernel=self.prefix, seconds=round(time.perf_counter() - t0, 1))
+            self.ext = ext
             return ext
         except Exception as e:  # no compiler, no ninja, a failed build: the caller falls back
             message = str(e).strip()

@@ -10,7 +10,7 @@ import torch
 from shardmesh.core.dtypes import Quantization
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.step import Segment
-from shardmesh.engine import cpu_kernels
+from shardmesh.engine import cpu_kernels, sampling
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.cpu_decode import CpuDecode, cpu_decode
 from shardmesh.engine.groups import ShardGroups, SingleRank
@@ -197,3 +197,36 @@ def test_rows_linear_multiplies_row_major_weights_and_column_slices(rows: int, n
         want = x.double() @ weight.double().T + b.double()
         got = cpu_kernels.rows_linear(x, weight, b)
         assert got.shape == (rows, n) and ((got.double() - want).abs() / (want.abs() + 1)).max() < 1e-5
+
+
+def _rows_with_ties_nans_and_infinities() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(n, generator=g) for n in (1, 5, 16, 37, 49152)]
+    tied = torch.randn(37, generator=g)
+    tied[[3, 20, 36]] = 9.0  # the first of equal largest values
+    late_tie = torch.randn(40, generator=g)
+    late_tie[[35, 39]] = 9.0  # both in the tail past the last full 16
+    nan_late = torch.randn(50, generator=g)
+    nan_late[[7, 44]] = float("nan")  # the first NaN, as torch.argmax has it
+    nan_tail = torch.randn(35, generator=g)
+    nan_tail[33] = float("nan")
+    infinite = torch.randn(33, generator=g)
+    infinite[[2, 30]] = float("inf")
+    return [*rows, tied, late_tie, nan_late, nan_tail, infinite, torch.full((20,), float("-inf"))]
+
+
+@pytest.mark.parametrize("row", _rows_with_ties_nans_and_infinities(), ids=lambda r: f"n{r.numel()}")
+def test_argmax_rows_picks_what_torch_argmax_picks(row: torch.Tensor) -> None:
+    x = torch.stack([row, row.flip(0), torch.zeros_like(row)])
+    assert cpu_kernels.argmax_rows(x).tolist() == x.argmax(-1).tolist()
+
+
+def test_sampling_takes_the_compiled_argmax_once_the_kernels_are_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu_kernels.module()
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "argmax_rows", lambda x: calls.append(x.shape) or x.argmax(-1))
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(6))
+    assert sampling.argmax(logits).tolist() == logits.argmax(-1).tolist()
+    assert calls == [(3, 100)]
+    assert sampling.argmax(logits.to(torch.bfloat16)).tolist() == logits.to(torch.bfloat16).argmax(-1).tolist()
+    assert calls == [(3, 100)]  # float32 only: other dtypes keep torch's
