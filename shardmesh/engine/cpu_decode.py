@@ -1,4 +1,4 @@
-"""Decode steps of a CPU shard in compiled code: two calls per decoder layer instead of ~70.
+"""Decode steps of a CPU shard in compiled code: two calls per decoder layer instead of ~70, and one for the head.
 
 On a CPU a decode step's weights stream in ~15-20 ms for SmolLM2, and eager PyTorch adds ~12 ms of its own: each
 of a layer's ~70 small operations (norms, RoPE, the KV write, attention's reshapes, SwiGLU, residuals) costs a few
@@ -33,7 +33,7 @@ from shardmesh.engine.kv_cache import AnyKVCache, KVCache
 from shardmesh.engine.linear import BlockedCpuKernel, LinearProduct
 from shardmesh.engine.model import DecoderLayer, Transformer
 from shardmesh.engine.offload import StreamedInt8Kernel, StreamedKernel
-from shardmesh.engine.tp import RowParallelLinear
+from shardmesh.engine.tp import RowParallelLinear, VocabParallelHead
 
 
 def cpu_decode(model: Transformer, cache: AnyKVCache, device: torch.device) -> CpuDecode | None:
@@ -56,6 +56,7 @@ class CpuDecode:
         self.ext = cpu_kernels.module()
         self._layers: list[_LayerCalls] = []
         self._for: object = None  # the cache tensor `_layers` holds views of
+        self._head: tuple[Any, ...] | None = None  # `head_block`'s arguments, gathered with `_layers`
 
     def accepts(self, batch: BatchLayout, all_logits: bool) -> bool:
         """A step of one-token segments only, as a slot layout, last-token logits."""
@@ -85,8 +86,10 @@ class CpuDecode:
                 streamer.release(c.index)
         if model.lm_head is None:
             return x
+        if self._head is not None:  # one row per sequence: each is its last token
+            return self.ext.head_block(x, *self._head)
         assert model.model.norm is not None
-        return model.lm_head(model.model.norm(x)).float()  # one row per sequence: each is its last token
+        return model.lm_head(model.model.norm(x)).float()
 
     def _layer(self, c: _LayerCalls, attention: tuple, mlp: tuple, x: Tensor, *step: Tensor) -> Tensor:
         slots, positions, cos, sin = step
@@ -101,6 +104,7 @@ class CpuDecode:
         if self._for is not self.cache.data:
             self._layers = [_LayerCalls.of(int(name), layer, self.cache.keys(i), self.cache.values(i))
                             for i, (name, layer) in enumerate(self.model.model.layers.items())]  # fmt: skip
+            self._head = _head_args(self.model)
             self._for = self.cache.data
         return self._layers
 
@@ -146,6 +150,16 @@ class _LayerCalls:
             layer, keys, values = self.streamed
             args = self.by_slot[slot] = _args(layer, keys, values, True, *(_blocks(p) for p in _products(layer)))
         return args
+
+
+def _head_args(model: Transformer) -> tuple[Any, ...] | None:
+    """`head_block`'s arguments after x, when the last stage's head is a whole blocked product (a tensor-parallel
+    head gathers its ranks' logits, a streamed one comes and goes: both stay eager), else None."""
+    head, norm = model.lm_head, model.model.norm
+    if (not isinstance(head, LinearProduct) or isinstance(head, VocabParallelHead) or norm is None
+            or not isinstance(head.kernel, BlockedCpuKernel)):  # fmt: skip
+        return None
+    return norm.weight, norm.eps, [head.weight], head.bias, head.weight_scale
 
 
 def _products(layer: DecoderLayer) -> tuple[LinearProduct, LinearProduct, LinearProduct, LinearProduct]:

@@ -892,6 +892,20 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, W
   return finish(x, y, residual, bf16);
 }
 
+// The last stage's head for decode rows: float32 logits (M, N) of the final norm of x, rounded as the eager head's are
+// (its bfloat16 output, then .float()): one call where the eager head took six ops, which between forwards, with
+// caches cold, took ~0.3 ms of a SmolLM2 step (docs/performance.md).
+torch::Tensor head_block(torch::Tensor x, torch::Tensor norm, double eps, Weights w, Opt b, Opt s) {
+  const int64_t M = x.size(0), H = x.size(1);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  std::vector<float> h(M * H);
+  rms_norm(x, norm, eps, bf16, h.data());
+  auto y = torch::empty({M, out_features(w)}, torch::kFloat);
+  torch::Tensor keep;
+  product(h.data(), M, H, w, false, groups_ptr(s), opt_ptr(b, keep), y.data_ptr<float>(), bf16);
+  return y;
+}
+
 torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, Weights w_gate_up, Opt b_gate_up,
                         Opt s_gate_up, Weights w_down, Opt b_down, Opt s_down, bool residual, bool rows) {
   const int64_t M = x.size(0), H = x.size(1), n_gate_up = out_features(w_gate_up), inter = n_gate_up / 2;
@@ -922,7 +936,7 @@ torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, Weights
 _KERNEL = InlineKernel(
     "shardmesh_cpu",
     _SOURCE.replace("@ROW@", int8_cpu.ROW_SOURCE).replace("@GROUP@", str(INT8_GROUP)).replace("@AMX_ENV@", AMX_ENV),
-    ["linear", "rows_linear", "attention_block", "mlp_block", "argmax_rows"],
+    ["linear", "rows_linear", "attention_block", "mlp_block", "head_block", "argmax_rows"],
     ["-O3", "-march=native", "-fopenmp-simd"],
 )
 

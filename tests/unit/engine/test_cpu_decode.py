@@ -88,6 +88,7 @@ def test_native_steps_equal_eager(tmp_path: pytest.TempPathFactory, family: str,
             eager = model(ids, batch, eager_cache)
             native = runner.run(batch, ids)
         assert native.dtype == torch.float32 and native.shape == eager.shape
+        assert runner._head is not None  # the head in one call (`head_block`), not the eager modules
         scale = eager.abs().max()
         # float32: the order of sums only; bfloat16: the same roundings, a bfloat16 ulp apart at most here and there
         tol = 1e-4 if dtype == torch.float32 else 5e-2
