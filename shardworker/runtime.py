@@ -584,7 +584,7 @@ class StageWorkerCore:
         # The later steps' layouts, all built now (each step's segments are the last one's a position on): built
         # between steps, after the shard's weights have streamed through the caches, each took several times as
         # long (SmolLM2: 0.25 ms against 0.05; docs/performance.md, "Cold caches between steps").
-        layouts = [BatchLayout.build([Segment(e.slot, e.start_pos + k, 1, e.blocks) for e in entries], self.device,
+        layouts = [BatchLayout.build([replace(e.segment, start=e.start_pos + k) for e in entries], self.device,
                                      p.limits.kv_block_size) for k in range(1, n)]  # fmt: skip
         for layout in layouts:
             if last:  # one per entry, in entry order: every entry samples
