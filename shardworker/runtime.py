@@ -203,6 +203,10 @@ class _Caches:
         if e.blocks and (e.start_pos == 0 or len(e.blocks) >= len(self.blocks.get(e.slot, ()))):
             self.blocks[e.slot] = e.blocks
 
+    def record_end(self, slot: int, end: int) -> None:
+        """A later step of a decode call wrote `slot` up to `end` (its first step was `record`ed)."""
+        self.lengths[slot] = max(end, self.lengths.get(slot, 0))
+
     def forget(self, slot: int) -> None:
         self.lengths.pop(slot, None)
         self.blocks.pop(slot, None)
@@ -580,40 +584,70 @@ class StageWorkerCore:
             raise FailedPrecondition(f"decode_steps: stage {p.stage} of {p.num_stages} has no loop link to carry "
                                      f"the drawn tokens to the first stage")  # fmt: skip
         result = self._step(topology_version, entries)  # which checks the entries as any step does
-        sampled, elapsed, comm = list(result.sampled), result.elapsed_s, result.comm
-        # The later steps' layouts, all built now (each step's segments are the last one's a position on): built
-        # between steps, after the shard's weights have streamed through the caches, each took several times as
-        # long (SmolLM2: 0.25 ms against 0.05; docs/performance.md, "Cold caches between steps").
-        layouts = [BatchLayout.build([replace(e.segment, start=e.start_pos + k) for e in entries], self.device,
-                                     p.limits.kv_block_size) for k in range(1, n)]  # fmt: skip
-        for layout in layouts:
-            if last:  # one per entry, in entry order: every entry samples
-                drawn = [s.token_id for s in result.sampled]
-            elif not first:  # a stage between the ends: it never embeds, the positions are what it needs
-                drawn = [e.token_ids[0] for e in entries]
-            if loop is not None:  # a pipeline's ends: the last stage sends what it drew, the first receives it
-                t0, before = time.perf_counter(), CommCounters.of(rt.engine.groups)
-                try:
-                    if last:
-                        loop.send(torch.tensor(drawn, dtype=torch.int64))
-                    else:
-                        drawn = loop.recv((len(entries),), torch.int64, "cpu").tolist()
-                except RuntimeError as e:  # the other end of the loop is gone
-                    raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
-                waited = CommCounters.of(rt.engine.groups) - before
-                elapsed += time.perf_counter() - t0
-                comm += waited
-                self.stats.recv_wait_s += waited.recv_wait_s
-            entries = [replace(e, start_pos=e.start_pos + 1, token_ids=(t,))
-                       for e, t in zip(entries, drawn, strict=True)]  # fmt: skip
-            result = self._step(topology_version, entries, layout)
-            sampled += result.sampled
-            elapsed += result.elapsed_s
-            comm += result.comm
-        return StepResult(sampled, elapsed, comm, result.placement, n)
+        # The later steps' layouts, all made now, each the one before a position on: made between steps, after the
+        # shard's weights have streamed through the caches, each took several times as long (SmolLM2: a layout
+        # built in 0.25 ms against 0.05; docs/performance.md, "Cold caches between steps").
+        layouts = [BatchLayout.build([replace(e.segment, start=e.start_pos + 1) for e in entries], self.device,
+                                     p.limits.kv_block_size)]  # fmt: skip
+        layouts += [layouts[0].advanced(k) for k in range(1, n - 1)]
+        return self._later_steps(rt, entries, result, layouts)
 
-    def _step(self, topology_version: int, entries: list[StepEntry], layout: BatchLayout | None = None) -> StepResult:
-        """One step of `entries`; `layout`: their computed segments' layout, when the caller built it already."""
+    def _later_steps(self, rt: _Runtime, entries: list[StepEntry], result: StepResult,
+                     layouts: list[BatchLayout]) -> StepResult:  # fmt: skip
+        """A decode call's steps after its first (`result`), one per layout, with what they share done once: the
+        first step checked the entries and set their slots and seeds, `_validate_decode_steps` every position they
+        write, so each later step is the drawn tokens, the forward and the sampling, and its counters are read once
+        for all of them. Done per step through `_step`, that bookkeeping took ~0.3 ms a step, all of it with caches
+        cold (docs/performance.md, "One decode call's bookkeeping once")."""
+        engine, caches = rt.engine, rt.caches
+        groups, loop = engine.groups, engine.groups.loop
+        first, last = engine.is_first, engine.is_last
+        receiving = loop is not None and not loop.is_sender  # the first stage waits on it as on `prev`
+        ids: Tensor | None = None
+        tokens = [s.token_id for s in result.sampled]  # what the last step drew, one per entry (the last stage)
+        slots, history = [e.slot for e in entries], caches.tokens
+        with self._slots_lock:
+            params = [self._seeded(rt, e) for e in entries] if last else []
+        penalized = [i for i, e in enumerate(entries) if e.sampling.penalized] if history is not None else []
+        sampled, elapsed, forward_s = list(result.sampled), result.elapsed_s, 0.0
+        before, loop_before = CommCounters.of(groups), loop.wait_s if receiving else 0.0
+        for k, layout in enumerate(layouts, 1):
+            t0 = time.perf_counter()
+            try:
+                if loop is not None:  # a pipeline's ends: the last stage sends what it drew, the first receives it
+                    if last:
+                        loop.send(torch.tensor(tokens, dtype=torch.int64))
+                    else:
+                        ids = loop.recv((len(entries),), torch.int64, "cpu")
+                elif first:  # a single stage embeds what it drew itself
+                    ids = torch.tensor(tokens, dtype=torch.int64)
+                for e in entries:  # how far each slot's cache is written here, as `_step` records it
+                    caches.record_end(e.slot, e.start_pos + k + 1)
+                t1 = time.perf_counter()
+                logits = engine.step(layout, ids)
+            except RuntimeError as e:  # the other end of the loop, or a peer in the forward, is gone
+                raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
+            t2 = time.perf_counter()
+            elapsed, forward_s = elapsed + t2 - t0, forward_s + t2 - t1
+            if logits is None:
+                continue
+            if history is not None and penalized:  # the tokens this step fed them, where: what penalties count
+                history.record([slots[i] for i in penalized], [entries[i].start_pos + k for i in penalized],
+                               [tokens[i] for i in penalized])  # fmt: skip
+            d = sample(logits, params, [e.start_pos + k + 1 for e in entries], history, slots)
+            tokens = d.token_ids
+            sampled += [Sampled(e.request_id, t, lp, top) for e, t, lp, top
+                        in zip(entries, d.token_ids, d.logprobs, d.top_logprobs, strict=True)]  # fmt: skip
+        comm = CommCounters.of(groups) - before
+        looped = loop.wait_s - loop_before if receiving else 0.0  # waiting for the drawn token, not for activations
+        rt.steps += len(layouts)
+        self.stats.steps += len(layouts)
+        self.stats.compute_s += forward_s - (comm.recv_wait_s - looped)
+        self.stats.recv_wait_s += comm.recv_wait_s
+        return StepResult(sampled, elapsed, result.comm + comm, rt.placement, len(layouts) + 1)
+
+    def _step(self, topology_version: int, entries: list[StepEntry]) -> StepResult:
+        """One step of `entries`."""
         rt = self._ready(topology_version)
         self._validate(rt, entries)
         p = rt.placement
@@ -630,9 +664,7 @@ class StageWorkerCore:
             for e in computed:  # how far each slot's cache is written here, and where: what a hand-over sends
                 rt.caches.record(e)
         block_size = p.limits.kv_block_size
-        if layout is None and computed:
-            layout = BatchLayout.build([e.segment for e in computed], self.device, block_size)
-        batch = layout if computed else None
+        batch = BatchLayout.build([e.segment for e in computed], self.device, block_size) if computed else None
         ids = torch.tensor([t for e in computed for t in e.token_ids]) if rt.engine.is_first and computed else None
         relay = _relay(entries, computed, p.stage, p.num_stages)
         before = CommCounters.of(rt.engine.groups)

@@ -92,9 +92,14 @@ def pipelined(cores: list[StageWorkerCore], sampling: SamplingParams, n: int, pe
     out = [first[-1].sampled[0].token_id]
     while len(out) < n:
         k, step = min(per_call, n - len(out)), entry(len(PROMPT) + len(out) - 1, (out[-1],), sampling)
+        before = [(core.stats.steps, core.stats.recv_wait_s) for core in cores]
         results = on_every_core(cores, lambda core, k=k, step=step: core.step(version, [step], k))
         assert [len(r.sampled) for r in results] == [0] * (len(cores) - 1) + [k]
         assert all(r.steps == k for r in results)
+        # Each core counts every step of the call, and the waits the call reports (the loop's included).
+        assert [core.stats.steps - s for core, (s, _) in zip(cores, before, strict=True)] == [k] * len(cores)
+        waits = [core.stats.recv_wait_s - w for core, (_, w) in zip(cores, before, strict=True)]
+        assert waits == pytest.approx([r.comm.recv_wait_s for r in results], abs=1e-9)
         assert (results[0].comm.recv_messages, results[-1].comm.send_messages) == (k - 1, k - 1)
         out += [s.token_id for s in results[-1].sampled]
         # The loop closes a ring: the first stage counts what it received as from the last, which sent to stage 0.
