@@ -73,12 +73,34 @@ def _shape(logits: Tensor, p: SamplingParams) -> Tensor:
     return x
 
 
-def argmax(logits: Tensor) -> Tensor:
-    """Each row's first largest logit, as `logits.argmax(-1)`: on CPU through the compiled kernels when this process
-    has them loaded (the CPU decode path loads them), a few µs against torch's ~0.1 ms for SmolLM2's 49152 logits."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and cpu_kernels.loaded():
-        return cpu_kernels.argmax_rows(logits)
-    return logits.argmax(-1)
+@dataclass(frozen=True)
+class Normaliser:
+    """What turns a step's logits into log-probabilities, a row each, without writing their log_softmax: a logit's
+    log-probability is (logit - top) - logsum, as log_softmax computes it."""
+
+    top: Tensor  # (B,) each row's largest logit
+    logsum: Tensor  # (B,) log(sum(exp(logits - top))); NaN where top is not finite (log_softmax's row is NaN)
+
+    def log_probs(self, values: Tensor, rows: list[int]) -> Tensor:
+        """The log-probabilities of `values` (len(rows), k), logits of `rows`."""
+        top, logsum = self.top[rows].to(values.device), self.logsum[rows].to(values.device)
+        return (values - top[:, None]) - logsum[:, None]
+
+
+def greedy(logits: Tensor) -> tuple[list[int], list[float], Normaliser]:
+    """Each row's first largest logit (as `argmax(-1)`) and its log-probability, of (B, V) logits, and what gives any
+    other logit's. On CPU through the compiled kernels when this process has them loaded (the CPU decode path loads
+    them): for 16 rows of SmolLM2's 49152 logits, 0.29 ms warm and 0.50 cold against 0.65 and 1.13 for an argmax,
+    a log_softmax and a gather (docs/performance.md, "One decode call's bookkeeping once")."""
+    x = logits.float()
+    if x.device.type == "cpu" and x.dim() == 2 and cpu_kernels.loaded():
+        ids, chosen, top, logsum = cpu_kernels.greedy_rows(x)
+        return ids.tolist(), chosen.tolist(), Normaliser(top, logsum)
+    ids = x.argmax(-1)
+    top = x.gather(1, ids[:, None])
+    logsum = torch.log(torch.exp(x - top).sum(-1))
+    norm = Normaliser(top[:, 0], logsum.masked_fill(~top[:, 0].isfinite(), float("nan")))
+    return ids.tolist(), (-norm.logsum).tolist(), norm
 
 
 def sample(logits: Tensor, params: list[SamplingParams], positions: list[int], history: TokenHistory | None = None,
@@ -89,15 +111,14 @@ def sample(logits: Tensor, params: list[SamplingParams], positions: list[int], h
     KV slot `slots[i]`."""
     if len(params) != len(positions) or len(params) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits, {len(params)} params, {len(positions)} positions")
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    # Greedy rows in one argmax: one op, not one per row (a per-row loop cost ~1 ms of a 16-row step).
-    ids = argmax(logits).tolist()
+    # Greedy rows in one call, not one op per row (a per-row loop cost ~1 ms of a 16-row step).
+    ids, logprobs, norm = greedy(logits)
     shaped = [i for i, p in enumerate(params) if not p.greedy or p.penalized]
     if shaped:
         x = _penalised(logits, params, positions, shaped, history, slots)
-        greedy = [j for j, i in enumerate(shaped) if params[i].greedy]  # greedy rows with a penalty
-        if greedy:
-            for j, token in zip(greedy, x[greedy].argmax(-1).tolist(), strict=True):
+        penalised_greedy = [j for j, i in enumerate(shaped) if params[i].greedy]
+        if penalised_greedy:
+            for j, token in zip(penalised_greedy, x[penalised_greedy].argmax(-1).tolist(), strict=True):
                 ids[shaped[j]] = token
         for j, i in enumerate(shaped):
             p = params[i]
@@ -108,8 +129,12 @@ def sample(logits: Tensor, params: list[SamplingParams], positions: list[int], h
             probs = _shape(x[j].cpu(), p).softmax(-1)
             g = torch.Generator().manual_seed(draw_seed(p.seed, positions[i]))
             ids[i] = int(torch.multinomial(probs, 1, generator=g))
-    chosen = logprobs.gather(1, torch.tensor(ids, device=logits.device)[:, None])[:, 0]
-    return Draws(ids, chosen.tolist(), _top_logprobs(logprobs, [p.top_logprobs for p in params]))
+        # The model's log-probability of what was drawn in place of the greedy token.
+        picked = torch.tensor([ids[i] for i in shaped], device=logits.device)[:, None]
+        redone = norm.log_probs(logits[shaped].float().gather(1, picked), shaped)
+        for i, lp in zip(shaped, redone[:, 0].tolist(), strict=True):
+            logprobs[i] = lp
+    return Draws(ids, logprobs, _top_logprobs(logits, norm, [p.top_logprobs for p in params]))
 
 
 def _penalised(logits: Tensor, params: list[SamplingParams], positions: list[int], rows: list[int],
@@ -126,14 +151,15 @@ def _penalised(logits: Tensor, params: list[SamplingParams], positions: list[int
     return x
 
 
-def _top_logprobs(logprobs: Tensor, counts: list[int]) -> list[tuple[tuple[int, float], ...]]:
+def _top_logprobs(logits: Tensor, norm: Normaliser, counts: list[int]) -> list[tuple[tuple[int, float], ...]]:
     """For each row, its `counts[i]` most likely tokens and their log-probabilities; one top-k for all rows."""
     out: list[tuple[tuple[int, float], ...]] = [()] * len(counts)
     rows = [i for i, n in enumerate(counts) if n > 0]
     if not rows:
         return out
-    k = min(max(counts[i] for i in rows), logprobs.shape[-1])
-    values, indices = torch.topk(logprobs[rows], k, dim=-1)
+    k = min(max(counts[i] for i in rows), logits.shape[-1])
+    values, indices = torch.topk(logits[rows].float(), k, dim=-1)
+    values = norm.log_probs(values, rows)
     for i, ids, lps in zip(rows, indices.tolist(), values.tolist(), strict=True):
         out[i] = tuple(zip(ids[: counts[i]], lps[: counts[i]], strict=True))
     return out

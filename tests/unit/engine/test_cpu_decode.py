@@ -217,17 +217,31 @@ def _rows_with_ties_nans_and_infinities() -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("row", _rows_with_ties_nans_and_infinities(), ids=lambda r: f"n{r.numel()}")
-def test_argmax_rows_picks_what_torch_argmax_picks(row: torch.Tensor) -> None:
-    x = torch.stack([row, row.flip(0), torch.zeros_like(row)])
-    assert cpu_kernels.argmax_rows(x).tolist() == x.argmax(-1).tolist()
+def test_greedy_rows_pick_what_torch_picks_with_its_log_probabilities(row: torch.Tensor) -> None:
+    x = torch.stack([row, row.flip(0), torch.zeros_like(row), 30 * row - 7])
+    ids, logprobs, top, logsum = cpu_kernels.greedy_rows(x)
+    assert ids.tolist() == x.argmax(-1).tolist()
+    assert torch.equal(top, x.gather(1, ids[:, None])[:, 0]) or top.isnan().any()
+    want = torch.log_softmax(x.double(), -1).float()  # every entry's, from the two numbers per row
+    got = (x - top[:, None]) - logsum[:, None]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=2e-6, equal_nan=True)
+    torch.testing.assert_close(logprobs, want.gather(1, ids[:, None])[:, 0], rtol=1e-6, atol=2e-6, equal_nan=True)
 
 
-def test_sampling_takes_the_compiled_argmax_once_the_kernels_are_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sampling_takes_the_compiled_greedy_rows_once_the_kernels_are_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu_kernels.module()
-    calls = []
-    monkeypatch.setattr(cpu_kernels, "argmax_rows", lambda x: calls.append(x.shape) or x.argmax(-1))
-    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(6))
-    assert sampling.argmax(logits).tolist() == logits.argmax(-1).tolist()
-    assert calls == [(3, 100)]
-    assert sampling.argmax(logits.to(torch.bfloat16)).tolist() == logits.to(torch.bfloat16).argmax(-1).tolist()
-    assert calls == [(3, 100)]  # float32 only: other dtypes keep torch's
+    calls, compiled = [], cpu_kernels.greedy_rows
+    monkeypatch.setattr(cpu_kernels, "greedy_rows", lambda x: calls.append(x.dtype) or compiled(x))
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(6)) * 5
+    ids, logprobs, norm = sampling.greedy(logits)
+    assert calls == [torch.float32]
+    assert ids == logits.argmax(-1).tolist()
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+    assert logprobs == pytest.approx(want.tolist(), abs=1e-5)
+    monkeypatch.setattr(cpu_kernels, "loaded", lambda: False)  # a process without them: torch's ops, same answers
+    fallback = sampling.greedy(logits)
+    assert fallback[0] == ids and fallback[1] == pytest.approx(logprobs, abs=1e-5)
+    every = norm.log_probs(logits, [0, 1, 2])
+    assert torch.allclose(fallback[2].log_probs(logits, [0, 1, 2]), every, atol=1e-5)
+    assert torch.allclose(every, torch.log_softmax(logits, -1), atol=1e-5)
+    assert calls == [torch.float32]
