@@ -2,7 +2,8 @@
 pp=2 alternated call by call so that this host's drift cancels.
 
     .venv/bin/python bench/stage_boundary.py [--model smollm2-135m-instruct] [--dtype float32] [--rows 1,16]
-                                             [--cycles 40] [--spin-variants N,...] [--out bench/results]
+                                             [--cycles 40] [--spin-variants N,...] [--against REV]
+                                             [--out bench/results]
 
 Why: through the mesh (bench/run.py, bench/pipeline_seams.py) pp=2 minus pp=1 moved by ±5 ms from one round to the
 next on the 2-vCPU machines here, where the target is 0.5 ms: a request takes seconds, and this host's memory speed
@@ -19,6 +20,12 @@ each derived number is taken within a cycle and reported as the median over cycl
 - the boundary split in two: the pp=2 stages' compute per token (each stage's `stats.compute_s`, its steps less its
   waits for input) minus pp=1's, and the rest (the links, each step's Python, the stages' handing over).
 `--spin-variants 3000,1000` adds shm pipelines whose processes get that GOMP_SPINCOUNT instead (one more layout each).
+`--against REV` adds pp=1 and a pp=2 on rings of commit REV (checked out into a temporary git worktree, its stage
+processes importing the project from there), alternated with this checkout's in the same cycles, and a second table:
+each layout's ms per token and its work around the forward, this checkout against REV. The work around the forward
+is each stage's thread CPU in a decode call (`StageWorkerCore._decode_steps`) less its forward's (`CpuDecode.run`,
+the CPU decode path's), per token and summed over the stages: what a step does besides its layers and head, which
+the drift of this host's memory speed moves far less than the wall time.
 What it leaves out: the gateway's round trip, paid once per call of 8 steps by both layouts (twice as many Step
 RPCs for pp=2, one per stage, sent at once). Writes bench/results/<host>-<date>-stage-boundary.{md,json}.
 """
@@ -31,13 +38,16 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# A stage process of `--against REV`'s layouts imports the project from REV's worktree, this script from here.
+TREE = os.environ.get("SHARDMESH_BENCH_TREE") or str(ROOT)
+sys.path.insert(0, TREE)
 
 from bench.conditions import machine, save_results  # noqa: E402  (the repository root is on the path only now)
 
@@ -46,12 +56,22 @@ STEPS = 8  # decode steps per call, as the gateway's default --decode-steps
 LAYOUTS = {"pp=1": (1, "auto"), "pp=2 shm": (2, "shm"), "pp=2 gloo": (2, "gloo")}
 
 
-def layouts_of(a: argparse.Namespace) -> dict[str, tuple[int, str, str]]:
-    """name: (stages, SHARDMESH_LINK_TRANSPORT, GOMP_SPINCOUNT); `--spin-variants` adds shm pipelines whose stages
-    spin that long before sleeping (what an idle stage's OpenMP threads take from the stage computing)."""
-    out = {name: (stages, transport, a.spincount) for name, (stages, transport) in LAYOUTS.items()}
+class Layout(NamedTuple):
+    stages: int
+    transport: str  # SHARDMESH_LINK_TRANSPORT
+    spin: str  # GOMP_SPINCOUNT
+    rev: str = ""  # the commit whose code the stages run (`--against`); "": this checkout
+
+
+def layouts_of(a: argparse.Namespace) -> dict[str, Layout]:
+    """Every layout by name; `--spin-variants` adds shm pipelines whose stages spin that long before sleeping (what an
+    idle stage's OpenMP threads take from the stage computing), `--against REV` pp=1 and pp=2 on rings of REV."""
+    out = {name: Layout(stages, transport, a.spincount) for name, (stages, transport) in LAYOUTS.items()}
     for spin in a.spin_variants:
-        out[f"pp=2 shm spin={spin}"] = (2, "shm", spin)
+        out[f"pp=2 shm spin={spin}"] = Layout(2, "shm", spin)
+    if a.against:
+        out[f"pp=1 @{a.against}"] = Layout(1, "auto", a.spincount, a.against)
+        out[f"pp=2 shm @{a.against}"] = Layout(2, "shm", a.spincount, a.against)
     return out
 
 
@@ -92,6 +112,30 @@ def topology(model_dir: Path, dtype: str, stages: int, port: int, epoch: int, ro
                       limits)  # fmt: skip
 
 
+def around_the_forward() -> list[float]:
+    """[thread CPU seconds in decode calls, of which in their forwards], kept up to date by wrapping
+    `StageWorkerCore._decode_steps` and `CpuDecode.run` (both run on the core's compute thread), so that a cycle's
+    work around the forward is the first's growth less the second's."""
+    from shardmesh.engine.cpu_decode import CpuDecode
+    from shardworker.runtime import StageWorkerCore
+
+    spent = [0.0, 0.0]
+
+    def timed(f: Any, i: int) -> Any:
+        def run(*args: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return f(*args)
+            finally:
+                spent[i] += time.thread_time() - t0
+
+        return run
+
+    StageWorkerCore._decode_steps = timed(StageWorkerCore._decode_steps, 0)  # type: ignore[method-assign]
+    CpuDecode.run = timed(CpuDecode.run, 1)  # type: ignore[method-assign]
+    return spent
+
+
 def stage_main(layout: str, stage: int, port: int, a: argparse.Namespace) -> None:
     """One stage core: join its layout's groups, then for every cycle wait for its turn, run one call, signal."""
     import structlog
@@ -102,8 +146,9 @@ def stage_main(layout: str, stage: int, port: int, a: argparse.Namespace) -> Non
     from shardworker.runtime import StageWorkerCore
 
     torch.set_num_threads(a.threads)
+    clock = around_the_forward()
     layouts = layouts_of(a)
-    stages = layouts[layout][0]
+    stages = layouts[layout].stages
     names = list(layouts)
     epoch = names.index(layout) + 1  # each layout's groups under a prefix of their own
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
@@ -112,6 +157,7 @@ def stage_main(layout: str, stage: int, port: int, a: argparse.Namespace) -> Non
     last = stage == stages - 1
     results: dict[int, list[float]] = {}
     computed: dict[int, list[float]] = {}  # this stage's compute per token (`stats.compute_s`: its steps less waits)
+    around: dict[int, list[float]] = {}  # its thread CPU per token in decode calls, less their forwards'
     for rows in a.rows:
         core.apply(topology(Path(a.model_dir), a.dtype, stages, port, epoch + 10 * rows, rows, a.cycles))
         greedy = SamplingParams()
@@ -120,17 +166,18 @@ def stage_main(layout: str, stage: int, port: int, a: argparse.Namespace) -> Non
         key = f"{layout}/{rows}/tokens"
         if last:
             store.set(key, json.dumps([s.token_id for s in first.sampled]))
-        tokens, pos, times, compute = json.loads(store.get(key)), len(PROMPT), [], []
+        tokens, pos, times, compute, besides = json.loads(store.get(key)), len(PROMPT), [], [], []
         for c in range(a.cycles + 1):  # cycle 0 warms up
             order = names[c % len(names) :] + names[: c % len(names)]
             before = order[: order.index(layout)]
             if before:
                 store.wait([f"{rows}/{c}/{before[-1]}"])
             entries = [StepEntry(f"r{i}", i, pos, 1, (tokens[i],), greedy) for i in range(rows)]
-            t0, c0 = time.perf_counter(), core.stats.compute_s
+            t0, c0, (call0, forward0) = time.perf_counter(), core.stats.compute_s, clock
             result = core.step(epoch + 10 * rows, entries, STEPS)
             times.append((time.perf_counter() - t0) * 1e3 / STEPS)
             compute.append((core.stats.compute_s - c0) * 1e3 / STEPS)
+            besides.append(((clock[0] - call0) - (clock[1] - forward0)) * 1e3 / STEPS)
             pos += STEPS
             key = f"{layout}/{rows}/{c}/tokens"
             if last:
@@ -138,23 +185,27 @@ def stage_main(layout: str, stage: int, port: int, a: argparse.Namespace) -> Non
                 store.set(f"{rows}/{c}/{layout}", "done")  # the last stage ends the call
             tokens = json.loads(store.get(key))
             store.wait([f"{rows}/{c}/{order[-1]}"])  # the cycle is over for everyone
-        results[rows], computed[rows] = times[1:], compute[1:]
+        results[rows], computed[rows], around[rows] = times[1:], compute[1:], besides[1:]
         core.release([(f"r{i}", i) for i in range(rows)])
     store.set(f"compute/{layout}/{stage}", json.dumps(computed))
+    store.set(f"around/{layout}/{stage}", json.dumps(around))
     if last:
         store.set(f"result/{layout}", json.dumps({"ms": results}))
     core.close()
 
 
-def run(a: argparse.Namespace) -> dict[str, Any]:
+def run(a: argparse.Namespace, trees: dict[str, str]) -> dict[str, Any]:
+    """Every layout's per-cycle numbers; `trees`: the worktree of each commit a layout runs (`Layout.rev`)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
     procs = []
     layouts = layouts_of(a)
-    for layout, (stages, transport, spin) in layouts.items():
+    for layout, (stages, transport, spin, rev) in layouts.items():
+        tree = trees[rev] if rev else str(ROOT)
         env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "SHARDMESH_LINK_TRANSPORT": transport,
-               "SHARDMESH_LOG_LEVEL": "warning", "PYTHONPATH": str(ROOT), "GOMP_SPINCOUNT": spin}  # fmt: skip
+               "SHARDMESH_LOG_LEVEL": "warning", "PYTHONPATH": tree, "SHARDMESH_BENCH_TREE": tree,
+               "GOMP_SPINCOUNT": spin}  # fmt: skip
         for stage in range(stages):
             args = [sys.executable, __file__, "--stage-of", layout, str(stage), str(store.port), *sys.argv[1:]]
             procs.append(subprocess.Popen(args, env=env, cwd=ROOT))
@@ -163,9 +214,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             if p.wait(timeout=3600) != 0:
                 raise RuntimeError(f"a stage process failed: {p.args}")
         got = {layout: json.loads(store.get(f"result/{layout}")) for layout in layouts}
-        for layout, (stages, _, _) in layouts.items():
-            each = [json.loads(store.get(f"compute/{layout}/{i}")) for i in range(stages)]
-            got[layout]["compute_ms"] = {r: [sum(c) for c in zip(*(e[r] for e in each), strict=True)] for r in each[0]}
+        for layout, spec in layouts.items():
+            for key in ("compute", "around"):  # per cycle, summed over the stages
+                each = [json.loads(store.get(f"{key}/{layout}/{i}")) for i in range(spec.stages)]
+                got[layout][f"{key}_ms"] = {r: [sum(c) for c in zip(*(e[r] for e in each), strict=True)]
+                                            for r in each[0]}  # fmt: skip
         return got
     finally:
         for p in procs:
@@ -173,16 +226,21 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 p.kill()
 
 
+def pp1_of(layout: str) -> str:
+    """The pp=1 layout a pipeline's boundary is taken against: its commit's (`--against`), else this checkout's."""
+    return f"pp=1 @{layout.rsplit(' @', 1)[1]}" if " @" in layout else "pp=1"
+
+
 def derived(got: dict[str, Any], rows: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for r in rows:
-        base = got["pp=1"]["ms"][str(r)]
-        for layout in (name for name in got if name != "pp=1"):
-            mine = got[layout]["ms"][str(r)]
+        for layout in (name for name in got if not name.startswith("pp=1")):
+            pp1 = got[pp1_of(layout)]
+            base, mine = pp1["ms"][str(r)], got[layout]["ms"][str(r)]
             diff = [b - a for a, b in zip(base, mine, strict=True)]
             ratio = [a / b for a, b in zip(base, mine, strict=True)]  # tokens/s of pp=2 over pp=1
             # the boundary split: the stages' compute beside pp=1's, and the rest (links, waits, per-step Python)
-            more = [b - a for a, b in zip(got["pp=1"]["compute_ms"][str(r)], got[layout]["compute_ms"][str(r)],
+            more = [b - a for a, b in zip(pp1["compute_ms"][str(r)], got[layout]["compute_ms"][str(r)],
                                           strict=True)]  # fmt: skip
             rest = [d - m for d, m in zip(diff, more, strict=True)]
             q = statistics.quantiles(diff, n=4)
@@ -195,13 +253,36 @@ def derived(got: dict[str, Any], rows: list[int]) -> dict[str, Any]:
     return out
 
 
-def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any]) -> str:
+def against(got: dict[str, Any], rows: list[int], rev: str) -> dict[str, Any]:
+    """This checkout's layouts against REV's, within each cycle: ms per token (ratio, this ÷ REV) and the work around
+    the forward (thread CPU per token, all stages; difference), medians over cycles."""
+    out: dict[str, Any] = {}
+    for r in rows:
+        for layout in ("pp=1", "pp=2 shm"):
+            mine, theirs = got[layout], got[f"{layout} @{rev}"]
+            ratio = [a / b for a, b in zip(mine["ms"][str(r)], theirs["ms"][str(r)], strict=True)]
+            around = [a - b for a, b in zip(mine["around_ms"][str(r)], theirs["around_ms"][str(r)], strict=True)]
+            out[f"{layout} rows={r}"] = {
+                "ms": statistics.median(mine["ms"][str(r)]), "rev_ms": statistics.median(theirs["ms"][str(r)]),
+                "ms_ratio": statistics.median(ratio), "ms_ratio_quartiles": _outer(statistics.quantiles(ratio, n=4)),
+                "around_ms": statistics.median(mine["around_ms"][str(r)]),
+                "rev_around_ms": statistics.median(theirs["around_ms"][str(r)]),
+                "around_diff_ms": statistics.median(around),
+            }  # fmt: skip
+    return out
+
+
+def _outer(q: list[float]) -> list[float]:
+    return [q[0], q[2]]
+
+
+def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any], compared: dict[str, Any] | None = None) -> str:
     lines = [
         f"# A stage boundary per decode step, pp=1 and pp=2 alternated call by call ({info['date'][:10]})",
         "",
         f"{info['cpu']} ({info.get('cpu_id', '')}), {info['cores']} cores, torch {info['torch']}, load average "
         f"{info.get('load_avg_1m')} at the start. Model `{a.model}` in {a.dtype}, greedy; stage cores in "
-        f"{sum(v[0] for v in layouts_of(a).values())} processes (no gateway), {a.threads} torch threads each, "
+        f"{sum(v.stages for v in layouts_of(a).values())} processes (no gateway), {a.threads} torch threads each, "
         f"GOMP_SPINCOUNT={a.spincount} unless the layout names another; {a.cycles} cycles, each one "
         f"call of {STEPS} decode steps on every layout in a rotating order. Medians over cycles of the per-cycle "
         f"values (quartiles of the boundary in brackets).",
@@ -219,8 +300,26 @@ def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any]) -> str:
     lines += ["", "Targets: stage boundary <= 0.5 ms per step (one sequence); pp=2 >= 0.9× pp=1's tokens at 16 "
               "sequences. Not included: the gateway's round trip, once per call of 8 steps. Of the boundary, "
               "`compute` is the pp=2 stages' compute per token (each stage's steps less their waits for input) "
-              "minus pp=1's, and `the rest` what is left: the links, the stages' waits, each step's Python.",
+              "minus pp=1's, and `the rest` what is left: the links, the stages' waits, each step's Python. A layout "
+              "of another commit (`@REV`) is taken against that commit's pp=1.",
               ""]  # fmt: skip
+    if compared:
+        lines += [
+            f"## This checkout against {a.against} ({a.against_commit[:12]}), alternated in the same cycles",
+            "",
+            "| layout | sequences per step | ms/token | ms/token at REV | this ÷ REV (quartiles) "
+            "| work around the forward, ms/token | at REV | difference |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, d in compared.items():
+            layout, rows = name.rsplit(" rows=", 1)
+            lo, hi = d["ms_ratio_quartiles"]
+            lines.append(f"| {layout} | {rows} | {d['ms']:.2f} | {d['rev_ms']:.2f} | **{d['ms_ratio']:.3f}×** "
+                         f"({lo:.3f} to {hi:.3f}) | {d['around_ms']:.3f} | {d['rev_around_ms']:.3f} "
+                         f"| **{d['around_diff_ms']:+.3f}** |")  # fmt: skip
+        lines += ["", "The work around the forward: each stage's thread CPU in its decode calls less their forwards' "
+                  "(`CpuDecode.run`), per token, summed over the layout's stages; medians over cycles, and of the "
+                  "per-cycle differences.", ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -247,6 +346,7 @@ def main() -> None:
         default=2,
         help="torch threads per process (2: what `up` gives stages taking turns on 2 cores)",
     )
+    ap.add_argument("--against", default="", help="a commit whose pp=1 and pp=2 run beside this checkout's")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--stage-of", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -264,10 +364,23 @@ def main() -> None:
         ap.error(f"--cycles {a.cycles}: {why}")
     sys.argv += ["--model-dir", str(model_dir)]
     info = machine()
-    got = run(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        trees, a.against_commit = {}, ""
+        if a.against:
+            from bench.against import worktree
+
+            trees[a.against] = str(Path(tmp) / "against")
+            a.against_commit = worktree(a.against, Path(trees[a.against]))
+        try:
+            got = run(a, trees)
+        finally:
+            for tree in trees.values():
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tree], check=False)
     found = derived(got, a.rows)
-    save_results(Path(a.out), info, "-stage-boundary", markdown(info, a, found),
-                 {"args": {k: str(v) for k, v in vars(a).items()}, "per_cycle_ms": got, "derived": found})  # fmt: skip
+    compared = against(got, a.rows, a.against) if a.against else None
+    save_results(Path(a.out), info, "-stage-boundary", markdown(info, a, found, compared),
+                 {"args": {k: str(v) for k, v in vars(a).items()}, "per_cycle_ms": got, "derived": found,
+                  "against": compared})  # fmt: skip
 
 
 if __name__ == "__main__":

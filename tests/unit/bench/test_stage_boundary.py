@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from bench.stage_boundary import PROMPT, STEPS, context, derived, layouts_of
+from bench.stage_boundary import PROMPT, STEPS, against, context, derived, layouts_of
 
 
 def test_the_boundary_is_split_within_each_cycle() -> None:
@@ -23,10 +23,34 @@ def test_the_boundary_is_split_within_each_cycle() -> None:
     assert (d["pp1_ms"], d["pp2_ms"]) == (31.0, 31.5)
 
 
-def test_the_layouts_add_a_pipeline_per_spin_count() -> None:
-    a = argparse.Namespace(spincount="10000", spin_variants=["1000"])
-    assert layouts_of(a) == {"pp=1": (1, "auto", "10000"), "pp=2 shm": (2, "shm", "10000"),
-                             "pp=2 gloo": (2, "gloo", "10000"), "pp=2 shm spin=1000": (2, "shm", "1000")}  # fmt: skip
+def test_the_layouts_add_a_pipeline_per_spin_count_and_two_layouts_of_another_commit() -> None:
+    a = argparse.Namespace(spincount="10000", spin_variants=["1000"], against="")
+    assert layouts_of(a) == {"pp=1": (1, "auto", "10000", ""), "pp=2 shm": (2, "shm", "10000", ""),
+                             "pp=2 gloo": (2, "gloo", "10000", ""),
+                             "pp=2 shm spin=1000": (2, "shm", "1000", "")}  # fmt: skip
+    a.against = "abc123"
+    assert list(layouts_of(a).items())[-2:] == [("pp=1 @abc123", (1, "auto", "10000", "abc123")),
+                                                ("pp=2 shm @abc123", (2, "shm", "10000", "abc123"))]  # fmt: skip
+
+
+def test_another_commits_pipeline_is_taken_against_its_own_pp1_and_set_beside_this_checkouts() -> None:
+    def layout(ms: list[float], compute: list[float], around: list[float]) -> dict:
+        return {"ms": {"1": ms}, "compute_ms": {"1": compute}, "around_ms": {"1": around}}
+
+    got = {
+        "pp=1": layout([30.0, 40.0], [29.0, 39.0], [0.4, 0.5]),
+        "pp=2 shm": layout([31.0, 41.0], [29.5, 39.5], [0.5, 0.7]),
+        "pp=1 @r": layout([32.0, 38.0], [31.0, 37.0], [0.6, 0.7]),
+        "pp=2 shm @r": layout([34.0, 41.0], [32.0, 38.0], [0.9, 1.1]),
+    }
+    d = derived(got, [1])
+    assert set(d) == {"pp=2 shm rows=1", "pp=2 shm @r rows=1"}
+    assert d["pp=2 shm @r rows=1"]["boundary_ms"] == pytest.approx(2.5)  # of +2.0 and +3.0, against pp=1 @r
+    c = against(got, [1], "r")
+    assert c["pp=1 rows=1"]["ms_ratio"] == pytest.approx((30 / 32 + 40 / 38) / 2)  # within each cycle
+    assert c["pp=1 rows=1"]["around_diff_ms"] == pytest.approx(-0.2)
+    assert c["pp=2 shm rows=1"]["around_diff_ms"] == pytest.approx(-0.4)
+    assert c["pp=2 shm rows=1"]["rev_around_ms"] == pytest.approx(1.0)
 
 
 def test_a_run_has_room_for_every_cycle() -> None:
