@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -276,6 +277,15 @@ def _outer(q: list[float]) -> list[float]:
     return [q[0], q[2]]
 
 
+def _table(head: list[str], found: dict[str, Any], cells: Callable[[dict[str, Any]], list[str]]) -> list[str]:
+    """A markdown table of `found` ("<layout> rows=<n>": numbers), a row each: the layout, n, then `cells`."""
+    lines = ["| layout | sequences per step | " + " | ".join(head) + " |", "|---|---:|" + "---:|" * len(head)]
+    for name, d in found.items():
+        layout, rows = name.rsplit(" rows=", 1)
+        lines.append(f"| {layout} | {rows} | " + " | ".join(cells(d)) + " |")
+    return lines
+
+
 def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any], compared: dict[str, Any] | None = None) -> str:
     lines = [
         f"# A stage boundary per decode step, pp=1 and pp=2 alternated call by call ({info['date'][:10]})",
@@ -287,16 +297,12 @@ def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any], compared:
         f"call of {STEPS} decode steps on every layout in a rotating order. Medians over cycles of the per-cycle "
         f"values (quartiles of the boundary in brackets).",
         "",
-        "| layout | sequences per step | pp=1 ms/token | pp=2 ms/token | stage boundary ms | of which compute "
-        "| of which the rest | pp=2 ÷ pp=1 tok/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, d in found.items():
-        layout, rows = name.rsplit(" rows=", 1)
-        lo, hi = d["boundary_quartiles"]
-        lines.append(f"| {layout} | {rows} | {d['pp1_ms']:.2f} | {d['pp2_ms']:.2f} | **{d['boundary_ms']:+.2f}** "
-                     f"({lo:+.2f} to {hi:+.2f}) | {d['compute_more_ms']:+.2f} | {d['rest_ms']:+.2f} "
-                     f"| {d['ratio']:.3f}× |")  # fmt: skip
+        *_table(["pp=1 ms/token", "pp=2 ms/token", "stage boundary ms", "of which compute", "of which the rest",
+                 "pp=2 ÷ pp=1 tok/s"], found,
+                lambda d: [f"{d['pp1_ms']:.2f}", f"{d['pp2_ms']:.2f}", f"**{d['boundary_ms']:+.2f}** "
+                           f"({d['boundary_quartiles'][0]:+.2f} to {d['boundary_quartiles'][1]:+.2f})",
+                           f"{d['compute_more_ms']:+.2f}", f"{d['rest_ms']:+.2f}", f"{d['ratio']:.3f}×"]),
+    ]  # fmt: skip
     lines += ["", "Targets: stage boundary <= 0.5 ms per step (one sequence); pp=2 >= 0.9× pp=1's tokens at 16 "
               "sequences. Not included: the gateway's round trip, once per call of 8 steps. Of the boundary, "
               "`compute` is the pp=2 stages' compute per token (each stage's steps less their waits for input) "
@@ -304,19 +310,13 @@ def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any], compared:
               "of another commit (`@REV`) is taken against that commit's pp=1.",
               ""]  # fmt: skip
     if compared:
-        lines += [
-            f"## This checkout against {a.against} ({a.against_commit[:12]}), alternated in the same cycles",
-            "",
-            "| layout | sequences per step | ms/token | ms/token at REV | this ÷ REV (quartiles) "
-            "| work around the forward, ms/token | at REV | difference |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for name, d in compared.items():
-            layout, rows = name.rsplit(" rows=", 1)
-            lo, hi = d["ms_ratio_quartiles"]
-            lines.append(f"| {layout} | {rows} | {d['ms']:.2f} | {d['rev_ms']:.2f} | **{d['ms_ratio']:.3f}×** "
-                         f"({lo:.3f} to {hi:.3f}) | {d['around_ms']:.3f} | {d['rev_around_ms']:.3f} "
-                         f"| **{d['around_diff_ms']:+.3f}** |")  # fmt: skip
+        lines += [f"## This checkout against {a.against} ({a.against_commit[:12]}), alternated in the same cycles", "",
+                  *_table(["ms/token", "ms/token at REV", "this ÷ REV (quartiles)",
+                           "work around the forward, ms/token", "at REV", "difference"], compared,
+                          lambda d: [f"{d['ms']:.2f}", f"{d['rev_ms']:.2f}", f"**{d['ms_ratio']:.3f}×** "
+                                     f"({d['ms_ratio_quartiles'][0]:.3f} to {d['ms_ratio_quartiles'][1]:.3f})",
+                                     f"{d['around_ms']:.3f}", f"{d['rev_around_ms']:.3f}",
+                                     f"**{d['around_diff_ms']:+.3f}**"])]  # fmt: skip
         lines += ["", "The work around the forward: each stage's thread CPU in its decode calls less their forwards' "
                   "(`CpuDecode.run`), per token, summed over the layout's stages; medians over cycles, and of the "
                   "per-cycle differences.", ""]  # fmt: skip

@@ -495,14 +495,15 @@ static int64_t argmax_row(const float* x, int64_t n) {
   return at;
 }
 
-// exp(x) for x <= 0 (a logit less the row's largest), 16 at a time: x = n ln2 + r with |r| <= ln2/2, exp(r) by
-// Cephes' expf polynomial (about 1 ulp), times 2^n by scalef. Below -104 it is 0 in float32 anyway.
 #ifdef __AVX512F__
-static inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+// e^x for 16 floats: x = n ln2 + r, e^r by Cephes' degree-6 polynomial (about 1 ulp from the correctly rounded
+// value), times 2^n by vscalefps, which gives 0 for the very negative x that softmax produces; the scalar exp of the
+// math library ran 1 to 3 k times per layer here, one call each.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts: n * hi is exact
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
   __m512 p = _mm512_set1_ps(1.9875691500e-4f);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
@@ -510,8 +511,8 @@ static inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
 }
 #endif
 
@@ -526,7 +527,7 @@ static float logsum_row(const float* x, int64_t n, int64_t at) {
 #ifdef __AVX512F__
   const __m512 t = _mm512_set1_ps(top);
   __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + i), t)));
+  for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), t)));
   sum = _mm512_reduce_add_ps(acc);
 #endif
   for (; i < n; ++i) sum += std::exp(x[i] - top);
@@ -750,24 +751,6 @@ static inline void put(T* p, int64_t i, float v) {
 }
 
 #ifdef __AVX512F__
-// e^x for 16 floats: x = n ln2 + r, e^r by Cephes' degree-6 polynomial (about 1 ulp from the correctly rounded
-// value), times 2^n by vscalefps, which gives 0 for the very negative x that softmax produces; the scalar exp of the
-// math library ran 1 to 3 k times per layer here, one call each.
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 
 // 16 keys or values of the cache as float32.

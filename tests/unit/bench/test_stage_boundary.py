@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from bench.stage_boundary import PROMPT, STEPS, against, context, derived, layouts_of
+from bench.stage_boundary import PROMPT, STEPS, against, context, derived, layouts_of, markdown
 
 
 def test_the_boundary_is_split_within_each_cycle() -> None:
@@ -51,6 +51,13 @@ def test_another_commits_pipeline_is_taken_against_its_own_pp1_and_set_beside_th
     assert c["pp=1 rows=1"]["around_diff_ms"] == pytest.approx(-0.2)
     assert c["pp=2 shm rows=1"]["around_diff_ms"] == pytest.approx(-0.4)
     assert c["pp=2 shm rows=1"]["rev_around_ms"] == pytest.approx(1.0)
+    info = {"date": "2026-11-28T05:00:00", "cpu": "cpu", "cores": 2, "torch": "2.13.0", "load_avg_1m": 0.1}
+    a = argparse.Namespace(model="m", dtype="bfloat16", spincount="10000", spin_variants=[], against="r",
+                           against_commit="0123456789abcdef", threads=2, cycles=2)  # fmt: skip
+    md = markdown(info, a, d, c)
+    assert "| pp=2 shm @r | 1 | 35.00 | 37.50 | **+2.50** (" in md  # beside its own pp=1
+    assert "## This checkout against r (0123456789ab)" in md
+    assert "| pp=1 | 1 | 35.00 | 35.00 | **0.995×** (" in md and "| 0.450 | 0.650 | **-0.200** |" in md
 
 
 def test_a_run_has_room_for_every_cycle() -> None:
