@@ -94,13 +94,13 @@ def greedy(logits: Tensor) -> tuple[list[int], list[float], Normaliser]:
     1.02 with an argmax, a log_softmax and a gather (docs/performance.md, "One decode call's bookkeeping once")."""
     x = logits.float()
     if x.device.type == "cpu" and x.dim() == 2 and cpu_kernels.loaded():
-        ids, chosen, top, logsum = cpu_kernels.greedy_rows(x)
-        return ids.tolist(), chosen.tolist(), Normaliser(top, logsum)
-    ids = x.argmax(-1)
-    top = x.gather(1, ids[:, None])
-    logsum = torch.log(torch.exp(x - top).sum(-1))
-    norm = Normaliser(top[:, 0], logsum.masked_fill(~top[:, 0].isfinite(), float("nan")))
-    return ids.tolist(), (-norm.logsum).tolist(), norm
+        ids, top, logsum = cpu_kernels.greedy_rows(x)
+    else:
+        ids = x.argmax(-1)
+        top = x.gather(1, ids[:, None])[:, 0]
+        logsum = torch.log(torch.exp(x - top[:, None]).sum(-1)).masked_fill(~top.isfinite(), float("nan"))
+    # The argmax's log-probability is (top - top) - logsum.
+    return ids.tolist(), [-v for v in logsum.tolist()], Normaliser(top, logsum)
 
 
 def sample(logits: Tensor, params: list[SamplingParams], positions: list[int], history: TokenHistory | None = None,
