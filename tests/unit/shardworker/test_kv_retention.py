@@ -8,17 +8,19 @@ tests/unit/gateway/test_retained_replay.py; the whole path over real processes i
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from shardmesh.core.errors import InvalidArgument
-from shardmesh.core.step import SamplingParams, StepEntry
+from shardmesh.core.step import SamplingParams, Segment, StepEntry
 from shardworker.runtime import StageWorkerCore
 from tests.checkpoints import reference_greedy
-from tests.unit.shardworker.cores import apply_all, new_core, run_step
+from tests.unit.shardworker.cores import apply_all, new_core, on_every_core, run_step
 from tests.unit.shardworker.fakes import mesh
 
 PROMPT = (1, 17, 5, 42, 9, 3)
@@ -91,6 +93,33 @@ def test_a_replaced_last_stage_is_fed_from_the_first_stages_activation_log(model
     reference = reference_greedy(model, list(PROMPT), 6)[0]
     assert log[len(PROMPT) :] + decode([w0, w2], 6, log, 4) == reference
     assert forwards() == 4  # the decode steps
+
+
+def test_a_call_of_several_decode_steps_logs_what_single_steps_log_and_a_replay_feeds_it(
+    model: Path, store: dist.TCPStore
+) -> None:
+    """The first stage records a decode call's later steps in its log at the end of the call, in one write: the
+    rows equal those of the same tokens fed one step per call (in another slot), and a replay after the call
+    feeds them to the replacement of the last stage, decoding on as if nothing had happened."""
+    w0, w1, w2 = new_core("w0"), new_core("w1"), new_core("w2")
+    apply_all([w0, w1], mesh(model, 5, ("w0", "w1"), epoch=5, store_port=store.port))
+    first = run_step([w0, w1], 5, [entry(0, PROMPT)])[-1].sampled[0].token_id
+    call = on_every_core([w0, w1], lambda core: core.step(5, [entry(len(PROMPT), (first,))], 4))
+    log = [*PROMPT, first, *(s.token_id for s in call[-1].sampled)]  # positions 6-9 fed by the call, 7-9 logged late
+    fed = log[:-1]
+    alone = [replace(entry(0, PROMPT), request_id="s", slot=2)]
+    alone += [replace(entry(pos, (token,)), request_id="s", slot=2) for pos, token in enumerate(fed) if pos >= 6]
+    for step in alone:
+        run_step([w0, w1], 5, [step])
+    recorded = w0._runtime.engine.log  # type: ignore[union-attr]
+    assert recorded is not None
+    assert torch.equal(recorded.rows(Segment(1, 0, len(fed))), recorded.rows(Segment(2, 0, len(fed))))
+    apply_all([w0, w2], mesh(model, 6, ("w0", "w2"), epoch=6, store_port=store.port))  # w1 is gone
+    forwards = count_forwards(w0)
+    run_step([w0, w2], 6, [entry(0, tuple(fed), sample=False, first=1)])
+    assert forwards() == 0
+    reference = reference_greedy(model, list(PROMPT), 8)[0]
+    assert log[len(PROMPT) :] + decode([w0, w2], 6, log, 3) == reference
 
 
 def test_a_replaced_first_stage_replays_alone_and_the_last_stage_keeps_its_cache(
