@@ -43,15 +43,7 @@ from shardmesh.core.step import (
 from shardmesh.core.topology import HeldShard, Rendezvous, ServingLimits, ShardState, Topology
 from shardmesh.engine import kv_transfer, offload
 from shardmesh.engine.batch import BatchLayout
-from shardmesh.engine.groups import (
-    Backend,
-    ShardGroups,
-    StageLink,
-    build_transport_kernels,
-    check_staging,
-    form_groups,
-    form_link,
-)
+from shardmesh.engine.groups import Backend, ShardGroups, build_transport_kernels, check_staging, form_groups, form_link
 from shardmesh.engine.kv_cache import ActivationLog, AnyKVCache, PagedActivationLog, PagedKVCache
 from shardmesh.engine.loader import build_shard, parse_dtype
 from shardmesh.engine.model import Transformer
@@ -606,40 +598,35 @@ class StageWorkerCore:
         first step checked the entries and set their slots and seeds, `_validate_decode_steps` every position they
         write, so each later step is the drawn tokens, the forward and the sampling, and its counters are read once
         for all of them. Done per step through `_step`, that bookkeeping took ~0.3 ms a step, all of it with caches
-        cold (docs/performance.md, "One decode call's bookkeeping once"). In a pipeline the last stage sends what it
-        drew as soon as it has drawn it, and a stage with an activation log records the call's steps in it at the
-        end: both are off the path from one stage's forward to the next (docs/performance.md, "The links'
-        Python")."""
+        cold (docs/performance.md, "One decode call's bookkeeping once")."""
         engine, caches = rt.engine, rt.caches
         groups, loop = engine.groups, engine.groups.loop
         first, last = engine.is_first, engine.is_last
         receiving = loop is not None and not loop.is_sender  # the first stage waits on it as on `prev`
-        sending = loop is not None and last
         ids: Tensor | None = None
         tokens = [s.token_id for s in result.sampled]  # what the last step drew, one per entry (the last stage)
         slots, history = [e.slot for e in entries], caches.tokens
         with self._slots_lock:
             params = [self._seeded(rt, e) for e in entries] if last else []
         penalized = [i for i, e in enumerate(entries) if e.sampling.penalized] if history is not None else []
-        logged: list[tuple[BatchLayout, Tensor]] | None = [] if engine.log is not None and not last else None
         sampled, elapsed, forward_s = list(result.sampled), result.elapsed_s, 0.0
         before, loop_before = CommCounters.of(groups), loop.wait_s if receiving else 0.0
-        request_ids = [x.request_id for x in entries]
-        if sending:  # the first step's draws, to the first stage
-            elapsed += self._hand_back(rt, loop, tokens, request_ids)
         for k, layout in enumerate(layouts, 1):
             t0 = time.perf_counter()
             try:
-                if receiving:  # the first stage of a pipeline: what the last stage drew, over the loop
-                    ids = loop.recv((len(entries),), torch.int64, "cpu")
-                elif first and loop is None:  # a single stage embeds what it drew itself
+                if loop is not None:  # a pipeline's ends: the last stage sends what it drew, the first receives it
+                    if last:
+                        loop.send(torch.tensor(tokens, dtype=torch.int64))
+                    else:
+                        ids = loop.recv((len(entries),), torch.int64, "cpu")
+                elif first:  # a single stage embeds what it drew itself
                     ids = torch.tensor(tokens, dtype=torch.int64)
                 for e in entries:  # how far each slot's cache is written here, as `_step` records it
                     caches.record_end(e.slot, e.start_pos + k + 1)
                 t1 = time.perf_counter()
-                logits = engine.step(layout, ids, log_later=logged)
+                logits = engine.step(layout, ids)
             except RuntimeError as e:  # the other end of the loop, or a peer in the forward, is gone
-                raise self._peer_lost(rt, e, request_ids=request_ids) from None
+                raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
             t2 = time.perf_counter()
             elapsed, forward_s = elapsed + t2 - t0, forward_s + t2 - t1
             if logits is None:
@@ -649,12 +636,8 @@ class StageWorkerCore:
                                [tokens[i] for i in penalized])  # fmt: skip
             d = sample(logits, params, [e.start_pos + k + 1 for e in entries], history, slots)
             tokens = d.token_ids
-            if sending and k < len(layouts):  # the first stage waits for them: before anything else here
-                elapsed += self._hand_back(rt, loop, tokens, request_ids)
             sampled += [Sampled(e.request_id, t, lp, top) for e, t, lp, top
                         in zip(entries, d.token_ids, d.logprobs, d.top_logprobs, strict=True)]  # fmt: skip
-        if logged:  # positions of a call that fails part-way lie past what the gateway counts as cached: not read
-            engine.record_log(logged)
         comm = CommCounters.of(groups) - before
         looped = loop.wait_s - loop_before if receiving else 0.0  # waiting for the drawn token, not for activations
         rt.steps += len(layouts)
@@ -662,15 +645,6 @@ class StageWorkerCore:
         self.stats.compute_s += forward_s - (comm.recv_wait_s - looped)
         self.stats.recv_wait_s += comm.recv_wait_s
         return StepResult(sampled, elapsed, result.comm + comm, rt.placement, len(layouts) + 1)
-
-    def _hand_back(self, rt: _Runtime, loop: StageLink, tokens: list[int], request_ids: list[str]) -> float:
-        """The last stage's drawn `tokens`, over the loop to the first stage; the seconds it took."""
-        t0 = time.perf_counter()
-        try:
-            loop.send_ids(tokens)
-        except RuntimeError as e:  # the first stage is gone
-            raise self._peer_lost(rt, e, request_ids=request_ids) from None
-        return time.perf_counter() - t0
 
     def _step(self, topology_version: int, entries: list[StepEntry]) -> StepResult:
         """One step of `entries`."""

@@ -250,13 +250,9 @@ class HostStaging:
 
 class Wire(Protocol):
     """How a link's bytes move: a process group's point-to-point calls (`GroupWire`), or a shared-memory ring
-    (`shm_link.ShmLinkWire`). Each call blocks until its copy is done."""
+    (`shm_link.ShmLinkWire`). Both block until their copy is done."""
 
     def send(self, x: Tensor) -> None: ...
-
-    def send_ids(self, ids: list[int]) -> None: ...
-
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor: ...
 
     def recv_into(self, out: Tensor) -> None: ...
 
@@ -267,18 +263,11 @@ class GroupWire:
     """A two-rank process group's send and recv (Gloo or NCCL), to the other rank."""
 
     def __init__(self, pg: dist.ProcessGroup, peer: int) -> None:
-        self.pg, self.peer = pg, peer
+        self.pg: dist.ProcessGroup | ClosedGroup = pg
+        self.peer = peer
 
     def send(self, x: Tensor) -> None:
-        self.pg.send([x.contiguous()], self.peer, 0).wait()  # waited for: a staging buffer is reused by the next send
-
-    def send_ids(self, ids: list[int]) -> None:
-        self.send(torch.tensor(ids, dtype=torch.int64))  # a host tensor: the loop that carries ids is a host link
-
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
-        out = torch.empty(shape, dtype=dtype, device=device)
-        self.recv_into(out)
-        return out
+        self.pg.send([x], self.peer, 0).wait()  # waited for: a staging buffer is reused by the next send
 
     def recv_into(self, out: Tensor) -> None:
         self.pg.recv([out], self.peer, 0).wait()
@@ -328,34 +317,24 @@ class StageLink:
         self.wire.close(why)
 
     def send(self, x: Tensor) -> None:
+        x = x.contiguous()
         t0 = time.perf_counter()
-        if self._staging is None:
-            self.wire.send(x)  # the wire takes any strides
-        else:
-            self.wire.send(self._staging.to_host(x.contiguous()))
-        self._sent(t0, x.nbytes)
-
-    def send_ids(self, ids: list[int]) -> None:
-        """Token ids, as an int64 host tensor of them (what the loop carries): on a ring without building one."""
-        t0 = time.perf_counter()
-        self.wire.send_ids(ids)
-        self._sent(t0, 8 * len(ids))
-
-    def _sent(self, t0: float, nbytes: int) -> None:
+        self.wire.send(self._staging.to_host(x) if self._staging is not None else x)
         self.send_s += time.perf_counter() - t0
-        self.bytes_sent += nbytes
+        self.bytes_sent += x.numel() * x.element_size()
         self.messages_sent += 1
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
         t0 = time.perf_counter()
         if self._staging is None:
-            x = self.wire.recv(shape, dtype, device)
+            x = torch.empty(shape, dtype=dtype, device=device)
+            self.wire.recv_into(x)
         else:
             host = self._staging.buffer(shape, dtype, pinned=torch.device(device).type == "cuda")
             self.wire.recv_into(host)
             x = self._staging.from_host(host, device)
         self.wait_s += time.perf_counter() - t0
-        self.bytes_received += x.nbytes
+        self.bytes_received += x.numel() * x.element_size()
         self.messages_received += 1
         return x
 

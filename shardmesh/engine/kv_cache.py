@@ -203,18 +203,6 @@ class ActivationLog:
             raise ValueError(f"the layout has block_size={batch.block_size}, this activation log {self.block_size}")
         self.data[batch.kv_index] = rows
 
-    def record_steps(self, steps: list[tuple[BatchLayout, Tensor]]) -> None:
-        """`record` each (layout, rows) of several steps, in one write: a decode call's later steps
-        (`StageEngine.step`'s `log_later`), recorded once the call's last step has been sent on."""
-        if len(steps) == 1:
-            self.record(*steps[0])
-            return
-        for batch, _ in steps:
-            if batch.block_size != self.block_size:
-                raise ValueError(f"the layout has block_size={batch.block_size}, this activation log {self.block_size}")
-        where = tuple(torch.cat(parts) for parts in zip(*(batch.kv_index for batch, _ in steps), strict=True))
-        self.data[where] = torch.cat([rows for _, rows in steps])
-
     def rows(self, seg: Segment) -> Tensor:
         """The rows recorded for positions [start, start + length) of `seg`'s slot."""
         return self.data[seg.slot, seg.start : seg.start + seg.length]

@@ -37,7 +37,7 @@ import os
 import time
 import weakref
 from datetime import timedelta
-from typing import NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,8 +54,7 @@ HEAD_AT = LINE  # messages the sender published (int64), its futex word at +8
 TAIL_AT = 2 * LINE  # messages the receiver consumed (int64), its futex word at +8
 SIZES_AT = 3 * LINE  # each slot's message size (int64 per slot)
 MAX_SLOTS = (mmap.PAGESIZE - SIZES_AT) // 8
-DEAD, CLOSED, TIMED_OUT, BAD_INPUT = 1, 2, 3, 4  # the kernel's statuses; MISMATCH + n: the message held n bytes
-SEQ, STATUS = 0, 8  # in a side's state tensor (the kernel's SEQ ... STATUS)
+DEAD, CLOSED, TIMED_OUT = 1, 2, 3  # the kernel's statuses; MISMATCH + n: the sender's message held n bytes
 MISMATCH = 16
 
 _SOURCE = r"""
@@ -139,20 +138,16 @@ uint8_t* slot_at(uint8_t* base, int64_t data_offset, int64_t capacity, int64_t s
   return base + data_offset + ((s - 1) % slots) * capacity;
 }
 
-// What a side's calls share, in an int64 tensor of its own (`ShmLinkWire._state`): read here rather than passed as a
-// dozen arguments each call, which with caches cold after a forward cost ~50 us of Python a call.
-constexpr int64_t SEQ = 0, SLOTS = 1, CAPACITY = 2, DATA_OFFSET = 3, PEER_PID = 4, PEER_FD = 5, SPIN_NS = 6,
-                  TIMEOUT_NS = 7, STATUS = 8;
-constexpr int64_t BAD_INPUT = 4;
+}  // namespace
 
-// Send `nbytes` from src as messages seq + 1, seq + 2, ... (one per `capacity` bytes, at least one). The GIL is
-// released by the caller.
-int64_t send_bytes(uint8_t* base, const uint8_t* src, int64_t nbytes, int64_t* st) {
-  const int64_t seq = st[SEQ], slots = st[SLOTS], capacity = st[CAPACITY], data_offset = st[DATA_OFFSET];
-  const int64_t peer_pid = st[PEER_PID], peer_fd = st[PEER_FD];
-  const double spin_s = st[SPIN_NS] * 1e-9, timeout_s = st[TIMEOUT_NS] * 1e-9;
+// Send x's bytes as messages seq + 1, seq + 2, ... (one per `capacity` bytes, at least one).
+int64_t link_send(torch::Tensor seg, torch::Tensor x, int64_t seq, int64_t slots, int64_t capacity,
+                  int64_t data_offset, int64_t peer_pid, int64_t peer_fd, double spin_s, double timeout_s) {
+  uint8_t* base = seg.data_ptr<uint8_t>();
+  const uint8_t* src = static_cast<const uint8_t*>(x.data_ptr());
+  const int64_t nbytes = x.numel() * x.element_size();
   const int64_t chunks = nbytes == 0 ? 1 : (nbytes + capacity - 1) / capacity;
-  st[SEQ] = seq + chunks;  // counted alike on both sides; after a failure the link is broken and no longer counts
+  pybind11::gil_scoped_release no_gil;
   // The ring would take a message for a receiver that is gone (Gloo's send fails on the closed socket): check first.
   if (count_at(base, CLOSED_AT)->load(std::memory_order_acquire) > 0) return CLOSED;
   if (peer_gone(peer_pid, peer_fd)) return DEAD;
@@ -169,13 +164,14 @@ int64_t send_bytes(uint8_t* base, const uint8_t* src, int64_t nbytes, int64_t* s
   return 0;
 }
 
-// Receive messages seq + 1, ... into dst, `nbytes` being what the sender must have sent.
-int64_t recv_bytes(uint8_t* base, uint8_t* dst, int64_t nbytes, int64_t* st) {
-  const int64_t seq = st[SEQ], slots = st[SLOTS], capacity = st[CAPACITY], data_offset = st[DATA_OFFSET];
-  const int64_t peer_pid = st[PEER_PID], peer_fd = st[PEER_FD];
-  const double spin_s = st[SPIN_NS] * 1e-9, timeout_s = st[TIMEOUT_NS] * 1e-9;
+// Receive messages seq + 1, ... into out (contiguous), whose size says what the sender must have sent.
+int64_t link_recv(torch::Tensor seg, torch::Tensor out, int64_t seq, int64_t slots, int64_t capacity,
+                  int64_t data_offset, int64_t peer_pid, int64_t peer_fd, double spin_s, double timeout_s) {
+  uint8_t* base = seg.data_ptr<uint8_t>();
+  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t nbytes = out.numel() * out.element_size();
   const int64_t chunks = nbytes == 0 ? 1 : (nbytes + capacity - 1) / capacity;
-  st[SEQ] = seq + chunks;
+  pybind11::gil_scoped_release no_gil;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t s = seq + 1 + c;
     const int64_t status = wait_for(base, HEAD_AT, s, peer_pid, peer_fd, spin_s, timeout_s);
@@ -189,55 +185,6 @@ int64_t recv_bytes(uint8_t* base, uint8_t* dst, int64_t nbytes, int64_t* st) {
   return 0;
 }
 
-}  // namespace
-
-// Send x's bytes (a host tensor, made contiguous here if it is not); 0, or a status (BAD_INPUT: not on the host).
-int64_t link_send(torch::Tensor seg, torch::Tensor x, torch::Tensor state) {
-  if (!x.device().is_cpu()) return BAD_INPUT;
-  const torch::Tensor c = x.contiguous();
-  uint8_t* base = seg.data_ptr<uint8_t>();
-  int64_t* st = state.data_ptr<int64_t>();
-  const int64_t nbytes = c.numel() * c.element_size();
-  pybind11::gil_scoped_release no_gil;
-  return send_bytes(base, static_cast<const uint8_t*>(c.data_ptr()), nbytes, st);
-}
-
-// Send token ids as int64, as a tensor of them would go: the loop's drawn tokens, without building that tensor.
-int64_t link_send_ids(torch::Tensor seg, std::vector<int64_t> ids, torch::Tensor state) {
-  uint8_t* base = seg.data_ptr<uint8_t>();
-  int64_t* st = state.data_ptr<int64_t>();
-  pybind11::gil_scoped_release no_gil;
-  return send_bytes(base, reinterpret_cast<const uint8_t*>(ids.data()), static_cast<int64_t>(ids.size()) * 8, st);
-}
-
-// Receive into out (a contiguous host tensor), whose size says what the sender must have sent.
-int64_t link_recv(torch::Tensor seg, torch::Tensor out, torch::Tensor state) {
-  if (!out.device().is_cpu() || !out.is_contiguous()) return BAD_INPUT;
-  uint8_t* base = seg.data_ptr<uint8_t>();
-  int64_t* st = state.data_ptr<int64_t>();
-  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
-  const int64_t nbytes = out.numel() * out.element_size();
-  pybind11::gil_scoped_release no_gil;
-  return recv_bytes(base, dst, nbytes, st);
-}
-
-// Receive into a new tensor of `sizes` and like's dtype; an undefined tensor (None) on failure, its status in
-// state[STATUS]. Allocated here: torch.empty through Python's argument parser took ~90 us with caches cold.
-torch::Tensor link_recv_new(torch::Tensor seg, std::vector<int64_t> sizes, torch::Tensor like, torch::Tensor state) {
-  torch::Tensor out = torch::empty(sizes, like.options());
-  uint8_t* base = seg.data_ptr<uint8_t>();
-  int64_t* st = state.data_ptr<int64_t>();
-  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
-  const int64_t nbytes = out.numel() * out.element_size();
-  int64_t status;
-  {
-    pybind11::gil_scoped_release no_gil;
-    status = recv_bytes(base, dst, nbytes, st);
-  }
-  st[STATUS] = status;
-  return status == 0 ? out : torch::Tensor();
-}
-
 // Mark the link closed by `side` and wake whichever side waits, so it reads the mark now.
 void link_close(torch::Tensor seg, int64_t side) {
   uint8_t* base = seg.data_ptr<uint8_t>();
@@ -247,8 +194,7 @@ void link_close(torch::Tensor seg, int64_t side) {
 }
 """
 
-_KERNEL = InlineKernel("shardmesh_link", PRELUDE + _SOURCE,
-                       ["link_send", "link_send_ids", "link_recv", "link_recv_new", "link_close"], ["-O3"])  # fmt: skip
+_KERNEL = InlineKernel("shardmesh_link", PRELUDE + _SOURCE, ["link_send", "link_recv", "link_close"], ["-O3"])
 
 
 def pidfd(pid: int) -> int:
@@ -279,14 +225,9 @@ def transport() -> str:
 
 
 class ShmLinkWire:
-    """One side of a two-process link over a mapped segment (see the module docstring): `send` and `send_ids` on side
-    0, `recv` and `recv_into` on side 1, each blocking until its copy is done. After a failure the link is broken and
-    every later call raises (the sides may disagree on how many messages went through); the next topology forms a
-    new one.
-
-    A call is one C++ call that checks its tensor, counts the messages and allocates what it receives: between two
-    forwards, with caches cold, each layer of Python around it cost tens of microseconds (docs/performance.md, "The
-    links' Python")."""
+    """One side of a two-process link over a mapped segment (see the module docstring): `send` on side 0, `recv_into`
+    on side 1, each blocking until its copy is done. After a failure the link is broken and every later call raises
+    (the sides may disagree on how many messages went through); the next topology forms a new one."""
 
     def __init__(self, segment: Segment, side: int, peer_pid: int, timeout: timedelta, slots: int = SLOTS,
                  capacity: int = CAPACITY, spin_s: float = 0.0) -> None:  # fmt: skip
@@ -305,49 +246,17 @@ class ShmLinkWire:
         if self.peer_fd >= 0:
             weakref.finalize(self, os.close, self.peer_fd)
         self._seg = torch.frombuffer(segment.mm, dtype=torch.uint8)
-        # The kernel's view of this side (its SEQ ... STATUS): the messages through the ring so far, counted alike on
-        # both sides, and what every call passes.
-        self._state = torch.tensor([0, slots, capacity, data_offset(), peer_pid, self.peer_fd, round(spin_s * 1e9),
-                                    round(self.timeout_s * 1e9), 0], dtype=torch.int64)  # fmt: skip
-        self._likes: dict[torch.dtype, Tensor] = {}  # an empty tensor per dtype received: what `recv` allocates
+        self._seq = 0  # messages through the ring so far, counted alike on both sides
         self._broken = ""
 
     def describe(self) -> str:
         return f"shm ({self.slots} x {self.capacity >> 10} KiB slots)"
 
     def send(self, x: Tensor) -> None:
-        """Send a host tensor's bytes (any strides: a strided one is made contiguous first)."""
-        self._check("send")
-        t0 = time.perf_counter()
-        if status := self._ext.link_send(self._seg, x, self._state):
-            self._fail("send", status, t0, x.numel() * x.element_size(), x)
-
-    def send_ids(self, ids: list[int]) -> None:
-        """Send token ids as an int64 tensor of them would go, without building one."""
-        self._check("send")
-        t0 = time.perf_counter()
-        if status := self._ext.link_send_ids(self._seg, ids, self._state):
-            self._fail("send", status, t0, 8 * len(ids))
-
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
-        """A new host tensor of `shape` and `dtype` holding the next message, which must be that size. `device` is
-        the host's: a ring joins two CPU sides only (`groups.plan_link`, `shareable`)."""
-        self._check("recv")
-        like = self._likes.get(dtype)
-        if like is None:
-            like = self._likes[dtype] = torch.empty(0, dtype=dtype)
-        t0 = time.perf_counter()
-        x = self._ext.link_recv_new(self._seg, shape, like, self._state)
-        if x is None:
-            self._fail("recv", int(self._state[STATUS]), t0, math.prod(shape) * like.element_size())
-        return x
+        self._run("send", self._ext.link_send, x)
 
     def recv_into(self, out: Tensor) -> None:
-        """The next message into `out` (a contiguous host tensor), which must be its size."""
-        self._check("recv")
-        t0 = time.perf_counter()
-        if status := self._ext.link_recv(self._seg, out, self._state):
-            self._fail("recv", status, t0, out.numel() * out.element_size(), out)
+        self._run("recv", self._ext.link_recv, out)
 
     def close(self, why: str) -> None:
         """Mark the link closed in the segment and wake the peer: if it waits on the link, it raises now."""
@@ -355,15 +264,19 @@ class ShmLinkWire:
             self._broken = f"side {self.side} closed the link: {why}"
             self._ext.link_close(self._seg, self.side)
 
-    def _check(self, what: str) -> None:
+    def _run(self, what: str, fn: Any, x: Tensor) -> None:
         if self._broken:
             raise RuntimeError(f"link {what} over shm: the link broke earlier ({self._broken})")
-
-    def _fail(self, what: str, status: int, t0: float, nbytes: int, x: Tensor | None = None) -> NoReturn:
-        if status == BAD_INPUT:  # the tensor, not the link: it stays usable
-            assert x is not None
-            raise ValueError(f"a shared-memory link moves host tensors (received into contiguous ones), got "
-                             f"{x.device} contiguous={x.is_contiguous()}")  # fmt: skip
+        if x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError(f"a shared-memory link moves contiguous host tensors, got {x.device} "
+                             f"contiguous={x.is_contiguous()}")  # fmt: skip
+        nbytes = x.numel() * x.element_size()
+        t0 = time.perf_counter()
+        status = fn(self._seg, x, self._seq, self.slots, self.capacity, data_offset(), self.peer_pid, self.peer_fd,
+                    self.spin_s, self.timeout_s)  # fmt: skip
+        self._seq += max(1, math.ceil(nbytes / self.capacity))
+        if status == 0:
+            return
         peer, waited = f"side {1 - self.side} (pid {self.peer_pid})", time.perf_counter() - t0
         if status == DEAD:
             why = f"{peer} died while side {self.side} waited {waited:.3f} s"
@@ -375,7 +288,7 @@ class ShmLinkWire:
         else:
             why = f"{peer} sent {status - MISMATCH} bytes where side {self.side} expected a message of {nbytes}"
         self._broken = why
-        raise RuntimeError(f"link {what} #{int(self._state[SEQ])} over shm: {why}")
+        raise RuntimeError(f"link {what} #{self._seq} over shm: {why}")
 
 
 def negotiate(store: dist.Store, prefix: str, side: int, timeout: timedelta,

@@ -65,12 +65,10 @@ class StageEngine:
 
     @torch.inference_mode()
     def step(self, batch: BatchLayout | None, token_ids: Tensor | None = None, all_logits: bool = False,
-             relay: Relay | None = None,
-             log_later: list[tuple[BatchLayout, Tensor]] | None = None) -> Tensor | None:  # fmt: skip
+             relay: Relay | None = None) -> Tensor | None:  # fmt: skip
         """Run one step over the segments this stage computes (`batch`; None: none). The first stage takes
         `token_ids` (T,); the last returns logits (B, vocab), or (T, vocab) with `all_logits`. The others send
-        the next stage their output, or what `relay` says, and record it in their activation log, or append it to
-        `log_later` for the caller to record with others (`record_log`)."""
+        the next stage their output, or what `relay` says."""
         out = None
         if batch is not None:
             if self.is_first:
@@ -88,9 +86,7 @@ class StageEngine:
                 out = self.model(x, batch, self.cache, all_logits=all_logits)
             if self.is_last:
                 return out
-            if self.log is not None and log_later is not None:
-                log_later.append((batch, out))
-            elif self.log is not None:
+            if self.log is not None:
                 self._record(batch, out)
         if self.is_last:
             return None
@@ -103,11 +99,6 @@ class StageEngine:
     def _record(self, batch: BatchLayout, out: Tensor) -> None:
         assert self.log is not None
         self.log.record(batch, out)
-
-    def record_log(self, steps: list[tuple[BatchLayout, Tensor]]) -> None:
-        """Record what several steps sent on (`step`'s `log_later`) in this stage's activation log, in one write."""
-        if self.log is not None and steps:
-            self.log.record_steps(steps)
 
     def _relayed(self, relay: Relay, out: Tensor | None) -> Tensor | None:
         parts = []

@@ -98,14 +98,14 @@ def test_a_replaced_last_stage_is_fed_from_the_first_stages_activation_log(model
 def test_a_call_of_several_decode_steps_logs_what_single_steps_log_and_a_replay_feeds_it(
     model: Path, store: dist.TCPStore
 ) -> None:
-    """The first stage records a decode call's later steps in its log at the end of the call, in one write: the
-    rows equal those of the same tokens fed one step per call (in another slot), and a replay after the call
-    feeds them to the replacement of the last stage, decoding on as if nothing had happened."""
+    """What the first stage logs of a decode call's steps (each step's activations, sent on and recorded) equals
+    what it logs of the same tokens fed one step per call (in another slot), and a replay after the call feeds
+    those rows to the replacement of the last stage, decoding on as if nothing had happened."""
     w0, w1, w2 = new_core("w0"), new_core("w1"), new_core("w2")
     apply_all([w0, w1], mesh(model, 5, ("w0", "w1"), epoch=5, store_port=store.port))
     first = run_step([w0, w1], 5, [entry(0, PROMPT)])[-1].sampled[0].token_id
     call = on_every_core([w0, w1], lambda core: core.step(5, [entry(len(PROMPT), (first,))], 4))
-    log = [*PROMPT, first, *(s.token_id for s in call[-1].sampled)]  # positions 6-9 fed by the call, 7-9 logged late
+    log = [*PROMPT, first, *(s.token_id for s in call[-1].sampled)]  # positions 6-9 fed by the call
     fed = log[:-1]
     alone = [replace(entry(0, PROMPT), request_id="s", slot=2)]
     alone += [replace(entry(pos, (token,)), request_id="s", slot=2) for pos, token in enumerate(fed) if pos >= 6]
@@ -113,7 +113,9 @@ def test_a_call_of_several_decode_steps_logs_what_single_steps_log_and_a_replay_
         run_step([w0, w1], 5, [step])
     recorded = w0._runtime.engine.log  # type: ignore[union-attr]
     assert recorded is not None
-    assert torch.equal(recorded.rows(Segment(1, 0, len(fed))), recorded.rows(Segment(2, 0, len(fed))))
+    rows = recorded.rows(Segment(1, 0, len(fed)))
+    assert (rows.abs().sum(-1) > 0).all()  # every position written (the log starts as unwritten memory)
+    assert torch.equal(rows, recorded.rows(Segment(2, 0, len(fed))))
     apply_all([w0, w2], mesh(model, 6, ("w0", "w2"), epoch=6, store_port=store.port))  # w1 is gone
     forwards = count_forwards(w0)
     run_step([w0, w2], 6, [entry(0, tuple(fed), sample=False, first=1)])
