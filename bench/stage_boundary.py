@@ -2,7 +2,7 @@
 pp=2 alternated call by call so that this host's drift cancels.
 
     .venv/bin/python bench/stage_boundary.py [--model smollm2-135m-instruct] [--dtype float32] [--rows 1,16]
-                                             [--cycles 40] [--spin-variants N,...] [--against REV]
+                                             [--cycles 40] [--spin-variants N,...] [--tp N] [--against REV]
                                              [--out bench/results]
 
 Why: through the mesh (bench/run.py, bench/pipeline_seams.py) pp=2 minus pp=1 moved by ±5 ms from one round to the
@@ -20,12 +20,16 @@ each derived number is taken within a cycle and reported as the median over cycl
 - the boundary split in two: the pp=2 stages' compute per token (each stage's `stats.compute_s`, its steps less its
   waits for input) minus pp=1's, and the rest (the links, each step's Python, the stages' handing over).
 `--spin-variants 3000,1000` adds shm pipelines whose processes get that GOMP_SPINCOUNT instead (one more layout each).
-`--against REV` adds pp=1 and a pp=2 on rings of commit REV (checked out into a temporary git worktree, its stage
-processes importing the project from there), alternated with this checkout's in the same cycles, and a second table:
-each layout's ms per token and its work around the forward, this checkout against REV. The work around the forward
-is each stage's thread CPU in a decode call (`StageWorkerCore._decode_steps`) less its forward's (`CpuDecode.run`,
-the CPU decode path's), per token and summed over the stages: what a step does besides its layers and head, which
-the drift of this host's memory speed moves far less than the wall time.
+`--tp 3` adds one stage split over 3 tensor-parallel ranks (processes of `--tp-threads` threads each, as `up` gives
+them: the cores split among the ranks), and a table of its time per token over pp=1's in each cycle (target <= 1.5x
+on this 2-core host).
+`--against REV` adds pp=1 and a pp=2 on rings of commit REV, and its tp layout with `--tp` (checked out into a
+temporary git worktree, its stage processes importing the project from there), alternated with this checkout's in the
+same cycles, and a table of each layout's ms per token and its work around the forward, this checkout against REV.
+The work around the forward is each stage's thread CPU in a decode call (`StageWorkerCore._decode_steps`) less its
+forward's (`CpuDecode.run`, the CPU decode path's), per token and summed over the stages: what a step does besides
+its layers and head, which the drift of this host's memory speed moves far less than the wall time. Two trees running
+the same code read up to ~3% apart in one run (an A/A run, docs/performance.md), so a ratio within that is noise.
 What it leaves out: the gateway's round trip, paid once per call of 8 steps by both layouts (twice as many Step
 RPCs for pp=2, one per stage, sent at once). Writes bench/results/<host>-<date>-stage-boundary.{md,json}.
 """
@@ -62,17 +66,30 @@ class Layout(NamedTuple):
     transport: str  # SHARDMESH_LINK_TRANSPORT
     spin: str  # GOMP_SPINCOUNT
     rev: str = ""  # the commit whose code the stages run (`--against`); "": this checkout
+    tp: int = 1  # tensor-parallel ranks per stage
+    threads: int = 0  # torch threads per process; 0: `--threads`
+
+    @property
+    def processes(self) -> int:
+        return self.stages * self.tp
 
 
 def layouts_of(a: argparse.Namespace) -> dict[str, Layout]:
     """Every layout by name; `--spin-variants` adds shm pipelines whose stages spin that long before sleeping (what an
-    idle stage's OpenMP threads take from the stage computing), `--against REV` pp=1 and pp=2 on rings of REV."""
+    idle stage's OpenMP threads take from the stage computing), `--tp N` one stage over N ranks, `--against REV`
+    pp=1 and pp=2 on rings (and the tp layout) of REV."""
+    tp = getattr(a, "tp", 0)
+    ranks = Layout(1, "auto", a.spincount, "", tp, getattr(a, "tp_threads", 0)) if tp > 1 else None
     out = {name: Layout(stages, transport, a.spincount) for name, (stages, transport) in LAYOUTS.items()}
     for spin in a.spin_variants:
         out[f"pp=2 shm spin={spin}"] = Layout(2, "shm", spin)
+    if ranks:
+        out[f"tp={tp}"] = ranks
     if a.against:
         out[f"pp=1 @{a.against}"] = Layout(1, "auto", a.spincount, a.against)
         out[f"pp=2 shm @{a.against}"] = Layout(2, "shm", a.spincount, a.against)
+        if ranks:
+            out[f"tp={tp} @{a.against}"] = ranks._replace(rev=a.against)
     return out
 
 
@@ -95,22 +112,24 @@ def past_the_model(model_dir: Path, cycles: int) -> str:
     return f"a sequence would reach position {context(cycles)}, past the model's max_position_embeddings={longest}"
 
 
-def topology(model_dir: Path, dtype: str, stages: int, port: int, epoch: int, rows: int, cycles: int) -> Any:
-    """pp = `stages`, tp = 1, stage i held by worker "w{i}", the layers split evenly, a rendezvous of `epoch`, room
-    for every cycle's tokens."""
+def topology(model_dir: Path, dtype: str, stages: int, port: int, epoch: int, rows: int, cycles: int,
+             tp: int = 1) -> Any:  # fmt: skip
+    """pp = `stages`, tp = `tp`, tensor-parallel rank t of stage i held by worker "w{i * tp + t}", the layers split
+    evenly, a rendezvous of `epoch`, room for every cycle's tokens."""
     from shardmesh.core import topology as t
     from shardmesh.core.config import ModelConfig
     from shardmesh.core.layout import split_layers
 
     cfg = ModelConfig.from_dir(model_dir)
     spans = split_layers(cfg.num_layers, stages)
-    placed = tuple(t.Stage(i, a, b, (t.ShardAssignment(0, i, f"w{i}", "", t.ShardState.READY),))
+    placed = tuple(t.Stage(i, a, b, tuple(t.ShardAssignment(r, i * tp + r, f"w{i * tp + r}", "", t.ShardState.READY)
+                                          for r in range(tp)))
                    for i, (a, b) in enumerate(spans))  # fmt: skip
     spec = t.ModelSpec(str(model_dir), dtype, "LlamaForCausalLM", cfg.num_layers, cfg.hidden_size, cfg.vocab_size,
                        context(cycles))  # fmt: skip
     limits = t.ServingLimits(rows, context(cycles), max(rows * len(PROMPT), 64))
-    return t.Topology(epoch, spec, stages, 1, placed, t.Rendezvous.for_epoch("127.0.0.1", port, epoch, stages), True,
-                      limits)  # fmt: skip
+    return t.Topology(epoch, spec, stages, tp, placed, t.Rendezvous.for_epoch("127.0.0.1", port, epoch, stages * tp),
+                      True, limits)  # fmt: skip
 
 
 def around_the_forward() -> list[float]:
@@ -137,8 +156,9 @@ def around_the_forward() -> list[float]:
     return spent
 
 
-def stage_main(layout: str, stage: int, port: int, a: argparse.Namespace) -> None:
-    """One stage core: join its layout's groups, then for every cycle wait for its turn, run one call, signal."""
+def stage_main(layout: str, rank: int, port: int, a: argparse.Namespace) -> None:
+    """One stage core (rank `rank` of its layout): join its layout's groups, then for every cycle wait for its turn,
+    run one call, signal. The last stage's tensor-parallel rank 0 reports the call and hands its tokens on."""
     import structlog
     import torch
     import torch.distributed as dist
@@ -146,21 +166,22 @@ def stage_main(layout: str, stage: int, port: int, a: argparse.Namespace) -> Non
     from shardmesh.core.step import SamplingParams, StepEntry
     from shardworker.runtime import StageWorkerCore
 
-    torch.set_num_threads(a.threads)
     clock = around_the_forward()
     layouts = layouts_of(a)
-    stages = layouts[layout].stages
+    spec = layouts[layout]
+    torch.set_num_threads(spec.threads or a.threads)
+    stages, stage = spec.stages, rank // spec.tp
     names = list(layouts)
     epoch = names.index(layout) + 1  # each layout's groups under a prefix of their own
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
-    core = StageWorkerCore(f"w{stage}", torch.device("cpu"),
+    core = StageWorkerCore(f"w{rank}", torch.device("cpu"),
                            structlog.wrap_logger(structlog.ReturnLogger()), 120.0)  # fmt: skip
-    last = stage == stages - 1
+    last = stage == stages - 1 and rank % spec.tp == 0
     results: dict[int, list[float]] = {}
     computed: dict[int, list[float]] = {}  # this stage's compute per token (`stats.compute_s`: its steps less waits)
     around: dict[int, list[float]] = {}  # its thread CPU per token in decode calls, less their forwards'
     for rows in a.rows:
-        core.apply(topology(Path(a.model_dir), a.dtype, stages, port, epoch + 10 * rows, rows, a.cycles))
+        core.apply(topology(Path(a.model_dir), a.dtype, stages, port, epoch + 10 * rows, rows, a.cycles, spec.tp))
         greedy = SamplingParams()
         first = core.step(epoch + 10 * rows, [StepEntry(f"r{i}", i, 0, len(PROMPT), PROMPT, greedy)
                                               for i in range(rows)])  # fmt: skip
@@ -188,8 +209,8 @@ def stage_main(layout: str, stage: int, port: int, a: argparse.Namespace) -> Non
             store.wait([f"{rows}/{c}/{order[-1]}"])  # the cycle is over for everyone
         results[rows], computed[rows], around[rows] = times[1:], compute[1:], besides[1:]
         core.release([(f"r{i}", i) for i in range(rows)])
-    store.set(f"compute/{layout}/{stage}", json.dumps(computed))
-    store.set(f"around/{layout}/{stage}", json.dumps(around))
+    store.set(f"compute/{layout}/{rank}", json.dumps(computed))
+    store.set(f"around/{layout}/{rank}", json.dumps(around))
     if last:
         store.set(f"result/{layout}", json.dumps({"ms": results}))
     core.close()
@@ -202,13 +223,13 @@ def run(a: argparse.Namespace, trees: dict[str, str]) -> dict[str, Any]:
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
     procs = []
     layouts = layouts_of(a)
-    for layout, (stages, transport, spin, rev) in layouts.items():
-        tree = trees[rev] if rev else str(ROOT)
-        env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "SHARDMESH_LINK_TRANSPORT": transport,
-               "SHARDMESH_LOG_LEVEL": "warning", "PYTHONPATH": tree, "SHARDMESH_BENCH_TREE": tree,
-               "GOMP_SPINCOUNT": spin}  # fmt: skip
-        for stage in range(stages):
-            args = [sys.executable, __file__, "--stage-of", layout, str(stage), str(store.port), *sys.argv[1:]]
+    for layout, spec in layouts.items():
+        tree = trees[spec.rev] if spec.rev else str(ROOT)
+        env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads or a.threads), "SHARDMESH_LOG_LEVEL": "warning",
+               "SHARDMESH_LINK_TRANSPORT": spec.transport, "PYTHONPATH": tree, "SHARDMESH_BENCH_TREE": tree,
+               "GOMP_SPINCOUNT": spec.spin}  # fmt: skip
+        for rank in range(spec.processes):
+            args = [sys.executable, __file__, "--stage-of", layout, str(rank), str(store.port), *sys.argv[1:]]
             procs.append(subprocess.Popen(args, env=env, cwd=ROOT))
     try:
         for p in procs:
@@ -216,8 +237,8 @@ def run(a: argparse.Namespace, trees: dict[str, str]) -> dict[str, Any]:
                 raise RuntimeError(f"a stage process failed: {p.args}")
         got = {layout: json.loads(store.get(f"result/{layout}")) for layout in layouts}
         for layout, spec in layouts.items():
-            for key in ("compute", "around"):  # per cycle, summed over the stages
-                each = [json.loads(store.get(f"{key}/{layout}/{i}")) for i in range(spec.stages)]
+            for key in ("compute", "around"):  # per cycle, summed over the processes
+                each = [json.loads(store.get(f"{key}/{layout}/{i}")) for i in range(spec.processes)]
                 got[layout][f"{key}_ms"] = {r: [sum(c) for c in zip(*(e[r] for e in each), strict=True)]
                                             for r in each[0]}  # fmt: skip
         return got
@@ -235,7 +256,7 @@ def pp1_of(layout: str) -> str:
 def derived(got: dict[str, Any], rows: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for r in rows:
-        for layout in (name for name in got if not name.startswith("pp=1")):
+        for layout in (name for name in got if name.startswith("pp=2")):
             pp1 = got[pp1_of(layout)]
             base, mine = pp1["ms"][str(r)], got[layout]["ms"][str(r)]
             diff = [b - a for a, b in zip(base, mine, strict=True)]
@@ -254,12 +275,26 @@ def derived(got: dict[str, Any], rows: list[int]) -> dict[str, Any]:
     return out
 
 
+def over_pp1(got: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+    """Each tensor-parallel layout's ms per token over its commit's pp=1's, within each cycle: median and quartiles."""
+    out: dict[str, Any] = {}
+    for r in rows:
+        for layout in (name for name in got if name.startswith("tp=")):
+            base, mine = got[pp1_of(layout)]["ms"][str(r)], got[layout]["ms"][str(r)]
+            ratio = [b / a for a, b in zip(base, mine, strict=True)]
+            out[f"{layout} rows={r}"] = {
+                "pp1_ms": statistics.median(base), "ms": statistics.median(mine),
+                "over_pp1": statistics.median(ratio), "over_pp1_quartiles": statistics.quantiles(ratio, n=4)[::2],
+            }  # fmt: skip
+    return out
+
+
 def against(got: dict[str, Any], rows: list[int], rev: str) -> dict[str, Any]:
     """This checkout's layouts against REV's, within each cycle: ms per token (ratio, this ÷ REV) and the work around
     the forward (thread CPU per token, all stages; difference), medians over cycles."""
     out: dict[str, Any] = {}
     for r in rows:
-        for layout in ("pp=1", "pp=2 shm"):
+        for layout in (name for name in got if f"{name} @{rev}" in got):
             mine, theirs = got[layout], got[f"{layout} @{rev}"]
             ratio = [a / b for a, b in zip(mine["ms"][str(r)], theirs["ms"][str(r)], strict=True)]
             around = [a - b for a, b in zip(mine["around_ms"][str(r)], theirs["around_ms"][str(r)], strict=True)]
@@ -282,13 +317,15 @@ def _table(head: list[str], found: dict[str, Any], cells: Callable[[dict[str, An
     return lines
 
 
-def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any], compared: dict[str, Any] | None = None) -> str:
+def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any], compared: dict[str, Any] | None = None,
+             ranks: dict[str, Any] | None = None) -> str:  # fmt: skip
     lines = [
-        f"# A stage boundary per decode step, pp=1 and pp=2 alternated call by call ({info['date'][:10]})",
+        f"# A stage boundary per decode step, pp=1 and pp=2 (and tp) alternated call by call ({info['date'][:10]})",
         "",
         f"{info['cpu']} ({info.get('cpu_id', '')}), {info['cores']} cores, torch {info['torch']}, load average "
         f"{info.get('load_avg_1m')} at the start. Model `{a.model}` in {a.dtype}, greedy; stage cores in "
-        f"{sum(v.stages for v in layouts_of(a).values())} processes (no gateway), {a.threads} torch threads each, "
+        f"{sum(v.processes for v in layouts_of(a).values())} processes (no gateway), {a.threads} torch threads each"
+        f"{tp_threads(a)}, "
         f"GOMP_SPINCOUNT={a.spincount} unless the layout names another; {a.cycles} cycles, each one "
         f"call of {STEPS} decode steps on every layout in a rotating order. Medians over cycles of the per-cycle "
         f"values (quartiles of the boundary in brackets).",
@@ -305,6 +342,14 @@ def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any], compared:
               "minus pp=1's, and `the rest` what is left: the links, the stages' waits, each step's Python. A layout "
               "of another commit (`@REV`) is taken against that commit's pp=1.",
               ""]  # fmt: skip
+    if ranks:
+        lines += ["## Tensor parallelism against pp=1, in the same cycles", "",
+                  *_table(["pp=1 ms/token", "tp ms/token", "tp ÷ pp=1 (quartiles)"], ranks,
+                          lambda d: [f"{d['pp1_ms']:.2f}", f"{d['ms']:.2f}", f"**{d['over_pp1']:.3f}×** "
+                                     f"({d['over_pp1_quartiles'][0]:.3f} to {d['over_pp1_quartiles'][1]:.3f})"]),
+                  "", "Target: tp=3 within 1.5× of pp=1's time per token on this 2-core host (within 1.1× with a core "
+                  "per rank). Each ratio is taken within a cycle; a layout of another commit against that commit's "
+                  "pp=1.", ""]  # fmt: skip
     if compared:
         lines += [f"## This checkout against {a.against} ({a.against_commit[:12]}), alternated in the same cycles", "",
                   *_table(["ms/token", "ms/token at REV", "this ÷ REV (quartiles)",
@@ -317,6 +362,12 @@ def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any], compared:
                   "(`CpuDecode.run`), per token, summed over the layout's stages; medians over cycles, and of the "
                   "per-cycle differences.", ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def tp_threads(a: argparse.Namespace) -> str:
+    """What the markdown says of the tensor-parallel ranks' threads, if there are any."""
+    spec = next((v for v in layouts_of(a).values() if v.tp > 1), None)
+    return f" ({spec.tp} tensor-parallel ranks: {spec.threads} each)" if spec else ""
 
 
 def main() -> None:
@@ -342,17 +393,24 @@ def main() -> None:
         default=2,
         help="torch threads per process (2: what `up` gives stages taking turns on 2 cores)",
     )
+    ap.add_argument("--tp", type=int, default=0, help="add one stage over this many tensor-parallel ranks (0: none)")
+    ap.add_argument("--tp-threads", type=int, default=0, help="torch threads per tp rank (0: the cores split by rank)")
     ap.add_argument("--against", default="", help="a commit whose pp=1 and pp=2 run beside this checkout's")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--stage-of", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.tp and not a.tp_threads:
+        a.tp_threads = max(1, len(os.sched_getaffinity(0)) // a.tp)  # as `up` splits the cores among the ranks
     if a.stage_of:
-        layout, stage, port = a.stage_of
-        stage_main(layout, int(stage), int(port), a)
+        layout, rank, port = a.stage_of
+        stage_main(layout, int(rank), int(port), a)
         return
-    if a.cycles < 4 or min(a.rows) < 1 or a.threads < 1:
-        ap.error(f"--cycles must be at least 4, --rows and --threads positive (got {a.cycles}, {a.rows}, {a.threads})")
+    if a.cycles < 4 or min(a.rows) < 1 or a.threads < 1 or a.tp == 1 or a.tp < 0:
+        ap.error(
+            f"--cycles must be at least 4, --rows and --threads positive, --tp 0 or above 1 (got {a.cycles}, "
+            f"{a.rows}, {a.threads}, {a.tp})"
+        )
     from shardmesh.models.registry import resolve
 
     model_dir = resolve(a.model)
@@ -372,11 +430,11 @@ def main() -> None:
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tree], check=False)
-    found = derived(got, a.rows)
+    found, ranks = derived(got, a.rows), over_pp1(got, a.rows)
     compared = against(got, a.rows, a.against) if a.against else None
-    save_results(Path(a.out), info, "-stage-boundary", markdown(info, a, found, compared),
+    save_results(Path(a.out), info, "-stage-boundary", markdown(info, a, found, compared, ranks),
                  {"args": {k: str(v) for k, v in vars(a).items()}, "per_cycle_ms": got, "derived": found,
-                  "against": compared})  # fmt: skip
+                  "against": compared, "tp_over_pp1": ranks})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -193,8 +193,8 @@ def _blocks(product: LinearProduct) -> list[Tensor]:
 
 
 def _reduce(product: RowParallelLinear, x: Tensor, partial: Tensor) -> Tensor:
-    """x + all_reduce(partial) + bias: a row-parallel product's end and the residual, as the eager layer adds them."""
-    y = product.group.all_reduce(partial)
-    if product.bias is not None:
-        y = y + product.bias
-    return x + y
+    """x + all_reduce(partial) + bias: a row-parallel product's end and the residual, as the eager layer adds them;
+    without a bias in one call of a shared-memory group (`all_reduce_add`)."""
+    if product.bias is None:
+        return product.group.all_reduce_add(partial, x)
+    return x + (product.group.all_reduce(partial) + product.bias)

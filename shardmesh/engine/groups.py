@@ -46,6 +46,11 @@ class Collective(Protocol):
 
     def all_reduce(self, x: Tensor) -> Tensor: ...
 
+    def all_reduce_add(self, partial: Tensor, x: Tensor) -> Tensor:
+        """x + all_reduce(partial): a row-parallel product's end and its residual (a shared-memory group does both in
+        one call, over `partial`)."""
+        ...
+
     def all_gather(self, x: Tensor) -> Tensor: ...
 
     def close(self, why: str) -> None:
@@ -60,6 +65,9 @@ class SingleRank:
 
     def all_reduce(self, x: Tensor) -> Tensor:
         return x
+
+    def all_reduce_add(self, partial: Tensor, x: Tensor) -> Tensor:
+        return x + partial
 
     def all_gather(self, x: Tensor) -> Tensor:
         return x
@@ -83,6 +91,9 @@ class UnboundGroup:
         if self.size == 1:
             return x
         raise RuntimeError("tensor-parallel group not formed yet")
+
+    def all_reduce_add(self, partial: Tensor, x: Tensor) -> Tensor:
+        return x + self.all_reduce(partial)
 
     def all_gather(self, x: Tensor) -> Tensor:
         return self.all_reduce(x)
@@ -127,6 +138,9 @@ class GroupCollective:
         self.pg.allreduce([x]).wait()
         self._count(x, t0)
         return x
+
+    def all_reduce_add(self, partial: Tensor, x: Tensor) -> Tensor:
+        return x + self.all_reduce(partial)
 
     def all_gather(self, x: Tensor) -> Tensor:
         """Concatenate every rank's `x` along the last dim (all ranks pass the same shape)."""

@@ -4,10 +4,22 @@ and the rest, the layouts it starts, and the positions a run fills; and bench/id
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
-from bench.stage_boundary import PROMPT, STEPS, against, context, derived, layouts_of, markdown
+from bench.stage_boundary import (
+    PROMPT,
+    STEPS,
+    Layout,
+    against,
+    context,
+    derived,
+    layouts_of,
+    markdown,
+    over_pp1,
+    topology,
+)
 
 
 def test_the_boundary_is_split_within_each_cycle() -> None:
@@ -23,14 +35,43 @@ def test_the_boundary_is_split_within_each_cycle() -> None:
     assert (d["pp1_ms"], d["pp2_ms"]) == (31.0, 31.5)
 
 
-def test_the_layouts_add_a_pipeline_per_spin_count_and_two_layouts_of_another_commit() -> None:
-    a = argparse.Namespace(spincount="10000", spin_variants=["1000"], against="")
-    assert layouts_of(a) == {"pp=1": (1, "auto", "10000", ""), "pp=2 shm": (2, "shm", "10000", ""),
-                             "pp=2 gloo": (2, "gloo", "10000", ""),
-                             "pp=2 shm spin=1000": (2, "shm", "1000", "")}  # fmt: skip
+def test_the_layouts_add_a_pipeline_per_spin_count_a_tp_stage_and_the_layouts_of_another_commit() -> None:
+    a = argparse.Namespace(spincount="10000", spin_variants=["1000"], against="", tp=0, tp_threads=0)
+    assert layouts_of(a) == {"pp=1": (1, "auto", "10000", "", 1, 0), "pp=2 shm": (2, "shm", "10000", "", 1, 0),
+                             "pp=2 gloo": (2, "gloo", "10000", "", 1, 0),
+                             "pp=2 shm spin=1000": (2, "shm", "1000", "", 1, 0)}  # fmt: skip
     a.against = "abc123"
-    assert list(layouts_of(a).items())[-2:] == [("pp=1 @abc123", (1, "auto", "10000", "abc123")),
-                                                ("pp=2 shm @abc123", (2, "shm", "10000", "abc123"))]  # fmt: skip
+    assert list(layouts_of(a).items())[-2:] == [("pp=1 @abc123", (1, "auto", "10000", "abc123", 1, 0)),
+                                                ("pp=2 shm @abc123", (2, "shm", "10000", "abc123", 1, 0))]  # fmt: skip
+    a.tp, a.tp_threads = 3, 1
+    got = layouts_of(a)
+    assert got["tp=3"] == Layout(1, "auto", "10000", "", 3, 1) and got["tp=3"].processes == 3
+    assert got["tp=3 @abc123"] == Layout(1, "auto", "10000", "abc123", 3, 1)
+
+
+def test_a_tp_stage_is_held_by_one_worker_per_rank_in_one_rendezvous(tmp_path) -> None:
+    from tests.checkpoints import SMOLLM2_CONFIG
+
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    topo = topology(tmp_path, "float32", 1, 29500, 7, 1, 4, tp=3)
+    assert (topo.pp, topo.tp, topo.rendezvous.world_size) == (1, 3, 3)
+    assert [(s.tp_rank, s.rank, s.worker_id) for s in topo.stages[0].shards] == [(0, 0, "w0"), (1, 1, "w1"),
+                                                                                  (2, 2, "w2")]  # fmt: skip
+    pipeline = topology(tmp_path, "float32", 2, 29500, 7, 1, 4)
+    assert [[s.worker_id for s in stage.shards] for stage in pipeline.stages] == [["w0"], ["w1"]]
+
+
+def test_a_tp_layout_is_taken_against_its_own_commits_pp1_within_each_cycle() -> None:
+    got = {"pp=1": {"ms": {"1": [20.0, 30.0, 24.0]}}, "tp=3": {"ms": {"1": [30.0, 42.0, 36.0]}},
+           "pp=1 @r": {"ms": {"1": [10.0, 10.0, 10.0]}}, "tp=3 @r": {"ms": {"1": [16.0, 15.0, 17.0]}}}  # fmt: skip
+    d = over_pp1(got, [1])
+    assert d["tp=3 rows=1"]["over_pp1"] == pytest.approx(1.5)  # of 1.5, 1.4, 1.5
+    assert d["tp=3 @r rows=1"]["over_pp1"] == pytest.approx(1.6)
+    info = {"date": "2026-11-28T05:00:00", "cpu": "cpu", "cores": 2, "torch": "2.13.0", "load_avg_1m": 0.1}
+    a = argparse.Namespace(model="m", dtype="bfloat16", spincount="10000", spin_variants=[], against="", tp=3,
+                           tp_threads=1, threads=2, cycles=3)  # fmt: skip
+    md = markdown(info, a, {}, None, d)
+    assert "| tp=3 | 1 | 24.00 | 36.00 | **1.500×** (" in md and "3 tensor-parallel ranks: 1 each" in md
 
 
 def test_another_commits_pipeline_is_taken_against_its_own_pp1_and_set_beside_this_checkouts() -> None:
@@ -53,7 +94,7 @@ def test_another_commits_pipeline_is_taken_against_its_own_pp1_and_set_beside_th
     assert c["pp=2 shm rows=1"]["rev_around_ms"] == pytest.approx(1.0)
     info = {"date": "2026-11-28T05:00:00", "cpu": "cpu", "cores": 2, "torch": "2.13.0", "load_avg_1m": 0.1}
     a = argparse.Namespace(model="m", dtype="bfloat16", spincount="10000", spin_variants=[], against="r",
-                           against_commit="0123456789abcdef", threads=2, cycles=2)  # fmt: skip
+                           against_commit="0123456789abcdef", threads=2, cycles=2, tp=0)  # fmt: skip
     md = markdown(info, a, d, c)
     assert "| pp=2 shm @r | 1 | 35.00 | 37.50 | **+2.50** (" in md  # beside its own pp=1
     assert "## This checkout against r (0123456789ab)" in md

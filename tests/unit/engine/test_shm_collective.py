@@ -90,6 +90,30 @@ def test_all_reduce_is_the_rank_order_sum_on_every_rank_bit_for_bit(store, dtype
     assert our_segments() == set()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_reduce_add_is_the_residual_plus_the_sum_as_the_two_ops_round_it(store, dtype) -> None:
+    """A row-parallel product's end and its residual in one call: bit for bit `x + all_reduce(partial)`, written over
+    `partial`. Tensors the segment does not carry in one call (a residual of another dtype, a strided partial) take
+    the two ops, and the ranks stay in step for the next call."""
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(7)).to(dtype)
+
+    def body(tp: Any, rank: int) -> list[tuple[torch.Tensor, bool]]:
+        calls = [(rank_input(rank, (16, 576), dtype), x), (rank_input(rank, (1, 576), dtype), x[:1]),
+                 (rank_input(rank, (16, 576), dtype), x.double()),  # another dtype: the long way
+                 (rank_input(rank, (576, 16), dtype).t(), x),  # strided: the long way
+                 (rank_input(rank, (16, 576), dtype), x)]  # fmt: skip
+        return [(got, got.data_ptr() == partial.data_ptr()) for partial, residual in calls
+                for got in [tp.all_reduce_add(partial, residual)]]  # fmt: skip
+
+    expected = [x + reference_sum(3, (16, 576), dtype), x[:1] + reference_sum(3, (1, 576), dtype),
+                x.double() + reference_sum(3, (16, 576), dtype),
+                x + reference_sum(3, (576, 16), dtype).t(), x + reference_sum(3, (16, 576), dtype)]  # fmt: skip
+    for outs in tp_groups(store, 3, body):
+        for (got, _), want in zip(outs, expected, strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        assert [in_place for _, in_place in outs] == [True, True, False, False, True]
+
+
 def test_a_rank_spins_only_when_its_group_has_a_core_per_rank() -> None:
     # More ranks than cores: the peer a rank waits for may be queued on its core, so it yields at once.
     assert shm_collective.spin_seconds(3, cores=2) == 0.0
