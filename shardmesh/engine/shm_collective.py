@@ -178,6 +178,27 @@ uint8_t* slot(uint8_t* base, int64_t data_offset, int64_t capacity, int64_t size
   return base + data_offset + ((seq & 1) * size + r) * capacity;
 }
 
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_to_float(v); }
+template <typename T> T narrow(float v);
+template <> float narrow<float>(float v) { return v; }
+template <> uint16_t narrow<uint16_t>(float v) { return float_to_bf16(v); }
+
+// out[i] := the rank-order sum of every rank's slot (float32 or bfloat16 as uint16_t), summed in float32 and rounded
+// to T once; with `residual`, residual[i] + that sum, rounded again: as torch rounds `x + all_reduce(partial)`.
+template <typename T>
+void reduce_slots(uint8_t* base, int64_t data_offset, int64_t capacity, int64_t size, int64_t seq, int64_t n, T* out,
+                  const T* residual) {
+  const T* s[64];
+  for (int64_t r = 0; r < size; ++r) s[r] = reinterpret_cast<const T*>(slot(base, data_offset, capacity, size, seq, r));
+  for (int64_t i = 0; i < n; ++i) {
+    float acc = widen(s[0][i]);
+    for (int64_t r = 1; r < size; ++r) acc += widen(s[r][i]);
+    const T sum = narrow<T>(acc);
+    out[i] = residual == nullptr ? sum : narrow<T>(widen(residual[i]) + widen(sum));
+  }
+}
+
 }  // namespace
 
 // x (in and out, contiguous, at most `capacity` bytes): the sum over ranks, in rank order. dtype 0 float32, 1 bf16.
@@ -192,23 +213,9 @@ int64_t shm_all_reduce(torch::Tensor seg, torch::Tensor x, int64_t dtype, int64_
   const int64_t status = barrier(base, rank, size, seq, pid, spin_s, timeout_s);
   if (status != 0) return status;
   if (dtype == 0) {
-    float* out = static_cast<float*>(data);
-    std::memcpy(out, slot(base, data_offset, capacity, size, seq, 0), n * 4);
-    for (int64_t r = 1; r < size; ++r) {
-      const float* s = reinterpret_cast<const float*>(slot(base, data_offset, capacity, size, seq, r));
-      for (int64_t i = 0; i < n; ++i) out[i] += s[i];
-    }
+    reduce_slots<float>(base, data_offset, capacity, size, seq, n, static_cast<float*>(data), nullptr);
   } else {
-    uint16_t* out = static_cast<uint16_t*>(data);
-    const uint16_t* s[64];
-    for (int64_t r = 0; r < size; ++r) {
-      s[r] = reinterpret_cast<const uint16_t*>(slot(base, data_offset, capacity, size, seq, r));
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      float acc = bf16_to_float(s[0][i]);
-      for (int64_t r = 1; r < size; ++r) acc += bf16_to_float(s[r][i]);
-      out[i] = float_to_bf16(acc);
-    }
+    reduce_slots<uint16_t>(base, data_offset, capacity, size, seq, n, static_cast<uint16_t*>(data), nullptr);
   }
   return 0;
 }
@@ -236,29 +243,11 @@ int64_t shm_all_reduce_add(torch::Tensor seg, torch::Tensor partial, torch::Tens
   const int64_t status = barrier(base, rank, size, seq, pid, spin_s, timeout_s);
   if (status != 0) return status;
   if (dtype == torch::kFloat32) {
-    float* out = static_cast<float*>(data);
-    const float* res = static_cast<const float*>(residual);
-    const float* s[64];
-    for (int64_t r = 0; r < size; ++r) {
-      s[r] = reinterpret_cast<const float*>(slot(base, data_offset, capacity, size, seq, r));
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      float acc = s[0][i];
-      for (int64_t r = 1; r < size; ++r) acc += s[r][i];
-      out[i] = res[i] + acc;
-    }
+    reduce_slots(base, data_offset, capacity, size, seq, n, static_cast<float*>(data),
+                 static_cast<const float*>(residual));
   } else {
-    uint16_t* out = static_cast<uint16_t*>(data);
-    const uint16_t* res = static_cast<const uint16_t*>(residual);
-    const uint16_t* s[64];
-    for (int64_t r = 0; r < size; ++r) {
-      s[r] = reinterpret_cast<const uint16_t*>(slot(base, data_offset, capacity, size, seq, r));
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      float acc = bf16_to_float(s[0][i]);
-      for (int64_t r = 1; r < size; ++r) acc += bf16_to_float(s[r][i]);
-      out[i] = float_to_bf16(bf16_to_float(res[i]) + bf16_to_float(float_to_bf16(acc)));
-    }
+    reduce_slots(base, data_offset, capacity, size, seq, n, static_cast<uint16_t*>(data),
+                 static_cast<const uint16_t*>(residual));
   }
   return 0;
 }
