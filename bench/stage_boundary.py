@@ -78,8 +78,8 @@ def layouts_of(a: argparse.Namespace) -> dict[str, Layout]:
     """Every layout by name; `--spin-variants` adds shm pipelines whose stages spin that long before sleeping (what an
     idle stage's OpenMP threads take from the stage computing), `--tp N` one stage over N ranks, `--against REV`
     pp=1 and pp=2 on rings (and the tp layout) of REV."""
-    tp = getattr(a, "tp", 0)
-    ranks = Layout(1, "auto", a.spincount, "", tp, getattr(a, "tp_threads", 0)) if tp > 1 else None
+    tp = a.tp
+    ranks = Layout(1, "auto", a.spincount, "", tp, a.tp_threads) if tp > 1 else None
     out = {name: Layout(stages, transport, a.spincount) for name, (stages, transport) in LAYOUTS.items()}
     for spin in a.spin_variants:
         out[f"pp=2 shm spin={spin}"] = Layout(2, "shm", spin)
@@ -401,7 +401,10 @@ def main() -> None:
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.tp and not a.tp_threads:
-        a.tp_threads = max(1, len(os.sched_getaffinity(0)) // a.tp)  # as `up` splits the cores among the ranks
+        from shardmesh.rpc.procs import cores
+        from shardmesh_cli.up import share_cores
+
+        a.tp_threads = share_cores(1, a.tp, "cpu", "auto", None, cores()).worker_threads  # as `up` gives the ranks
     if a.stage_of:
         layout, rank, port = a.stage_of
         stage_main(layout, int(rank), int(port), a)

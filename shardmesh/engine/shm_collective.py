@@ -440,19 +440,11 @@ class ShmCollective:
     def all_reduce_add(self, partial: Tensor, x: Tensor) -> Tensor:
         """x + all_reduce(partial), rounded as those two ops round, written over `partial` (returned) in one call of
         the kernel when both are contiguous host tensors of one size and a dtype it sums; else the two ops."""
-        if self._broken:
-            raise RuntimeError(f"tensor-parallel all_reduce over shm: the group broke earlier ({self._broken})")
-        self._seq += 1
         t0 = time.perf_counter()
-        status = self._ext.shm_all_reduce_add(self._seg, partial, x, self.rank, self.size, self._seq, self.capacity,
-                                              self._offset, self._pids, self.spin_s, self.timeout_s)  # fmt: skip
-        if status == 0:
-            self._count(partial, t0)
-            return partial
-        if status == NOT_CARRIED:  # refused before this rank published anything: the sequence number is unused
-            self._seq -= 1
+        if not self._run("all_reduce", self._ext.shm_all_reduce_add, partial, x):
             return x + self.all_reduce(partial)
-        self._fail("all_reduce", status, t0)
+        self._count(partial, t0)
+        return partial
 
     def all_gather(self, x: Tensor) -> Tensor:
         """Every rank's `x` concatenated along the last dim (all ranks pass the same shape)."""
@@ -473,16 +465,21 @@ class ShmCollective:
         self._count(x, t0)
         return out
 
-    def _run(self, what: str, fn: Any, *args: Any) -> None:
-        """One collective through the segment; a failure names the peer, and breaks the group."""
+    def _run(self, what: str, fn: Any, *args: Any) -> bool:
+        """One collective through the segment; a failure names the peer, and breaks the group. False when the kernel
+        refused the tensors before this rank published anything (NOT_CARRIED): the sequence number stays unused."""
         if self._broken:
             raise RuntimeError(f"tensor-parallel {what} over shm: the group broke earlier ({self._broken})")
         self._seq += 1
         t0 = time.perf_counter()
         status = fn(self._seg, *args, self.rank, self.size, self._seq, self.capacity, self._offset, self._pids,
                     self.spin_s, self.timeout_s)  # fmt: skip
+        if status == NOT_CARRIED:
+            self._seq -= 1
+            return False
         if status != 0:
             self._fail(what, status, t0)
+        return True
 
     def _fail(self, what: str, status: int, t0: float) -> NoReturn:
         """Name the peer a collective failed on (the kernel's `status`), and break the group."""
