@@ -5,8 +5,10 @@
 
 `bench/stage_boundary.py` and `bench/pipeline_seams.py` measure what a stage boundary costs; this says where, inside a
 running `shardmesh up --pp 2` mesh (stages taking turns on the host's cores), from the scheduler's own record. It
-starts the mesh, serves a warm-up request, then records `sched_switch`, `sched_waking` and `sched_wakeup` through
-tracefs (root only; it mounts /sys/kernel/tracing when it is not) over three one-stream requests, and reads:
+starts the mesh and a pp=1 mesh beside it (whose time per token, just before and just after the trace, is the
+baseline; it is idle while the pipeline is traced), serves a warm-up request, then records `sched_switch`,
+`sched_waking` and `sched_wakeup` through tracefs (root only; it mounts /sys/kernel/tracing when it is not) over three
+one-stream requests, and reads:
 - the stages' compute threads: the pair of threads in the two workers that wake each other most (the link's futex
   wake-ups: activations forward, the drawn token back); each stage's partner is its other busiest thread (its
   OpenMP worker);
@@ -227,7 +229,9 @@ def markdown(info: dict, a: argparse.Namespace, result: dict, found: dict[str, d
         "`shardmesh up --pp 2` (stages taking turns, 2 torch threads a worker, 8 decode steps a call), "
         f"`{a.model}` in {a.dtype}, greedy, "
         f"three one-stream requests of {a.new_tokens} tokens traced: {result['ms_per_token']:.2f} ms a token "
-        f"(mean inter-token time, median of the three), {result['events']} events. Medians (quartiles) over the "
+        f"(mean inter-token time, median of the three; a pp=1 mesh beside it, untraced, "
+        f"{result['pp1_ms_per_token'][0]:.2f} ms just before and {result['pp1_ms_per_token'][1]:.2f} just after), "
+        f"{result['events']} events. Medians (quartiles) over the "
         "turns, ms; a turn runs from one stage's compute thread waking the other's to the wake-up back.",
         "",
         "| | " + " | ".join(found) + " |",
@@ -308,9 +312,15 @@ def main() -> None:
     prompt_ids = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])
     info = machine()
     with tempfile.TemporaryDirectory() as logs:
+        (Path(logs) / "pp1").mkdir()
         up = Up(model_dir, 2, 1, "auto", 16, Path(logs), 2, "none", extra=("--dtype", a.dtype))
+        pp1 = None
         try:
-            run_streams(up.address, prompt_ids, 16, 1)  # warm-up
+            # pp=1 beside it, idle while the pipeline is traced: its time per token just before and just after
+            pp1 = Up(model_dir, 1, 1, "auto", 16, Path(logs) / "pp1", 2, "none", extra=("--dtype", a.dtype))
+            for m in (up, pp1):
+                run_streams(m.address, prompt_ids, 16, 1)  # warm-up
+            pp1_ms = [run_streams(pp1.address, prompt_ids, a.new_tokens, 1)["ms_per_token"]]
             before = _who(up.proc.pid, Path(logs))
             (tracefs / "buffer_size_kb").write_text("65536")
             (tracefs / "trace").write_text("")
@@ -325,10 +335,13 @@ def main() -> None:
             (tracefs / "trace").write_text("")
             after = _who(up.proc.pid, Path(logs))  # threads started during the trace (the gateway's, gRPC's)
             mesh = Mesh({**after.process, **before.process}, {**after.role, **before.role})
+            pp1_ms.append(run_streams(pp1.address, prompt_ids, a.new_tokens, 1)["ms_per_token"])
         finally:
             up.close()
+            if pp1 is not None:
+                pp1.close()
     found = summary(turns(events, mesh), mesh)
-    result = {"ms_per_token": served["ms_per_token"], "events": len(events)}
+    result = {"ms_per_token": served["ms_per_token"], "pp1_ms_per_token": pp1_ms, "events": len(events)}
     save_results(Path(a.out), info, "-seam-trace", markdown(info, a, result, found),
                  {"args": vars(a), "result": result, "turns": found})  # fmt: skip
 
