@@ -285,8 +285,9 @@ def _who(root_pid: int, log_dir: Path) -> Mesh:
     for p in [psutil.Process(root_pid), *psutil.Process(root_pid).children(recursive=True)]:
         args = p.cmdline()
         name = args[args.index("shardmesh_cli") + 1] if "shardmesh_cli" in args else "up"
-        if name == "worker":
-            name = f"stage {stage_of[args[args.index('--worker-id') + 1]]}"
+        if name == "worker":  # a spare serves no stage: its threads count with the other processes
+            stage = stage_of.get(args[args.index("--worker-id") + 1])
+            name = "spare worker" if stage is None else f"stage {stage}"
         role[p.pid] = name
         for t in Path(f"/proc/{p.pid}/task").iterdir():
             process[int(t.name)] = p.pid
