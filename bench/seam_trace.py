@@ -33,12 +33,14 @@ import itertools
 import math
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -218,19 +220,22 @@ def summary(found: list[Turn], mesh: Mesh) -> dict[str, dict]:
     return out
 
 
-def markdown(info: dict, a: argparse.Namespace, result: dict, found: dict[str, dict]) -> str:
+def markdown(info: dict, a: argparse.Namespace, result: dict, found: dict[str, dict], tree: str = "") -> str:
     def q(x: tuple[float, float, float]) -> str:
         return f"{x[1]:.3f} ({x[0]:.3f}-{x[2]:.3f})"
 
+    runs = f"{a.rounds} traced runs of three" if a.rounds > 1 else "three"
     lines = [
-        f"# A live pipeline's seams under the scheduler trace ({info['date'][:10]})",
+        f"{'#' if not tree or tree == 'this checkout' else '##'} A live pipeline's seams under the scheduler trace "
+        f"({info['date'][:10]})" + (f": {tree}" if tree else ""),
         "",
         f"{info['cpu']} ({info.get('cpu_id', '')}), {info['cores']} cores, torch {info['torch']}. "
         "`shardmesh up --pp 2` (stages taking turns, 2 torch threads a worker, 8 decode steps a call), "
         f"`{a.model}` in {a.dtype}, greedy, "
-        f"three one-stream requests of {a.new_tokens} tokens traced: {result['ms_per_token']:.2f} ms a token "
-        f"(mean inter-token time, median of the three; a pp=1 mesh beside it, untraced, "
-        f"{result['pp1_ms_per_token'][0]:.2f} ms just before and {result['pp1_ms_per_token'][1]:.2f} just after), "
+        f"{runs} one-stream requests of {a.new_tokens} tokens traced: {result['ms_per_token']:.2f} ms a token "
+        f"(mean inter-token time, the median of three requests, the median over runs; a pp=1 mesh beside it, "
+        f"untraced: {', '.join(f'{x:.2f}' for x in result['pp1_ms_per_token'])} ms a token, before the first run and "
+        "after each round), "
         f"{result['events']} events. Medians (quartiles) over the "
         "turns, ms; a turn runs from one stage's compute thread waking the other's to the wake-up back.",
         "",
@@ -294,15 +299,69 @@ def _who(root_pid: int, log_dir: Path) -> Mesh:
     return Mesh(process, role)
 
 
+def trace_once(
+    tracefs: Path, up: Any, log_dir: Path, prompt_ids: list[int], new_tokens: int
+) -> tuple[dict, list[Event], Mesh]:
+    """Three one-stream requests on `up` (a bench.run.Mesh) under the trace: what they measured, the events, and
+    who is who in that mesh."""
+    from bench.run import run_streams
+
+    before = _who(up.proc.pid, log_dir)
+    (tracefs / "buffer_size_kb").write_text("65536")
+    (tracefs / "trace").write_text("")
+    (tracefs / "set_event").write_text(EVENTS)
+    (tracefs / "tracing_on").write_text("1")
+    try:
+        served = run_streams(up.address, prompt_ids, new_tokens, 1)  # three requests in a row
+    finally:
+        (tracefs / "tracing_on").write_text("0")
+        (tracefs / "set_event").write_text("")
+    events = parse((tracefs / "trace").read_text().splitlines())
+    (tracefs / "trace").write_text("")
+    after = _who(up.proc.pid, log_dir)  # threads started during the trace (the gateway's, gRPC's)
+    return served, events, Mesh({**after.process, **before.process}, {**after.role, **before.role})
+
+
+def per_round(found: list[Turn], mesh: Mesh, served: dict) -> dict[str, float]:
+    """One traced run's headline numbers: ms a token, and each stage's median partner join and idle per turn."""
+    out = {"ms_per_token": served["ms_per_token"]}
+    for role, row in summary(found, mesh).items():
+        out[f"{role} partner_ms"] = row["partner_ms"][1]
+        out[f"{role} idle_ms"] = row["cpu_ms"]["idle"][1]
+        out[f"{role} other_stage_ms"] = row["cpu_ms"]["the other stage"][1]
+    return out
+
+
+def against_markdown(rounds: list[dict[str, dict[str, float]]], names: list[str]) -> str:
+    keys = [k for k in rounds[0][names[0]] if k != "ms_per_token"]
+    lines = ["", "Per round (medians over that run's turns, ms):", "",
+             "| round | tree | ms a token | " + " | ".join(keys) + " |",
+             "|---:|---|---:|" + "---:|" * len(keys)]  # fmt: skip
+    for i, r in enumerate(rounds, 1):
+        for n in names:
+            lines.append(
+                f"| {i} | {n} | {r[n]['ms_per_token']:.2f} | " + " | ".join(f"{r[n][k]:.3f}" for k in keys) + " |"
+            )
+    lines += ["", f"{names[0]} less {names[1]}, median over rounds of the within-round differences (range):", ""]
+    for k in ["ms_per_token", *keys]:
+        d = [r[names[0]][k] - r[names[1]][k] for r in rounds]
+        lines.append(f"- {k}: **{statistics.median(d):+.3f}** ({min(d):+.3f} to {max(d):+.3f})")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--against", default="", help="also trace commit REV's pipeline, alternated with this checkout's")
+    ap.add_argument("--rounds", type=int, default=0, help="traced runs of each tree (default 1, with --against 4)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
-    if a.new_tokens < 16:
-        ap.error(f"--new-tokens must be at least 16, two decode calls (got {a.new_tokens})")
+    a.rounds = a.rounds or (4 if a.against else 1)
+    if a.new_tokens < 16 or a.rounds < 1:
+        ap.error(f"--new-tokens must be at least 16, two decode calls, and --rounds at least 1 (got {a.new_tokens}, "
+                 f"{a.rounds})")  # fmt: skip
     tracefs = _tracefs()
     from bench.run import Mesh as Up
     from bench.run import run_streams
@@ -312,39 +371,65 @@ def main() -> None:
     model_dir = resolve(a.model)
     prompt_ids = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])
     info = machine()
+    names = ["this checkout", a.against] if a.against else ["this checkout"]
+    pooled: dict[str, list[Turn]] = {n: [] for n in names}
+    meshes_of: dict[str, Mesh] = {}
+    rounds: list[dict[str, dict[str, float]]] = []
+    served_all: dict[str, list[float]] = {n: [] for n in names}
+    events_n = 0
     with tempfile.TemporaryDirectory() as logs:
-        (Path(logs) / "pp1").mkdir()
-        up = Up(model_dir, 2, 1, "auto", 16, Path(logs), 2, "none", extra=("--dtype", a.dtype))
+        ups: dict[str, Any] = {}
         pp1 = None
         try:
-            # pp=1 beside it, idle while the pipeline is traced: its time per token just before and just after
+            trees = {"this checkout": ROOT}
+            if a.against:
+                from bench.against import worktree
+
+                a.against_commit = worktree(a.against, Path(logs) / "rev")
+                trees[a.against] = Path(logs) / "rev"
+            for i, n in enumerate(names):
+                (Path(logs) / f"pp2-{i}").mkdir()
+                ups[n] = Up(model_dir, 2, 1, "auto", 16, Path(logs) / f"pp2-{i}", 2, "none", tree=trees[n],
+                            extra=("--dtype", a.dtype))  # fmt: skip
+            # pp=1 beside them, idle while a pipeline is traced: timed before the first trace and after each round
+            (Path(logs) / "pp1").mkdir()
             pp1 = Up(model_dir, 1, 1, "auto", 16, Path(logs) / "pp1", 2, "none", extra=("--dtype", a.dtype))
-            for m in (up, pp1):
+            for m in (*ups.values(), pp1):
                 run_streams(m.address, prompt_ids, 16, 1)  # warm-up
             pp1_ms = [run_streams(pp1.address, prompt_ids, a.new_tokens, 1)["ms_per_token"]]
-            before = _who(up.proc.pid, Path(logs))
-            (tracefs / "buffer_size_kb").write_text("65536")
-            (tracefs / "trace").write_text("")
-            (tracefs / "set_event").write_text(EVENTS)
-            (tracefs / "tracing_on").write_text("1")
-            try:
-                served = run_streams(up.address, prompt_ids, a.new_tokens, 1)  # three requests in a row
-            finally:
-                (tracefs / "tracing_on").write_text("0")
-                (tracefs / "set_event").write_text("")
-            events = parse((tracefs / "trace").read_text().splitlines())
-            (tracefs / "trace").write_text("")
-            after = _who(up.proc.pid, Path(logs))  # threads started during the trace (the gateway's, gRPC's)
-            mesh = Mesh({**after.process, **before.process}, {**after.role, **before.role})
-            pp1_ms.append(run_streams(pp1.address, prompt_ids, a.new_tokens, 1)["ms_per_token"])
+            for r in range(a.rounds):
+                row = {}
+                for n in names if r % 2 == 0 else names[::-1]:
+                    i = names.index(n)
+                    served, events, mesh = trace_once(tracefs, ups[n], Path(logs) / f"pp2-{i}", prompt_ids,
+                                                      a.new_tokens)  # fmt: skip
+                    found = turns(events, mesh)
+                    pooled[n] += found
+                    meshes_of[n] = Mesh({**meshes_of[n].process, **mesh.process}, mesh.role) if n in meshes_of else mesh
+                    served_all[n].append(served["ms_per_token"])
+                    events_n += len(events)
+                    row[n] = per_round(found, mesh, served)
+                rounds.append(row)
+                pp1_ms.append(run_streams(pp1.address, prompt_ids, a.new_tokens, 1)["ms_per_token"])
+                print(f"round {r + 1}: {row}", flush=True)
         finally:
-            up.close()
-            if pp1 is not None:
-                pp1.close()
-    found = summary(turns(events, mesh), mesh)
-    result = {"ms_per_token": served["ms_per_token"], "pp1_ms_per_token": pp1_ms, "events": len(events)}
-    save_results(Path(a.out), info, "-seam-trace", markdown(info, a, result, found),
-                 {"args": vars(a), "result": result, "turns": found})  # fmt: skip
+            for m in (*ups.values(), pp1):
+                if m is not None:
+                    m.close()
+            if a.against:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(logs) / "rev")],
+                               check=False)  # fmt: skip
+    md = []
+    for n in names:
+        found = summary(pooled[n], meshes_of[n])
+        result = {"ms_per_token": statistics.median(served_all[n]), "pp1_ms_per_token": pp1_ms, "events": events_n}
+        title = n if n == "this checkout" else f"{n} ({a.against_commit[:10]})"
+        md.append((title, result, found))
+    text = "".join(markdown(info, a, result, found, title if a.against else "") for title, result, found in md)
+    if a.against:
+        text += against_markdown(rounds, names)
+    data = {"args": vars(a), "trees": {t: {"result": r, "turns": f} for t, r, f in md}, "rounds": rounds}
+    save_results(Path(a.out), info, "-seam-trace" + ("-against-" + a.against if a.against else ""), text, data)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from bench.seam_trace import Mesh, compute_threads, parse, partners, running, summary, turns
+from bench.seam_trace import (
+    Mesh,
+    against_markdown,
+    compute_threads,
+    parse,
+    partners,
+    per_round,
+    running,
+    summary,
+    turns,
+)
 
 NAMES = {0: "<idle>", 101: "python", 102: "python", 103: "python", 201: "python", 202: "python", 301: "event_engine"}
 
@@ -79,3 +89,19 @@ def test_a_turn_s_cpu_adds_up_to_both_vcpus_and_is_charged_by_class() -> None:
 def test_no_wake_ups_between_the_stages_is_a_clear_error() -> None:
     with pytest.raises(SystemExit, match="no wake-ups between the two stages"):
         compute_threads(parse(TRACE[:4]), MESH)
+
+
+def test_a_run_s_headline_and_the_difference_between_trees_is_taken_within_each_round() -> None:
+    row = per_round(turns(parse(TRACE), MESH), MESH, {"ms_per_token": 20.0})
+    assert row["ms_per_token"] == 20.0
+    assert row["stage 1 partner_ms"] == pytest.approx(0.9)  # the one turn of stage 1 (pid 200)
+    assert row["stage 1 idle_ms"] == pytest.approx(0.8)
+    rounds = [
+        {"a": {"ms_per_token": 20.0, "x": 1.0}, "b": {"ms_per_token": 30.0, "x": 0.5}},
+        {"a": {"ms_per_token": 40.0, "x": 2.0}, "b": {"ms_per_token": 39.0, "x": 1.9}},
+        {"a": {"ms_per_token": 25.0, "x": 1.0}, "b": {"ms_per_token": 24.0, "x": 0.8}},
+    ]
+    text = against_markdown(rounds, ["a", "b"])
+    assert "- ms_per_token: **+1.000** (-10.000 to +1.000)" in text  # the median of -10, +1, +1: not of the medians
+    assert "- x: **+0.200** (+0.100 to +0.500)" in text
+    assert "| 2 | b | 39.00 | 1.900 |" in text
