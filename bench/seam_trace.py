@@ -176,7 +176,8 @@ def turns(events: list[Event], mesh: Mesh, gap_s: float = 0.1) -> list[Turn]:
             continue
         cpu: dict[str, float] = defaultdict(float)
         first_run = partner_run = None
-        for s, e, _c, tid in spans[max(0, bisect.bisect_left(starts, t0 - gap_s)) :]:
+        for j in range(bisect.bisect_left(starts, t0 - gap_s), len(spans)):
+            s, e, _c, tid = spans[j]
             if s >= t1:
                 break
             if e <= t0:
@@ -265,7 +266,6 @@ def markdown(info: dict, a: argparse.Namespace, result: dict, found: dict[str, d
 
 def _tracefs() -> Path:
     import os
-    import subprocess
 
     if os.geteuid() != 0:
         raise SystemExit("bench/seam_trace.py reads the kernel's scheduler trace: run it as root")
@@ -376,7 +376,7 @@ def main() -> None:
     meshes_of: dict[str, Mesh] = {}
     rounds: list[dict[str, dict[str, float]]] = []
     served_all: dict[str, list[float]] = {n: [] for n in names}
-    events_n = 0
+    events_of: dict[str, int] = dict.fromkeys(names, 0)
     with tempfile.TemporaryDirectory() as logs:
         ups: dict[str, Any] = {}
         pp1 = None
@@ -405,9 +405,9 @@ def main() -> None:
                                                       a.new_tokens)  # fmt: skip
                     found = turns(events, mesh)
                     pooled[n] += found
-                    meshes_of[n] = Mesh({**meshes_of[n].process, **mesh.process}, mesh.role) if n in meshes_of else mesh
+                    meshes_of[n] = mesh  # the same processes every round: summary() reads their stages and roles
                     served_all[n].append(served["ms_per_token"])
-                    events_n += len(events)
+                    events_of[n] += len(events)
                     row[n] = per_round(found, mesh, served)
                 rounds.append(row)
                 pp1_ms.append(run_streams(pp1.address, prompt_ids, a.new_tokens, 1)["ms_per_token"])
@@ -422,7 +422,7 @@ def main() -> None:
     md = []
     for n in names:
         found = summary(pooled[n], meshes_of[n])
-        result = {"ms_per_token": statistics.median(served_all[n]), "pp1_ms_per_token": pp1_ms, "events": events_n}
+        result = {"ms_per_token": statistics.median(served_all[n]), "pp1_ms_per_token": pp1_ms, "events": events_of[n]}
         title = n if n == "this checkout" else f"{n} ({a.against_commit[:10]})"
         md.append((title, result, found))
     text = "".join(markdown(info, a, result, found, title if a.against else "") for title, result, found in md)

@@ -278,7 +278,7 @@ int64_t shm_all_gather(torch::Tensor seg, torch::Tensor x, torch::Tensor out, in
 _KERNEL = InlineKernel("shardmesh_shm", PRELUDE + _SOURCE, ["shm_all_reduce", "shm_all_reduce_add", "shm_all_gather"],
                        ["-O3"])  # fmt: skip
 NOT_CARRIED = -(1 << 21)  # the kernel's: shm_all_reduce_add was handed tensors the segment does not carry
-MAX_RANKS = 64  # the bfloat16 sum keeps one pointer per rank on the stack
+MAX_RANKS = 64  # the slots' sum (reduce_slots) keeps one pointer per rank on the stack
 CLOSED_AT = 56  # the kernel's CLOSED_AT: the byte of the header where a rank that closed the group writes rank + 1
 CLOSED = 1 << 20  # the kernel's CLOSED: a barrier's status CLOSED + p says rank p closed the group
 SPIN_S = 50e-6  # a waiting rank's spin before it yields, with a core per rank: a peer usually arrives within it
