@@ -11,8 +11,9 @@ CPUs with AMX-BF16 multiply on the tiles (`SHARDMESH_CPU_AMX=0` keeps them to vd
 widen each weight to float32 in registers. int8 weights (a float16
 scale and minimum per group of `INT8_GROUP` inputs, applied to each group's sums) are stored as float32's and widened
 in registers: a quarter of the bytes, plus an eighth of that for the groups' scales. Rows are taken eight (then
-four) at a time per pass over a block, their sums in registers (AVX-512; other CPUs get a loop the compiler
-vectorizes, `-march=native`), so a block is read from memory once per step whatever the rows
+four) at a time per pass over a block, their sums in registers (AVX-512: eight rows' in 16 registers; AVX2, whose
+16 registers hold a row's 32 sums in four, takes them two or three at a time within the pass; other CPUs get a loop
+the compiler vectorizes, `-march=native`), so a block is read from memory once per step whatever the rows
 (it stays in L2 while they use it). Parallel over blocks on PyTorch's threads. Measured on a 2-core Zen 4 (SmolLM2,
 2 threads): all products for one row, float32 16.6 ms (32.5 GB/s) against oneDNN's packed product 22.8 ms, bfloat16
 7.5-10 ms against 20-22 ms for PyTorch's bfloat16 product; the whole decode step of 16 sequences (with `cpu_decode`)
@@ -29,12 +30,18 @@ layer on this CPU, as much as the layer's products. Each half is one call here, 
 the activations' dtype exactly where the eager model does (`Transformer` in `model.py`), so a bfloat16 shard gives
 the eager path's numbers up to the order of sums.
 
-Built with `torch.utils.cpp_extension.load_inline` through `native.InlineKernel` (cached per CPU and torch version).
-Without a compiler `available()` is False and the loader keeps PyTorch's products.
+Built with `torch.utils.cpp_extension.load_inline` through `native.InlineKernel` (cached per CPU and torch version),
+for the widest instructions the CPU has: AVX-512 (with its bfloat16 instructions and AMX tiles where present), else
+AVX2 with FMA, else plain loops. `SHARDMESH_CPU_ISA=avx2` builds the AVX2 paths on a CPU with AVX-512 too (the tests
+run both there; benchmarks can compare them). Without a compiler `available()` is False and the loader keeps
+PyTorch's products.
 """
 
 from __future__ import annotations
 
+import os
+
+import structlog
 import torch
 from torch import Tensor
 
@@ -52,8 +59,13 @@ _SOURCE = r"""
 #include <cstdlib>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512F__) || defined(__AVX512BF16__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX512BF16__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+// Without AVX-512, AVX2 with FMA (every x86 server since 2013) gets 8-wide versions of the same loops: the blocked
+// products' sums in registers, e^x eight at a time, the grouped attention. Only the plain loops remain below that.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SHARDMESH_AVX2 1
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -122,8 +134,90 @@ static inline void block_f32(const float* x, int64_t xs, int64_t K, const float*
     add_rows<MB>(a, x, xs, k, _mm512_loadu_ps(w + k * NB), _mm512_loadu_ps(w + k * NB + 16));
   });
 }
+#elif defined(SHARDMESH_AVX2)
+// A row's 32 sums are four 8-wide registers, so of AVX2's sixteen three rows' fit beside the weights: rows are taken
+// three (or two) at a time, and a pass of more rows reads the block again from L1/L2 for each (a step of 8 rows left it
+// in memory otherwise: the compiler's loop over a[MB][NB] kept the sums in memory, 3x slower at 16 rows). Steps
+// `begin` to `end` of a block; the sums start from acc unless `first`.
+using Sums = __m256[4];
+template <int R, typename Step>
+static inline void in_registers(int64_t begin, int64_t end, float* acc, bool first, Step&& step) {
+  Sums a[R];
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < 4; ++j) a[m][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + m * NB + 8 * j);
+  for (int64_t i = begin; i < end; ++i) step(a, i);
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc + m * NB + 8 * j, a[m][j]);
+}
+
+// chunk(m, R) for rows m, m + 1 (R = 2) of MB, then the last (R = 1) when MB is odd.
+template <int MB, typename Chunk>
+static inline void in_pairs(Chunk&& chunk) {
+  int m = 0;
+  for (; m + 2 <= MB; m += 2) chunk(m, std::integral_constant<int, 2>{});
+  if constexpr (MB % 2 == 1) chunk(MB - 1, std::integral_constant<int, 1>{});
+}
+// chunk(m, R) for rows m .. m + 2 (R = 3) of MB, then the last two or one.
+template <int MB, typename Chunk>
+static inline void in_threes(Chunk&& chunk) {
+  int m = 0;
+  for (; m + 3 <= MB; m += 3) chunk(m, std::integral_constant<int, 3>{});
+  if constexpr (MB % 3 == 2) chunk(MB - 2, std::integral_constant<int, 2>{});
+  if constexpr (MB % 3 == 1) chunk(MB - 1, std::integral_constant<int, 1>{});
+}
+
+// Input k of R rows (xr, row stride xs) times the block's k-th 32 float32 weights, added to their sums.
+template <int R>
+static inline void f32_step(Sums* a, const float* xr, int64_t xs, const float* w, int64_t k) {
+  const float* wk = w + k * NB;
+  __m256 xv[R];
+  for (int m = 0; m < R; ++m) xv[m] = _mm256_broadcast_ss(xr + m * xs + k);
+  for (int j = 0; j < 4; ++j) {
+    const __m256 wj = _mm256_loadu_ps(wk + 8 * j);
+    for (int m = 0; m < R; ++m) a[m][j] = _mm256_fmadd_ps(xv[m], wj, a[m][j]);
+  }
+}
+
+// Inputs 2p, 2p + 1 of R rows times the block's p-th 32 bfloat16 pairs, widened in registers as the AVX-512 path
+// without its bfloat16 instructions does: each uint32 holds (w[n, k], w[n, k + 1]); shifting and masking gives both.
+template <int R>
+static inline void bf16_step(Sums* a, const float* xr, int64_t xs, int64_t K, const uint16_t* w, int64_t p) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t k = 2 * p;
+  __m256 x0[R], x1[R];
+  for (int m = 0; m < R; ++m) {
+    x0[m] = _mm256_broadcast_ss(xr + m * xs + k);
+    x1[m] = _mm256_set1_ps(k + 1 < K ? xr[m * xs + k + 1] : 0.f);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m256i pj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * NB + 16 * j));
+    const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(pj, 16));  // w[n, k] for 8 outputs n
+    const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(pj, high));  // w[n, k + 1]
+    for (int m = 0; m < R; ++m) a[m][j] = _mm256_fmadd_ps(x1[m], o, _mm256_fmadd_ps(x0[m], e, a[m][j]));
+  }
+}
+
+// No prefetch here (`Ahead` is ignored): on a Zen 3 (family 25 model 1) the AVX-512 path's 4 KiB ahead made one row's
+// products over all of SmolLM2's layers 4-6% slower (18.4-18.7 against 17.6-17.9 ms, alternated, three runs).
+template <int MB, bool Ahead>
+static inline void block_f32(const float* x, int64_t xs, int64_t K, const float* w, float* acc) {
+  in_threes<MB>([&](int m0, auto rows) {
+    constexpr int R = decltype(rows)::value;
+    in_registers<R>(0, K, acc + m0 * NB, true, [&](Sums* a, int64_t k) { f32_step<R>(a, x + m0 * xs, xs, w, k); });
+  });
+}
+
+template <int MB>
+static inline void block_bf16(const float* x, int64_t xs, int64_t K, const uint16_t* w, float* acc) {
+  in_threes<MB>([&](int m0, auto rows) {
+    constexpr int R = decltype(rows)::value;
+    in_registers<R>(0, (K + 1) / 2, acc + m0 * NB, true,
+                    [&](Sums* a, int64_t p) { bf16_step<R>(a, x + m0 * xs, xs, K, w, p); });
+  });
+}
+
 #else
-// Without AVX-512: the compiler vectorizes the NB-wide loop.
+// Without AVX-512 or AVX2: the compiler vectorizes the NB-wide loop.
 template <int MB>
 static inline void block_generic(const float* x, int64_t xs, int64_t K, const float* w, float* acc) {
   float a[MB][NB] = {};
@@ -164,7 +258,7 @@ static inline void block_bf16(const float* x, int64_t xs, int64_t K, const uint1
     }
   });
 }
-#elif !defined(__AVX512BF16__)
+#elif !defined(__AVX512BF16__) && !defined(SHARDMESH_AVX2)
 template <int MB>
 static inline void block_bf16(const float* x, int64_t xs, int64_t K, const uint16_t* w, float* acc) {
   float a[MB][NB] = {};
@@ -236,6 +330,47 @@ static inline void block_i8(const float* x, int64_t xs, int64_t K, const int8_t*
     _mm512_storeu_ps(acc + m * NB, a[m][0]);
     _mm512_storeu_ps(acc + m * NB + 16, a[m][1]);
   }
+}
+#elif defined(SHARDMESH_AVX2)
+// Two rows at a time (`in_pairs`), each group's sums in registers and the scaled totals in acc.
+template <int MB>
+static inline void block_i8(const float* x, int64_t xs, int64_t K, const int8_t* w, const at::Half* so,
+                            const float* xsum, float* acc) {
+  const int64_t groups = (K + GROUP - 1) / GROUP;
+  const __m256 c128 = _mm256_set1_ps(128.f);
+  std::fill(acc, acc + MB * NB, 0.f);
+  in_pairs<MB>([&](int m0, auto rows) {
+    constexpr int R = decltype(rows)::value;
+    const float* xr = x + m0 * xs;
+    for (int64_t g = 0; g < groups; ++g) {
+      Sums t[R];
+      for (int m = 0; m < R; ++m)
+        for (int j = 0; j < 4; ++j) t[m][j] = _mm256_setzero_ps();
+      for (int64_t k = g * GROUP, end = std::min(K, g * GROUP + GROUP); k < end; ++k) {
+        if (m0 == 0 && (k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (k + I8_AHEAD) * NB), _MM_HINT_T1);
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * NB));
+        const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+        const __m256 wv[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+                              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
+                              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+                              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))};
+        for (int m = 0; m < R; ++m) {
+          const __m256 xv = _mm256_broadcast_ss(xr + m * xs + k);
+          for (int j = 0; j < 4; ++j) t[m][j] = _mm256_fmadd_ps(xv, wv[j], t[m][j]);
+        }
+      }
+      const __m128i* p = reinterpret_cast<const __m128i*>(so + g * 2 * NB);  // 32 scales, then 32 minima
+      for (int j = 0; j < 4; ++j) {
+        const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(p + j));
+        const __m256 off = _mm256_fmadd_ps(sc, c128, _mm256_cvtph_ps(_mm_loadu_si128(p + 4 + j)));
+        for (int m = 0; m < R; ++m) {
+          float* a = acc + (m0 + m) * NB + 8 * j;
+          const __m256 xv = _mm256_set1_ps(xsum[(m0 + m) * groups + g]);
+          _mm256_storeu_ps(a, _mm256_fmadd_ps(t[m][j], sc, _mm256_fmadd_ps(xv, off, _mm256_loadu_ps(a))));
+        }
+      }
+    }
+  });
 }
 #else
 template <int MB>
@@ -351,6 +486,33 @@ static inline void block_amx(const uint32_t* xq, int64_t K2, const uint16_t* w, 
 }
 #endif
 
+#ifdef SHARDMESH_AVX2
+// Products of many rows (a prompt's) on AVX2. Three rows' sums against a block row of weights are 12 FMAs to 4 loads,
+// and passing over a whole block (72-196 KiB for SmolLM2's widths) for every three rows reads it from L2 at about the
+// rate L2 delivers: a 256-row product took 1.1-1.2x oneDNN's time. Here every row's sums for a block are kept in acc
+// (M x NB) and the block is walked `tile` steps at a time, each tile's weights (16 KiB) staying in L1 while all the
+// rows pass over it. tile_rows(b, m, R, begin, end, acc) adds steps begin..end of block b to rows m .. m + R.
+constexpr int64_t TILED_ROWS = 32;  // fewer rows (decode steps) take `over_blocks`: each block read from memory once
+constexpr int64_t KC = 128;         // float32 inputs per tile (64 bfloat16 pairs)
+template <typename TileRows>
+static void over_tiles(int64_t M, int64_t N, int64_t steps, int64_t tile, const float* bias, float* y, bool round_bf16,
+                       TileRows&& tile_rows) {
+  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(M * NB);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t s0 = 0; s0 < steps; s0 += tile) {
+        const int64_t s1 = std::min(steps, s0 + tile);
+        int64_t m = 0;
+        for (; m + 3 <= M; m += 3) tile_rows(b, m, std::integral_constant<int, 3>{}, s0, s1, acc.data() + m * NB);
+        if (M - m == 2) tile_rows(b, m, std::integral_constant<int, 2>{}, s0, s1, acc.data() + m * NB);
+        if (M - m == 1) tile_rows(b, m, std::integral_constant<int, 1>{}, s0, s1, acc.data() + m * NB);
+      }
+      store_block(y, N, b, 0, static_cast<int>(M), acc.data(), bias, round_bf16);
+    }
+  });
+}
+#endif
+
 // Every block of N, in parallel, times the rows eight (then four) at a time, then the rest: kernel(m, rows, block,
 // acc) with rows a compile-time constant (so the accumulators stay in registers), then each result stored.
 template <typename F>
@@ -383,6 +545,17 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
   const int64_t N = w.size(0);
   if (w.scalar_type() == at::kFloat) {
     const float* wp = w.data_ptr<float>();
+#ifdef SHARDMESH_AVX2
+    if (M >= TILED_ROWS) {
+      over_tiles(M, N, K, KC, bias, y, round_bf16, [&](int64_t b, int64_t m, auto rows, int64_t k0, int64_t k1,
+                                                       float* acc) {
+        constexpr int R = decltype(rows)::value;
+        in_registers<R>(k0, k1, acc, k0 == 0,
+                        [&](Sums* a, int64_t k) { f32_step<R>(a, x + m * K, K, wp + b * K * NB, k); });
+      });
+      return;
+    }
+#endif
     over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
       constexpr int R = decltype(rows)::value;
       if (m == 0) block_f32<R, true>(x + m * K, K, K, wp + b * K * NB, acc);
@@ -434,6 +607,17 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
     block_dp<decltype(rows)::value>(xq.data() + m * K2, K2, K2, wp + b * K2 * 2 * NB, acc);
   });
 #else
+#ifdef SHARDMESH_AVX2
+  if (M >= TILED_ROWS) {
+    over_tiles(M, N, K2, KC / 2, bias, y, round_bf16, [&](int64_t b, int64_t m, auto rows, int64_t p0, int64_t p1,
+                                                          float* acc) {
+      constexpr int R = decltype(rows)::value;
+      in_registers<R>(p0, p1, acc, p0 == 0,
+                      [&](Sums* a, int64_t p) { bf16_step<R>(a, x + m * K, K, K, wp + b * K2 * 2 * NB, p); });
+    });
+    return;
+  }
+#endif
   over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
     block_bf16<decltype(rows)::value>(x + m * K, K, K, wp + b * K2 * 2 * NB, acc);
   });
@@ -455,6 +639,48 @@ static const float* opt_ptr(const Opt& t, torch::Tensor& keep) {
   keep = as_float(*t);
   return keep.data_ptr<float>();
 }
+
+#ifdef SHARDMESH_AVX2
+// The sum and the largest of 8 lanes.
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+// The first min(left, 8) lanes, for masked loads and stores of a row's tail.
+static inline __m256i lanes8(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// e^x for 8 floats, exp16's arithmetic (below) step for step; 2^n, which AVX2 cannot scale by in one instruction, is
+// applied as two powers of two built in the exponent field, each within the normal range for any n of the clamped x
+// (-150 to 128), so that the very negative x of a softmax still round to the same denormal or zero.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);  // p * f1 exact (p ~ 1, f1 >= 2^-75); one rounding after
+}
+#endif
 
 // The index of a row's first largest value, as torch.argmax gives it (a NaN counts as the largest: its first one).
 // torch's CPU argmax compares one value at a time: 86 µs for SmolLM2's 49152 logits and 0.70 ms for 16 rows on a
@@ -483,8 +709,29 @@ static int64_t argmax_row(const float* x, int64_t n) {
     }
     for (int64_t j = n - n % 16; j < n; ++j) if (x[j] == best) return j;
   }
+#elif defined(SHARDMESH_AVX2)
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  int nan = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    top = _mm256_max_ps(top, v);
+  }
+  if (nan == 0) {
+    best = hmax8(top);
+    for (int64_t j = i; j < n; ++j) {
+      if (x[j] != x[j]) return j;  // not before i: no NaN there
+      best = std::max(best, x[j]);
+    }
+    const __m256 b = _mm256_set1_ps(best);
+    for (int64_t j = 0; j + 8 <= n; j += 8) {
+      const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), b, _CMP_EQ_OQ));
+      if (hit) return j + __builtin_ctz(hit);
+    }
+    for (int64_t j = n - n % 8; j < n; ++j) if (x[j] == best) return j;
+  }
 #endif
-  // No AVX-512, or a NaN somewhere: the plain loop, which returns the first NaN.
+  // No vector path, or a NaN somewhere: the plain loop, which returns the first NaN.
   int64_t at = 0;
   best = x[0];
   if (best != best) return 0;
@@ -529,6 +776,11 @@ static float logsum_row(const float* x, int64_t n, int64_t at) {
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), t)));
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(SHARDMESH_AVX2)
+  const __m256 t = _mm256_set1_ps(top);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), t)));
+  sum = hsum8(acc);
 #endif
   for (; i < n; ++i) sum += std::exp(x[i] - top);
   return static_cast<float>(std::log(sum));
@@ -818,6 +1070,72 @@ static void attend_group(const float* q, int64_t group, const T* keys, const T* 
   }
   for (int64_t i = 0; i < group * hd; ++i) out[i] = round_to(bf16, acc[i]);
 }
+#elif defined(SHARDMESH_AVX2)
+// attend_group's loops 8 lanes wide (head dims a multiple of 8): a key or value of SmolLM2's 64 dims is 8 of AVX2's
+// 16 registers, loaded once for the group's heads.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const at::BFloat16* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+constexpr int64_t MAX_HD8 = 32;    // head dims up to 256
+constexpr int64_t MAX_GROUP = 16;  // query heads per key-value head that `attend_group` takes at once
+constexpr int64_t AHEAD = 8;       // cached positions fetched ahead of the one being read
+
+template <typename T>
+static void attend_group(const float* q, int64_t group, const T* keys, const T* vals, int64_t n, int64_t hd,
+                         float scale, float* score, bool bf16, float* out) {
+  const int64_t c = hd / 8;
+  __m256 kv[MAX_HD8];
+  const int64_t row = hd * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t b = 0; b < row; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(keys + (j + AHEAD) * hd) + b, _MM_HINT_T0);
+    for (int64_t i = 0; i < c; ++i) kv[i] = load8(keys + j * hd + 8 * i);
+    for (int64_t h = 0; h < group; ++h) {
+      const float* qh = q + h * hd;
+      __m256 d = _mm256_mul_ps(_mm256_loadu_ps(qh), kv[0]);
+      for (int64_t i = 1; i < c; ++i) d = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), kv[i], d);
+      score[h * n + j] = hsum8(d) * scale;
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {  // each head's scores become its probabilities
+    float* sh = score + h * n;
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(sh + j));
+    float top = hmax8(best);
+    for (; j < n; ++j) top = std::max(top, sh[j]);
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 topv = _mm256_set1_ps(top);
+    for (j = 0; j < n; j += 8) {
+      const __m256i k = lanes8(n - j);
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(sh + j, k), topv)), _mm256_castsi256_ps(k));
+      _mm256_maskstore_ps(sh + j, k, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    const __m256 total = _mm256_set1_ps(hsum8(sum));
+    for (j = 0; j < n; j += 8) {
+      const __m256i k = lanes8(n - j);
+      _mm256_maskstore_ps(sh + j, k, _mm256_div_ps(_mm256_maskload_ps(sh + j, k), total));
+    }
+  }
+  alignas(32) float acc[MAX_GROUP * MAX_HD8 * 8];
+  std::fill(acc, acc + group * hd, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t b = 0; b < row; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(vals + (j + AHEAD) * hd) + b, _MM_HINT_T0);
+    for (int64_t i = 0; i < c; ++i) kv[i] = load8(vals + j * hd + 8 * i);
+    for (int64_t h = 0; h < group; ++h) {
+      const __m256 p = _mm256_set1_ps(score[h * n + j]);
+      float* ah = acc + h * hd;
+      for (int64_t i = 0; i < c; ++i)
+        _mm256_store_ps(ah + 8 * i, _mm256_fmadd_ps(p, kv[i], _mm256_load_ps(ah + 8 * i)));
+    }
+  }
+  for (int64_t i = 0; i < group * hd; ++i) out[i] = round_to(bf16, acc[i]);
+}
 #endif
 
 // RoPE on the new queries and keys, the keys and values into the cache, each row's heads against its slot.
@@ -848,8 +1166,13 @@ static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t group = nh / nkv;
+#if defined(__AVX512F__) || defined(SHARDMESH_AVX2)
 #ifdef __AVX512F__
-  if (hd % 16 == 0 && hd <= 16 * MAX_HD16 && group <= MAX_GROUP) {  // a task per row and key-value head
+  const bool grouped = hd % 16 == 0 && hd <= 16 * MAX_HD16 && group <= MAX_GROUP;
+#else
+  const bool grouped = hd % 8 == 0 && hd <= 8 * MAX_HD8 && group <= MAX_GROUP;
+#endif
+  if (grouped) {  // a task per row and key-value head
     at::parallel_for(0, M * nkv, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> score;
       for (int64_t t = t0; t < t1; ++t) {
@@ -955,6 +1278,12 @@ torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, Weights
       _mm512_storeu_ps(a + i, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(
                                                                         _mm512_setzero_ps(), g)))));
     }
+#elif defined(SHARDMESH_AVX2)
+    for (; i + 8 <= inter; i += 8) {  // silu(gate), 8 at a time
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      _mm256_storeu_ps(a + i, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(
+                                                                        _mm256_setzero_ps(), g)))));
+    }
 #endif
     for (; i < inter; ++i) a[i] = gate[i] / (1.0f + std::exp(-gate[i]));
     for (i = 0; i < inter; ++i) a[i] = round_to(bf16, round_to(bf16, a[i]) * gate[inter + i]);  // * up, rounded
@@ -964,12 +1293,41 @@ torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, Weights
 }
 """
 
-_KERNEL = InlineKernel(
-    "shardmesh_cpu",
-    _SOURCE.replace("@ROW@", int8_cpu.ROW_SOURCE).replace("@GROUP@", str(INT8_GROUP)).replace("@AMX_ENV@", AMX_ENV),
-    ["linear", "rows_linear", "attention_block", "mlp_block", "head_block", "greedy_rows"],
-    ["-O3", "-march=native", "-fopenmp-simd"],
-)
+# What `SHARDMESH_CPU_ISA` may ask for: "native" (the default) compiles for this CPU, taking the widest paths it has;
+# "avx2" leaves AVX-512 and AMX out, so that a CPU with them runs (and tests, and measures) the AVX2 paths too.
+ISA_ENV = "SHARDMESH_CPU_ISA"
+ISA_FLAGS = {
+    "native": ["-O3", "-march=native", "-fopenmp-simd"],
+    "avx2": ["-O3", "-march=native", "-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8",
+             "-fopenmp-simd"],
+}  # fmt: skip
+
+
+def isa_kernel(isa: str) -> InlineKernel:
+    """The kernels compiled for `isa` (a key of ISA_FLAGS); each is built once per machine and cached."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
+    if isa not in _KERNELS:
+        source = _SOURCE.replace("@ROW@", int8_cpu.ROW_SOURCE).replace("@GROUP@", str(INT8_GROUP))
+        _KERNELS[isa] = InlineKernel(
+            "shardmesh_cpu", source.replace("@AMX_ENV@", AMX_ENV),
+            ["linear", "rows_linear", "attention_block", "mlp_block", "head_block", "greedy_rows"], ISA_FLAGS[isa],
+        )  # fmt: skip
+    return _KERNELS[isa]
+
+
+def _isa_from_env() -> str:
+    """$SHARDMESH_CPU_ISA, or "native" (with a warning) when it names no build."""
+    isa = os.environ.get(ISA_ENV) or "native"
+    if isa not in ISA_FLAGS:
+        structlog.get_logger().warning("cpu_isa_ignored", env=ISA_ENV, value=isa, expected=sorted(ISA_FLAGS),
+                                       using="native")  # fmt: skip
+        return "native"
+    return isa
+
+
+_KERNELS: dict[str, InlineKernel] = {}
+_KERNEL = isa_kernel(_isa_from_env())
 
 
 def available() -> bool:

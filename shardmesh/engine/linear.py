@@ -6,10 +6,12 @@ picks one kernel per shard from the dtype, the device and what the CPU offers (`
 re-stores each weight for it once (`LinearProduct.use_kernel`). A new way to multiply (int8, offload)
 is a new `LinearKernel` class and a line in `choose_kernel`.
 
-On a CPU with AVX-512, float32 and bfloat16 shards take `BlockedCpuKernel`, int8 ones `BlockedInt8Kernel`
-(`shardmesh.engine.cpu_kernels`: weights in blocks of output features, a loop compiled for the CPU; float32 one row
-16.6 against oneDNN's 22.8 ms, bfloat16 7.5-10 against 20-22 ms), which the compiled decode path (`cpu_decode`) also
-reads. Elsewhere, PyTorch's products and the int8 kernels below.
+On a CPU with AVX-512, or AVX2 with FMA and F16C, float32 and bfloat16 shards take `BlockedCpuKernel`, int8 ones
+`BlockedInt8Kernel` (`shardmesh.engine.cpu_kernels`: weights in blocks of output features, a loop compiled for the
+CPU; on a Zen 4, float32 one row 16.6 against oneDNN's 22.8 ms, bfloat16 7.5-10 against 20-22 ms), which the compiled
+decode path (`cpu_decode`) also reads. Without them (a CPU older than 2013, or no compiler), PyTorch's products and
+the int8 kernels below: on an AVX2 CPU without native bfloat16 those took a SmolLM2 decode step 2x as long in float32
+and 30x in bfloat16 (docs/performance.md, "AVX2 hosts").
 
 Why the CPU kernels: a decode step is a few rows times every weight matrix, memory-bound matrix-vector
 work. On a 2-core machine PyTorch's default GEMM for such shapes streams weights at ~16-20 GB/s and does
@@ -26,8 +28,8 @@ Q8_0) or asymmetric (255 steps from its minimum to its maximum, Q4_1's shape at 
 were once quantized to a 4- or 8-bit grid in blocks of 32 (SmolLM2's GGUF: Q4_1 layers, a Q8_0 embedding) is held
 exactly, up to the scale's float16 rounding; one scale per output row, the first format, lost 0.051 nats per token on
 SmolLM2 (bench/int8_quality.py). The activations stay in float, so every tensor-parallel degree computes the same
-numbers. On a float32 CPU shard with AVX-512 the blocked loop (`BlockedInt8Kernel`); other CPUs a loop compiled for
-them (`Int8CpuKernel`, `shardmesh.engine.int8_cpu`); on CUDA a Triton kernel that dequantizes as it reads
+numbers. On a float32 CPU shard with AVX-512 or AVX2 the blocked loop (`BlockedInt8Kernel`); other CPUs a loop
+compiled for them (`Int8CpuKernel`, `shardmesh.engine.int8_cpu`); on CUDA a Triton kernel that dequantizes as it reads
 (`Int8CudaKernel`, `shardmesh.engine.int8_cuda`); without a compiler or Triton, or in other CPU dtypes, each weight
 converted to the activations' dtype inside the product (`Int8DequantKernel`). PyTorch's own int8 product
 (`_weight_int8pack_mm`) takes one scale per row, so none of them uses it.
@@ -239,9 +241,10 @@ def cpu_has_native_bf16() -> bool:
 
 
 def _blocked_suits_cpu() -> bool:
-    """Whether the blocked kernels are the ones to take: measured where AVX-512 holds a block's sums in registers
-    (elsewhere PyTorch's products and `int8_cpu`), and built."""
-    return "avx512f" in cpu_flags() and cpu_kernels.available()
+    """Whether the blocked kernels are the ones to take: where AVX-512, or AVX2 with FMA and F16C, holds a block's
+    sums in registers (elsewhere PyTorch's products and `int8_cpu`), and built."""
+    flags = cpu_flags()
+    return ("avx512f" in flags or {"avx2", "fma", "f16c"} <= flags) and cpu_kernels.available()
 
 
 def choose_kernel(dtype: torch.dtype, device: torch.device | str, quantized: bool = False) -> LinearKernel:

@@ -43,7 +43,7 @@ def test_an_int8_mesh_serves_what_generate_gives(model: Path, stack: Stack) -> N
     assert t.model.quantization == "int8"
     for stub in worker_stubs(t):
         info = stub.GetShardInfo(worker_pb2.GetShardInfoRequest(), timeout=30)
-        # the int8 kernel chosen for this CPU (`linear.choose_kernel`): blocked on AVX-512, else the int8-cpu loop
+        # the int8 kernel chosen for this CPU (`linear.choose_kernel`): blocked on AVX-512 or AVX2, else int8-cpu
         assert info.quantization == "int8" and {"int8-blocked", "int8-cpu"} & set(info.linear_kernels), info
     wait_serving(gateway, [], 60, stack.log_dir)
     with grpc.insecure_channel(gateway) as ch:

@@ -13,6 +13,7 @@ from shardmesh.core.step import Segment
 from shardmesh.engine import cpu_kernels, sampling
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.cpu_decode import CpuDecode, cpu_decode
+from shardmesh.engine.cpu_features import cpu_flags
 from shardmesh.engine.groups import ShardGroups, SingleRank
 from shardmesh.engine.linear import KERNEL_ENV, BlockedCpuKernel, BlockedInt8Kernel, dequantize, quantize_groups
 from shardmesh.engine.loader import build_shard
@@ -23,11 +24,24 @@ from tests.unit.engine.test_model import PROMPTS, prefilled
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C++ build: {cpu_kernels.build_error()}")
 
+# The kernels come in an AVX-512 and an AVX2 version (and plain loops), and a host compiles only the widest it has: on
+# a CPU with AVX-512 every test here runs on its AVX2 build as well (SHARDMESH_CPU_ISA=avx2), so neither goes untested.
+ISAS = ["native", *(["avx2"] if "avx512f" in cpu_flags() else [])]
+
+
+@pytest.fixture(autouse=True, params=ISAS)
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    kernel = cpu_kernels.isa_kernel(request.param)
+    assert kernel.module() is not None, kernel.build_error
+    monkeypatch.setattr(cpu_kernels, "_KERNEL", kernel)
+    return request.param
+
 
 # rows, N, K. On a CPU with AMX, bfloat16 products whose K is a multiple of 32 go through its tiles, 16 rows at a time
-# (37: two tiles of rows and one of 5); the others through AVX512-BF16.
+# (37: two tiles of rows and one of 5); the others through AVX512-BF16. With AVX2, 32 rows or more walk each block in
+# tiles of 128 inputs (K 300: two and a part; 257: odd, a bfloat16 pair padded), three rows at a time and the rest.
 SHAPES = [(1, 64, 96), (3, 70, 33), (4, 576, 64), (9, 17, 5), (5, 32, 1), (13, 40, 24), (16, 33, 8), (37, 70, 64),
-          (16, 40, 32)]  # fmt: skip
+          (16, 40, 32), (32, 40, 300), (34, 33, 257)]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -246,3 +260,18 @@ def test_sampling_takes_the_compiled_greedy_rows_once_the_kernels_are_loaded(mon
     assert torch.allclose(fallback[2].log_probs(logits, [0, 1, 2]), every, atol=1e-5)
     assert torch.allclose(every, torch.log_softmax(logits, -1), atol=1e-5)
     assert calls == [torch.float32]
+
+
+def test_the_isa_builds_are_named_by_their_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SHARDMESH_CPU_ISA=avx2 compiles without AVX-512 and AMX, under a name of its own (so both builds are cached side
+    by side); a value that names no build is refused by `isa_kernel` and ignored, with a warning, from the
+    environment."""
+    native, avx2 = cpu_kernels.isa_kernel("native"), cpu_kernels.isa_kernel("avx2")
+    assert "-mno-avx512f" in avx2.cflags and "-mno-amx-tile" in avx2.cflags and "-mno-avx512f" not in native.cflags
+    assert native.name != avx2.name and cpu_kernels.isa_kernel("avx2") is avx2
+    with pytest.raises(ValueError, match="SHARDMESH_CPU_ISA='avx9': expected one of native, avx2"):
+        cpu_kernels.isa_kernel("avx9")
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx9")
+    assert cpu_kernels._isa_from_env() == "native"
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")
+    assert cpu_kernels._isa_from_env() == "avx2"

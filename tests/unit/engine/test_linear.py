@@ -60,12 +60,17 @@ def test_kernel_chosen_from_device_dtype_and_cpu(monkeypatch: pytest.MonkeyPatch
     assert choose_kernel(torch.float32, "cuda") is DENSE
     assert choose_kernel(torch.bfloat16, torch.device("cuda", 0)) is DENSE
     assert type(choose_kernel(torch.float16, "cpu")) is InputMajorKernel
-    # float32 and bfloat16: the blocked kernel on AVX-512 where it builds, else oneDNN's packed product / input-major
+    # float32 and bfloat16: the blocked kernel on AVX-512 or AVX2 + FMA + F16C where it builds, else oneDNN's packed
+    # product / input-major
     blocked = linear._blocked_suits_cpu()
     for dtype in (torch.float32, torch.bfloat16):
         fallback = InputMajorKernel if dtype == torch.bfloat16 or not ONEDNN else OneDNNPackedKernel
         assert type(choose_kernel(dtype, "cpu")) is (BlockedCpuKernel if blocked else fallback)
-    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # no AVX-512: PyTorch's products
+    built = cpu_kernels.available()
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))  # AVX2 alone: blocked too
+    assert type(choose_kernel(torch.float32, "cpu")) is (BlockedCpuKernel if built else OneDNNPackedKernel
+                                                         if ONEDNN else InputMajorKernel)  # fmt: skip
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx", "sse4_2"}))  # neither: PyTorch's products
     assert type(choose_kernel(torch.float32, "cpu")) is (OneDNNPackedKernel if ONEDNN else InputMajorKernel)
     monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx512f"}))
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
@@ -179,7 +184,10 @@ def test_int8_kernel_chosen_from_the_cpu_and_named_by_the_environment(monkeypatc
     blocked = linear._blocked_suits_cpu()
     assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is (BlockedInt8Kernel if blocked
                                                                          else Int8CpuKernel)  # fmt: skip
-    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # no AVX-512: the int8-cpu loop
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))  # AVX2: blocked, if built
+    assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is (BlockedInt8Kernel if blocked
+                                                                         else Int8CpuKernel)  # fmt: skip
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx"}))  # no AVX2: the int8-cpu loop
     assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is Int8CpuKernel
     monkeypatch.setattr(linear.int8_cpu, "available", lambda: False)  # no compiler here
     assert type(choose_kernel(torch.float32, "cpu", quantized=True)) is Int8DequantKernel
