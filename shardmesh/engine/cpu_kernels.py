@@ -136,9 +136,9 @@ static inline void block_f32(const float* x, int64_t xs, int64_t K, const float*
 }
 #elif defined(SHARDMESH_AVX2)
 // A row's 32 sums are four 8-wide registers, so of AVX2's sixteen three rows' fit beside the weights: rows are taken
-// three (or two) at a time, and a pass of more rows reads the block again from L1/L2 for each (a step of 8 rows left it
-// in memory otherwise: the compiler's loop over a[MB][NB] kept the sums in memory, 3x slower at 16 rows). Steps
-// `begin` to `end` of a block; the sums start from acc unless `first`.
+// three (or two) at a time, and a pass of more rows reads the block again from L1/L2 for each three (the plain loop
+// below keeps its a[MB][NB] sums in memory instead). Steps `begin` to `end` of a block; the sums start from acc unless
+// `first`.
 using Sums = __m256[4];
 template <int R, typename Step>
 static inline void in_registers(int64_t begin, int64_t end, float* acc, bool first, Step&& step) {
