@@ -10,8 +10,8 @@ On a CPU with AVX-512, or AVX2 with FMA and F16C, float32 and bfloat16 shards ta
 `BlockedInt8Kernel` (`shardmesh.engine.cpu_kernels`: weights in blocks of output features, a loop compiled for the
 CPU; on a Zen 4, float32 one row 16.6 against oneDNN's 22.8 ms, bfloat16 7.5-10 against 20-22 ms), which the compiled
 decode path (`cpu_decode`) also reads. Without them (a CPU older than 2013, or no compiler), PyTorch's products and
-the int8 kernels below: on an AVX2 CPU without native bfloat16 those took a SmolLM2 decode step 2x as long in float32
-and 30x in bfloat16 (docs/performance.md, "AVX2 hosts").
+the int8 kernels below: on an AVX2 CPU without native bfloat16 those took a SmolLM2 decode step of one sequence 1.8x
+as long in float32 and 19.5x in bfloat16 (bench/cpu_paths.py; docs/performance.md, "AVX2 hosts").
 
 Why the CPU kernels: a decode step is a few rows times every weight matrix, memory-bound matrix-vector
 work. On a 2-core machine PyTorch's default GEMM for such shapes streams weights at ~16-20 GB/s and does
