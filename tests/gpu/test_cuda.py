@@ -12,6 +12,7 @@ on a CPU is emulated) only when float32 is asked, so mixed pipelines are checked
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -74,10 +75,11 @@ def test_offline_cuda_stage_then_cpu_stage(checkpoint: Path) -> None:
     assert_matches(r.token_ids, r.logprobs, "float32", reference(checkpoint, "float32"))
 
 
-def _mesh_generate(model_dir: Path, pp: int, device: str, dtype: str, log_dir: Path) -> tuple[list[int], list[float]]:
+def _mesh_generate(model_dir: Path, pp: int, device: str, dtype: str, log_dir: Path,
+                   *extra: str) -> tuple[list[int], list[float]]:  # fmt: skip
     from shardmesh.proto.v1 import gateway_pb2
 
-    mesh = Mesh(model_dir, pp, 1, log_dir, "--device", device, "--dtype", dtype)
+    mesh = Mesh(model_dir, pp, 1, log_dir, "--device", device, "--dtype", dtype, *extra)
     try:
         req = gateway_pb2.GenerateRequest(
             token_ids=gateway_pb2.TokenIds(ids=PROMPT), request_id="gpu",
@@ -95,8 +97,16 @@ def test_mesh_one_cuda_worker(checkpoint: Path, dtype: str, tmp_path: Path) -> N
     assert_matches(tokens, logprobs, dtype, reference(checkpoint, dtype))
 
 
-def test_mesh_cuda_stage_then_cpu_stage(checkpoint: Path, tmp_path: Path) -> None:
-    tokens, logprobs = _mesh_generate(checkpoint, 2, "cuda,cpu", "float32", tmp_path)
+@pytest.mark.parametrize("pipeline", ["auto", "turns"])
+def test_mesh_cuda_stage_then_cpu_stage(checkpoint: Path, pipeline: str, tmp_path: Path) -> None:
+    """`auto` keeps a pipeline with a GPU stage full: one decode step per call. `turns` keeps one step in flight, so
+    the gateway asks for several steps per call and the CPU stage sends each drawn token back to the CUDA stage over
+    the loop link, a shared-memory ring in host memory (`groups.form_loop`)."""
+    tokens, logprobs = _mesh_generate(checkpoint, 2, "cuda,cpu", "float32", tmp_path, "--pipeline", pipeline)
     assert_matches(tokens, logprobs, "float32", reference(checkpoint, "float32"))
-    workers = sorted(tmp_path.glob("worker*.log"))
-    assert any("gloo" in w.read_text() for w in workers), "the CUDA-CPU link should be formed over Gloo"
+    logs = [w.read_text() for w in sorted(tmp_path.glob("worker*.log"))]
+    assert any("gloo" in text for text in logs), "the CUDA-CPU link should be formed over Gloo"
+    ready = [[json.loads(line) for line in text.splitlines() if line.startswith("{") and '"event": "ready"' in line]
+             for text in logs]  # fmt: skip
+    loops = [lines[-1].get("loop_link") for lines in ready]
+    assert loops == ["shm direct (cpu <-> cpu)"] * 2, loops  # both ends of the loop, in host memory

@@ -102,6 +102,18 @@ def test_targets_from_rows() -> None:
     assert _by_name(found, "bfloat16", "stage boundary")["met"] is None
 
 
+@pytest.mark.parametrize(
+    ("cores", "goal", "met"), [(None, 1.5, True), (2, 1.5, True), (3, 1.1, False), (16, 1.1, False)]
+)
+def test_tp_target_is_tighter_with_a_core_per_rank(cores: int | None, goal: float, met: bool) -> None:
+    rows = [_row("float32", 1, 1, 1, ms=20.0, tok_s=50.0), _row("float32", 1, 3, 1, ms=24.0, tok_s=41.0)]
+    tp = _by_name(run.targets({"float32": {}}, rows, [], cores), "float32", "tp=3 vs pp=1")
+    assert (tp["value"], tp["goal"], tp["met"], tp["target"]) == (pytest.approx(1.2), goal, met, f"<= {goal:g}×")
+    by_rounds = _by_name(run.round_targets({"float32": {}}, [{**r, "round": 1} for r in rows], [], cores),
+                         "float32", "tp=3 vs pp=1")  # fmt: skip
+    assert by_rounds["goal"] == goal
+
+
 def test_bfloat16_target_needs_native_bf16() -> None:
     rows = [_row("bfloat16", 1, 1, 1, ms=10.0, tok_s=100.0)]
     found = run.targets({"bfloat16": {"llama_cpp": _llama(8.0, "BF16")}}, rows, ["avx2", "avx512f"])
