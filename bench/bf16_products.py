@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.conditions import machine, save_results  # noqa: E402  (the repository root is on the path only now)
+from bench.conditions import alternated, child_json, machine, save_results  # noqa: E402  (the root is on the path only now)
 from shardmesh.engine.cpu_kernels import AMX_ENV  # noqa: E402
 
 PRODUCTS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
@@ -76,12 +74,9 @@ def main() -> None:
     args = [sys.executable, __file__, "--child", "--rows", ",".join(map(str, a.rows)), "--iters", str(a.iters)]
     rounds: list[dict[str, dict[str, float]]] = []
     for r in range(a.rounds):
-        got = {}
-        for way in list(WAYS) if r % 2 == 0 else list(WAYS)[::-1]:
-            env = {**os.environ, AMX_ENV: WAYS[way], "PYTHONPATH": str(ROOT)}
-            got[way] = json.loads(subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True,
-                                                 check=True).stdout.splitlines()[-1])  # fmt: skip
-        rounds.append(got)
+        rounds.append(
+            {way: child_json(args, {AMX_ENV: WAYS[way]}, f"{way} child") for way in alternated(list(WAYS), r)}
+        )
         print(f"round {r + 1} of {a.rounds}", file=sys.stderr)
     lines = [
         f"# bfloat16 products: AMX tiles against vdpbf16ps ({info['date'][:10]})",

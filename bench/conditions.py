@@ -1,7 +1,8 @@
 """What every benchmark here holds fixed and records: the prompt it sends, and the machine it ran on.
 
 Shared by bench/run.py, bench/llamacpp.py and bench/tracing.py, so their numbers are for the same request; and how
-the benches of several processes (bench/tp_allreduce.py, bench/pp_link.py) start them (`spawned`).
+the benches of several processes (bench/tp_allreduce.py, bench/pp_link.py) start them (`spawned`); and how the
+benches that time each way in a process of its own run those children (`child_json`, `alternated`).
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ import json
 import os
 import platform
 import socket
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+ROOT = Path(__file__).resolve().parent.parent  # the repository root
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 # The flags that choose the kernels (linear.cpu_has_native_bf16, the int8 paths) or bound what bfloat16 and
 # int8 can gain on a CPU: the same torch build picks different code on hosts with and without them.
@@ -67,6 +71,24 @@ def save_results(out: Path, info: dict, suffix: str, md: str, data: dict) -> Non
     (out / f"{stem}.md").write_text(md)
     (out / f"{stem}.json").write_text(json.dumps({"machine": info, **data}, indent=1))
     print(md)
+
+
+def child_json(args: list[str], env: dict[str, str] | None = None, what: str = "child") -> Any:
+    """Run `args` (a bench's own child mode) from the repository root with this checkout first on PYTHONPATH (then
+    the caller's) and `env` over this process's environment, and return its last line of output as JSON. A child
+    that fails ends the bench with its exit status and the end of its stderr, named by `what`."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run(args, env={**os.environ, **(env or {}), "PYTHONPATH": path}, cwd=ROOT, capture_output=True,
+                          text=True)  # fmt: skip
+    if done.returncode != 0:
+        sys.exit(f"{what} failed (exit status {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def alternated(names: list[str], round_index: int) -> list[str]:
+    """`names` in order in even rounds (counted from 0) and reversed in odd ones, so that each way meets the host's
+    drift from both sides."""
+    return list(names) if round_index % 2 == 0 else list(names)[::-1]
 
 
 def spawned(target: Any, count: int, args: dict[str, Any], timeout: timedelta) -> Any:

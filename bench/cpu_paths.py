@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.conditions import machine, save_results  # noqa: E402  (the repository root is on the path only now)
+from bench.conditions import alternated, child_json, machine, save_results  # noqa: E402  (the root is on the path only now)
 from shardmesh.engine.cpu_kernels import ISA_ENV  # noqa: E402
 from shardmesh.engine.linear import KERNEL_ENV  # noqa: E402
 
@@ -132,14 +130,8 @@ def main() -> None:
         got: dict[str, dict[str, dict]] = {}
         for dtype in dtypes:
             ways = paths(dtype, info["cpu_flags"])
-            names = list(ways) if r % 2 == 0 else list(ways)[::-1]
-            got[dtype] = {}
-            for way in names:
-                env = {**os.environ, **ways[way], "PYTHONPATH": str(ROOT)}
-                done = subprocess.run([*base, "--child", dtype], env=env, cwd=ROOT, capture_output=True, text=True)
-                if done.returncode != 0:
-                    sys.exit(f"{way} {dtype} child failed:\n{done.stderr[-3000:]}")
-                got[dtype][way] = json.loads(done.stdout.splitlines()[-1])
+            got[dtype] = {way: child_json([*base, "--child", dtype], ways[way], f"{way} {dtype} child")
+                          for way in alternated(list(ways), r)}  # fmt: skip
         rounds.append(got)
         print(f"round {r + 1} of {a.rounds}", file=sys.stderr)
     lines = [

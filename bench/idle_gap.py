@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.conditions import machine, save_results  # noqa: E402  (the repository root is on the path only now)
+from bench.conditions import child_json, machine, save_results  # noqa: E402  (the root is on the path only now)
 from bench.stage_boundary import PROMPT, STEPS, past_the_model, topology  # noqa: E402
 
 MODES = ("back to back", "after a gap")
@@ -111,8 +109,7 @@ def main() -> None:
     for threads in a.threads:  # a fresh process each: one OpenMP team size per process
         args = [sys.executable, __file__, *sys.argv[1:], "--one", str(threads), "--model-dir", str(model_dir)]
         env = {"OMP_NUM_THREADS": str(threads), "SHARDMESH_LOG_LEVEL": "warning"}
-        done = subprocess.run(args, env={**os.environ, **env}, capture_output=True, text=True, check=True)
-        found[threads] = json.loads(done.stdout.strip().splitlines()[-1])
+        found[threads] = child_json(args, env, f"the child of {threads} thread(s)")
     save_results(Path(a.out), info, "-idle-gap", markdown(info, a, found),
                  {"args": {k: str(v) for k, v in vars(a).items()}, "compute_ms": found})  # fmt: skip
 
