@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.conditions import alternated, child_json, machine, save_results  # noqa: E402  (the root is on the path only now)
+from bench.conditions import alternated, child_json, machine, save_results  # noqa: E402  (ROOT is on the path now)
 from shardmesh.engine.cpu_kernels import AMX_ENV  # noqa: E402
 
 PRODUCTS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}

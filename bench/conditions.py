@@ -73,13 +73,18 @@ def save_results(out: Path, info: dict, suffix: str, md: str, data: dict) -> Non
     print(md)
 
 
+def pythonpath(tree: Path = ROOT) -> str:
+    """PYTHONPATH for a bench's child process: the checkout `tree` first, whatever is installed, then the caller's
+    path (packages installed with `pip --target`, say)."""
+    return os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def child_json(args: list[str], env: dict[str, str] | None = None, what: str = "child") -> Any:
-    """Run `args` (a bench's own child mode) from the repository root with this checkout first on PYTHONPATH (then
-    the caller's) and `env` over this process's environment, and return its last line of output as JSON. A child
+    """Run `args` (a bench's own child mode) from the repository root with this checkout first on PYTHONPATH
+    (`pythonpath`) and `env` over this process's environment, and return its last line of output as JSON. A child
     that fails ends the bench with its exit status and the end of its stderr, named by `what`."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    done = subprocess.run(args, env={**os.environ, **(env or {}), "PYTHONPATH": path}, cwd=ROOT, capture_output=True,
-                          text=True)  # fmt: skip
+    done = subprocess.run(args, env={**os.environ, **(env or {}), "PYTHONPATH": pythonpath()}, cwd=ROOT,
+                          capture_output=True, text=True)  # fmt: skip
     if done.returncode != 0:
         sys.exit(f"{what} failed (exit status {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

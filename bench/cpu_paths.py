@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.conditions import alternated, child_json, machine, save_results  # noqa: E402  (the root is on the path only now)
+from bench.conditions import alternated, child_json, machine, save_results  # noqa: E402  (ROOT is on the path now)
 from shardmesh.engine.cpu_kernels import ISA_ENV  # noqa: E402
 from shardmesh.engine.linear import KERNEL_ENV  # noqa: E402
 

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.conditions import child_json, machine, save_results  # noqa: E402  (the root is on the path only now)
+from bench.conditions import child_json, machine, save_results  # noqa: E402  (ROOT is on the path now)
 from bench.stage_boundary import PROMPT, STEPS, past_the_model, topology  # noqa: E402
 
 MODES = ("back to back", "after a gap")

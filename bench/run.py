@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import llamacpp  # noqa: E402  (the repository root is on the path only now)
-from bench.conditions import PROMPT, machine, save_results  # noqa: E402
+from bench.conditions import PROMPT, machine, pythonpath, save_results  # noqa: E402
 from gateway.batching import pipeline_depth  # noqa: E402
 from gateway.process import GatewayConfig  # noqa: E402
 from shardmesh.rpc.procs import cores  # noqa: E402
@@ -139,10 +139,8 @@ class Mesh:
                 "--tp", str(tp), "--pipeline", pipeline, "--kv-slots", str(slots), "--max-context", "1024",
                 "--rebalance", rebalance, "--worker-threads", str(threads), "--log-dir", str(log_dir),
                 *extra]  # fmt: skip
-        # that checkout's packages first, whatever is installed, then the caller's path (packages installed with
-        # `pip --target`, say); `env`: the services' own settings
-        path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
-        environ = {**os.environ, **(env or {}), "PYTHONPATH": path}
+        # that checkout's packages first (`pythonpath`); `env`: the services' own settings
+        environ = {**os.environ, **(env or {}), "PYTHONPATH": pythonpath(tree)}
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environ, cwd=tree)
         self.address = self.proc.stdout.readline().decode().strip()
         if not self.address:

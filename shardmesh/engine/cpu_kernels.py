@@ -138,15 +138,14 @@ static inline void block_f32(const float* x, int64_t xs, int64_t K, const float*
 #elif defined(SHARDMESH_AVX2)
 // A row's 32 sums are four 8-wide registers, so of AVX2's sixteen three rows' fit beside the weights: rows are taken
 // three (or two) at a time, and a pass of more rows reads the block again from L1/L2 for each three (the plain loop
-// below keeps its a[MB][NB] sums in memory instead). Steps `begin` to `end` of a block; the sums start from acc unless
-// `first`.
+// below keeps its a[MB][NB] sums in memory instead). `step(a, i)` adds step i's products, as on AVX-512.
 using Sums = __m256[4];
 template <int R, typename Step>
-static inline void in_registers(int64_t begin, int64_t end, float* acc, bool first, Step&& step) {
+static inline void in_registers(int64_t steps, float* acc, Step&& step) {
   Sums a[R];
   for (int m = 0; m < R; ++m)
-    for (int j = 0; j < 4; ++j) a[m][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + m * NB + 8 * j);
-  for (int64_t i = begin; i < end; ++i) step(a, i);
+    for (int j = 0; j < 4; ++j) a[m][j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < steps; ++i) step(a, i);
   for (int m = 0; m < R; ++m)
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc + m * NB + 8 * j, a[m][j]);
 }
@@ -204,7 +203,7 @@ template <int MB, bool Ahead>
 static inline void block_f32(const float* x, int64_t xs, int64_t K, const float* w, float* acc) {
   in_threes<MB>([&](int m0, auto rows) {
     constexpr int R = decltype(rows)::value;
-    in_registers<R>(0, K, acc + m0 * NB, true, [&](Sums* a, int64_t k) { f32_step<R>(a, x + m0 * xs, xs, w, k); });
+    in_registers<R>(K, acc + m0 * NB, [&](Sums* a, int64_t k) { f32_step<R>(a, x + m0 * xs, xs, w, k); });
   });
 }
 
@@ -212,8 +211,7 @@ template <int MB>
 static inline void block_bf16(const float* x, int64_t xs, int64_t K, const uint16_t* w, float* acc) {
   in_threes<MB>([&](int m0, auto rows) {
     constexpr int R = decltype(rows)::value;
-    in_registers<R>(0, (K + 1) / 2, acc + m0 * NB, true,
-                    [&](Sums* a, int64_t p) { bf16_step<R>(a, x + m0 * xs, xs, K, w, p); });
+    in_registers<R>((K + 1) / 2, acc + m0 * NB, [&](Sums* a, int64_t p) { bf16_step<R>(a, x + m0 * xs, xs, K, w, p); });
   });
 }
 
