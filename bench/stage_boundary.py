@@ -18,7 +18,12 @@ each derived number is taken within a cycle and reported as the median over cycl
 - stage boundary: pp=2's ms/token minus pp=1's (target <= 0.5 ms), at each of `--rows` sequences per step;
 - pp=2 ÷ pp=1 tokens per second at the largest `--rows` (target >= 0.9x at 16);
 - the boundary split in two: the pp=2 stages' compute per token (each stage's `stats.compute_s`, its steps less its
-  waits for input) minus pp=1's, and the rest (the links, each step's Python, the stages' handing over).
+  waits for input) minus pp=1's, and the rest (the links, each step's Python, the stages' handing over);
+- the seam on the critical path, timestamped: every forward of the CPU decode path (`CpuDecode.run`) is stamped on
+  `time.perf_counter` (one clock for all the processes), and a token's time between forwards (pp=1: from one
+  forward's end to the next's start; pp=2: around the loop and the activations' hop) is taken less pp=1's within
+  each cycle. What the boundary itself adds to a token, in tenths of a millisecond, where the wall time moves by
+  milliseconds; beside it, how much longer the stages' forwards took than pp=1's.
 `--spin-variants 3000,1000` adds shm pipelines whose processes get that GOMP_SPINCOUNT instead (one more layout each).
 `--tp 3` adds one stage split over 3 tensor-parallel ranks (processes of `--tp-threads` threads each, as `up` gives
 them: the cores split among the ranks), and a table of its time per token over pp=1's in each cycle (target <= 1.5x
@@ -37,6 +42,7 @@ RPCs for pp=2, one per stage, sent at once). Writes bench/results/<host>-<date>-
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -156,6 +162,26 @@ def around_the_forward() -> list[float]:
     return spent
 
 
+def forward_spans() -> list[tuple[float, float]]:
+    """Every forward of the CPU decode path (`CpuDecode.run`) as (start, end) on `time.perf_counter`, kept up to date
+    by wrapping it. On Linux that clock is CLOCK_MONOTONIC, one clock for every process on the host, so the spans of
+    two stages' processes can be laid end to end (`seams`)."""
+    from shardmesh.engine.cpu_decode import CpuDecode
+
+    spans: list[tuple[float, float]] = []
+    run = CpuDecode.run
+
+    def spanned(*args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return run(*args)
+        finally:
+            spans.append((t0, time.perf_counter()))
+
+    CpuDecode.run = spanned  # type: ignore[method-assign]
+    return spans
+
+
 def stage_main(layout: str, rank: int, port: int, a: argparse.Namespace) -> None:
     """One stage core (rank `rank` of its layout): join its layout's groups, then for every cycle wait for its turn,
     run one call, signal. The last stage's tensor-parallel rank 0 reports the call and hands its tokens on."""
@@ -166,7 +192,7 @@ def stage_main(layout: str, rank: int, port: int, a: argparse.Namespace) -> None
     from shardmesh.core.step import SamplingParams, StepEntry
     from shardworker.runtime import StageWorkerCore
 
-    clock = around_the_forward()
+    clock, spans = around_the_forward(), forward_spans()
     layouts = layouts_of(a)
     spec = layouts[layout]
     torch.set_num_threads(spec.threads or a.threads)
@@ -180,6 +206,7 @@ def stage_main(layout: str, rank: int, port: int, a: argparse.Namespace) -> None
     results: dict[int, list[float]] = {}
     computed: dict[int, list[float]] = {}  # this stage's compute per token (`stats.compute_s`: its steps less waits)
     around: dict[int, list[float]] = {}  # its thread CPU per token in decode calls, less their forwards'
+    spanned: dict[int, list[list[tuple[float, float]]]] = {}  # each call's forwards (CPU decode path), as (start, end)
     for rows in a.rows:
         core.apply(topology(Path(a.model_dir), a.dtype, stages, port, epoch + 10 * rows, rows, a.cycles, spec.tp))
         greedy = SamplingParams()
@@ -188,15 +215,16 @@ def stage_main(layout: str, rank: int, port: int, a: argparse.Namespace) -> None
         key = f"{layout}/{rows}/tokens"
         if last:
             store.set(key, json.dumps([s.token_id for s in first.sampled]))
-        tokens, pos, times, compute, besides = json.loads(store.get(key)), len(PROMPT), [], [], []
+        tokens, pos, times, compute, besides, calls = json.loads(store.get(key)), len(PROMPT), [], [], [], []
         for c in range(a.cycles + 1):  # cycle 0 warms up
             order = names[c % len(names) :] + names[: c % len(names)]
             before = order[: order.index(layout)]
             if before:
                 store.wait([f"{rows}/{c}/{before[-1]}"])
             entries = [StepEntry(f"r{i}", i, pos, 1, (tokens[i],), greedy) for i in range(rows)]
-            t0, c0, (call0, forward0) = time.perf_counter(), core.stats.compute_s, clock
+            t0, c0, (call0, forward0), n0 = time.perf_counter(), core.stats.compute_s, clock, len(spans)
             result = core.step(epoch + 10 * rows, entries, STEPS)
+            calls.append(spans[n0:])
             times.append((time.perf_counter() - t0) * 1e3 / STEPS)
             compute.append((core.stats.compute_s - c0) * 1e3 / STEPS)
             besides.append(((clock[0] - call0) - (clock[1] - forward0)) * 1e3 / STEPS)
@@ -207,10 +235,11 @@ def stage_main(layout: str, rank: int, port: int, a: argparse.Namespace) -> None
                 store.set(f"{rows}/{c}/{layout}", "done")  # the last stage ends the call
             tokens = json.loads(store.get(key))
             store.wait([f"{rows}/{c}/{order[-1]}"])  # the cycle is over for everyone
-        results[rows], computed[rows], around[rows] = times[1:], compute[1:], besides[1:]
+        results[rows], computed[rows], around[rows], spanned[rows] = times[1:], compute[1:], besides[1:], calls[1:]
         core.release([(f"r{i}", i) for i in range(rows)])
     store.set(f"compute/{layout}/{rank}", json.dumps(computed))
     store.set(f"around/{layout}/{rank}", json.dumps(around))
+    store.set(f"spans/{layout}/{rank}", json.dumps(spanned))
     if last:
         store.set(f"result/{layout}", json.dumps({"ms": results}))
     core.close()
@@ -241,6 +270,8 @@ def run(a: argparse.Namespace, trees: dict[str, str]) -> dict[str, Any]:
                 each = [json.loads(store.get(f"{key}/{layout}/{i}")) for i in range(spec.processes)]
                 got[layout][f"{key}_ms"] = {r: [sum(c) for c in zip(*(e[r] for e in each), strict=True)]
                                             for r in each[0]}  # fmt: skip
+            if spec.tp == 1:  # each stage's forwards, in stage order
+                got[layout]["spans"] = [json.loads(store.get(f"spans/{layout}/{i}")) for i in range(spec.processes)]
         return got
     finally:
         for p in procs:
@@ -273,6 +304,58 @@ def derived(got: dict[str, Any], rows: list[int]) -> dict[str, Any]:
                 "ratio": statistics.median(ratio),
             }  # fmt: skip
     return out
+
+
+# The gaps before forwards 2 .. STEPS - 1 of a call lie inside `_later_steps` in every layout. Before forward 1, pp=1
+# builds the call's later layouts on its critical path, a pipeline's first stage beside the other stage's forward.
+FIRST_GAP = 2
+
+
+def serial_path(stages: list[list[list[float]]]) -> tuple[float, float] | None:
+    """One call's ms per token on its critical path outside the forwards, and in them, from each stage's forwards
+    ((start, end) each, `forward_spans`; stage order): per step k, from the last stage's forward k - 1 to the first
+    stage's forward k (sampling, the loop hop, the steps' Python), then from each stage's forward k to the next
+    stage's (the activations' hops), over steps FIRST_GAP .. STEPS - 1. None if a stage ran other forwards (a call
+    off the CPU decode path)."""
+    if any(len(spans) != STEPS for spans in stages):
+        return None
+    gaps, forwards = [], []
+    for k in range(FIRST_GAP, STEPS):
+        gap = stages[0][k][0] - stages[-1][k - 1][1]
+        gaps.append(gap + sum(b[k][0] - a[k][1] for a, b in itertools.pairwise(stages)))
+        forwards.append(sum(spans[k][1] - spans[k][0] for spans in stages))
+    return statistics.mean(gaps) * 1e3, statistics.mean(forwards) * 1e3
+
+
+def seams(got: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+    """What each pipeline's seams add to a token's critical path, from the forwards' timestamps: per cycle, pp=2's
+    time between forwards less its commit's pp=1's (the seam), and its stages' forwards less pp=1's; medians over
+    cycles. Empty where the forwards did not all run the CPU decode path."""
+    out: dict[str, Any] = {}
+    for r in rows:
+        for layout in (name for name in got if name.startswith("pp=2") and "spans" in got[name]):
+            base, mine = got[pp1_of(layout)]["spans"], got[layout]["spans"]
+            per_cycle = [(serial_path([base[0][str(r)][c]]), serial_path([s[str(r)][c] for s in mine]))
+                         for c in range(len(base[0][str(r)]))]  # fmt: skip
+            both = [(a, b) for a, b in per_cycle if a is not None and b is not None]
+            if not both:
+                continue
+            seam = [b[0] - a[0] for a, b in both]
+            q = statistics.quantiles(seam, n=4) if len(seam) > 1 else [seam[0]] * 3
+            out[f"{layout} rows={r}"] = {
+                "pp1_between_ms": statistics.median(a[0] for a, _ in both),
+                "pp2_between_ms": statistics.median(b[0] for _, b in both),
+                "seam_ms": statistics.median(seam), "seam_quartiles": [q[0], q[2]],
+                "forwards_more_ms": statistics.median(b[1] - a[1] for a, b in both),
+                # per cycle: pp=1's ms per token between forwards and in them, then pp=2's
+                "per_cycle_ms": [[round(x, 4) for x in (*a, *b)] for a, b in both],
+            }  # fmt: skip
+    return out
+
+
+def without_spans(got: dict[str, Any]) -> dict[str, Any]:
+    """`got` less the forwards' timestamps (`seams` keeps what they give per cycle), as the results file holds it."""
+    return {layout: {k: v for k, v in d.items() if k != "spans"} for layout, d in got.items()}
 
 
 def over_pp1(got: dict[str, Any], rows: list[int]) -> dict[str, Any]:
@@ -318,7 +401,7 @@ def _table(head: list[str], found: dict[str, Any], cells: Callable[[dict[str, An
 
 
 def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any], compared: dict[str, Any] | None = None,
-             ranks: dict[str, Any] | None = None) -> str:  # fmt: skip
+             ranks: dict[str, Any] | None = None, seamed: dict[str, Any] | None = None) -> str:  # fmt: skip
     lines = [
         f"# A stage boundary per decode step, pp=1 and pp=2 (and tp) alternated call by call ({info['date'][:10]})",
         "",
@@ -342,6 +425,22 @@ def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any], compared:
               "minus pp=1's, and `the rest` what is left: the links, the stages' waits, each step's Python. A layout "
               "of another commit (`@REV`) is taken against that commit's pp=1.",
               ""]  # fmt: skip
+    if seamed:
+        lines += ["## The seam on the critical path, timestamped", "",
+                  *_table(["pp=1 between forwards, ms/token", "pp=2 between forwards", "seam (quartiles)",
+                           "forwards, pp=2 - pp=1"], seamed,
+                          lambda d: [f"{d['pp1_between_ms']:.3f}", f"{d['pp2_between_ms']:.3f}",
+                                     f"**{d['seam_ms']:+.3f}** ({d['seam_quartiles'][0]:+.3f} to "
+                                     f"{d['seam_quartiles'][1]:+.3f})", f"{d['forwards_more_ms']:+.3f}"]),
+                  "", "Between forwards: a token's time on the critical path outside the forwards of the CPU decode "
+                  "path (`CpuDecode.run`). In pp=1 from one forward's end to the next's start (sampling, the step's "
+                  "Python); in pp=2 from the last stage's forward end to the first stage's next forward start "
+                  "(sampling, the loop hop, both stages' Python), plus from the first stage's forward end to the "
+                  "last stage's start (the activations' hop). The seam is pp=2's less pp=1's within each cycle: "
+                  "what the stage boundary itself adds to a token, which this host's drift in memory speed does not "
+                  "enter; `forwards` is the stages' layers and head taking longer than the whole's. Timestamps on "
+                  f"`time.perf_counter` (CLOCK_MONOTONIC, one clock for all the processes), steps {FIRST_GAP + 1} "
+                  f"to {STEPS} of each call.", ""]  # fmt: skip
     if ranks:
         lines += ["## Tensor parallelism against pp=1, in the same cycles", "",
                   *_table(["pp=1 ms/token", "tp ms/token", "tp ÷ pp=1 (quartiles)"], ranks,
@@ -433,11 +532,11 @@ def main() -> None:
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tree], check=False)
-    found, ranks = derived(got, a.rows), over_pp1(got, a.rows)
+    found, ranks, seamed = derived(got, a.rows), over_pp1(got, a.rows), seams(got, a.rows)
     compared = against(got, a.rows, a.against) if a.against else None
-    save_results(Path(a.out), info, "-stage-boundary", markdown(info, a, found, compared, ranks),
-                 {"args": {k: str(v) for k, v in vars(a).items()}, "per_cycle_ms": got, "derived": found,
-                  "against": compared, "tp_over_pp1": ranks})  # fmt: skip
+    save_results(Path(a.out), info, "-stage-boundary", markdown(info, a, found, compared, ranks, seamed),
+                 {"args": {k: str(v) for k, v in vars(a).items()}, "per_cycle_ms": without_spans(got), "derived": found,
+                  "against": compared, "tp_over_pp1": ranks, "seams": seamed})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from bench.stage_boundary import (
     layouts_of,
     markdown,
     over_pp1,
+    seams,
+    serial_path,
     topology,
 )
 
@@ -99,6 +101,59 @@ def test_another_commits_pipeline_is_taken_against_its_own_pp1_and_set_beside_th
     assert "| pp=2 shm @r | 1 | 35.00 | 37.50 | **+2.50** (" in md  # beside its own pp=1
     assert "## This checkout against r (0123456789ab)" in md
     assert "| pp=1 | 1 | 35.00 | 35.00 | **0.995×** (" in md and "| 0.450 | 0.650 | **-0.200** |" in md
+
+
+def _forwards(start: float, length: float, gap: float) -> list[list[float]]:
+    """STEPS forwards of `length` s, `gap` s apart, from `start`."""
+    return [[start + k * (length + gap), start + k * (length + gap) + length] for k in range(STEPS)]
+
+
+def test_the_serial_path_lays_the_stages_forwards_end_to_end() -> None:
+    assert serial_path([_forwards(100.0, 0.020, 0.0005)]) == pytest.approx((0.5, 20.0))  # pp=1: its gaps
+    # Two stages taking turns: the first's forward k starts 0.3 ms after the last's forward k - 1 ends, the last's
+    # 0.2 ms after the first's ends; each token is 8 + 12 ms of forwards and 0.5 ms between them.
+    first = [[100.0 + k * 0.0205, 100.0 + k * 0.0205 + 0.008] for k in range(STEPS)]
+    last = [[t1 + 0.0002, t1 + 0.0002 + 0.012] for _, t1 in first]
+    for k in range(1, STEPS):
+        assert first[k][0] - last[k - 1][1] == pytest.approx(0.0003)
+    assert serial_path([first, last]) == pytest.approx((0.5, 20.0))
+    assert serial_path([first[:-1], last]) is None  # a forward off the CPU decode path: not a call of STEPS
+
+
+def test_the_seam_is_pp2s_serial_path_less_its_own_commits_pp1s_within_each_cycle() -> None:
+    def cycles(*calls: list[list[list[float]]]) -> list[dict]:  # per stage: {"1": [call per cycle]}
+        return [{"1": [call[i] for call in calls]} for i in range(len(calls[0]))]
+
+    def pipeline(between_ms: float, forward_ms: float) -> list[list[list[float]]]:
+        """Two stages taking turns, each forward half of `forward_ms` and each hand-over half of `between_ms`."""
+        t, a, b = 0.0, [], []
+        for _ in range(STEPS):
+            a.append([t, t + forward_ms / 2e3])
+            t += forward_ms / 2e3 + between_ms / 2e3
+            b.append([t, t + forward_ms / 2e3])
+            t += forward_ms / 2e3 + between_ms / 2e3
+        return [a, b]
+
+    got = {
+        "pp=1": {"spans": cycles([_forwards(0.0, 0.020, 0.0004)], [_forwards(5.0, 0.030, 0.0006)])},
+        "pp=2 shm": {"spans": cycles(pipeline(0.7, 21.0), pipeline(1.0, 31.0))},
+        "pp=1 @r": {"spans": cycles([_forwards(9.0, 0.020, 0.0004)], [_forwards(9.5, 0.020, 0.0004)])},
+        "pp=2 shm @r": {"spans": cycles(pipeline(0.5, 20.0), pipeline(0.5, 20.0))},
+        "pp=2 gloo": {},  # ran off the CPU decode path: no spans, no row
+    }
+    d = seams(got, [1])
+    assert set(d) == {"pp=2 shm rows=1", "pp=2 shm @r rows=1"}
+    mine = d["pp=2 shm rows=1"]
+    assert mine["seam_ms"] == pytest.approx(0.35)  # of 0.7 - 0.4 and 1.0 - 0.6
+    assert mine["forwards_more_ms"] == pytest.approx(1.0)  # of 21 - 20 and 31 - 30
+    assert (mine["pp1_between_ms"], mine["pp2_between_ms"]) == (pytest.approx(0.5), pytest.approx(0.85))
+    assert d["pp=2 shm @r rows=1"]["seam_ms"] == pytest.approx(0.1)  # against pp=1 @r
+    info = {"date": "2026-11-28T05:00:00", "cpu": "cpu", "cores": 2, "torch": "2.13.0", "load_avg_1m": 0.1}
+    a = argparse.Namespace(model="m", dtype="float32", spincount="10000", spin_variants=[], against="", tp=0,
+                           tp_threads=0, threads=2, cycles=2)  # fmt: skip
+    md = markdown(info, a, {}, None, None, d)
+    assert "## The seam on the critical path, timestamped" in md
+    assert "| pp=2 shm | 1 | 0.500 | 0.850 | **+0.350** (" in md
 
 
 def test_a_run_has_room_for_every_cycle() -> None:
