@@ -7,6 +7,12 @@ and cached under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR): about a m
 first time, a fraction of a second after. A kernel that cannot be built (no compiler, no ninja, a failed build) is
 None with the reason in `build_error`, and its module falls back to a torch path.
 
+Every function is bound so that it releases the GIL while it runs (`torch::wrap_pybind_function_no_gil`). A worker's
+compute thread spends nearly all of a decode step inside these calls; holding the GIL there, every other Python thread
+of the process that woke (gRPC's pollers, the topology watch, the heartbeat) first waited out the interpreter's 5 ms
+switch interval and then forced the compute thread to hand the GIL over between two calls and wait to get it back,
+while its OpenMP partner spun and then slept at the next barrier (docs/performance.md, "The GIL inside a live mesh").
+
 A build holds a `lock` file in its directory, and torch waits for that file to go, without a timeout. A process
 killed while building (SIGKILL, a container stopped during the first start) leaves the file behind, and every
 later start would wait forever, silently. A lock older than any build takes is therefore removed, with a warning.
@@ -45,10 +51,16 @@ class InlineKernel:
         self.ext: Any | None = None  # the extension, once `module` has built and loaded it
 
     @property
+    def bound_source(self) -> str:
+        """The source with its Python bindings: each function releases the GIL while it runs (module docstring)."""
+        defs = "".join(f'  m.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");\n' for f in self.functions)
+        return f"{self.source}\n\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}}}\n"
+
+    @property
     def name(self) -> str:
         flags = " ".join(sorted(cpu_flags()))
         compiler = " ".join([*self.cflags, *OPENMP])
-        digest = hashlib.sha256((self.source + compiler + flags + torch.__version__).encode()).hexdigest()[:16]
+        digest = hashlib.sha256((self.bound_source + compiler + flags + torch.__version__).encode()).hexdigest()[:16]
         return f"{self.prefix}_{digest}"
 
     @functools.cache  # noqa: B019  (one instance per kernel module, alive as long as the process)
@@ -66,8 +78,7 @@ class InlineKernel:
                 log.info("kernel_build_started", kernel=self.prefix, dir=str(build_dir),
                          note="once per machine, CPU and torch version; about a minute on 2 cores")  # fmt: skip
             t0 = time.perf_counter()
-            ext = cpp_extension.load_inline(name, cpp_sources=self.source, functions=self.functions,
-                                            extra_cflags=[*self.cflags, *OPENMP],
+            ext = cpp_extension.load_inline(name, cpp_sources=self.bound_source, extra_cflags=[*self.cflags, *OPENMP],
                                             extra_ldflags=list(OPENMP))  # fmt: skip
             if building:
                 log.info("kernel_built", kernel=self.prefix, seconds=round(time.perf_counter() - t0, 1))

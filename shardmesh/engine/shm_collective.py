@@ -208,7 +208,6 @@ int64_t shm_all_reduce(torch::Tensor seg, torch::Tensor x, int64_t dtype, int64_
   const int64_t* pid = pids.data_ptr<int64_t>();
   const int64_t n = x.numel();
   void* data = x.data_ptr();
-  pybind11::gil_scoped_release no_gil;  // ranks may be threads of one process
   std::memcpy(slot(base, data_offset, capacity, size, seq, rank), data, n * x.element_size());
   const int64_t status = barrier(base, rank, size, seq, pid, spin_s, timeout_s);
   if (status != 0) return status;
@@ -238,7 +237,6 @@ int64_t shm_all_reduce_add(torch::Tensor seg, torch::Tensor partial, torch::Tens
   const int64_t n = partial.numel();
   void* data = partial.data_ptr();
   const void* residual = x.data_ptr();
-  pybind11::gil_scoped_release no_gil;
   std::memcpy(slot(base, data_offset, capacity, size, seq, rank), data, n * partial.element_size());
   const int64_t status = barrier(base, rank, size, seq, pid, spin_s, timeout_s);
   if (status != 0) return status;
@@ -261,7 +259,6 @@ int64_t shm_all_gather(torch::Tensor seg, torch::Tensor x, torch::Tensor out, in
   const int64_t rows = x.size(0), row_bytes = x.size(1) * x.element_size();
   const void* in = x.data_ptr();
   uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
-  pybind11::gil_scoped_release no_gil;
   std::memcpy(slot(base, data_offset, capacity, size, seq, rank), in, rows * row_bytes);
   const int64_t status = barrier(base, rank, size, seq, pid, spin_s, timeout_s);
   if (status != 0) return status;

@@ -147,7 +147,6 @@ int64_t link_send(torch::Tensor seg, torch::Tensor x, int64_t seq, int64_t slots
   const uint8_t* src = static_cast<const uint8_t*>(x.data_ptr());
   const int64_t nbytes = x.numel() * x.element_size();
   const int64_t chunks = nbytes == 0 ? 1 : (nbytes + capacity - 1) / capacity;
-  pybind11::gil_scoped_release no_gil;
   // The ring would take a message for a receiver that is gone (Gloo's send fails on the closed socket): check first.
   if (count_at(base, CLOSED_AT)->load(std::memory_order_acquire) > 0) return CLOSED;
   if (peer_gone(peer_pid, peer_fd)) return DEAD;
@@ -171,7 +170,6 @@ int64_t link_recv(torch::Tensor seg, torch::Tensor out, int64_t seq, int64_t slo
   uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
   const int64_t nbytes = out.numel() * out.element_size();
   const int64_t chunks = nbytes == 0 ? 1 : (nbytes + capacity - 1) / capacity;
-  pybind11::gil_scoped_release no_gil;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t s = seq + 1 + c;
     const int64_t status = wait_for(base, HEAD_AT, s, peer_pid, peer_fd, spin_s, timeout_s);

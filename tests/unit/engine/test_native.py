@@ -1,4 +1,5 @@
-"""The C++ kernels' builder (`engine/native.py`): a build lock left by a killed process does not hang later starts."""
+"""The C++ kernels' builder (`engine/native.py`): a build lock left by a killed process does not hang later starts, and
+every function is bound to release the GIL."""
 
 from __future__ import annotations
 
@@ -52,3 +53,15 @@ def test_a_kernels_name_does_not_depend_on_what_the_process_loaded_before(monkey
     name = second.name
     assert first.module() is not None and second.module() is not None
     assert second.name == name and native.OPENMP == ("-fopenmp",)
+
+
+def test_every_function_is_bound_to_release_the_gil() -> None:
+    """Each function runs without the GIL (the module docstring says why). The shared-memory links' and collectives'
+    tests, whose sides are threads of one process, depend on it: one side waits inside a kernel for the other's."""
+    kernel = native.InlineKernel("shardmesh_native_gil", "int one() { return 1; }\nint two() { return 2; }",
+                                 ["one", "two"], ["-O1"])  # fmt: skip
+    source = kernel.bound_source
+    assert source.startswith("int one() { return 1; }\nint two() { return 2; }")
+    assert "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)" in source and source.count("m.def(") == 2
+    for f in ("one", "two"):
+        assert f'm.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");' in source
