@@ -7,11 +7,11 @@ and cached under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR): about a m
 first time, a fraction of a second after. A kernel that cannot be built (no compiler, no ninja, a failed build) is
 None with the reason in `build_error`, and its module falls back to a torch path.
 
-Every function is bound so that it releases the GIL while it runs (`torch::wrap_pybind_function_no_gil`). A worker's
-compute thread spends nearly all of a decode step inside these calls; holding the GIL there, every other Python thread
-of the process that woke (gRPC's pollers, the topology watch, the heartbeat) first waited out the interpreter's 5 ms
-switch interval and then forced the compute thread to hand the GIL over between two calls and wait to get it back,
-while its OpenMP partner spun and then slept at the next barrier (docs/performance.md, "The GIL inside a live mesh").
+Every function is bound so that it releases the GIL while it runs (`torch::wrap_pybind_function_no_gil`), as torch's
+own operators do. A worker's compute thread spends nearly all of a step inside these calls. Holding the GIL there, the
+process's other Python threads (gRPC's, the topology watch, the heartbeat) could not run for as long as a call took,
+a long prompt's product included, and one that woke forced the compute thread to hand the GIL over between two calls.
+Decode speed through meshes did not change measurably (docs/performance.md, "Inside the meshes").
 
 A build holds a `lock` file in its directory, and torch waits for that file to go, without a timeout. A process
 killed while building (SIGKILL, a container stopped during the first start) leaves the file behind, and every
