@@ -138,48 +138,33 @@ def topology(model_dir: Path, dtype: str, stages: int, port: int, epoch: int, ro
                       True, limits)  # fmt: skip
 
 
-def around_the_forward() -> list[float]:
+def around_the_forward() -> tuple[list[float], list[tuple[float, float]]]:
     """[thread CPU seconds in decode calls, of which in their forwards], kept up to date by wrapping
     `StageWorkerCore._decode_steps` and `CpuDecode.run` (both run on the core's compute thread), so that a cycle's
-    work around the forward is the first's growth less the second's."""
+    work around the forward is the first's growth less the second's; and every forward of the CPU decode path as
+    (start, end) on `time.perf_counter`. On Linux that clock is CLOCK_MONOTONIC, one clock for every process on the
+    host, so the forwards of two stages' processes can be laid end to end (`seams`)."""
     from shardmesh.engine.cpu_decode import CpuDecode
     from shardworker.runtime import StageWorkerCore
 
     spent = [0.0, 0.0]
+    spans: list[tuple[float, float]] = []
 
-    def timed(f: Any, i: int) -> Any:
+    def timed(f: Any, i: int, stamped: list[tuple[float, float]] | None = None) -> Any:
         def run(*args: Any) -> Any:
-            t0 = time.thread_time()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return f(*args)
             finally:
-                spent[i] += time.thread_time() - t0
+                spent[i] += time.thread_time() - c0
+                if stamped is not None:
+                    stamped.append((t0, time.perf_counter()))
 
         return run
 
     StageWorkerCore._decode_steps = timed(StageWorkerCore._decode_steps, 0)  # type: ignore[method-assign]
-    CpuDecode.run = timed(CpuDecode.run, 1)  # type: ignore[method-assign]
-    return spent
-
-
-def forward_spans() -> list[tuple[float, float]]:
-    """Every forward of the CPU decode path (`CpuDecode.run`) as (start, end) on `time.perf_counter`, kept up to date
-    by wrapping it. On Linux that clock is CLOCK_MONOTONIC, one clock for every process on the host, so the spans of
-    two stages' processes can be laid end to end (`seams`)."""
-    from shardmesh.engine.cpu_decode import CpuDecode
-
-    spans: list[tuple[float, float]] = []
-    run = CpuDecode.run
-
-    def spanned(*args: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return run(*args)
-        finally:
-            spans.append((t0, time.perf_counter()))
-
-    CpuDecode.run = spanned  # type: ignore[method-assign]
-    return spans
+    CpuDecode.run = timed(CpuDecode.run, 1, spans)  # type: ignore[method-assign]
+    return spent, spans
 
 
 def stage_main(layout: str, rank: int, port: int, a: argparse.Namespace) -> None:
@@ -192,7 +177,7 @@ def stage_main(layout: str, rank: int, port: int, a: argparse.Namespace) -> None
     from shardmesh.core.step import SamplingParams, StepEntry
     from shardworker.runtime import StageWorkerCore
 
-    clock, spans = around_the_forward(), forward_spans()
+    clock, spans = around_the_forward()
     layouts = layouts_of(a)
     spec = layouts[layout]
     torch.set_num_threads(spec.threads or a.threads)
@@ -313,7 +298,7 @@ FIRST_GAP = 2
 
 def serial_path(stages: list[list[list[float]]]) -> tuple[float, float] | None:
     """One call's ms per token on its critical path outside the forwards, and in them, from each stage's forwards
-    ((start, end) each, `forward_spans`; stage order): per step k, from the last stage's forward k - 1 to the first
+    ((start, end) each, `around_the_forward`; stage order): per step k, from the last stage's forward k - 1 to the first
     stage's forward k (sampling, the loop hop, the steps' Python), then from each stage's forward k to the next
     stage's (the activations' hops), over steps FIRST_GAP .. STEPS - 1. None if a stage ran other forwards (a call
     off the CPU decode path)."""
