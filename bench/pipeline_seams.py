@@ -1,20 +1,23 @@
-"""The pipeline's seams, measured side by side: pp=1 against pp=2 (`up`'s default on CPU: stages taking turns), with
-the stages' links through shared memory (the default on one host) and over Gloo, all three meshes up at once.
+"""The pipeline's seams, measured side by side: pp=1 against pp=2 (`up`'s default on CPU: stages taking turns), each
+as `up` runs it (compute threads at real-time priority where the OS allows it, `--compute-priority auto`) and with
+`--compute-priority normal`, all four meshes up at once.
 
     .venv/bin/python bench/pipeline_seams.py [--model smollm2-135m-instruct] [--dtype float32] [--rounds 8]
                                              [--streams 16] [--new-tokens 64] [--out bench/results]
 
 Why a bench of its own: bench/run.py starts its meshes one after another, and on the virtual machines here a decode
 step's time moves by 15-30% from one minute to the next, so its stage boundary (pp=2 minus pp=1, ~35 ms a token each)
-ranged from -4.9 to +9.2 ms over four rounds, where the target is 0.5 ms. Here the three meshes stay up and every
+ranged from -4.9 to +9.2 ms over four rounds, where the target is 0.5 ms. Here the meshes stay up and every
 round runs each of them once, in an order that rotates from round to round, back to back: one stream (the median of
 3 requests' mean inter-token ms) and then `--streams` concurrent streams (their aggregate tokens/s). Each derived
 number is computed within a round and reported as the median over the rounds, with its range:
 - stage boundary: pp=2's ms/token minus pp=1's, one stream (target <= 0.5 ms);
-- pp=2 ÷ pp=1 at `--streams` streams, aggregate tokens/s (target >= 0.9x).
+- pp=2 ÷ pp=1 at `--streams` streams, aggregate tokens/s (target >= 0.9x);
+each pp=2 against the pp=1 of its own priority, and pp=1 at normal priority against pp=1 as `up` runs it.
 Every mesh runs `shardmesh up` as deployed (2 torch threads a worker on this host's cores, 8 decode steps per call);
-the Gloo mesh differs only by SHARDMESH_LINK_TRANSPORT=gloo, and the links each mesh used are read from its workers'
-logs. Writes bench/results/<host>-<date>-pipeline-seams.{md,json}.
+the last two differ only by `--compute-priority normal`. The links and the compute threads' priority each mesh's
+workers used are read from their logs (`SHARDMESH_LINK_TRANSPORT=gloo` in this process's environment puts every
+pipeline's links on Gloo). Writes bench/results/<host>-<date>-pipeline-seams.{md,json}.
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ sys.path.insert(0, str(ROOT))
 from bench.conditions import PROMPT, machine, save_results  # noqa: E402  (the repository root is on the path only now)
 from bench.run import Mesh, run_streams  # noqa: E402
 
-MESHES = {  # name: (pp, environment)
-    "pp=1": (1, {}),
-    "pp=2 shm links": (2, {}),
-    "pp=2 Gloo links": (2, {"SHARDMESH_LINK_TRANSPORT": "gloo"}),
+MESHES = {  # name: (pp, `up`'s own flags)
+    "pp=1": (1, ()),
+    "pp=2": (2, ()),
+    "pp=2 normal priority": (2, ("--compute-priority", "normal")),
+    "pp=1 normal priority": (1, ("--compute-priority", "normal")),
 }
+BASELINE = {"pp=2": "pp=1", "pp=2 normal priority": "pp=1 normal priority", "pp=1 normal priority": "pp=1"}
 
 
 def measure(mesh: Mesh, prompt_ids: list[int], a: argparse.Namespace) -> dict[str, float]:
@@ -47,27 +52,28 @@ def measure(mesh: Mesh, prompt_ids: list[int], a: argparse.Namespace) -> dict[st
 
 def derived(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
-    for name in MESHES:
-        if name == "pp=1":
-            continue
-        boundary = [r[name]["ms_per_token"] - r["pp=1"]["ms_per_token"] for r in rounds]
-        ratio = [r[name]["aggregate_tok_s"] / r["pp=1"]["aggregate_tok_s"] for r in rounds]
-        out[name] = {"boundary_ms": statistics.median(boundary), "boundary_range": [min(boundary), max(boundary)],
+    for name, base in BASELINE.items():
+        boundary = [r[name]["ms_per_token"] - r[base]["ms_per_token"] for r in rounds]
+        ratio = [r[name]["aggregate_tok_s"] / r[base]["aggregate_tok_s"] for r in rounds]
+        out[name] = {"against": base,
+                     "boundary_ms": statistics.median(boundary), "boundary_range": [min(boundary), max(boundary)],
                      "ratio": statistics.median(ratio), "ratio_range": [min(ratio), max(ratio)],
                      "boundary_each": boundary, "ratio_each": ratio}  # fmt: skip
     return out
 
 
-def markdown(info: dict, a: argparse.Namespace, rounds: list[dict], found: dict, links: dict[str, list[str]]) -> str:
+def markdown(info: dict, a: argparse.Namespace, rounds: list[dict], found: dict, links: dict[str, list[str]],
+             priority: dict[str, list[str]]) -> str:  # fmt: skip
     lines = [
         f"# The pipeline's seams: pp=1 and pp=2 side by side ({info['date'][:10]})",
         "",
         f"{info['cpu']} ({info.get('cpu_id', '')}), {info['cores']} cores, torch {info['torch']}, load average "
         f"{info.get('load_avg_1m')} at the start. Model `{a.model}` in {a.dtype}, greedy, the chat prompt of "
-        f"{PROMPT!r}, {a.new_tokens} new tokens. Three meshes up at once (`shardmesh up --rebalance none`, 2 torch "
-        f"threads a worker, 8 decode steps per call); {a.rounds} rounds, each running every mesh once in a rotating "
-        f"order: one stream (median of 3 requests) and {a.streams} streams. Links per mesh (from the workers' "
-        f"logs): " + "; ".join(f"{k}: {'/'.join(v) or 'none'}" for k, v in links.items()) + ".",
+        f"{PROMPT!r}, {a.new_tokens} new tokens. {len(MESHES)} meshes up at once (`shardmesh up --rebalance none`, "
+        f"2 torch threads a worker, 8 decode steps per call); {a.rounds} rounds, each running every mesh once in a "
+        f"rotating order: one stream (median of 3 requests) and {a.streams} streams. Links per mesh (from the workers' "
+        f"logs): " + "; ".join(f"{k}: {'/'.join(v) or 'none'}" for k, v in links.items()) + ". Compute threads' "
+        "priority per mesh: " + "; ".join(f"{k}: {'/'.join(v) or 'not logged'}" for k, v in priority.items()) + ".",
         "",
         f"| round | {' | '.join(f'{n} ms/token' for n in MESHES)} | "
         f"{' | '.join(f'{n} tok/s at {a.streams}' for n in MESHES)} |",
@@ -80,9 +86,15 @@ def markdown(info: dict, a: argparse.Namespace, rounds: list[dict], found: dict,
     for name, d in found.items():
         lo, hi = d["boundary_range"]
         rlo, rhi = d["ratio_range"]
-        lines.append(f"- {name}: stage boundary **{d['boundary_ms']:+.2f} ms** per token ({lo:+.2f} to {hi:+.2f}; "
-                     f"target <= 0.5 ms); pp=2 ÷ pp=1 at {a.streams} streams **{d['ratio']:.2f}×** ({rlo:.2f} to "
-                     f"{rhi:.2f}; target >= 0.9×)")  # fmt: skip
+        if name.startswith("pp=1"):
+            lines.append(
+                f"- {name} against {d['against']}: **{d['boundary_ms']:+.2f} ms** per token ({lo:+.2f} to "
+                f"{hi:+.2f}); tokens/s at {a.streams} streams **{d['ratio']:.2f}×** ({rlo:.2f} to {rhi:.2f})"
+            )
+            continue
+        lines.append(f"- {name} against {d['against']}: stage boundary **{d['boundary_ms']:+.2f} ms** per token "
+                     f"({lo:+.2f} to {hi:+.2f}; target <= 0.5 ms); pp=2 ÷ pp=1 at {a.streams} streams "
+                     f"**{d['ratio']:.2f}×** ({rlo:.2f} to {rhi:.2f}; target >= 0.9×)")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -106,12 +118,13 @@ def main() -> None:
     meshes: dict[str, Mesh] = {}
     with tempfile.TemporaryDirectory() as logs:
         try:
-            for name, (pp, env) in MESHES.items():
+            for name, (pp, flags) in MESHES.items():
                 log_dir = Path(logs) / name.replace(" ", "-").replace("=", "")
                 log_dir.mkdir()
                 meshes[name] = Mesh(model_dir, pp, 1, "auto", a.streams, log_dir, 2, "none",
-                                    extra=("--dtype", a.dtype), env=env)  # fmt: skip
+                                    extra=("--dtype", a.dtype, *flags))  # fmt: skip
             links = {name: m.links() for name, m in meshes.items()}
+            priority = {name: m.priorities() for name, m in meshes.items()}
             for m in meshes.values():  # warm-up
                 run_streams(m.address, prompt_ids, 8, 1)
             rounds = []
@@ -124,8 +137,8 @@ def main() -> None:
             for m in meshes.values():
                 m.close()
     found = derived(rounds)
-    data = {"args": vars(a), "links": links, "rounds": rounds, "derived": found}
-    save_results(Path(a.out), info, "-pipeline-seams", markdown(info, a, rounds, found, links), data)
+    data = {"args": vars(a), "links": links, "compute_priority": priority, "rounds": rounds, "derived": found}
+    save_results(Path(a.out), info, "-pipeline-seams", markdown(info, a, rounds, found, links, priority), data)
 
 
 if __name__ == "__main__":

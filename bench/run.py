@@ -171,6 +171,16 @@ class Mesh:
                     kinds |= {ready[k].split()[0] for k in ("prev_link", "next_link", "loop_link") if k in ready}
         return sorted(kinds)
 
+    def priorities(self) -> list[str]:
+        """The scheduling priority of the workers' compute threads, from their `compute_thread` lines (realtime,
+        normal; `shardmesh.engine.compute_priority`)."""
+        found = set()
+        for log in self.log_dir.glob("worker*.log"):
+            for line in log.read_text().splitlines():
+                if '"event": "compute_thread"' in line:
+                    found.add(json.loads(line)["priority"])
+        return sorted(found)
+
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)

@@ -37,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.app import API_KEY_ENV
 from shardmesh.core.layout import layer_counts
 from shardmesh.core.topology import Topology
+from shardmesh.engine import compute_priority
 from shardmesh.rpc import procs
 from shardmesh.rpc.tls import TlsFiles
 from shardmesh.rpc.tls import channel as connect
@@ -50,8 +51,14 @@ SPARE_RESTART_DELAY_S = 3.0
 # libgomp's spin count for workers that take turns on the same cores: an idle stage's OpenMP threads
 # then sleep after ~10k spins instead of the default 300k, which kept the other stage's cores busy
 # (pp=2 on 2 cores, one stream: 36.3 ms/token with the default, 22.2 with 10k; 2k and 50k were no better).
-# Set for `turns` only: a worker alone on its cores (pp=1) ran 2-5% slower at 16 streams with it.
+# Set for `turns`, and for workers at real-time priority: a worker alone on its cores (pp=1) ran 2-5% slower at 16
+# streams with it at normal priority, and 3.5% faster at one stream at real-time priority (0.942 against 0.977x).
 TURNS_SPINCOUNT = "10000"
+# --compute-priority: "auto" asks for real-time compute threads on CPU meshes whose computing threads fit the cores,
+# where the OS allows it (`shardmesh.engine.compute_priority`: pp=2 on 2 vCPUs measured 1.07-1.15x pp=1's time per
+# token without, 0.95-1.0x with; pp=1 itself 0.94-0.98x of its time at normal priority); normal elsewhere.
+COMPUTE_PRIORITIES = ("auto", *compute_priority.PRIORITIES)
+PRIORITY_ENV = "SHARDMESH_WORKER_COMPUTE_PRIORITY"
 
 
 @dataclass(frozen=True)
@@ -62,17 +69,26 @@ class CoreShare:
     worker_threads: int  # torch threads per worker
     gateway_depth: int  # the gateway's --pipeline-depth (0: one step per stage)
     worker_env: dict[str, str]
+    compute_priority: str = "normal"  # the workers' compute threads' (`--compute-priority` as resolved)
+    priority_refused: str = ""  # why "auto" left them normal where it would have asked for real-time
 
-    def describe(self, cores: int) -> str:
+    def describe(self, cores: int, stages: int = 2) -> str:
+        threads = f"each worker on {self.worker_threads} threads"
+        if self.compute_priority == "realtime":
+            threads += " at real-time priority (--compute-priority normal: not)"
+        elif self.priority_refused:
+            threads += f" at normal priority, as real-time was refused: {self.priority_refused}"
         if self.pipeline == "turns":
             return (f"pipeline: the stages share this host's {cores} cores, so they take turns (one step in "
-                    f"flight), each worker on {self.worker_threads} threads; --pipeline full keeps every stage "
-                    "busy at once")  # fmt: skip
-        return f"pipeline: full (one step in flight per stage), each worker on {self.worker_threads} threads"
+                    f"flight), {threads}; --pipeline full keeps every stage busy at once")  # fmt: skip
+        if stages == 1:
+            return f"workers: {threads}"
+        return f"pipeline: full (one step in flight per stage), {threads}"
 
 
 def share_cores(pp: int, tp: int, device: str | Sequence[str], pipeline: str, worker_threads: int | None, cores: int,
-                env: Mapping[str, str] | None = None) -> CoreShare:  # fmt: skip
+                env: Mapping[str, str] | None = None, priority: str = "normal",
+                refusal: Callable[[], str | None] = compute_priority.auto_refusal) -> CoreShare:  # fmt: skip
     """The thread counts and pipeline depth for P x T workers on one host's `cores`.
 
     Every worker of a local mesh runs on the same cores. Tensor-parallel ranks of a stage always compute
@@ -82,6 +98,11 @@ def share_cores(pp: int, tp: int, device: str | Sequence[str], pipeline: str, wo
     stream 22 vs 28 ms/token; 16 streams 327 vs 250 tok/s). A full pipeline doubles the weight reads per
     token (two micro-batches) and its stages preempt each other and the gateway on the shared cores.
     With devices of their own (GPUs) the stages do work in parallel: `auto` keeps the pipeline full.
+
+    `priority` (--compute-priority): "auto" gives the workers real-time compute threads when they all compute on the
+    CPU, the threads that compute at once fit the cores, and `refusal()` finds nothing against it; normal ones
+    otherwise. "realtime" and "normal" as asked (the caller checked "realtime"). Real-time CPU workers get the
+    short OpenMP spin too, `turns` or not: a team spinning at real-time priority keeps the gateway off the cores.
 
     `device`: one for every rank, or each rank's (`worker_devices`). Only the CPU ranks compute on the cores: with
     some ranks on GPUs, the cores are split among the CPU ranks (GPU ranks need few threads).
@@ -93,12 +114,35 @@ def share_cores(pp: int, tp: int, device: str | Sequence[str], pipeline: str, wo
     on_cpu = sum(d == "cpu" for d in devices)
     if pipeline == "auto":
         pipeline = "turns" if on_cpu == len(devices) and pp > 1 else "full"
-    if pipeline == "turns":
-        extra = {} if "GOMP_SPINCOUNT" in env or "OMP_WAIT_POLICY" in env else {"GOMP_SPINCOUNT": TURNS_SPINCOUNT}
-        threads = worker_threads or max(1, cores // tp)
-        return CoreShare("turns", threads, 1, extra)
-    computing = on_cpu or len(devices)  # all on GPUs: every worker still gets its share of the cores
-    return CoreShare("full", worker_threads or max(1, cores // computing), 0, {})
+    if pipeline == "turns":  # one stage computes at a time, its tensor-parallel ranks at once
+        threads, depth = worker_threads or max(1, cores // tp), 1
+        at_once = tp * threads
+    else:
+        computing = on_cpu or len(devices)  # all on GPUs: every worker still gets its share of the cores
+        threads, depth = worker_threads or max(1, cores // computing), 0
+        at_once = on_cpu * threads
+    chosen, refused = _priority(priority, on_cpu == len(devices) and at_once <= cores, refusal)
+    spin = pipeline == "turns" or (chosen == "realtime" and on_cpu > 0)
+    own = "GOMP_SPINCOUNT" in env or "OMP_WAIT_POLICY" in env
+    extra = {"GOMP_SPINCOUNT": TURNS_SPINCOUNT} if spin and not own else {}
+    return CoreShare(pipeline, threads, depth, {**extra, **_priority_env(chosen)}, chosen, refused)
+
+
+def _priority(asked: str, fits: bool, refusal: Callable[[], str | None]) -> tuple[str, str]:
+    """`--compute-priority` resolved, and why "auto" stayed normal where it would have asked for real-time. `fits`:
+    every rank computes on the CPU and the threads that compute at once fit the cores. Not otherwise: a real-time
+    thread that waits by spinning (OpenMP's barriers, the shared-memory collectives' first moments) keeps a queued
+    peer of the same priority off its core."""
+    if asked != "auto":
+        return asked, ""
+    if not fits:
+        return "normal", ""
+    why = refusal()
+    return ("normal", why) if why else ("realtime", "")
+
+
+def _priority_env(priority: str) -> dict[str, str]:
+    return {PRIORITY_ENV: priority} if priority == "realtime" else {}
 
 
 def free_port() -> int:
@@ -349,7 +393,8 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
         wait_serving(mesh.coordinator, mesh.children, 60, log_dir, mesh.client_tls)
         devices = worker_devices(args)  # checked by `cmd_up` already: a refusal there is a usage error
         share = share_cores(args.pp, args.tp, devices[: args.pp * args.tp], getattr(args, "pipeline", "auto"),
-                            getattr(args, "worker_threads", None), procs.cores())  # fmt: skip
+                            getattr(args, "worker_threads", None), procs.cores(),
+                            priority=getattr(args, "compute_priority", "auto"))  # fmt: skip
         mesh.share = share
         env = {**os.environ, **share.worker_env, "OMP_NUM_THREADS": str(share.worker_threads)}
         for name, command in worker_commands(args, mesh.coordinator, mesh.security_flags("worker"), devices):
@@ -501,8 +546,9 @@ def run(args: argparse.Namespace, model_dir: Path, demo: object | None = None) -
                 print(f"tls: mutual TLS on every gRPC hop, HTTPS on the HTTP API (CA {mesh.tls.directory}/ca.pem); "
                       f"tools take{tool_flags}; drain also --join-token-file {mesh.tls.join_token}", file=sys.stderr,
                       flush=True)  # fmt: skip
-            if mesh.share is not None and args.pp > 1:
-                print(mesh.share.describe(procs.cores()), file=sys.stderr, flush=True)
+            if mesh.share is not None and (args.pp > 1 or mesh.share.compute_priority == "realtime"
+                                           or mesh.share.priority_refused):  # fmt: skip
+                print(mesh.share.describe(procs.cores(), args.pp), file=sys.stderr, flush=True)
             if callable(demo):
                 credentials = {} if mesh.client_tls is None else {
                     "tls_cert": str(mesh.client_tls.cert), "tls_key": str(mesh.client_tls.key),

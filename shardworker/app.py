@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--speed", "auto", help="this worker's matrix-multiply throughput in GFLOP/s, or 'auto' to measure it at "
          "start (default); the coordinator moves a slot onto a spare that makes the pipeline faster by its "
          "--rebalance-gain")  # fmt: skip
+    flag("--compute-priority", "normal", choices=("normal", "realtime"), help="the scheduling priority of the "
+         "thread that runs this worker's tensor work and of its OpenMP threads: normal, or realtime (SCHED_RR 1; "
+         "needs CAP_SYS_NICE or `ulimit -r` >= 1). CPU stages that take turns on shared cores lose 7-15%% of "
+         "their speed to other threads without it (`shardmesh up` asks for it on CPU meshes when it may)")  # fmt: skip
     flag("--log-level", help="debug, info, warning or error")
     telemetry.add_flags(flag)
     add_tls_flags(flag, "the worker")
@@ -92,12 +96,18 @@ def build_config(args: argparse.Namespace) -> Any:
             budget = parse_bytes(args.memory_budget)
         except ValueError as e:
             raise UsageError(f"--memory-budget: {e}") from None
+    if args.compute_priority == "realtime":
+        from shardmesh.engine import compute_priority
+
+        if (why := compute_priority.refusal()) is not None:
+            raise UsageError(f"--compute-priority realtime: this process may not use it: {why}")
     # The spelling here (a config may be checked where it does not run); the GPU itself when the worker starts (`run`).
     device = worker_device(args.device, check_visible=False)
     tls, join_tokens, join_token = mesh_security(args)
     return WorkerConfig(args.coordinator, args.listen, args.advertise, args.worker_id, device, labels,
                         args.group_timeout, args.max_message_mb * 1024 * 1024, args.metrics_port,
-                        args.otlp_endpoint, speed, tls, join_tokens, join_token, budget, args.link_staging)  # fmt: skip
+                        args.otlp_endpoint, speed, tls, join_tokens, join_token, budget, args.link_staging,
+                        args.compute_priority)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

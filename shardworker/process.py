@@ -49,6 +49,7 @@ class WorkerConfig:
     join_token: str | None = field(default=None, repr=False)  # presented to the coordinator
     memory_budget: int | None = None  # bytes of weights in memory (`shardmesh.engine.offload`); None: the whole shard
     link_staging: str = "auto"  # --link-staging: "host" forces Gloo + host staging on links and hand-overs
+    compute_priority: str = "normal"  # --compute-priority: the compute thread's (`shardmesh.engine.compute_priority`)
 
 
 def should_exit(topology: Topology, worker_id: str) -> bool:
@@ -187,7 +188,8 @@ class WorkerProcess:
         if self.core is None:
             self.core = StageWorkerCore(self.worker_id, self.device, self.log, self.cfg.group_timeout_s,
                                         memory_budget=self.cfg.memory_budget,
-                                        link_staging=self.cfg.link_staging)  # fmt: skip
+                                        link_staging=self.cfg.link_staging,
+                                        priority=self.cfg.compute_priority)  # fmt: skip
             self.core.on_cache_reset = self._heartbeat_once  # the coordinator must know before the calibration ends
         self.log.info("registered", heartbeat_s=self.heartbeat_s)
         self._offer(Topology.from_pb(resp.topology))

@@ -41,7 +41,7 @@ from shardmesh.core.step import (
     written_blocks,
 )
 from shardmesh.core.topology import HeldShard, Rendezvous, ServingLimits, ShardState, Topology
-from shardmesh.engine import kv_transfer, offload
+from shardmesh.engine import compute_priority, kv_transfer, offload
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.groups import (
     Backend,
@@ -272,8 +272,9 @@ class _Runtime:
 class StageWorkerCore:
     def __init__(self, worker_id: str, device: torch.device, logger: Any, group_timeout_s: float = 60.0,
                  order_timeout_s: float = 10.0, memory_budget: int | None = None,
-                 link_staging: str = "auto") -> None:  # fmt: skip
+                 link_staging: str = "auto", priority: str = "normal") -> None:  # fmt: skip
         check_staging(link_staging)
+        self.priority = compute_priority.check(priority)  # the compute thread's scheduling priority
         self.worker_id = worker_id
         # How this worker's stage links and hand-over pairs move tensors: "auto" agrees with each peer (NCCL
         # between two GPUs, else Gloo through host memory), "host" always goes through host memory over Gloo.
@@ -311,8 +312,19 @@ class StageWorkerCore:
         # measured 38 ms on gRPC's threads against 25 ms on one thread. On CUDA it also keeps the device's
         # context on one thread.
         threads = torch.get_num_threads()  # the process's setting (--threads, $OMP_NUM_THREADS); per OS thread
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=torch.set_num_threads,
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=self._start_compute,
                                            initargs=(threads,))  # fmt: skip
+
+    def _start_compute(self, threads: int) -> None:
+        """The compute thread's set-up, before its first tensor operation: its OpenMP team is made by that
+        operation and inherits the thread's scheduling priority (`shardmesh.engine.compute_priority`)."""
+        torch.set_num_threads(threads)
+        try:
+            compute_priority.apply(self.priority)
+        except OSError as e:  # `shardmesh worker` asked the OS at start; this is the same answer changing since
+            self.log.warning("compute_priority_refused", asked=self.priority, reason=str(e))
+        else:
+            self.log.info("compute_thread", priority=compute_priority.current(), threads=threads)
 
     def _on_compute(self, fn: Callable[..., R], *args: Any) -> R:
         """`fn(*args)` on the compute thread; its exceptions are raised here, in the caller.

@@ -3,13 +3,23 @@ what it prints about the metrics endpoints under `--metrics`."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 
 from shardmesh.core.topology import ModelSpec, ServingLimits, ShardAssignment, Stage, Topology
+from shardmesh.engine import compute_priority
 from shardmesh.rpc.telemetry import METRICS_LABEL
 from shardmesh_cli.main import main
-from shardmesh_cli.up import TURNS_SPINCOUNT, CoreShare, metrics_endpoints, metrics_lines, share_cores
+from shardmesh_cli.up import (
+    PRIORITY_ENV,
+    TURNS_SPINCOUNT,
+    CoreShare,
+    metrics_endpoints,
+    metrics_lines,
+    share_cores,
+)
 
 
 def test_cpu_stages_take_turns_each_on_the_cores_of_its_rank() -> None:
@@ -82,3 +92,62 @@ def test_metrics_lines_without_a_topology_still_name_the_services() -> None:
 def test_up_refuses_a_bad_worker_thread_count(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["up", "--model", "smollm2-135m-instruct", "--worker-threads", "0"]) == 2
     assert "--worker-threads: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_stages_taking_turns_get_realtime_compute_threads_where_the_os_allows() -> None:
+    allowed = share_cores(2, 1, "cpu", "auto", None, cores=2, env={}, priority="auto", refusal=lambda: None)
+    assert allowed.compute_priority == "realtime" and allowed.worker_env[PRIORITY_ENV] == "realtime"
+    assert "at real-time priority" in allowed.describe(2)
+    refused = share_cores(2, 1, "cpu", "auto", None, cores=2, env={}, priority="auto", refusal=lambda: "EPERM")
+    assert refused.compute_priority == "normal" and PRIORITY_ENV not in refused.worker_env
+    assert "at normal priority, as real-time was refused: EPERM" in refused.describe(2)
+
+
+def test_auto_asks_for_realtime_only_where_the_computing_threads_fit_the_cores() -> None:
+    def share(*layout: object, priority: str = "auto", refusal: object = lambda: None) -> CoreShare:
+        return share_cores(*layout, None, cores=2, env={}, priority=priority, refusal=refusal)  # type: ignore[arg-type]
+
+    alone = share(1, 1, "cpu", "auto")  # pp=1: its two threads, the short spin too (a real-time team's spin
+    assert alone.compute_priority == "realtime"  # would keep the gateway off the cores)
+    assert alone.worker_env == {"GOMP_SPINCOUNT": TURNS_SPINCOUNT, PRIORITY_ENV: "realtime"}
+    assert share(1, 3, "cpu", "auto").worker_env == {}  # three one-thread ranks at once on two cores
+    assert share(2, 1, "cpu", "full").compute_priority == "realtime"  # two one-thread stages at once: they fit
+    assert share(2, 2, "cpu", "full").compute_priority == "normal"  # four at once on two cores
+    assert share(2, 1, "cuda", "auto").worker_env == {}  # GPU workers: not asked
+
+
+def test_a_given_priority_is_kept_and_the_os_is_not_asked() -> None:
+    def asked() -> str | None:
+        raise AssertionError("only auto asks the OS here; the command checked an explicit realtime")
+
+    gpu = share_cores(2, 1, "cuda", "auto", None, cores=2, env={}, priority="realtime", refusal=asked)
+    assert gpu.compute_priority == "realtime" and gpu.worker_env == {PRIORITY_ENV: "realtime"}
+    tp3 = share_cores(1, 3, "cpu", "auto", None, cores=2, env={}, priority="realtime", refusal=asked)
+    assert tp3.worker_env == {"GOMP_SPINCOUNT": TURNS_SPINCOUNT, PRIORITY_ENV: "realtime"}
+    normal = share_cores(2, 1, "cpu", "auto", None, cores=2, env={}, priority="normal", refusal=asked)
+    assert normal.compute_priority == "normal" and normal.worker_env == {"GOMP_SPINCOUNT": TURNS_SPINCOUNT}
+    own = share_cores(1, 1, "cpu", "auto", None, cores=2, env={"GOMP_SPINCOUNT": "5"}, priority="realtime",
+                      refusal=asked)  # fmt: skip
+    assert own.worker_env == {PRIORITY_ENV: "realtime"}  # the caller's OpenMP settings are kept
+
+
+def test_auto_stays_normal_where_realtime_threads_would_be_unbounded(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:  # fmt: skip
+    knob = tmp_path / "sched_rt_runtime_us"
+    monkeypatch.setattr(compute_priority, "RT_RUNTIME", knob)
+    knob.write_text("-1\n")
+    assert "is -1, so real-time threads could starve" in (compute_priority.auto_refusal() or "")
+    knob.write_text("950000\n")
+    assert compute_priority.unbounded() is None
+
+
+def test_realtime_that_the_os_refuses_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(compute_priority, "refusal", lambda: "Operation not permitted")
+    assert main(["up", "--model", "smollm2-135m-instruct", "--compute-priority", "realtime"]) == 2
+    assert "error: --compute-priority realtime: this process may not use it: Operation not permitted" in (
+        capsys.readouterr().err
+    )
+    assert main(["worker", "--compute-priority", "realtime"]) == 2
+    assert "error: --compute-priority realtime: this process may not use it" in capsys.readouterr().err

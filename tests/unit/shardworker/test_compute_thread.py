@@ -12,6 +12,7 @@ import structlog
 import torch
 
 from shardmesh.core.errors import FailedPrecondition
+from shardmesh.engine import compute_priority
 from shardworker.runtime import StageWorkerCore
 
 
@@ -51,3 +52,18 @@ def test_a_step_waiting_for_the_lock_leaves_the_compute_thread_free() -> None:
         assert not caller.is_alive() and refused and refused[0].code == "FAILED_PRECONDITION"
     finally:
         core.close()
+
+
+def test_the_compute_thread_takes_the_priority_it_is_given() -> None:
+    """`--compute-priority realtime` is set on the compute thread before its first tensor operation, so the OpenMP
+    team that operation makes inherits it (tests/unit/engine/test_compute_priority.py); other threads stay normal."""
+    allowed = compute_priority.refusal() is None
+    core = StageWorkerCore("w", torch.device("cpu"), structlog.wrap_logger(structlog.ReturnLogger()),
+                           priority="realtime")  # fmt: skip
+    try:
+        assert core._on_compute(compute_priority.current) == ("realtime" if allowed else "normal")
+        assert compute_priority.current() == "normal"
+    finally:
+        core.close()
+    with pytest.raises(ValueError, match="must be one of normal, realtime"):
+        StageWorkerCore("w", torch.device("cpu"), structlog.wrap_logger(structlog.ReturnLogger()), priority="max")
