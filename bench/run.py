@@ -53,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -164,22 +165,21 @@ class Mesh:
         """How the stages' links moved their bytes (shm, gloo, nccl), from the workers' `ready` lines: a pipeline on
         one host takes shared memory unless a side refused it (`groups.form_link`)."""
         kinds = set()
-        for log in self.log_dir.glob("worker*.log"):
-            for line in log.read_text().splitlines():
-                if '"event": "ready"' in line:
-                    ready = json.loads(line)
-                    kinds |= {ready[k].split()[0] for k in ("prev_link", "next_link", "loop_link") if k in ready}
+        for ready in self._worker_events("ready"):
+            kinds |= {ready[k].split()[0] for k in ("prev_link", "next_link", "loop_link") if k in ready}
         return sorted(kinds)
 
     def priorities(self) -> list[str]:
         """The scheduling priority of the workers' compute threads, from their `compute_thread` lines (realtime,
         normal; `shardmesh.engine.compute_priority`)."""
-        found = set()
+        return sorted({event["priority"] for event in self._worker_events("compute_thread")})
+
+    def _worker_events(self, event: str) -> Iterator[dict]:
+        """The workers' log lines of `event`, parsed."""
         for log in self.log_dir.glob("worker*.log"):
             for line in log.read_text().splitlines():
-                if '"event": "compute_thread"' in line:
-                    found.add(json.loads(line)["priority"])
-        return sorted(found)
+                if f'"event": "{event}"' in line:
+                    yield json.loads(line)
 
     def close(self) -> None:
         self.proc.terminate()

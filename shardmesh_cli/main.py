@@ -10,6 +10,7 @@ from typing import Any
 
 from shardmesh.core.dtypes import QUANTIZE_HELP, DType, Quantization
 from shardmesh.core.layout import REBALANCES
+from shardmesh.engine import compute_priority
 from shardmesh.models.hub import MODEL_HELP, REVISION_HELP
 from shardmesh.rpc.flags import EXIT_USAGE, UsageError, add_client_tls_flags
 
@@ -158,8 +159,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise UsageError(f"--spares: must be >= 0, got {args.spares}")
     if args.worker_threads is not None and args.worker_threads < 1:
         raise UsageError(f"--worker-threads: must be >= 1, got {args.worker_threads}")
-    if getattr(args, "compute_priority", "auto") == "realtime" and (why := up.compute_priority.refusal()) is not None:
-        raise UsageError(f"--compute-priority realtime: this process may not use it: {why}")
+    if (refused := compute_priority.realtime_refused(getattr(args, "compute_priority", "auto"))) is not None:
+        raise UsageError(refused)
     try:  # every rank on a device of its own, before anything starts
         up.worker_devices(args)
     except ValueError as e:
@@ -339,10 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "workers; turns: one step in flight, each stage on all the cores when its turn comes; "
                         "auto (default): turns on cpu with --pp > 1 (the stages share this host's cores), "
                         "else full")  # fmt: skip
-    u.add_argument("--compute-priority", default="auto", choices=["auto", "normal", "realtime"],
+    u.add_argument("--compute-priority", default="auto", choices=["auto", *compute_priority.PRIORITIES],
                    help="scheduling priority of each worker's compute thread and its OpenMP threads: realtime "
                         "(SCHED_RR 1; needs CAP_SYS_NICE or `ulimit -r` >= 1), normal, or auto (default): realtime "
-                        "where CPU stages take turns on shared cores and the OS allows it, else normal")  # fmt: skip
+                        "where every worker computes on the CPU, their threads fit the cores and the OS allows it, "
+                        "else normal")  # fmt: skip
     u.add_argument("--demo", metavar="PROMPT", default=None, help="stream one answer to PROMPT, then stop")
     u.add_argument("--max-new-tokens", type=int, default=128, help="length of the --demo answer (default 128)")
     u.add_argument("--otlp-endpoint", default=None, help="send every service's spans to this OTLP endpoint")

@@ -57,7 +57,6 @@ TURNS_SPINCOUNT = "10000"
 # --compute-priority: "auto" asks for real-time compute threads on CPU meshes whose computing threads fit the cores,
 # where the OS allows it (`shardmesh.engine.compute_priority`: pp=2 on 2 vCPUs measured 1.07-1.15x pp=1's time per
 # token without, 0.95-1.0x with; pp=1 itself 0.94-0.98x of its time at normal priority); normal elsewhere.
-COMPUTE_PRIORITIES = ("auto", *compute_priority.PRIORITIES)
 PRIORITY_ENV = "SHARDMESH_WORKER_COMPUTE_PRIORITY"
 
 

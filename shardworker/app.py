@@ -11,6 +11,7 @@ import argparse
 import os
 from typing import Any
 
+from shardmesh.engine import compute_priority
 from shardmesh.rpc import telemetry
 from shardmesh.rpc.flags import JOIN_TOKEN_ENV, UsageError, add_tls_flags, env_flags, mesh_security
 
@@ -39,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--speed", "auto", help="this worker's matrix-multiply throughput in GFLOP/s, or 'auto' to measure it at "
          "start (default); the coordinator moves a slot onto a spare that makes the pipeline faster by its "
          "--rebalance-gain")  # fmt: skip
-    flag("--compute-priority", "normal", choices=("normal", "realtime"), help="the scheduling priority of the "
+    flag("--compute-priority", "normal", choices=compute_priority.PRIORITIES, help="the scheduling priority of the "
          "thread that runs this worker's tensor work and of its OpenMP threads: normal, or realtime (SCHED_RR 1; "
          "needs CAP_SYS_NICE or `ulimit -r` >= 1). CPU stages that take turns on shared cores lose 7-15%% of "
          "their speed to other threads without it (`shardmesh up` asks for it on CPU meshes when it may)")  # fmt: skip
@@ -96,11 +97,8 @@ def build_config(args: argparse.Namespace) -> Any:
             budget = parse_bytes(args.memory_budget)
         except ValueError as e:
             raise UsageError(f"--memory-budget: {e}") from None
-    if args.compute_priority == "realtime":
-        from shardmesh.engine import compute_priority
-
-        if (why := compute_priority.refusal()) is not None:
-            raise UsageError(f"--compute-priority realtime: this process may not use it: {why}")
+    if (refused := compute_priority.realtime_refused(args.compute_priority)) is not None:
+        raise UsageError(refused)
     # The spelling here (a config may be checked where it does not run); the GPU itself when the worker starts (`run`).
     device = worker_device(args.device, check_visible=False)
     tls, join_tokens, join_token = mesh_security(args)

@@ -68,6 +68,14 @@ def refusal() -> str | None:
     return why[0] if why else None
 
 
+def realtime_refused(priority: str) -> str | None:
+    """Why asking for `priority` cannot be granted in this process, worded for `--compute-priority` (`shardmesh up` and
+    `shardmesh worker` both refuse it as a usage error before anything starts), or None."""
+    if priority == "realtime" and (why := refusal()) is not None:
+        return f"--compute-priority realtime: this process may not use it: {why}"
+    return None
+
+
 def unbounded() -> str | None:
     """Why real-time threads would not leave normal ones any time on their cores, or None: Linux reserves 5% of each
     core for normal threads unless an administrator wrote -1 to sched_rt_runtime_us. A worker's heartbeats and
