@@ -1,20 +1,26 @@
-"""bfloat16 products on AMX tiles against AVX512-BF16's vdpbf16ps, on this host, in the same run.
+"""bfloat16 products by each way this CPU has, in the same run: AMX tiles, AVX512-BF16's vdpbf16ps, and the weights
+widened to float32 for FMAs.
 
     .venv/bin/python bench/bf16_products.py [--rows 1,4,16,64,736] [--rounds 5] [--iters 20] [--out bench/results]
 
 The blocked product (`cpu_kernels.linear`) multiplies bfloat16 weights on AMX's tiles where the CPU has them and the
-kernel grants a process their use, else with vdpbf16ps (`SHARDMESH_CPU_AMX=0` asks for the latter; the C++ reads it
-once per process). So each round runs one child process per way, in alternating order, each timing the same products:
+kernel grants a process their use (`SHARDMESH_CPU_AMX=0` turns them off); else, for one row, with vdpbf16ps; for two
+rows or more with vdpbf16ps or widened, whichever a probe at load times faster on this core
+(`cpu_kernels.choose_bf16_rows`; `SHARDMESH_CPU_BF16_ROWS` names one). Both environment variables are read once per
+process, so each round runs one child process per way, in alternating order, each timing the same products:
 SmolLM2-135M's, one layer's four (q, k, v stacked; o; gate and up stacked; down) and the LM head, random weights of a
-fixed seed, at each row count (1: a decode step of one sequence, 16: of 16, 736: a prefill of 16 x 46 tokens). A
-number is a child's median µs per product over `--iters` calls, after one call of warm-up; the table gives each
-way's median over rounds and the ratio AMX ÷ vdpbf16ps per round (its median; below 1 is faster). Each child has
-PyTorch's default threads. Writes bench/results/<host>-<date>-bf16-products.{md,json} and prints the markdown.
+fixed seed, at each row count (1: a decode step of one sequence, where widened is never taken, so its column there is
+the noise between two runs of vdpbf16ps; 16: of 16; 736: a prefill of 16 x 46 tokens). A number is a child's median
+µs per product over `--iters` calls, after one call of warm-up; the table gives each way's median over rounds and
+its ratio to vdpbf16ps per round (their median; below 1 is faster). A last child reports what the probe chose with
+neither variable set. Each child has PyTorch's default threads. Writes
+bench/results/<host>-<date>-bf16-products.{md,json} and prints the markdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -24,14 +30,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.conditions import alternated, child_json, machine, save_results  # noqa: E402  (ROOT is on the path now)
-from shardmesh.engine.cpu_kernels import AMX_ENV  # noqa: E402
+from shardmesh.engine.cpu_kernels import AMX_ENV, BF16_ROWS_ENV  # noqa: E402
 
 PRODUCTS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
-WAYS = {"amx": "1", "vdpbf16ps": "0"}  # name: $SHARDMESH_CPU_AMX (`cpu_kernels.AMX_ENV`)
+# name: the environment that asks for it; vdpbf16ps, the baseline, first
+WAYS = {
+    "vdpbf16ps": {AMX_ENV: "0", BF16_ROWS_ENV: "vdpbf16ps"},
+    "widened": {AMX_ENV: "0", BF16_ROWS_ENV: "widened"},
+    "amx": {AMX_ENV: "1", BF16_ROWS_ENV: "vdpbf16ps"},
+}
 
 
-def child(rows: list[int], iters: int) -> dict[str, float]:
-    """µs per product, '<name> <rows>': median over `iters` calls."""
+def child(rows: list[int], iters: int) -> dict:
+    """The way this process took (`choose_bf16_rows`) and µs per product, '<name> <rows>': median over `iters`
+    calls."""
     import time
 
     import torch
@@ -39,6 +51,7 @@ def child(rows: list[int], iters: int) -> dict[str, float]:
     from shardmesh.engine import cpu_kernels
 
     assert cpu_kernels.available(), cpu_kernels.build_error()
+    chosen = cpu_kernels.choose_bf16_rows()
     g = torch.Generator().manual_seed(0)
     out = {}
     for name, (n, k) in PRODUCTS.items():
@@ -52,7 +65,7 @@ def child(rows: list[int], iters: int) -> dict[str, float]:
                 cpu_kernels.linear(x, packed)
                 times.append(time.perf_counter() - t0)
             out[f"{name} {m}"] = statistics.median(times) * 1e6
-    return out
+    return {"chosen": dataclasses.asdict(chosen), "us": out}
 
 
 def main() -> None:
@@ -69,37 +82,50 @@ def main() -> None:
     if a.rounds < 1 or a.iters < 1 or not a.rows or min(a.rows) < 1:
         p.error(f"--rounds, --iters and each of --rows must be at least 1 (got {a.rounds}, {a.iters}, {a.rows})")
     info = machine()
-    if "amx_bf16" not in info["cpu_flags"]:
-        p.error(f"this CPU has no AMX-BF16 (its flags that pick kernels: {' '.join(info['cpu_flags'])})")
+    if "avx512_bf16" not in info["cpu_flags"]:
+        p.error(f"this CPU has no AVX512-BF16 (its flags that pick kernels: {' '.join(info['cpu_flags'])})")
+    ways = [w for w in WAYS if w != "amx" or "amx_bf16" in info["cpu_flags"]]
     args = [sys.executable, __file__, "--child", "--rows", ",".join(map(str, a.rows)), "--iters", str(a.iters)]
     rounds: list[dict[str, dict[str, float]]] = []
     for r in range(a.rounds):
-        rounds.append(
-            {way: child_json(args, {AMX_ENV: WAYS[way]}, f"{way} child") for way in alternated(list(WAYS), r)}
-        )
+        got = {way: child_json(args, WAYS[way], f"{way} child") for way in alternated(ways, r)}
+        for way, result in got.items():  # a way the kernel would not take (AMX refused) is not that way's number
+            if result["chosen"]["way"] != way:
+                sys.exit(f"asked for {way}, the kernels took {result['chosen']}")
+        rounds.append({way: result["us"] for way, result in got.items()})
         print(f"round {r + 1} of {a.rounds}", file=sys.stderr)
+    auto = child_json([*args[:3], "--rows", "1", "--iters", "1"], {AMX_ENV: "", BF16_ROWS_ENV: ""}, "auto child")
+    chosen = auto["chosen"]
+    others = ways[1:]
     lines = [
-        f"# bfloat16 products: AMX tiles against vdpbf16ps ({info['date'][:10]})",
+        f"# bfloat16 products: {', '.join(ways)} ({info['date'][:10]})",
         "",
-        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}; SmolLM2-135M's products, random bfloat16 "
-        f"weights; each way in its own process, alternated, {a.rounds} rounds; µs per product (median of "
-        f"{a.iters} calls, then over rounds); ratio: the median of the rounds' AMX ÷ vdpbf16ps.",
+        f"{info['cpu']} ({info['cpu_id']}), {info['cores']} cores, torch {info['torch']}; flags "
+        f"{' '.join(info['cpu_flags'])}. SmolLM2-135M's products, random bfloat16 weights; each way in its own "
+        f"process, alternated, {a.rounds} rounds; µs per product (median of {a.iters} calls, then over rounds); "
+        "ratio: the median of the rounds' way ÷ vdpbf16ps. At one row widened is not taken (vdpbf16ps runs).",
         "",
-        "| product (N x K) | rows | AMX µs | vdpbf16ps µs | AMX ÷ vdpbf16ps |",
-        "|---|---:|---:|---:|---:|",
+        f"With neither variable set the kernels chose **{chosen['way']}**: {chosen['reason']}.",
+        "",
+        "| product (N x K) | rows | vdpbf16ps µs | " + " | ".join(f"{w} µs | {w} ÷ vdpbf16ps" for w in others) + " |",
+        "|---|---:|---:|" + "---:|---:|" * len(others),
     ]
     rows = []
     for name, (n, k) in PRODUCTS.items():
         for m in a.rows:
             key = f"{name} {m}"
-            amx = statistics.median(r["amx"][key] for r in rounds)
-            vdp = statistics.median(r["vdpbf16ps"][key] for r in rounds)
-            ratio = statistics.median(r["amx"][key] / r["vdpbf16ps"][key] for r in rounds)
-            rows.append({"product": name, "n": n, "k": k, "rows": m, "amx_us": amx, "vdpbf16ps_us": vdp,
-                         "ratio": ratio})  # fmt: skip
-            lines.append(f"| {name} ({n} x {k}) | {m} | {amx:.1f} | {vdp:.1f} | {ratio:.2f} |")
-    save_results(a.out, info, "-bf16-products", "\n".join(lines) + "\n", {"args": vars(a) | {"out": str(a.out)},
-                                                                          "rows": rows, "rounds": rounds})  # fmt: skip
+            base = statistics.median(r["vdpbf16ps"][key] for r in rounds)
+            row = {"product": name, "n": n, "k": k, "rows": m, "vdpbf16ps_us": base}
+            cells = []
+            for w in others:
+                us = statistics.median(r[w][key] for r in rounds)
+                ratio = statistics.median(r[w][key] / r["vdpbf16ps"][key] for r in rounds)
+                row |= {f"{w}_us": us, f"{w}_ratio": ratio}
+                cells.append(f"{us:.1f} | {ratio:.2f}")
+            rows.append(row)
+            lines.append(f"| {name} ({n} x {k}) | {m} | {base:.1f} | " + " | ".join(cells) + " |")
+    save_results(a.out, info, "-bf16-products", "\n".join(lines) + "\n",
+                 {"args": vars(a) | {"out": str(a.out)}, "auto": chosen, "rows": rows, "rounds": rounds})  # fmt: skip
 
 
 if __name__ == "__main__":

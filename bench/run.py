@@ -174,6 +174,11 @@ class Mesh:
         normal; `shardmesh.engine.compute_priority`)."""
         return sorted({event["priority"] for event in self._worker_events("compute_thread")})
 
+    def bf16_rows(self) -> list[str]:
+        """How the workers multiply bfloat16 weights by several rows, from their `bf16_rows_chosen` lines (amx,
+        vdpbf16ps, widened; `cpu_kernels.choose_bf16_rows`); none for other dtypes."""
+        return sorted({event["way"] for event in self._worker_events("bf16_rows_chosen")})
+
     def _worker_events(self, event: str) -> Iterator[dict]:
         """The workers' log lines of `event`, parsed."""
         for log in self.log_dir.glob("worker*.log"):
@@ -333,7 +338,9 @@ def run_mesh(model_dir: Path, run: dict, prompt_ids: list[int], a: argparse.Name
                 print(f"round {run.get('round', 1)} {run['dtype']} pp={run['pp']} tp={run['tp']} "
                       f"pipeline={run['pipeline']} threads={run['threads']}: {r}", file=sys.stderr)  # fmt: skip
             rss = [round(x / 2**20) for x in mesh.worker_peak_rss()]
-            return [{**r, "worker_peak_rss_mib": rss, "layers": mesh.layers(), "links": mesh.links()} for r in mine]
+            seen = {"layers": mesh.layers(), "links": mesh.links(), "compute_priority": mesh.priorities(),
+                    "bf16_rows": mesh.bf16_rows()}  # fmt: skip
+            return [{**r, "worker_peak_rss_mib": rss, **seen} for r in mine]
         finally:
             mesh.close()
 

@@ -1,24 +1,25 @@
 """Decode-speed CPU kernels, compiled for the CPU they run on: a blocked matrix product and a decoder layer's two
 halves.
 
-**The product** (`pack`, `linear`), for float32, bfloat16 and int8 weights. A decode step multiplies a few rows by
-every weight, so it runs at the speed weights stream from memory. Weights are re-stored once, at load, in blocks of
-`NB` output features: block b holds W[b·NB : (b+1)·NB, :] as (K, NB), features innermost, so the loop over K
-broadcasts one input value and multiplies it by NB weights at once (no horizontal sums). bfloat16 weights are stored
-as (K/2, NB, 2) pairs, the operand layout of AVX512-BF16's `vdpbf16ps`, which multiplies bfloat16 activations by them
-two at a time with float32 sums, and of AMX's tiles, which take 16 rows by 32 inputs by 16 outputs per instruction:
-CPUs with AMX-BF16 multiply on the tiles (`SHARDMESH_CPU_AMX=0` keeps them to vdpbf16ps), CPUs without either
-widen each weight to float32 in registers. int8 weights (a float16
-scale and minimum per group of `INT8_GROUP` inputs, applied to each group's sums) are stored as float32's and widened
-in registers: a quarter of the bytes, plus an eighth of that for the groups' scales. Rows are taken eight (then
-four) at a time per pass over a block, their sums in registers (AVX-512: eight rows' in 16 registers; AVX2, whose
-16 registers hold a row's 32 sums in four, takes them two or three at a time within the pass; other CPUs get a loop
-the compiler vectorizes, `-march=native`), so a block is read from memory once per step whatever the rows
-(it stays in L2 while they use it). Parallel over blocks on PyTorch's threads. Measured on a 2-core Zen 4 (SmolLM2,
-2 threads): all products for one row, float32 16.6 ms (32.5 GB/s) against oneDNN's packed product 22.8 ms, bfloat16
-7.5-10 ms against 20-22 ms for PyTorch's bfloat16 product; the whole decode step of 16 sequences (with `cpu_decode`)
-float32 35.8 ms against 57.7 eager on oneDNN's, bfloat16 26.8 against 49.2; a prefill of 16 x 46 tokens float32
-1036 against 1015 ms, bfloat16 652 against 611 ms.
+**The product** (`pack`, `linear`), for float32, bfloat16 and int8 weights. A decode step multiplies a few rows by every
+weight, so it runs at the speed weights stream from memory. Weights are re-stored once, at load, in blocks of `NB`
+output features: block b holds W[b·NB : (b+1)·NB, :] as (K, NB), features innermost, so the loop over K broadcasts one
+input value and multiplies it by NB weights at once (no horizontal sums). bfloat16 weights are stored as (K/2, NB, 2)
+pairs, the operand layout of AVX512-BF16's `vdpbf16ps`, which multiplies bfloat16 activations by them two at a time with
+float32 sums, and of AMX's tiles, which take 16 rows by 32 inputs by 16 outputs per instruction: CPUs with AMX-BF16
+multiply on the tiles (`SHARDMESH_CPU_AMX=0` keeps them to vdpbf16ps), CPUs without either widen each weight to float32
+in registers for FMAs; so do CPUs with vdpbf16ps for products of several rows where it is the slower way on their cores
+(a probe at load decides, `choose_bf16_rows`; same numbers either way). int8 weights (a float16 scale and minimum per
+group of `INT8_GROUP` inputs, applied to each group's sums) are stored as float32's and widened in registers: a quarter
+of the bytes, plus an eighth of that for the groups' scales. Rows are taken eight (then four) at a time per pass over a
+block, their sums in registers (AVX-512: eight rows' in 16 registers; AVX2, whose 16 registers hold a row's 32 sums in
+four, takes them two or three at a time within the pass; other CPUs get a loop the compiler vectorizes,
+`-march=native`), so a block is read from memory once per step whatever the rows (it stays in L2 while they use it).
+Parallel over blocks on PyTorch's threads. Measured on a 2-core Zen 4 (SmolLM2, 2 threads): all products for one row,
+float32 16.6 ms (32.5 GB/s) against oneDNN's packed product 22.8 ms, bfloat16 7.5-10 ms against 20-22 ms for PyTorch's
+bfloat16 product; the whole decode step of 16 sequences (with `cpu_decode`) float32 35.8 ms against 57.7 eager on
+oneDNN's, bfloat16 26.8 against 49.2; a prefill of 16 x 46 tokens float32 1036 against 1015 ms, bfloat16 652 against 611
+ms.
 
 The packed weight is returned as an (N, K) view over the blocked buffer (`pack`): `weight.shape` stays what the
 checkpoint says and its storage holds the padded blocks, as oneDNN's packed weights do; `unpack` gives the (N, K)
@@ -39,7 +40,9 @@ PyTorch's products.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -58,7 +61,10 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdlib>
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <string>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX512BF16__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -237,9 +243,12 @@ static inline void block_f32(const float* x, int64_t xs, int64_t K, const float*
 }
 #endif
 
-#if defined(__AVX512F__) && !defined(__AVX512BF16__)
-// AVX-512 without its bfloat16 instructions: each uint32 of a block row holds the pair (w[n, k], w[n, k + 1]);
-// shifting and masking widens both to float32 in registers.
+#ifdef __AVX512F__
+// bfloat16 weights widened to float32 in registers: each uint32 of a block row holds the pair (w[n, k], w[n, k + 1]);
+// shifting and masking gives both. AVX-512 without its bfloat16 instructions takes it for every product; with them,
+// for products of several rows where vdpbf16ps is the slower way (`bf16_rows_widened`). Input k + 1 is added first and
+// k second, vdpbf16ps's order: with x rounded to bfloat16, each product is exact in float32 and each FMA rounds one
+// sum as vdpbf16ps does, so the two give the same numbers (up to denormals, which vdpbf16ps takes as zero).
 template <int MB>
 static inline void block_bf16(const float* x, int64_t xs, int64_t K, const uint16_t* w, float* acc) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
@@ -252,12 +261,12 @@ static inline void block_bf16(const float* x, int64_t xs, int64_t K, const uint1
     const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
     for (int m = 0; m < MB; ++m) {
       const __m512 x0 = _mm512_set1_ps(x[m * xs + k]), x1 = _mm512_set1_ps(k + 1 < K ? x[m * xs + k + 1] : 0.f);
-      a[m][0] = _mm512_fmadd_ps(x1, o0, _mm512_fmadd_ps(x0, e0, a[m][0]));
-      a[m][1] = _mm512_fmadd_ps(x1, o1, _mm512_fmadd_ps(x0, e1, a[m][1]));
+      a[m][0] = _mm512_fmadd_ps(x0, e0, _mm512_fmadd_ps(x1, o0, a[m][0]));
+      a[m][1] = _mm512_fmadd_ps(x0, e1, _mm512_fmadd_ps(x1, o1, a[m][1]));
     }
   });
 }
-#elif !defined(__AVX512BF16__) && !defined(SHARDMESH_AVX2)
+#elif !defined(SHARDMESH_AVX2)
 template <int MB>
 static inline void block_bf16(const float* x, int64_t xs, int64_t K, const uint16_t* w, float* acc) {
   float a[MB][NB] = {};
@@ -585,6 +594,90 @@ static void over_blocks(int64_t M, int64_t N, const float* bias, float* y, bool 
   });
 }
 
+// Whether bfloat16 products of K2 pairs go to AMX's tiles: where the CPU has them and may use them, and K2 % 16 == 0
+// (a tile takes 16 pairs: any Llama width, and its tensor-parallel slices).
+static inline bool amx_taken(int64_t K2) {
+#ifdef SHARDMESH_AMX
+  return K2 % 16 == 0 && amx_permitted();
+#else
+  (void)K2;
+  return false;
+#endif
+}
+
+// How bfloat16 products of two rows or more run on AVX512-BF16 without AMX: false, vdpbf16ps; true, the weights
+// widened for FMAs (`block_bf16`). Which is faster depends on the core: on a Xeon of family 6 model 207, 16-row
+// products took vdpbf16ps's twice the cycles of FMAs on the same multiply-adds, where a Zen 4 runs vdpbf16ps at twice
+// the FMAs' rate. `bf16_rows_probe` times both, and the loader sets the faster (`cpu_kernels.choose_bf16_rows`). One
+// row keeps vdpbf16ps: it waits on memory, with half the instructions.
+static std::atomic<bool> bf16_rows_widened{false};
+
+// The ways bfloat16 products of several rows can run in this build on this CPU, the first taken when it applies.
+std::vector<std::string> bf16_rows_ways() {
+  std::vector<std::string> ways;
+#ifdef SHARDMESH_AMX
+  if (amx_permitted()) ways.push_back("amx");
+#endif
+#ifdef __AVX512BF16__
+  ways.push_back("vdpbf16ps");
+#endif
+  ways.push_back("widened");
+  return ways;
+}
+
+// The way products of several rows take where AMX does not apply: "vdpbf16ps" or "widened".
+std::string bf16_rows() {
+#ifdef __AVX512BF16__
+  return bf16_rows_widened.load() ? "widened" : "vdpbf16ps";
+#else
+  return "widened";
+#endif
+}
+
+void set_bf16_rows(std::string way) {
+#ifdef __AVX512BF16__
+  TORCH_CHECK(way == "vdpbf16ps" || way == "widened", "bfloat16 rows: vdpbf16ps or widened, not ", way);
+  bf16_rows_widened.store(way == "widened");
+#else
+  TORCH_CHECK(way == "widened", "this build has no vdpbf16ps: bfloat16 products are widened, not ", way);
+#endif
+}
+
+// Nanoseconds per pass of 8 rows over one block of K2 pairs held in L1, by vdpbf16ps and widened, each the least of
+// `trials` alternated timings of `passes` passes on this thread: the cores' rate of each, without memory's.
+std::vector<double> bf16_rows_probe(int64_t K2, int64_t passes, int64_t trials) {
+#ifdef __AVX512BF16__
+  constexpr int R = 8;
+  const int64_t K = 2 * K2;
+  std::vector<uint16_t> w(K2 * 2 * NB);
+  std::vector<float> x(R * K), acc(R * NB);
+  std::vector<uint32_t> xq(R * K2);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = f2bf(1.f + 0.001f * static_cast<float>(i % 97));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = bf2f(f2bf(0.01f * static_cast<float>(i % 89)));
+  for (int64_t i = 0; i < R * K2; ++i) xq[i] = f2bf(x[2 * i]) | (static_cast<uint32_t>(f2bf(x[2 * i + 1])) << 16);
+  double best[2] = {1e300, 1e300};
+  float sink = 0.f;
+  for (int64_t t = 0; t < trials; ++t)
+    for (int way = 0; way < 2; ++way) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int64_t i = 0; i < passes; ++i) {
+        if (way == 0) block_dp<R>(xq.data(), K2, K2, w.data(), acc.data());
+        else block_bf16<R>(x.data(), K, K, w.data(), acc.data());
+        sink += acc[i % (R * NB)];
+      }
+      const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+      best[way] = std::min(best[way], ns / static_cast<double>(passes));
+    }
+  static volatile float keep;  // the sums are used, so the passes are not optimized away
+  keep = sink;
+  return {best[0], best[1]};
+#else
+  (void)K2; (void)passes; (void)trials;
+  TORCH_CHECK(false, "this build has no vdpbf16ps to time");
+  return {};
+#endif
+}
+
 // y (M, N) float32 = x (M, K) float32 times the packed w, (N, K) as `pack` returns it (int8 weights with `scale`, their
 // groups' scales and offsets as `pack_groups` returns them), + bias; `round_bf16` rounds each result to bfloat16.
 static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, const at::Half* scale, const float* bias,
@@ -623,6 +716,14 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const int64_t K2 = (K + 1) / 2;
 #ifdef __AVX512BF16__
+  if (M >= 2 && bf16_rows_widened.load(std::memory_order_relaxed) && !amx_taken(K2)) {
+    std::vector<float> xr(M * K);  // the rows rounded to bfloat16, as vdpbf16ps reads them (`block_bf16`)
+    for (int64_t i = 0; i < M * K; ++i) xr[i] = round_to(true, x[i]);
+    over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
+      block_bf16<decltype(rows)::value>(xr.data() + m * K, K, K, wp + b * K2 * 2 * NB, acc);
+    });
+    return;
+  }
   std::vector<uint32_t> xq(M * K2);  // the rows as bfloat16 pairs (exact when they hold bfloat16 values)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t p = 0; p < K2; ++p) {
@@ -630,7 +731,7 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
       xq[m * K2 + p] = lo | (hi << 16);
     }
 #ifdef SHARDMESH_AMX
-  if (K2 % 16 == 0 && amx_permitted()) {  // K2 % 16: a tile takes 16 pairs (any Llama width, and its tp slices)
+  if (amx_taken(K2)) {
     at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
       float acc[16 * NB];
       int configured = 0;
@@ -1343,7 +1444,8 @@ def isa_kernel(isa: str) -> InlineKernel:
         source = _SOURCE.replace("@ROW@", int8_cpu.ROW_SOURCE).replace("@GROUP@", str(INT8_GROUP))
         _KERNELS[isa] = InlineKernel(
             "shardmesh_cpu", source.replace("@AMX_ENV@", AMX_ENV),
-            ["linear", "rows_linear", "attention_block", "mlp_block", "head_block", "greedy_rows"], ISA_FLAGS[isa],
+            ["linear", "rows_linear", "attention_block", "mlp_block", "head_block", "greedy_rows", "bf16_rows_ways",
+             "bf16_rows", "set_bf16_rows", "bf16_rows_probe"], ISA_FLAGS[isa],
         )  # fmt: skip
     return _KERNELS[isa]
 
@@ -1360,6 +1462,69 @@ def _isa_from_env() -> str:
 
 _KERNELS: dict[str, InlineKernel] = {}
 _KERNEL = isa_kernel(_isa_from_env())
+
+# bfloat16 products of two rows or more on AVX512-BF16 without AMX tiles: "vdpbf16ps", "widened" (the weights widened
+# to float32 for FMAs), or "auto" (the default): the faster on this core, timed once per process (`choose_bf16_rows`).
+BF16_ROWS_ENV = "SHARDMESH_CPU_BF16_ROWS"
+BF16_ROWS_WAYS = ("vdpbf16ps", "widened")
+# Widened is taken where the probe times it below this fraction of vdpbf16ps: 0.58 on the Xeon of family 6 model 207
+# (16-row steps 0.77x the time), where a Zen 4's vdpbf16ps runs at twice its FMAs' rate; a core near even keeps
+# vdpbf16ps, which needs half the instructions.
+WIDEN_BELOW = 0.9
+PROBE_PAIRS = 288  # SmolLM2's hidden width in pairs: a block of 36 KiB, in L1 on any AVX-512 core
+
+
+@dataclass(frozen=True)
+class Bf16Rows:
+    """How this process multiplies bfloat16 weights by several rows, and why."""
+
+    way: str  # "amx", "vdpbf16ps" or "widened"
+    reason: str
+    vdpbf16ps_ns: float | None = None  # the probe's time per pass of 8 rows over a block in L1, where it ran
+    widened_ns: float | None = None
+
+
+_BF16_ROWS: dict[str, Bf16Rows] = {}  # per build (`isa_kernel`): each extension holds its own way
+
+
+def choose_bf16_rows() -> Bf16Rows:
+    """Set and return the way bfloat16 products of several rows run in this process (once; the loader calls it for a
+    bfloat16 shard on the blocked kernels): AMX tiles where the CPU lets this process use them; else, on AVX512-BF16,
+    `$SHARDMESH_CPU_BF16_ROWS` when it names a way, or the faster of vdpbf16ps and widened by a probe of a few
+    milliseconds (`WIDEN_BELOW`); else widened, the only way this build has. Both ways give the same numbers (the C++
+    says why), so the choice changes speed only. A bad value of the variable is a ValueError naming it."""
+    if _KERNEL.name not in _BF16_ROWS:
+        chosen = _choose_bf16_rows(os.environ.get(BF16_ROWS_ENV) or "auto")
+        structlog.get_logger().info("bf16_rows_chosen", **dataclasses.asdict(chosen))
+        _BF16_ROWS[_KERNEL.name] = chosen
+    return _BF16_ROWS[_KERNEL.name]
+
+
+def use_bf16_rows(way: str) -> None:
+    """Make bfloat16 products of several rows run `way` ("vdpbf16ps" or "widened") from now on, in this process: for
+    tests and benchmarks comparing the two (`choose_bf16_rows` picks for serving). A way this build lacks is a
+    RuntimeError."""
+    module().set_bf16_rows(way)  # type: ignore[attr-defined]
+    _BF16_ROWS[_KERNEL.name] = Bf16Rows(way, "asked for")
+
+
+def _choose_bf16_rows(asked: str) -> Bf16Rows:
+    if asked not in ("auto", *BF16_ROWS_WAYS):
+        raise ValueError(f"{BF16_ROWS_ENV}={asked!r}: expected auto, {' or '.join(BF16_ROWS_WAYS)}")
+    ext = module()
+    ways = ext.bf16_rows_ways()  # type: ignore[attr-defined]
+    if "amx" in ways:
+        return Bf16Rows("amx", "AMX tiles (SHARDMESH_CPU_AMX=0 turns them off)")
+    if "vdpbf16ps" not in ways:
+        return Bf16Rows("widened", "no AVX512-BF16 in this build")
+    if asked != "auto":
+        ext.set_bf16_rows(asked)  # type: ignore[attr-defined]
+        return Bf16Rows(asked, f"{BF16_ROWS_ENV}={asked}")
+    dp, widened = ext.bf16_rows_probe(PROBE_PAIRS, 200, 5)  # type: ignore[attr-defined]
+    way = "widened" if widened < WIDEN_BELOW * dp else "vdpbf16ps"
+    ext.set_bf16_rows(way)  # type: ignore[attr-defined]
+    return Bf16Rows(way, f"probe: widened {widened / dp:.2f}x vdpbf16ps's time (widened below {WIDEN_BELOW}x)",
+                    round(dp, 1), round(widened, 1))  # fmt: skip
 
 
 def available() -> bool:

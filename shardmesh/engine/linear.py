@@ -118,13 +118,16 @@ class OneDNNPackedKernel(LinearKernel):
 
 class BlockedCpuKernel(LinearKernel):
     """`cpu_kernels.linear`: weights in blocks of output features, multiplied by a loop compiled for this CPU (float32,
-    or bfloat16 on AMX tiles or through AVX512-BF16 where the CPU has them); the layout and the measurements are in
-    `cpu_kernels`. The decode runner (`cpu_decode`) reads these weights too (CPU, float32 and bfloat16, where the
-    kernels build)."""
+    or bfloat16 on AMX tiles or through AVX512-BF16 where the CPU has them; products of several rows through vdpbf16ps
+    or FMAs on widened weights, whichever this core runs faster, chosen as the first bfloat16 weight is prepared:
+    `cpu_kernels.choose_bf16_rows`); the layout and the measurements are in `cpu_kernels`. The decode runner
+    (`cpu_decode`) reads these weights too (CPU, float32 and bfloat16, where the kernels build)."""
 
     name = "cpu-blocked"
 
     def prepare(self, weight: Tensor) -> Tensor:
+        if weight.dtype == torch.bfloat16:
+            cpu_kernels.choose_bf16_rows()  # once: vdpbf16ps or widened for several rows, the faster on this core
         return cpu_kernels.pack(weight)
 
     def dense(self, weight: Tensor, scale: Tensor | None = None) -> Tensor:

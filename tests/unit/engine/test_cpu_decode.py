@@ -4,6 +4,8 @@ biases, grouped or full heads, any slots, positions and order, and write the sam
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -65,6 +67,81 @@ def test_blocked_product_equals_a_dense_one(dtype: torch.dtype, shape: tuple[int
     assert ((got.double() - want.double()).abs() / (want.double().abs() + 1)).max() < tol
 
 
+@pytest.fixture
+def bf16_ways(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The ways this build multiplies bfloat16 weights by several rows, AMX's aside (it takes every product whose
+    pairs fill its tiles, whichever way is set); the way set and chosen are put back after the test."""
+    ext = cpu_kernels.module()
+    monkeypatch.setattr(cpu_kernels, "_BF16_ROWS", {})
+    before = ext.bf16_rows()  # type: ignore[attr-defined]
+    yield [w for w in ext.bf16_rows_ways() if w != "amx"]  # type: ignore[attr-defined]
+    ext.set_bf16_rows(before)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] >= 2])
+def test_bf16_rows_ways_give_the_same_numbers(isa: str, bf16_ways: list[str], shape: tuple[int, int, int]) -> None:
+    """vdpbf16ps and the weights widened for FMAs (AVX512-BF16 builds have both) sum the same exact products in the
+    same order, so they agree to the bit; a build without AVX512-BF16 has only the second, and refuses the first.
+    float32 rows, so float32 results: both round the rows to bfloat16, and a bfloat16 result would hide a sum's last
+    bits (adding input k before k + 1, not after, left bfloat16 results equal and changed 4-4691 float32 ones)."""
+    rows, n, k = shape
+    g = torch.Generator().manual_seed(rows + n * k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    packed = cpu_kernels.pack(w)
+    got = {}
+    for way in bf16_ways:
+        cpu_kernels.use_bf16_rows(way)
+        assert cpu_kernels.module().bf16_rows() == way  # type: ignore[attr-defined]
+        assert cpu_kernels.choose_bf16_rows().way == way
+        got[way] = cpu_kernels.linear(x, packed, bias)
+    first = got[bf16_ways[0]]
+    assert first.dtype == torch.float32 and all(torch.equal(first, y) for y in got.values())
+    # vdpbf16ps multiplies the rows as bfloat16, and widened does too in its builds; the others take them as they are
+    # (a bfloat16 shard's rows are bfloat16 values either way)
+    xs = x.bfloat16().double() if "vdpbf16ps" in bf16_ways else x.double()
+    products = xs[:, None, :] * w.double()[None]
+    want = products.sum(-1) + bias.double()
+    assert ((first.double() - want).abs() / (products.abs().sum(-1) + 1)).max() < 1e-6
+    if "vdpbf16ps" in bf16_ways:
+        assert bf16_ways == ["vdpbf16ps", "widened"]
+        return
+    assert bf16_ways == ["widened"] and (isa == "avx2" or "avx512_bf16" not in cpu_flags())
+    with pytest.raises(RuntimeError, match="this build has no vdpbf16ps"):
+        cpu_kernels.use_bf16_rows("vdpbf16ps")
+
+
+def test_bf16_rows_chosen_once_from_the_environment_or_a_probe(bf16_ways: list[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """`$SHARDMESH_CPU_BF16_ROWS` names the way; unset, a probe times both and takes widened only where it is clearly
+    faster; a value naming no way is refused with the variable's name. A choice holds for the process (the build)."""
+    monkeypatch.setenv(cpu_kernels.BF16_ROWS_ENV, "fastest")
+    with pytest.raises(ValueError, match="SHARDMESH_CPU_BF16_ROWS='fastest': expected auto, vdpbf16ps or widened"):
+        cpu_kernels.choose_bf16_rows()
+    amx = "amx" in cpu_kernels.module().bf16_rows_ways()  # type: ignore[attr-defined]
+    for asked in bf16_ways:
+        monkeypatch.setenv(cpu_kernels.BF16_ROWS_ENV, asked)
+        monkeypatch.setattr(cpu_kernels, "_BF16_ROWS", {})
+        chosen = cpu_kernels.choose_bf16_rows()
+        assert chosen.way == ("amx" if amx else asked)
+        if not amx:
+            assert cpu_kernels.module().bf16_rows() == asked  # type: ignore[attr-defined]
+    monkeypatch.delenv(cpu_kernels.BF16_ROWS_ENV)
+    monkeypatch.setattr(cpu_kernels, "_BF16_ROWS", {})
+    chosen = cpu_kernels.choose_bf16_rows()
+    if amx:
+        assert chosen.way == "amx"
+    elif bf16_ways == ["widened"]:
+        assert chosen == cpu_kernels.Bf16Rows("widened", "no AVX512-BF16 in this build")
+    else:
+        assert chosen.vdpbf16ps_ns and chosen.widened_ns  # the probe ran, and its verdict is the one set
+        assert chosen.way == ("widened" if chosen.widened_ns < cpu_kernels.WIDEN_BELOW * chosen.vdpbf16ps_ns
+                              else "vdpbf16ps")  # fmt: skip
+        assert cpu_kernels.module().bf16_rows() == chosen.way  # type: ignore[attr-defined]
+    monkeypatch.setenv(cpu_kernels.BF16_ROWS_ENV, "fastest")
+    assert cpu_kernels.choose_bf16_rows() is chosen  # once per process: the environment is read the first time
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_blocked_int8_product_equals_the_dequantized_one(shape: tuple[int, int, int]) -> None:
     rows, n, k = shape
@@ -113,6 +190,28 @@ def test_native_steps_equal_eager(tmp_path: pytest.TempPathFactory, family: str,
             positions[i] += 1
     cache_tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (native_cache.data.float() - eager_cache.data.float()).abs().max() < cache_tol
+
+
+def test_native_bf16_steps_are_the_same_whichever_way_rows_are_multiplied(tmp_path: pytest.TempPathFactory,
+                                                                         bf16_ways: list[str]) -> None:  # fmt: skip
+    """A bfloat16 decode step of several sequences (the layer halves and the head) gives the same logits and writes the
+    same keys and values with each way this build has (test_native_steps_equal_eager holds either to eager)."""
+    d = make_checkpoint(tmp_path, "qwen2-bias-tied", num_layers=2, seed=8)
+    model = build_shard(d, ShardSpec(0, 2, 2), dtype=torch.bfloat16, progress=False, max_len=64)
+    slots = [3, 0, 7, 1]
+    batch = BatchLayout.build([Segment(s, len(PROMPTS[i]), 1) for i, s in enumerate(slots)])
+    ids = torch.tensor([9, 4, 11, 2])
+    logits, caches = {}, {}
+    for way in bf16_ways:
+        cpu_kernels.use_bf16_rows(way)
+        caches[way] = prefilled(model, slots, torch.bfloat16)
+        runner = cpu_decode(model, caches[way], torch.device("cpu"))
+        assert isinstance(runner, CpuDecode) and runner.accepts(batch, all_logits=False)
+        with torch.inference_mode():
+            logits[way] = runner.run(batch, ids)
+    first = bf16_ways[0]
+    assert all(torch.equal(logits[first], y) for y in logits.values())
+    assert all(torch.equal(caches[first].data, c.data) for c in caches.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
