@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "the slot cache would take, --kv-slots x --max-context tokens)")  # fmt: skip
     flag("--max-message-mb", 64, type=int, help="gRPC max send/receive message size in MiB (default 64)")
     flag("--layers", help="layers per pipeline stage, e.g. 18,12 (default: as even as possible)")
+    flag("--tp-split", help="each tensor-parallel rank's share of the MLP columns and the vocabulary, e.g. 2,1,1 "
+         "(rank 0 holds half): ranks on unequal devices, or a rank alone on a core beside two sharing one; the heads "
+         "are split evenly (default: all even)")  # fmt: skip
     flag(
         "--rank-nodes",
         help="node label each global rank's worker must have, e.g. nodeA,nodeA,nodeB (from a "
@@ -154,7 +157,7 @@ def build_config(args: argparse.Namespace) -> Any:
     from coordinator.calibration import CalibrationConfig
     from coordinator.process import CoordinatorConfig
     from shardmesh.core.config import ModelConfig
-    from shardmesh.core.heads import HeadSplit, TensorParallelError
+    from shardmesh.core.heads import HeadSplit, TensorParallelError, check_tp_split, parse_tp_split
     from shardmesh.core.layout import parse_split, shard_specs, split_layers
     from shardmesh.core.topology import ModelSpec, ServingLimits
     from shardmesh.models.registry import RevisionError, UnknownModelError, resolve
@@ -186,6 +189,11 @@ def build_config(args: argparse.Namespace) -> Any:
         HeadSplit.of(cfg, 0, args.tp)
     except TensorParallelError as e:
         raise UsageError(f"--tp: {e}") from None
+    try:
+        tp_split = parse_tp_split(args.tp_split or "")
+        check_tp_split(cfg, args.tp, tp_split)
+    except TensorParallelError as e:
+        raise UsageError(f"--tp-split: {e}") from None
     interval = args.heartbeat_interval
     if not interval > 0:
         raise UsageError(f"--heartbeat-interval: must be > 0 seconds, got {interval}")
@@ -252,7 +260,7 @@ def build_config(args: argparse.Namespace) -> Any:
         replan_after=args.replan_after, rebalance_gain=args.move_gain,
         rebalance_interval=args.move_interval,
         max_message_bytes=args.max_message_mb * 1024 * 1024, metrics_port=args.metrics_port,
-        otlp_endpoint=args.otlp_endpoint, split=split, requires=requires, calibration=calibration,
+        otlp_endpoint=args.otlp_endpoint, split=split, requires=requires, calibration=calibration, tp_split=tp_split,
         tls=tls_files, join_tokens=join_tokens, join_token=join_token,
     )  # fmt: skip
 

@@ -267,6 +267,7 @@ def build_topology(
     requires: Sequence[Labels] | None = None,
     calibration: Calibration | None = None,
     kv_from: Mapping[int, str] | None = None,
+    tp_split: tuple[int, ...] = (),
 ) -> Topology:
     """The topology that `slots` and the workers' reports describe; `split` defaults to an even one. `kv_from`
     maps a rank just handed over from a serving worker to that worker (ShardAssignment.kv_from)."""
@@ -298,7 +299,7 @@ def build_topology(
                    None if w.worker_id in slot_states else w.preparing_rank)
         for w in workers.values()
     )  # fmt: skip
-    return Topology(version, model, pp, tp, tuple(stages), rendezvous, complete, limits, calibration, listed)
+    return Topology(version, model, pp, tp, tuple(stages), rendezvous, complete, limits, calibration, listed, tp_split)
 
 
 _ENDED = (CalibrationStatus.BALANCED, CalibrationStatus.IMBALANCED, CalibrationStatus.REBALANCING,

@@ -44,6 +44,7 @@ class CoordinatorConfig:
     otlp_endpoint: str | None = None
     split: Split | None = None  # layer range per stage; None: even
     requires: tuple[Labels, ...] | None = None  # labels each rank's worker must have (from a manifest's plan)
+    tp_split: tuple[int, ...] = ()  # each tp rank's share of the MLP columns and vocabulary (--tp-split); () even
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     # How long a (re)started coordinator waits for workers to claim back the slots they hold before it
     # places anyone else there; the first established placement ends it early.
@@ -95,7 +96,7 @@ class CoordinatorServer:
         self.registry = Registry(
             model=cfg.model, pp=cfg.pp, tp=cfg.tp, limits=cfg.limits, store_host=cfg.store_host,
             store_port=self._store.port, heartbeat_timeout=cfg.heartbeat_timeout, split=cfg.split,
-            requires=cfg.requires, logger=self._log, recovery_grace=cfg.recovery_grace,
+            requires=cfg.requires, tp_split=cfg.tp_split, logger=self._log, recovery_grace=cfg.recovery_grace,
             memory_check=planner_check(cfg.model, cfg.limits, cfg.tp) if cfg.replan_after >= 0 else None,
             replan_after=max(0.0, cfg.replan_after), rebalance_gain=cfg.rebalance_gain,
             rebalance_interval=cfg.rebalance_interval,

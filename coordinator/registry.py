@@ -218,8 +218,12 @@ class Registry:
         regrow_interval: float = 10.0,
         rebalance_gain: float = 1.3,
         rebalance_interval: float = 30.0,
+        tp_split: tuple[int, ...] = (),
     ) -> None:
         self._model, self._pp, self._tp, self._limits = model, pp, tp, limits
+        if tp_split and len(tp_split) != tp:
+            raise ValueError(f"tp_split {tp_split} needs {tp} shares, one per tensor-parallel rank")
+        self._tp_split = tuple(tp_split)
         self._split: placement.Split = tuple(split or split_layers(model.num_layers, pp))
         check_split(self._split, model.num_layers, pp)
         if requires is not None and len(requires) != pp * tp:
@@ -683,7 +687,7 @@ class Registry:
             store_host=self._store_host, store_port=self._store_port, slots=self._slots,
             workers={w.worker_id: w.view() for w in ordered}, epoch=epoch, split=self._split,
             requires=self._requires, calibration=self._calibration,
-            kv_from={rank: old for rank, (old, _) in self._kv_from.items()},
+            kv_from={rank: old for rank, (old, _) in self._kv_from.items()}, tp_split=self._tp_split,
         )  # fmt: skip
 
     def _devices(self) -> tuple[tuple[str, str], ...]:

@@ -161,6 +161,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise UsageError(f"--worker-threads: must be >= 1, got {args.worker_threads}")
     if (refused := compute_priority.realtime_refused(getattr(args, "compute_priority", "auto"))) is not None:
         raise UsageError(refused)
+    if getattr(args, "tp_split", "auto") not in ("auto", "even"):
+        from shardmesh.core.heads import TensorParallelError, parse_tp_split
+
+        try:
+            shares = parse_tp_split(args.tp_split)
+        except TensorParallelError as e:
+            raise UsageError(f"--tp-split: {e}") from None
+        if len(shares) != args.tp:
+            raise UsageError(f"--tp-split: {len(shares)} shares for --tp {args.tp}; give one per rank, or auto or even")
     try:  # every rank on a device of its own, before anything starts
         up.worker_devices(args)
     except ValueError as e:
@@ -345,6 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(SCHED_RR 1; needs CAP_SYS_NICE or `ulimit -r` >= 1), normal, or auto (default): realtime "
                         "where every worker computes on the CPU, their threads fit the cores and the OS allows it, "
                         "else normal")  # fmt: skip
+    u.add_argument("--tp-split", default="auto",
+                   help="each tensor-parallel rank's share of the MLP columns and the vocabulary, e.g. 2,1,1; "
+                        "even: equal shares; auto (default): where a stage's CPU ranks outnumber the cores by one "
+                        "(tp=3 on 2 cores), shares that give every core two, each rank pinned to its core; "
+                        "else even")  # fmt: skip
     u.add_argument("--demo", metavar="PROMPT", default=None, help="stream one answer to PROMPT, then stop")
     u.add_argument("--max-new-tokens", type=int, default=128, help="length of the --demo answer (default 128)")
     u.add_argument("--otlp-endpoint", default=None, help="send every service's spans to this OTLP endpoint")

@@ -45,6 +45,11 @@ def _mib(n: int) -> str:
     return format_bytes(n) if n else "-"
 
 
+def _split(shares: tuple[int, ...]) -> str:
+    """How the MLP and the vocabulary are split when not evenly (`--tp-split`)."""
+    return f" (MLP and vocabulary split {','.join(map(str, shares))})" if shares else ""
+
+
 def render(t: Topology) -> str:
     """The human-readable report: one header, the shards, the balance check."""
     c = t.calibration
@@ -52,7 +57,7 @@ def render(t: Topology) -> str:
     state = "serving" if t.serving else ("complete, not serving yet" if t.complete else "not complete")
     lim = t.limits
     lines = [
-        f"topology v{t.version} ({epoch}): pp={t.pp} tp={t.tp}, {state}",
+        f"topology v{t.version} ({epoch}): pp={t.pp} tp={t.tp}{_split(t.tp_split)}, {state}",
         f"model {t.model.path} ({t.model.dtype}{_quantized(t.model.quantization)}, {t.model.num_layers} layers); "
         f"{_kv(lim)}, {lim.max_batch_tokens} tokens per step",
         "",

@@ -35,6 +35,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.app import API_KEY_ENV
+from shardmesh.core.config import ModelConfig
 from shardmesh.core.layout import layer_counts
 from shardmesh.core.topology import Topology
 from shardmesh.engine import compute_priority
@@ -70,6 +71,8 @@ class CoreShare:
     worker_env: dict[str, str]
     compute_priority: str = "normal"  # the workers' compute threads' (`--compute-priority` as resolved)
     priority_refused: str = ""  # why "auto" left them normal where it would have asked for real-time
+    tp_split: tuple[int, ...] = ()  # the coordinator's --tp-split (() even)
+    rank_cpus: tuple[int, ...] = ()  # the CPU each stage's tp rank t is pinned to (() none): `uneven_ranks`
 
     def describe(self, cores: int, stages: int = 2) -> str:
         threads = f"each worker on {self.worker_threads} threads"
@@ -77,6 +80,9 @@ class CoreShare:
             threads += " at real-time priority (--compute-priority normal: not)"
         elif self.priority_refused:
             threads += f" at normal priority, as real-time was refused: {self.priority_refused}"
+        if self.rank_cpus:
+            threads += (f"; tp ranks outnumber the cores, so they are split {','.join(map(str, self.tp_split))} "
+                        f"and pinned to CPUs {','.join(map(str, self.rank_cpus))} (--tp-split even: not)")  # fmt: skip
         if self.pipeline == "turns":
             return (f"pipeline: the stages share this host's {cores} cores, so they take turns (one step in "
                     f"flight), {threads}; --pipeline full keeps every stage busy at once")  # fmt: skip
@@ -87,7 +93,8 @@ class CoreShare:
 
 def share_cores(pp: int, tp: int, device: str | Sequence[str], pipeline: str, worker_threads: int | None, cores: int,
                 env: Mapping[str, str] | None = None, priority: str = "normal",
-                refusal: Callable[[], str | None] = compute_priority.auto_refusal) -> CoreShare:  # fmt: skip
+                refusal: Callable[[], str | None] = compute_priority.auto_refusal, tp_split: str = "even",
+                intermediate_size: int = 0, cpu_ids: Sequence[int] | None = None) -> CoreShare:  # fmt: skip
     """The thread counts and pipeline depth for P x T workers on one host's `cores`.
 
     Every worker of a local mesh runs on the same cores. Tensor-parallel ranks of a stage always compute
@@ -105,6 +112,10 @@ def share_cores(pp: int, tp: int, device: str | Sequence[str], pipeline: str, wo
 
     `device`: one for every rank, or each rank's (`worker_devices`). Only the CPU ranks compute on the cores: with
     some ranks on GPUs, the cores are split among the CPU ranks (GPU ranks need few threads).
+
+    `tp_split` (--tp-split): "auto" splits the MLP and the vocabulary unevenly and pins the ranks to CPUs where a
+    stage's tensor-parallel ranks outnumber the cores by one (`uneven_ranks`; the model's `intermediate_size` must
+    allow it, `cpu_ids` are the CPUs to pin to, default 0..cores-1); "even" never; shares ("2,1,1") as given, unpinned.
     """
     if pipeline not in PIPELINES:
         raise ValueError(f"--pipeline: must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
@@ -124,7 +135,37 @@ def share_cores(pp: int, tp: int, device: str | Sequence[str], pipeline: str, wo
     spin = pipeline == "turns" or (chosen == "realtime" and on_cpu > 0)
     own = "GOMP_SPINCOUNT" in env or "OMP_WAIT_POLICY" in env
     extra = {"GOMP_SPINCOUNT": TURNS_SPINCOUNT} if spin and not own else {}
-    return CoreShare(pipeline, threads, depth, {**extra, **_priority_env(chosen)}, chosen, refused)
+    split: tuple[int, ...] = ()
+    pins: tuple[int, ...] = ()
+    if tp_split == "auto":
+        one_stage_at_once = pp == 1 or pipeline == "turns"
+        if on_cpu == len(devices) and one_stage_at_once and threads == 1:
+            cpus = list(cpu_ids) if cpu_ids is not None else list(range(cores))
+            split, pins = uneven_ranks(tp, cpus, intermediate_size) or ((), ())
+    elif tp_split != "even":
+        from shardmesh.core.heads import parse_tp_split
+
+        split = parse_tp_split(tp_split)
+    return CoreShare(pipeline, threads, depth, {**extra, **_priority_env(chosen)}, chosen, refused, split, pins)
+
+
+def uneven_ranks(
+    tp: int, cpus: Sequence[int], intermediate_size: int
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """For `tp` one-thread ranks on one more rank than `cpus` (at least 2 of them): each rank's share and CPU, every
+    CPU carrying two shares. The first len(cpus) - 1 ranks hold two shares each, alone on a CPU; the last two one each,
+    on the last CPU (tp=3 on 2 CPUs: 2,1,1 on CPUs 0,1,1). Even ranks there leave a CPU idle while the other runs two:
+    tp=3 on 2 vCPUs is three equal tasks between barriers, one vCPU idle for a third of each layer. None where it does
+    not apply or `intermediate_size` is not a multiple of the shares' sum.
+
+    Measured on a 2-vCPU Xeon (SmolLM2 bfloat16, one stream, meshes alternated, 2 rounds): tp=3 ÷ pp=1 1.35-1.37x split
+    and pinned, 1.45-1.48x split only, 1.59-1.60x even (docs/performance.md)."""
+    if len(cpus) < 2 or tp != len(cpus) + 1:
+        return None
+    split = (2,) * (len(cpus) - 1) + (1, 1)
+    if intermediate_size <= 0 or intermediate_size % sum(split):
+        return None
+    return split, (*cpus[:-1], cpus[-1], cpus[-1])
 
 
 def _priority(asked: str, fits: bool, refusal: Callable[[], str | None]) -> tuple[str, str]:
@@ -314,6 +355,20 @@ def _balance_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _intermediate_size(model_dir: Path) -> int:
+    """The model's intermediate_size, for `uneven_ranks`; 0 (no uneven split) where its config cannot be read here
+    (the coordinator reads it next, and says what is wrong with it)."""
+    try:
+        return ModelConfig.from_dir(model_dir).intermediate_size
+    except (OSError, ValueError):
+        return 0
+
+
+def pinned_nodes(pp: int, tp: int, rank_cpus: Sequence[int]) -> str:
+    """The coordinator's --rank-nodes for ranks pinned to CPUs (`worker_commands`' `cpu<N>` labels)."""
+    return ",".join(f"cpu{rank_cpus[rank % tp]}" for rank in range(pp * tp))
+
+
 def worker_devices(args: argparse.Namespace, visible_gpus: int | None = None) -> list[str]:
     """The `--device` of every worker `worker_commands` starts: one per global rank (`assign_devices`: each rank on
     a GPU of its own with `--device cuda`), then one per spare (a GPU no rank uses). `visible_gpus`: None asks
@@ -327,12 +382,15 @@ def worker_devices(args: argparse.Namespace, visible_gpus: int | None = None) ->
 
 
 def worker_commands(args: argparse.Namespace, coordinator: str, security: Sequence[str] = (),
-                    devices: Sequence[str] | None = None) -> list[tuple[str, list[str]]]:  # fmt: skip
+                    devices: Sequence[str] | None = None,
+                    rank_cpus: Sequence[int] = ()) -> list[tuple[str, list[str]]]:  # fmt: skip
     """(process name, `shardmesh` arguments) of every worker: the pp × tp stage workers, then `--spares` more.
 
     The spares get the ids after the stage workers' and the same flags; they register beyond the plan, so the
     coordinator keeps them as hot spares for a slot that is lost or drained. `security`: the workers' TLS and join
     token flags (`MeshTls.service_flags`). `devices`: each worker's `--device` (default: `worker_devices`).
+    `rank_cpus`: the CPU of each stage's tp rank t (`CoreShare.rank_cpus`): worker r gets `--cpus` and the node label
+    `cpu<N>` that `pinned_nodes` asks the coordinator to place rank r on.
     """
     world = args.pp * args.tp
     devices = worker_devices(args) if devices is None else devices
@@ -346,6 +404,9 @@ def worker_commands(args: argparse.Namespace, coordinator: str, security: Sequen
     for rank in range(world + getattr(args, "spares", 0)):
         # the node the plan put this rank on; a spare is on no node of the plan, so it gets no label
         labels = ["--label", f"node={nodes[rank]}"] if nodes and rank < world else []
+        if rank_cpus and rank < world:
+            cpu = rank_cpus[rank % args.tp]
+            labels = ["--label", f"node=cpu{cpu}", "--cpus", str(cpu)]
         out.append((f"worker{rank}", ["worker", "--coordinator", coordinator, "--worker-id", f"worker-{rank}",
                                       "--device", devices[rank], *labels, *telemetry, *worker_metrics,
                                       *security, *budget]))  # fmt: skip
@@ -383,20 +444,32 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
             coord += ["--kv-block-size", str(args.kv_block_size)]
         if getattr(args, "kv_cache_memory", None) is not None:
             coord += ["--kv-cache-memory", str(args.kv_cache_memory)]
+        devices = worker_devices(args)  # checked by `cmd_up` already: a refusal there is a usage error
+        # "auto" pins only a mesh whose every worker up places: no manifest's node plan, no spares (a spare has no
+        # CPU of its own to take a pinned rank's slot with)
+        asked_split = getattr(args, "tp_split", "auto")
+        if asked_split == "auto" and (getattr(args, "rank_nodes", None) or getattr(args, "spares", 0)):
+            asked_split = "even"
+        share = share_cores(args.pp, args.tp, devices[: args.pp * args.tp], getattr(args, "pipeline", "auto"),
+                            getattr(args, "worker_threads", None), procs.cores(),
+                            priority=getattr(args, "compute_priority", "auto"), tp_split=asked_split,
+                            intermediate_size=_intermediate_size(model_dir) if args.tp > 1 else 0,
+                            cpu_ids=sorted(os.sched_getaffinity(0)))  # fmt: skip
+        mesh.share = share
+        if share.tp_split:
+            coord += ["--tp-split", ",".join(map(str, share.tp_split))]
         coord += _balance_flags(args)
+        if share.rank_cpus:
+            coord += ["--rank-nodes", pinned_nodes(args.pp, args.tp, share.rank_cpus)]
         metrics = getattr(args, "metrics", False)
         telemetry = _otlp_flags(args)
         if metrics:
             coord += _metrics_flags(mesh, "coordinator", mesh.coordinator)
         mesh.spawn("coordinator", coord + telemetry + mesh.security_flags("coordinator"))
         wait_serving(mesh.coordinator, mesh.children, 60, log_dir, mesh.client_tls)
-        devices = worker_devices(args)  # checked by `cmd_up` already: a refusal there is a usage error
-        share = share_cores(args.pp, args.tp, devices[: args.pp * args.tp], getattr(args, "pipeline", "auto"),
-                            getattr(args, "worker_threads", None), procs.cores(),
-                            priority=getattr(args, "compute_priority", "auto"))  # fmt: skip
-        mesh.share = share
         env = {**os.environ, **share.worker_env, "OMP_NUM_THREADS": str(share.worker_threads)}
-        for name, command in worker_commands(args, mesh.coordinator, mesh.security_flags("worker"), devices):
+        for name, command in worker_commands(args, mesh.coordinator, mesh.security_flags("worker"), devices,
+                                             share.rank_cpus):  # fmt: skip
             mesh.spawn(name, command, env=env)
         mesh.gateway = args.listen or f"127.0.0.1:{free_port()}"
         gateway = ["gateway", "--listen", mesh.gateway, "--coordinator", mesh.coordinator,
@@ -546,7 +619,7 @@ def run(args: argparse.Namespace, model_dir: Path, demo: object | None = None) -
                       f"tools take{tool_flags}; drain also --join-token-file {mesh.tls.join_token}", file=sys.stderr,
                       flush=True)  # fmt: skip
             if mesh.share is not None and (args.pp > 1 or mesh.share.compute_priority == "realtime"
-                                           or mesh.share.priority_refused):  # fmt: skip
+                                           or mesh.share.priority_refused or mesh.share.rank_cpus):  # fmt: skip
                 print(mesh.share.describe(procs.cores(), args.pp), file=sys.stderr, flush=True)
             if callable(demo):
                 credentials = {} if mesh.client_tls is None else {

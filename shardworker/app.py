@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "of its shard that fit stay, the others stream from the checkpoint every step (CPU; default: the whole "
          "shard)")  # fmt: skip
     flag("--threads", type=int, help="torch intra-op threads (default: all cores, or $OMP_NUM_THREADS)")
+    flag("--cpus", help="the CPUs this worker's threads run on, e.g. 0 or 0,2-3 (default: any this process may use); "
+         "`shardmesh up` pins tensor-parallel ranks that outnumber the cores, with --tp-split")  # fmt: skip
     flag("--speed", "auto", help="this worker's matrix-multiply throughput in GFLOP/s, or 'auto' to measure it at "
          "start (default); the coordinator moves a slot onto a spare that makes the pipeline faster by its "
          "--rebalance-gain")  # fmt: skip
@@ -64,6 +66,23 @@ def worker_device(spec: str, visible_gpus: int | None = None, check_visible: boo
         return device_map.check_worker_device(spec, visible_gpus)
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def parse_cpus(text: str, allowed: set[int] | None = None) -> set[int]:
+    """ "0,2-3" -> {0, 2, 3}, each one this process may run on (`allowed`, default its affinity); a UsageError
+    naming --cpus otherwise."""
+    allowed = os.sched_getaffinity(0) if allowed is None else allowed
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            cpus |= set(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise UsageError(f"--cpus: expected CPU numbers and ranges, e.g. 0,2-3; got {text!r}") from None
+    if not cpus or not cpus <= allowed:
+        raise UsageError(f"--cpus: {text!r} names CPUs this process may not use (it may use "
+                         f"{','.join(map(str, sorted(allowed)))})")  # fmt: skip
+    return cpus
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -99,6 +118,8 @@ def build_config(args: argparse.Namespace) -> Any:
             raise UsageError(f"--memory-budget: {e}") from None
     if (refused := compute_priority.realtime_refused(args.compute_priority)) is not None:
         raise UsageError(refused)
+    if args.cpus:
+        parse_cpus(args.cpus)
     # The spelling here (a config may be checked where it does not run); the GPU itself when the worker starts (`run`).
     device = worker_device(args.device, check_visible=False)
     tls, join_tokens, join_token = mesh_security(args)
@@ -117,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = build_config(args)  # a UsageError reaches the command's main: one line, exit 2
     worker_device(args.device)  # the GPU it names exists here
+    if args.cpus:  # every thread there is (threads started later inherit their creator's CPUs)
+        cpus = parse_cpus(args.cpus)
+        for task in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(task), cpus)
     if args.threads:
         import torch
 

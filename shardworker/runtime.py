@@ -86,7 +86,9 @@ class Placement:
         if found is None or topology.rendezvous is None:
             return None
         stage, shard = found
-        spec = ShardSpec(stage.layer_start, stage.layer_end, topology.model.num_layers, shard.tp_rank, topology.tp)
+        spec = ShardSpec(
+            stage.layer_start, stage.layer_end, topology.model.num_layers, shard.tp_rank, topology.tp, topology.tp_split
+        )
         return cls(spec, stage.index, topology.pp, topology.rendezvous, topology.limits, topology.model.path,
                    topology.model.dtype, shard.kv_from, topology.model.quantization)  # fmt: skip
 
@@ -414,7 +416,7 @@ class StageWorkerCore:
             return
         stage = topology.stages[rank // topology.tp]
         spec = ShardSpec(stage.layer_start, stage.layer_end, topology.model.num_layers, rank % topology.tp,
-                         topology.tp)  # fmt: skip
+                         topology.tp, topology.tp_split)  # fmt: skip
         model, limits = topology.model, topology.limits
         key = _key_of(spec, topology.pp, model.path, model.dtype, limits, model.quantization)
         if (rank, key) == (self.prepared_rank, self._prepared_key):

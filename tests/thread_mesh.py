@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,13 +31,14 @@ _prefixes = itertools.count()
 def run_mesh(
     model_dir: Path, pp: int, tp: int, body: Callable[[StageEngine, int], Any], *, max_len: int = 128,
     dtype: torch.dtype = torch.float32, paged: tuple[int, int] | None = None, staging: str = "auto",
-    quantization: Quantization = Quantization.NONE,
+    quantization: Quantization = Quantization.NONE, tp_split: tuple[int, ...] = (),
 ) -> list[Any]:  # fmt: skip
     """Build every shard in its own thread, run `body(engine, rank)` in each, return results by rank. `paged`:
     (num_blocks, block_size) of a paged KV cache instead of two slots. `staging`: every rank's link staging
-    (`form_groups`; "host" copies activations through host buffers, as a GPU stage next to a CPU one does)."""
+    (`form_groups`; "host" copies activations through host buffers, as a GPU stage next to a CPU one does).
+    `tp_split`: each tp rank's share of the MLP columns and vocabulary (`ShardSpec.tp_split`)."""
     cfg = ModelConfig.from_dir(model_dir)
-    specs = shard_specs(cfg.num_layers, pp, tp)
+    specs = [replace(s, tp_split=tp_split) for s in shard_specs(cfg.num_layers, pp, tp)]
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
     prefix = f"test{next(_prefixes)}"
     results: list[Any] = [None] * len(specs)

@@ -2,6 +2,12 @@
 arithmetic: query and key/value heads (`HeadSplit`), MLP intermediate columns (`mlp_range`) and
 vocabulary rows (`vocab_range`). `shardmesh.engine.tp` slices the model by these; the planner counts a
 rank's bytes by the same functions, without building the model.
+
+The heads are split evenly. The MLP columns and the vocabulary may be split in proportion to a `TpSplit`, one
+whole-number share per rank (`--tp-split 2,1,1`, as llama.cpp's `--tensor-split`): ranks on unequal devices, or on
+fewer cores than ranks, where one rank alone on a core does two shares while two share the other core. The MLP and
+the vocabulary are ~80% of a Llama's weights per token; the heads stay even because a model's few key-value heads
+rarely split any other way (SmolLM2's 3 over 3 ranks).
 """
 
 from __future__ import annotations
@@ -13,6 +19,37 @@ from shardmesh.core.config import ModelConfig
 
 class TensorParallelError(ValueError):
     pass
+
+
+TpSplit = tuple[int, ...]  # each rank's share of the MLP columns and the vocabulary; () splits them evenly
+
+
+def parse_tp_split(text: str) -> TpSplit:
+    """ "2,1,1" -> (2, 1, 1); "" -> () (even). Each share a positive whole number, else a TensorParallelError."""
+    if not text.strip():
+        return ()
+    try:
+        split = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise TensorParallelError(f"tp split {text!r}: expected whole numbers and commas, e.g. 2,1,1") from None
+    if min(split) < 1:
+        raise TensorParallelError(f"tp split {text!r}: every share must be at least 1")
+    return split
+
+
+def check_tp_split(cfg: ModelConfig, size: int, split: TpSplit) -> None:
+    """A TensorParallelError saying what is wrong unless `split` (non-empty) gives each of `size` ranks a positive
+    share and its total divides intermediate_size (each rank's columns a whole number of shares)."""
+    if not split:
+        return
+    text = ",".join(map(str, split))
+    if len(split) != size:
+        raise TensorParallelError(f"tp split {text} has {len(split)} shares for tensor parallel degree {size}")
+    if min(split) < 1:
+        raise TensorParallelError(f"tp split {text}: every share must be at least 1")
+    if cfg.intermediate_size % sum(split):
+        raise TensorParallelError(f"tp split {text}: its shares add up to {sum(split)}, which must divide "
+                                  f"intermediate_size={cfg.intermediate_size}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -50,8 +87,14 @@ def _kv_ok(kv: int, size: int) -> bool:
     return kv % size == 0 if size <= kv else size % kv == 0
 
 
-def mlp_range(cfg: ModelConfig, rank: int, size: int) -> tuple[int, int]:
-    """Intermediate columns [start, end) of the MLP: intermediate_size / size each, so size must divide it."""
+def mlp_range(cfg: ModelConfig, rank: int, size: int, split: TpSplit = ()) -> tuple[int, int]:
+    """Intermediate columns [start, end) of the MLP: intermediate_size / size each, so size must divide it; with
+    `split`, rank r's shares of intermediate_size / sum(split) columns each (`check_tp_split`)."""
+    if split:
+        check_tp_split(cfg, size, split)
+        unit = cfg.intermediate_size // sum(split)
+        start = sum(split[:rank]) * unit
+        return start, start + split[rank] * unit
     if cfg.intermediate_size % size:
         raise TensorParallelError(
             f"tensor parallel degree {size} must divide intermediate_size={cfg.intermediate_size}"
@@ -60,12 +103,13 @@ def mlp_range(cfg: ModelConfig, rank: int, size: int) -> tuple[int, int]:
     return rank * share, (rank + 1) * share
 
 
-def vocab_range(vocab: int, rank: int, size: int) -> tuple[int, int]:
+def vocab_range(vocab: int, rank: int, size: int, split: TpSplit = ()) -> tuple[int, int]:
     """Vocabulary rows [start, end): equal chunks of ceil(vocab / size); the last may be short (or empty)
-    when size does not divide vocab."""
-    chunk = -(-vocab // size)
-    start = min(rank * chunk, vocab)
-    return start, min(start + chunk, vocab)
+    when size does not divide vocab. With `split`, chunks of rank r's shares of ceil(vocab / sum(split)) rows."""
+    shares = split or (1,) * size
+    unit = -(-vocab // sum(shares))
+    start = min(sum(shares[:rank]) * unit, vocab)
+    return start, min(start + shares[rank] * unit, vocab)
 
 
 def valid_tp_degrees(cfg: ModelConfig) -> list[int]:

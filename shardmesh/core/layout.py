@@ -25,13 +25,15 @@ Ranges = Sequence[tuple[int, int]]
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """What one process holds: layers [layer_start, layer_end) × tensor-parallel slice tp_rank of tp_size."""
+    """What one process holds: layers [layer_start, layer_end) × tensor-parallel slice tp_rank of tp_size (the MLP
+    columns and vocabulary split by `tp_split`'s shares, evenly when it is empty: `shardmesh.core.heads`)."""
 
     layer_start: int
     layer_end: int
     num_layers: int
     tp_rank: int = 0
     tp_size: int = 1
+    tp_split: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.layer_start < self.layer_end <= self.num_layers:
@@ -41,6 +43,8 @@ class ShardSpec:
             )
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} must be in [0, {self.tp_size})")
+        if self.tp_split and (len(self.tp_split) != self.tp_size or min(self.tp_split) < 1):
+            raise ValueError(f"tp_split {self.tp_split} must give each of the {self.tp_size} ranks a positive share")
 
     @property
     def layers(self) -> range:

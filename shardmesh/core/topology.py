@@ -400,6 +400,7 @@ class Topology:
     limits: ServingLimits
     calibration: Calibration = field(default_factory=Calibration)
     workers: tuple[MeshWorker, ...] = ()  # every registered worker, in registration order
+    tp_split: tuple[int, ...] = ()  # each tp rank's share of the MLP columns and vocabulary; () even (core.heads)
 
     @property
     def epoch(self) -> int:
@@ -433,7 +434,7 @@ class Topology:
         pb = coordinator_pb2.Topology(
             version=self.version, model=self.model.to_pb(), pp=self.pp, tp=self.tp,
             stages=[s.to_pb() for s in self.stages], complete=self.complete, limits=self.limits.to_pb(),
-            calibration=self.calibration.to_pb(), workers=[w.to_pb() for w in self.workers],
+            calibration=self.calibration.to_pb(), workers=[w.to_pb() for w in self.workers], tp_split=self.tp_split,
         )  # fmt: skip
         if self.rendezvous is not None:
             pb.rendezvous.CopyFrom(self.rendezvous.to_pb())
@@ -447,6 +448,7 @@ class Topology:
             rendezvous=Rendezvous.from_pb(pb.rendezvous) if pb.HasField("rendezvous") else None,
             complete=pb.complete, limits=ServingLimits.from_pb(pb.limits),
             calibration=Calibration.from_pb(pb.calibration), workers=tuple(MeshWorker.from_pb(w) for w in pb.workers),
+            tp_split=tuple(pb.tp_split),
         )  # fmt: skip
 
 

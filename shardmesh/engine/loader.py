@@ -74,7 +74,7 @@ def meta_shard(
     with torch.device("meta"):
         model = Transformer(cfg, spec.layers, max_len=max_len)
     sources = _sources(model)
-    apply_tp(model, tp)
+    apply_tp(model, tp, spec.tp_split)
     return model, plan_reads(model, sources)
 
 

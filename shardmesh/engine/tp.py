@@ -5,7 +5,8 @@ their local shapes and record which slice of each checkpoint tensor they hold (`
 so the loader reads only those bytes. Every slice is contiguous, so `safe_open(...).get_slice(name)`
 reads it without touching the rest of the tensor.
 
-Per decoder layer (Megatron's scheme, one all-reduce per attention and one per MLP):
+Per decoder layer (Megatron's scheme, one all-reduce per attention and one per MLP; the MLP columns and the
+vocabulary in proportion to a `TpSplit` where one is given, `shardmesh.core.heads`):
   attention  qkv: column-parallel by heads       o_proj: row-parallel, then all-reduce
   MLP        gate_up: column-parallel by columns down_proj: row-parallel, then all-reduce
 A stacked product is sliced one block at a time: rank r's qkv is [q_r; k_r; v_r] (its own heads' q, k
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shardmesh.core.heads import HeadSplit, mlp_range, vocab_range
+from shardmesh.core.heads import HeadSplit, TpSplit, mlp_range, vocab_range
 from shardmesh.engine.groups import Collective
 from shardmesh.engine.linear import Linear, LinearProduct
 from shardmesh.engine.model import Attention, Transformer
@@ -84,10 +85,10 @@ class RowParallelLinear(LinearProduct):
 class VocabParallelEmbedding(nn.Module):
     """E[ids] = sum_i E_i[ids]: rank i holds vocab rows [start_i, end_i) and contributes zeros elsewhere."""
 
-    def __init__(self, vocab: int, dim: int, group: Collective) -> None:
+    def __init__(self, vocab: int, dim: int, group: Collective, split: TpSplit = ()) -> None:
         super().__init__()
         self.group = group
-        self.start, self.end = vocab_range(vocab, group.rank, group.size)
+        self.start, self.end = vocab_range(vocab, group.rank, group.size, split)
         self.weight = nn.Parameter(torch.empty(self.end - self.start, dim, device="meta"), requires_grad=False)
         self.checkpoint_index: dict[str, tuple[Index, ...]] = {"weight": (_rows(self.start, self.end - self.start, 2),)}
 
@@ -101,14 +102,16 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelHead(LinearProduct):
     """logits = [X W_0^T, ..., X W_{n-1}^T]: each rank scores its vocab chunk; all-gather joins them.
 
-    Chunks are padded to equal size for the gather, and the padding is cut off afterwards.
+    Chunks are padded to the largest one's size for the gather, and the padding is cut off afterwards (after the
+    last chunk only, when the chunks are even; after each, when a `TpSplit` makes them uneven).
     """
 
-    def __init__(self, vocab: int, dim: int, group: Collective) -> None:
+    def __init__(self, vocab: int, dim: int, group: Collective, split: TpSplit = ()) -> None:
         super().__init__()
         self.group, self.vocab = group, vocab
-        self.start, self.end = vocab_range(vocab, group.rank, group.size)
-        self.chunk = -(-vocab // group.size)
+        self.start, self.end = vocab_range(vocab, group.rank, group.size, split)
+        self.sizes = [e - s for s, e in (vocab_range(vocab, r, group.size, split) for r in range(group.size))]
+        self.chunk = max(self.sizes)
         self.weight = nn.Parameter(torch.empty(self.end - self.start, dim, device="meta"), requires_grad=False)
         self.checkpoint_index: dict[str, tuple[Index, ...]] = {"weight": (_rows(self.start, self.end - self.start, 2),)}
 
@@ -117,7 +120,10 @@ class VocabParallelHead(LinearProduct):
         pad = self.chunk - local.shape[-1]
         if pad:
             local = F.pad(local, (0, pad))
-        return self.group.all_gather(local)[..., : self.vocab]
+        gathered = self.group.all_gather(local)
+        if all(n == self.chunk for n in self.sizes[:-1]):  # even chunks: only the last is short
+            return gathered[..., : self.vocab]
+        return torch.cat([gathered[..., r * self.chunk : r * self.chunk + n] for r, n in enumerate(self.sizes)], -1)
 
 
 def _shard_attention(attn: Attention, split: HeadSplit, group: Collective) -> None:
@@ -128,23 +134,24 @@ def _shard_attention(attn: Attention, split: HeadSplit, group: Collective) -> No
     attn.n_heads, attn.n_kv_heads = split.q_count, split.kv_count
 
 
-def apply_tp(model: Transformer, group: Collective) -> Transformer:
-    """Shard `model` (on the meta device) for rank `group.rank` of a tensor-parallel group, in place."""
+def apply_tp(model: Transformer, group: Collective, split: TpSplit = ()) -> Transformer:
+    """Shard `model` (on the meta device) for rank `group.rank` of a tensor-parallel group, in place: the heads
+    evenly, the MLP columns and the vocabulary by `split`'s shares (evenly when it is empty)."""
     if group.size == 1:
         return model
     cfg = model.cfg
-    split = HeadSplit.of(cfg, group.rank, group.size)
-    ffn_start, ffn_end = mlp_range(cfg, group.rank, group.size)
+    heads = HeadSplit.of(cfg, group.rank, group.size)
+    ffn_start, ffn_end = mlp_range(cfg, group.rank, group.size, split)
     ffn = ffn_end - ffn_start
     for layer in model.model.layers.values():
-        _shard_attention(layer.self_attn, split, group)
+        _shard_attention(layer.self_attn, heads, group)
         mlp = layer.mlp
         mlp.gate_up_proj = ColumnParallelLinear(mlp.gate_up_proj, ((ffn_start, ffn), (ffn_start, ffn)))
         mlp.down_proj = RowParallelLinear(mlp.down_proj, ffn_start, ffn, group)
     if model.model.embed_tokens is not None:
-        model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
+        model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group, split)
     if model.lm_head is not None:
-        model.lm_head = VocabParallelHead(cfg.vocab_size, cfg.hidden_size, group)
+        model.lm_head = VocabParallelHead(cfg.vocab_size, cfg.hidden_size, group, split)
     return model
 
 

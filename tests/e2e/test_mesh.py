@@ -73,6 +73,45 @@ def up(request, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     u.close()
 
 
+def test_tp_ranks_outnumbering_the_cores_are_split_unevenly_and_pinned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`up --tp 3` on two CPUs (its affinity narrowed to them here): ranks 0, 1, 2 hold 2, 1, 1 shares of the MLP and
+    the vocabulary, each pinned to its CPU (0 alone on the first, 1 and 2 on the second), and the answers are still
+    `transformers`' greedy ones."""
+    import os
+
+    # 6 heads over 3 ranks; intermediate_size 48: 3 even thirds, or 4 shares of 12 columns
+    model = make_checkpoint(tmp_path / "m", "llama-gqa-tied", num_layers=2, seed=5, num_attention_heads=6,
+                            num_key_value_heads=3, intermediate_size=48, eos_token_id=95)  # fmt: skip
+    monkeypatch.setenv("SHARDMESH_LOG_LEVEL", "info")  # the workers' `ready` and `shard_loaded` lines
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)  # this thread's, which the child inherits
+    try:
+        u = Up(model, 1, 3, tmp_path / "logs", "--kv-slots", "4", "--max-context", "64")
+    finally:
+        os.sched_setaffinity(0, mine)
+    try:
+        for prompt in PROMPTS[:2]:
+            r = u.stub.Generate(greedy(prompt), timeout=60)
+            want = reference_greedy(model, prompt, 12)[0]
+            assert list(r.token_ids) == want[: len(r.token_ids)]
+        events = {}
+        for log in (tmp_path / "logs").glob("worker*.log"):
+            lines = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+            ready = next(e for e in lines if e.get("event") == "ready")
+            loaded = next(e for e in lines if e.get("event") == "shard_loaded")
+            events[ready["tp_rank"]] = (os.sched_getaffinity(ready["pid"]), loaded["weights_bytes"])
+    finally:
+        u.close()
+    if len(cpus) == 2:
+        assert [events[r][0] for r in range(3)] == [{cpus[0]}, {cpus[1]}, {cpus[1]}]
+        assert events[0][1] > events[1][1] == events[2][1]  # two shares of the MLP and the vocabulary against one
+    else:  # one CPU: nothing to pin to; the split stays even
+        assert events[0][1] == events[1][1] == events[2][1]
+
+
 def test_unary_matches_transformers(up: Up, reference) -> None:
     import torch
 

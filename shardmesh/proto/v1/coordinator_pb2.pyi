@@ -932,6 +932,7 @@ class Topology(_message.Message):
     LIMITS_FIELD_NUMBER: _builtins.int
     CALIBRATION_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
+    TP_SPLIT_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Increases by one with every change; never reused by one coordinator."""
     pp: _builtins.int
@@ -968,6 +969,12 @@ class Topology(_message.Message):
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___MeshWorker]:
         """Every registered worker in registration order, slot holders and spares alike."""
 
+    @_builtins.property
+    def tp_split(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Each tensor-parallel rank's share of the MLP columns and the vocabulary, tp of them (2, 1, 1:
+        rank 0 holds half); empty splits them evenly. The heads are always split evenly.
+        """
+
     def __init__(
         self,
         *,
@@ -981,10 +988,11 @@ class Topology(_message.Message):
         limits: Global___ServingLimits | None = ...,
         calibration: Global___Calibration | None = ...,
         workers: _abc.Iterable[Global___MeshWorker] | None = ...,
+        tp_split: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "limits", b"limits", "model", b"model", "rendezvous", b"rendezvous"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "complete", b"complete", "limits", b"limits", "model", b"model", "pp", b"pp", "rendezvous", b"rendezvous", "stages", b"stages", "tp", b"tp", "version", b"version", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calibration", b"calibration", "complete", b"complete", "limits", b"limits", "model", b"model", "pp", b"pp", "rendezvous", b"rendezvous", "stages", b"stages", "tp", b"tp", "tp_split", b"tp_split", "version", b"version", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

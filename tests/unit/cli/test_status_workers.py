@@ -58,6 +58,9 @@ def test_status_table_lists_spares_drains_and_lost_workers_after_the_stages() ->
         ["spare", "worker-4"], ["draining", "worker-1"], ["lost", "worker-5"]]  # fmt: skip
     assert lines[others + 2].endswith(DETAIL) and lines[others + 3].endswith("no heartbeat for 10 s")
     assert "127.0.0.1:5004" in lines[others + 1] and "104" in lines[others + 1]
+    split = replace(_mesh(), tp_split=(3, 1))  # uneven shares are said, and survive the wire
+    assert status.render(split).startswith("topology v7 (epoch 3): pp=2 tp=2 (MLP and vocabulary split 3,1), ")
+    assert Topology.from_pb(split.to_pb()) == split and Topology.from_pb(_mesh().to_pb()).tp_split == ()
     assert not any(line.startswith("state ") for line in status.render(topology(worker(0, WorkerState.SERVING, 0))
                                                                         ).splitlines())  # fmt: skip
 

@@ -3,6 +3,7 @@ what it prints about the metrics endpoints under `--metrics`."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import grpc
@@ -18,7 +19,10 @@ from shardmesh_cli.up import (
     CoreShare,
     metrics_endpoints,
     metrics_lines,
+    pinned_nodes,
     share_cores,
+    uneven_ranks,
+    worker_commands,
 )
 
 
@@ -151,3 +155,43 @@ def test_realtime_that_the_os_refuses_is_a_usage_error(
     )
     assert main(["worker", "--compute-priority", "realtime"]) == 2
     assert "error: --compute-priority realtime: this process may not use it" in capsys.readouterr().err
+
+
+def test_tp_ranks_one_more_than_the_cores_are_split_unevenly_and_pinned() -> None:
+    """tp=3 on 2 CPUs: shares 2,1,1 and CPUs 0,1,1 (every CPU carries two shares); not where the ranks fit the
+    cores, have several threads each, or the model's intermediate_size does not split by the shares' sum."""
+    auto = share_cores(1, 3, "cpu", "auto", None, cores=2, env={}, tp_split="auto", intermediate_size=1536,
+                       cpu_ids=[4, 6])  # fmt: skip
+    assert (auto.tp_split, auto.rank_cpus, auto.worker_threads) == ((2, 1, 1), (4, 6, 6), 1)
+    assert "split 2,1,1 and pinned to CPUs 4,6,6" in auto.describe(2, 1)
+    turns = share_cores(2, 3, "cpu", "auto", None, cores=2, env={}, tp_split="auto", intermediate_size=1536)
+    assert (turns.pipeline, turns.tp_split, turns.rank_cpus) == ("turns", (2, 1, 1), (0, 1, 1))
+    assert uneven_ranks(5, [0, 1, 2, 3], 1536) == ((2, 2, 2, 1, 1), (0, 1, 2, 3, 3))
+    for share in (
+        share_cores(1, 3, "cpu", "auto", None, cores=3, env={}, tp_split="auto", intermediate_size=1536),  # fits
+        share_cores(1, 3, "cpu", "auto", 2, cores=2, env={}, tp_split="auto", intermediate_size=1536),  # 2 threads
+        share_cores(1, 3, "cpu", "auto", None, cores=2, env={}, tp_split="auto", intermediate_size=66),  # 66 % 4
+        share_cores(1, 3, "cpu", "auto", None, cores=2, env={}, tp_split="even", intermediate_size=1536),
+        share_cores(2, 3, "cpu", "full", None, cores=2, env={}, tp_split="auto", intermediate_size=1536),  # at once
+        share_cores(
+            1, 3, ["cpu", "cuda:0", "cpu"], "auto", None, cores=2, env={}, tp_split="auto", intermediate_size=1536
+        ),  # a GPU rank
+    ):
+        assert (share.tp_split, share.rank_cpus) == ((), ())
+    given = share_cores(1, 3, "cpu", "auto", None, cores=8, env={}, tp_split="3,2,1", intermediate_size=1536)
+    assert (given.tp_split, given.rank_cpus) == ((3, 2, 1), ())  # as given, unpinned
+
+
+def test_pinned_workers_get_their_cpu_and_the_label_the_coordinator_places_them_by() -> None:
+    args = argparse.Namespace(pp=2, tp=3, device="cpu", spares=0, rank_nodes=None)
+    commands = dict(worker_commands(args, "127.0.0.1:1", devices=["cpu"] * 6, rank_cpus=(0, 1, 1)))
+    assert commands["worker0"][-4:] == ["--label", "node=cpu0", "--cpus", "0"]
+    assert commands["worker5"][-4:] == ["--label", "node=cpu1", "--cpus", "1"]
+    assert pinned_nodes(2, 3, (0, 1, 1)) == "cpu0,cpu1,cpu1,cpu0,cpu1,cpu1"
+
+
+def test_up_refuses_a_tp_split_that_does_not_fit_its_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--model", "smollm2-135m-instruct", "--tp", "3", "--tp-split", "2,1"]) == 2
+    assert "--tp-split: 2 shares for --tp 3" in capsys.readouterr().err
+    assert main(["up", "--model", "smollm2-135m-instruct", "--tp", "3", "--tp-split", "2,one,1"]) == 2
+    assert "--tp-split: tp split '2,one,1': expected whole numbers and commas" in capsys.readouterr().err

@@ -38,6 +38,23 @@ def model_dir(tmp_path: Path) -> Path:
         (["--heartbeat-interval", "1", "--heartbeat-timeout", "0.5"], {}, "--heartbeat-timeout: must exceed"),
         (["--max-context", "4096"], {}, "--max-context: must be in 1..128"),
         (["--listen", "127.0.0.1"], {}, "--listen: expected host:port"),
+        (
+            ["--tp", "2", "--tp-split", "2,1,1"],
+            {},
+            "--tp-split: tp split 2,1,1 has 3 shares for tensor parallel degree 2",
+        ),
+        (
+            ["--tp", "2", "--tp-split", "3,2"],
+            {},
+            "--tp-split: tp split 3,2: its shares add up to 5, which must divide intermediate_size=64",
+        ),
+        (["--tp", "2", "--tp-split", "2,x"], {}, "--tp-split: tp split '2,x': expected whole numbers and commas"),
+        (["--tp", "2", "--tp-split", "2,0"], {}, "--tp-split: tp split '2,0': every share must be at least 1"),
+        (
+            [],
+            {"SHARDMESH_COORDINATOR_TP_SPLIT": "3,1"},
+            "--tp-split: tp split 3,1 has 2 shares for tensor parallel degree 1",
+        ),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(

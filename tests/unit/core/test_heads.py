@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from shardmesh.core.config import ModelConfig
-from shardmesh.core.heads import HeadSplit, TensorParallelError, mlp_range, valid_tp_degrees, vocab_range
+from shardmesh.core.heads import (
+    HeadSplit,
+    TensorParallelError,
+    check_tp_split,
+    mlp_range,
+    parse_tp_split,
+    valid_tp_degrees,
+    vocab_range,
+)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "data" / "configs"
 
@@ -54,6 +62,25 @@ def test_valid_degrees_match_head_split() -> None:
             except TensorParallelError:
                 ok = False
             assert (d in valid_tp_degrees(cfg)) == ok, (name, d)
+
+
+def test_a_tp_split_gives_each_rank_its_shares_of_the_mlp_and_the_vocabulary() -> None:
+    cfg = ModelConfig.from_dir(CONFIGS / "llama-3-8b")  # intermediate_size 14336 = 4 x 3584
+    assert parse_tp_split("2,1,1") == (2, 1, 1) and parse_tp_split(" ") == ()
+    assert [mlp_range(cfg, r, 3, (2, 1, 1)) for r in range(3)] == [(0, 7168), (7168, 10752), (10752, 14336)]
+    assert [mlp_range(cfg, r, 2, (1, 3)) for r in range(2)] == [(0, 3584), (3584, 14336)]
+    # the vocabulary in units of ceil(vocab / 4): 97 -> 25, so 50 + 25 + 22
+    assert [vocab_range(97, r, 3, (2, 1, 1)) for r in range(3)] == [(0, 50), (50, 75), (75, 97)]
+    assert [vocab_range(97, r, 2, ()) for r in range(2)] == [vocab_range(97, r, 2, (1, 1)) for r in range(2)]
+    check_tp_split(cfg, 3, ())  # even: nothing to check
+    for split, size, message in [((2, 1), 3, "has 2 shares for tensor parallel degree 3"),
+                                 ((2, 3), 2, "its shares add up to 5, which must divide intermediate_size=14336"),
+                                 ((0, 1), 2, "every share must be at least 1")]:  # fmt: skip
+        with pytest.raises(TensorParallelError, match=message):
+            check_tp_split(cfg, size, split)
+    for text, message in [("2,a", "expected whole numbers and commas"), ("1,-1", "every share must be at least 1")]:
+        with pytest.raises(TensorParallelError, match=message):
+            parse_tp_split(text)
 
 
 def test_mlp_ranges_partition_the_intermediate_dimension() -> None:
