@@ -275,7 +275,7 @@ def memory_caps(t: Topology, device_memory: Mapping[str, int], device_type: Mapp
         group = tuple(Device(sh.worker_id, i, device_memory[sh.worker_id]) for i, sh in enumerate(stage.shards))
         kind = device_type.get(stage.shards[0].worker_id, "cpu")
         options = PlanOptions(dtype=t.model.dtype, quantization=t.model.quantization, limits=t.limits,
-                              runtime=RuntimeCosts.for_device(kind), tp=t.tp, pp=t.pp)  # fmt: skip
+                              runtime=RuntimeCosts.for_device(kind), tp=t.tp, pp=t.pp, tp_split=t.tp_split)  # fmt: skip
         first, last = stage.index == 0, stage.index == t.pp - 1
         caps.append(stage_capacity(model, group, first, last, t.model.num_layers, options))
     return caps if min(caps) >= 1 else None

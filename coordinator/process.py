@@ -97,7 +97,7 @@ class CoordinatorServer:
             model=cfg.model, pp=cfg.pp, tp=cfg.tp, limits=cfg.limits, store_host=cfg.store_host,
             store_port=self._store.port, heartbeat_timeout=cfg.heartbeat_timeout, split=cfg.split,
             requires=cfg.requires, tp_split=cfg.tp_split, logger=self._log, recovery_grace=cfg.recovery_grace,
-            memory_check=planner_check(cfg.model, cfg.limits, cfg.tp) if cfg.replan_after >= 0 else None,
+            memory_check=planner_check(cfg.model, cfg.limits, cfg.tp, cfg.tp_split) if cfg.replan_after >= 0 else None,
             replan_after=max(0.0, cfg.replan_after), rebalance_gain=cfg.rebalance_gain,
             rebalance_interval=cfg.rebalance_interval,
         )  # fmt: skip

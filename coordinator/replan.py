@@ -18,7 +18,7 @@ Split = tuple[tuple[int, int], ...]
 MemoryCheck = Callable[[int, Split, Sequence[int], Sequence[str]], str]
 
 
-def planner_check(model: ModelSpec, limits: ServingLimits, tp: int) -> MemoryCheck:
+def planner_check(model: ModelSpec, limits: ServingLimits, tp: int, tp_split: tuple[int, ...] = ()) -> MemoryCheck:
     """A check `(pp, split, memory per rank, device type per rank) -> why not ("" when it fits)` for `model`."""
     from shardmesh.core.units import format_bytes
     from shardmesh.planning.devices import Device
@@ -34,7 +34,8 @@ def planner_check(model: ModelSpec, limits: ServingLimits, tp: int) -> MemoryChe
             ranks = range(s * tp, (s + 1) * tp)
             group = tuple(Device(f"rank{r}", i, memory[r]) for i, r in enumerate(ranks))
             options = PlanOptions(dtype=model.dtype, quantization=model.quantization, limits=limits,
-                                  runtime=RuntimeCosts.for_device(kinds[s * tp]), tp=tp, pp=pp)  # fmt: skip
+                                  runtime=RuntimeCosts.for_device(kinds[s * tp]), tp=tp, pp=pp,
+                                  tp_split=tp_split)  # fmt: skip
             held = stage_capacity(info(), group, s == 0, s == pp - 1, model.num_layers, options)
             if held < end - start:
                 smallest = format_bytes(min(memory[r] for r in ranks))

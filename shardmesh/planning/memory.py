@@ -60,7 +60,7 @@ from typing import Any
 
 from shardmesh.core.config import ModelConfig
 from shardmesh.core.dtypes import INT8_QUANTIZE_CHUNK, INT8_QUANTIZE_TEMP_BYTES, DType, Quantization
-from shardmesh.core.heads import HeadSplit, mlp_range
+from shardmesh.core.heads import HeadSplit, TpSplit, mlp_range
 from shardmesh.core.topology import ServingLimits
 from shardmesh.models.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, TensorRead
 from shardmesh.planning.kv_blocks import block_bytes
@@ -160,13 +160,15 @@ def shard_memory(
     limits: ServingLimits,
     runtime: RuntimeCosts = RuntimeCosts(),  # frozen, so a shared default is safe
     quantization: Quantization | str = Quantization.NONE,
+    split: TpSplit = (),
 ) -> ShardMemory:
-    """The bytes of the shard holding layers [start, end) × tensor rank `rank` of `tp` (module docstring)."""
+    """The bytes of the shard holding layers [start, end) × tensor rank `rank` of `tp` (module docstring), its MLP
+    and vocabulary by `split`'s shares (evenly when it is empty)."""
     start, end = layers
     if not 0 <= start < end <= model.cfg.num_layers:
         raise ValueError(f"layer range [{start}, {end}) is not within [0, {model.cfg.num_layers})")
     last = end == model.cfg.num_layers
-    return stage_memory(model, end - start, start == 0, last, tp, rank, dtype, limits, runtime, quantization)
+    return stage_memory(model, end - start, start == 0, last, tp, rank, dtype, limits, runtime, quantization, split)
 
 
 def stage_memory(
@@ -180,27 +182,28 @@ def stage_memory(
     limits: ServingLimits,
     runtime: RuntimeCosts = RuntimeCosts(),  # frozen, so a shared default is safe
     quantization: Quantization | str = Quantization.NONE,
+    split: TpSplit = (),
 ) -> ShardMemory:
     """`shard_memory` by position: `n` layers (any n >= 1, even more than the model has, for capacity
     searches), plus the embedding when `first` and the final norm and LM head when `last`; the layers'
     products stored as `quantization` says."""
     cfg, serving = model.cfg, DType.parse(dtype)
     b, quant = serving.itemsize, Quantization.parse(str(quantization))
-    parts = weight_parts(cfg, tp, rank)
+    parts = weight_parts(cfg, tp, rank, split)
     held = [(n, parts.layer)] + [(1, parts.embedding)] * first + [(1, parts.head)] * last  # (count, part)
     weights = sum(count * part.nbytes(serving, quant) for count, part in held)
-    split = HeadSplit.of(cfg, rank, tp)
+    heads = HeadSplit.of(cfg, rank, tp)
     hd = cfg.head_dim
     if limits.kv_block_size:
-        kv = limits.kv_blocks * block_bytes(n, split.kv_count, hd, cfg.hidden_size, limits.kv_block_size, b, last)
+        kv = limits.kv_blocks * block_bytes(n, heads.kv_count, hd, cfg.hidden_size, limits.kv_block_size, b, last)
     else:
-        kv = n * 2 * limits.kv_slots * split.kv_count * limits.max_context * hd * b
+        kv = n * 2 * limits.kv_slots * heads.kv_count * limits.max_context * hd * b
         if not last:
             kv += limits.kv_slots * limits.max_context * cfg.hidden_size * b
     buffers = 2 * limits.max_context * hd * 4
-    ffn_start, ffn_end = mlp_range(cfg, rank, tp)
+    ffn_start, ffn_end = mlp_range(cfg, rank, tp, split)
     t, h, f = limits.max_batch_tokens, cfg.hidden_size, ffn_end - ffn_start
-    q, k = split.q_count * hd, split.kv_count * hd
+    q, k = heads.q_count * hd, heads.kv_count * hd
     acts = t * (b * (2 * h + max(3 * f, 4 * q + 3 * k)) + 8 * h + 8 * hd) + t * limits.max_context
     if last:
         acts += min(limits.kv_slots, t) * cfg.vocab_size * (2 * b + 16)

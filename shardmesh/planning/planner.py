@@ -119,6 +119,8 @@ class PlanOptions:
     rates: LinkRates | None = None
     # What a streamed read's mapped pages round out to on the workers' hosts (`engine.offload.map_unit()`).
     map_unit: int = FAULT_AROUND
+    # Each tp rank's share of the MLP and the vocabulary (`--tp-split`), for groups of as many ranks; () even.
+    tp_split: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         try:
@@ -137,11 +139,17 @@ class PlanOptions:
 
     def stage(self, model: ModelInfo, n: int, first: bool, last: bool, tp: int, rank: int) -> ShardMemory:
         """`memory.stage_memory` with these options' dtype, quantization, limits and runtime."""
-        return stage_memory(model, n, first, last, tp, rank, self.dtype, self.limits, self.runtime, self.quantization)
+        return stage_memory(model, n, first, last, tp, rank, self.dtype, self.limits, self.runtime, self.quantization,
+                            self._split(tp))  # fmt: skip
 
     def shard(self, model: ModelInfo, layers: tuple[int, int], tp: int, rank: int) -> ShardMemory:
         """`memory.shard_memory` with these options."""
-        return shard_memory(model, layers, tp, rank, self.dtype, self.limits, self.runtime, self.quantization)
+        return shard_memory(model, layers, tp, rank, self.dtype, self.limits, self.runtime, self.quantization,
+                            self._split(tp))  # fmt: skip
+
+    def _split(self, tp: int) -> tuple[int, ...]:
+        """`tp_split` for a group of `tp` ranks, () (even) for a group of another size (a plan choosing tp)."""
+        return self.tp_split if len(self.tp_split) == tp else ()
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from shardmesh.core.config import ModelConfig
 from shardmesh.core.dtypes import INT8_GROUP, DType, Quantization
-from shardmesh.core.heads import HeadSplit, mlp_range, vocab_range
+from shardmesh.core.heads import HeadSplit, TpSplit, mlp_range, vocab_range
 
 
 @dataclass(frozen=True)
@@ -55,16 +55,16 @@ def _whole(name: str, shape: tuple[int, ...]) -> TensorSlice:
     return TensorSlice(name, shape, shape, name)
 
 
-def _embedding(cfg: ModelConfig, tp: int, rank: int) -> list[TensorSlice]:
-    start, end = vocab_range(cfg.vocab_size, rank, tp)
+def _embedding(cfg: ModelConfig, tp: int, rank: int, split: TpSplit = ()) -> list[TensorSlice]:
+    start, end = vocab_range(cfg.vocab_size, rank, tp, split)
     name = "model.embed_tokens.weight"
     return [TensorSlice(name, (cfg.vocab_size, cfg.hidden_size), (end - start, cfg.hidden_size), name)]
 
 
-def _layer(cfg: ModelConfig, index: int, tp: int, rank: int) -> list[TensorSlice]:
+def _layer(cfg: ModelConfig, index: int, tp: int, rank: int, split: TpSplit = ()) -> list[TensorSlice]:
     h, d = cfg.hidden_size, cfg.head_dim
     heads = HeadSplit.of(cfg, rank, tp)
-    start, end = mlp_range(cfg, rank, tp)
+    start, end = mlp_range(cfg, rank, tp, split)
     q, kv, f = heads.q_count * d, heads.kv_count * d, end - start
     attn, mlp = f"model.layers.{index}.self_attn.", f"model.layers.{index}.mlp."
     norms = ("input_layernorm", "post_attention_layernorm")
@@ -87,21 +87,22 @@ def _layer(cfg: ModelConfig, index: int, tp: int, rank: int) -> list[TensorSlice
     return out
 
 
-def _head(cfg: ModelConfig, tp: int, rank: int) -> list[TensorSlice]:
-    start, end = vocab_range(cfg.vocab_size, rank, tp)
+def _head(cfg: ModelConfig, tp: int, rank: int, split: TpSplit = ()) -> list[TensorSlice]:
+    start, end = vocab_range(cfg.vocab_size, rank, tp, split)
     # Tied embeddings: the head reuses the embedding matrix, which checkpoints store once.
     source = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     head = TensorSlice(source, (cfg.vocab_size, cfg.hidden_size), (end - start, cfg.hidden_size), "lm_head.weight")
     return [_whole("model.norm.weight", (cfg.hidden_size,)), head]
 
 
-def shard_slices(cfg: ModelConfig, layers: range, tp: int, rank: int) -> list[TensorSlice]:
+def shard_slices(cfg: ModelConfig, layers: range, tp: int, rank: int, split: TpSplit = ()) -> list[TensorSlice]:
     """Everything rank `rank` of `tp` reads for layers [start, stop), with the embedding on the first stage
-    and the final norm and LM head on the last. TensorParallelError for a degree the model cannot split by."""
-    out = _embedding(cfg, tp, rank) if layers.start == 0 else []
+    and the final norm and LM head on the last (the MLP and the vocabulary by `split`'s shares, evenly when it is
+    empty). TensorParallelError for a degree the model cannot split by."""
+    out = _embedding(cfg, tp, rank, split) if layers.start == 0 else []
     for i in layers:
-        out += _layer(cfg, i, tp, rank)
-    return out + (_head(cfg, tp, rank) if layers.stop == cfg.num_layers else [])
+        out += _layer(cfg, i, tp, rank, split)
+    return out + (_head(cfg, tp, rank, split) if layers.stop == cfg.num_layers else [])
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -176,10 +177,10 @@ def _part(slices: list[TensorSlice], relaid: bool = True, quantizable: bool = Fa
 
 
 @functools.lru_cache(maxsize=512)
-def weight_parts(cfg: ModelConfig, tp: int, rank: int) -> WeightParts:
-    """The embedding, one decoder layer and the head, as rank `rank` of `tp` holds them."""
+def weight_parts(cfg: ModelConfig, tp: int, rank: int, split: TpSplit = ()) -> WeightParts:
+    """The embedding, one decoder layer and the head, as rank `rank` of `tp` holds them (by `split`'s shares)."""
     # Lookups keep the embedding's row-major layout: it is never re-laid out. The layers' matrices and the LM head
     # are the products int8 stores.
-    return WeightParts(_part(_embedding(cfg, tp, rank), relaid=False),
-                       _part(_layer(cfg, 0, tp, rank), quantizable=True),
-                       _part(_head(cfg, tp, rank), quantizable=True))  # fmt: skip
+    return WeightParts(_part(_embedding(cfg, tp, rank, split), relaid=False),
+                       _part(_layer(cfg, 0, tp, rank, split), quantizable=True),
+                       _part(_head(cfg, tp, rank, split), quantizable=True))  # fmt: skip

@@ -62,6 +62,25 @@ def test_weights_and_kv_equal_what_build_shard_holds(family: str, tmp_path: Path
                         assert est.buffers == sum(t.numel() * 4 for t in (shard.rope_cos, shard.rope_sin))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_uneven_shares_are_counted_as_build_shard_holds_them(family: str, tmp_path: Path) -> None:
+    """tp=2 with the MLP and the vocabulary split 3:1 (`--tp-split`): rank 0 holds more, and each rank's weights are
+    exactly what the model counts (a 97-token vocabulary: rows 0-74 and 75-96)."""
+    model_dir = write_checkpoint(tmp_path / family, FAMILIES[family])
+    model = load_model(model_dir)
+    limits = ServingLimits(kv_slots=3, max_context=40, max_batch_tokens=16)
+    assert 2 in valid_tp_degrees(model.cfg)
+    held = []
+    for rank in range(2):
+        shard = build_shard(model_dir, ShardSpec(0, 5, 5, rank, 2, (3, 1)), max_len=limits.max_context, progress=False)
+        held.append(sum(p.numel() * p.element_size() for p in shard.parameters()))
+        est = shard_memory(model, (0, 5), 2, rank, "float32", limits, split=(3, 1))
+        assert est.weights == held[-1], (family, rank)
+        options = PlanOptions(dtype="float32", limits=limits, tp_split=(3, 1))
+        assert options.shard(model, (0, 5), 2, rank).weights == held[-1]
+    assert held[0] > held[1]
+
+
 def test_published_models_by_hand() -> None:
     """Parameter counts everyone quotes, and a KV cache computed by hand."""
     limits = ServingLimits(8, 8192, 8192)
