@@ -652,6 +652,7 @@ MANIFEST_FLAGS = {
     "no_http": "services.gateway.http_listen", "served_model_name": "model.served_model_name",
     "quantize": "model.quantization", "memory_budget": "services.worker.memory_budget",
     "kv_block_size": "serving.kv_block_size", "kv_cache_memory": "serving.kv_cache_memory",
+    "tp_split": "parallelism.tensor_split.shares",
 }  # fmt: skip
 
 

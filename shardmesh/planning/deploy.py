@@ -84,6 +84,20 @@ class Deployment:
         return ",".join(self.node_of(r) or "" for r in range(self.pp * self.tp))
 
 
+def check_shares(m: Manifest, model: ModelInfo, tp: int, source: str) -> None:
+    """`parallelism.tensor_split.shares` fits `tp` and the model (`heads.check_tp_split`), else a ManifestError."""
+    from shardmesh.core.heads import TensorParallelError, check_tp_split
+
+    shares = tuple(m.parallelism.tensor_split.shares)
+    if shares and m.parallelism.tensor == "auto":
+        raise ManifestError(source, ["parallelism.tensor_split.shares: needs an integer parallelism.tensor (one "
+                                     "share per rank), not 'auto'"])  # fmt: skip
+    try:
+        check_tp_split(model.cfg, tp, shares)
+    except TensorParallelError as e:
+        raise ManifestError(source, [f"parallelism.tensor_split.shares: {e}"]) from None
+
+
 def check_device(m: Manifest, pp: int, tp: int, source: str) -> None:
     """`services.worker.device` for pp × tp ranks: cuda:N names one GPU, for one rank only."""
     spec = m.services.worker.device
@@ -136,6 +150,7 @@ def options(m: Manifest, model: ModelInfo, source: str) -> PlanOptions:
         dtype=m.model.dtype, quantization=m.model.quantization, limits=limits(m, model, source), runtime=runtime,
         tp=None if par.tensor == "auto" else par.tensor, pp=None if par.pipeline == "auto" else par.pipeline,
         balance=p.balance, node_order=tuple(p.node_order), reserve=p.reserve,
+        tp_split=tuple(par.tensor_split.shares),
     )  # fmt: skip
 
 
@@ -167,6 +182,7 @@ def resolve(m: Manifest, source: Path | None = None, model: ModelInfo | None = N
         if problems:
             raise ManifestError(src, problems)
         check_device(m, par.pipeline, par.tensor, src)
+        check_shares(m, model, par.tensor, src)
         lim = paged(m, model, par.tensor, split_layers(model.cfg.num_layers, par.pipeline), opts.limits, src)
         return Deployment(m, model, par.pipeline, par.tensor, lim, None, base_dir=base_dir)
     try:
@@ -176,6 +192,7 @@ def resolve(m: Manifest, source: Path | None = None, model: ModelInfo | None = N
             raise ManifestError(src, [f"parallelism: {e}"]) from None
         raise
     check_device(m, chosen.pp, chosen.tp, src)
+    check_shares(m, model, chosen.tp, src)
     notes = []
     if not chosen.even_split:
         basis = "free memory" if opts.balance == "memory" else "speed"
@@ -225,6 +242,8 @@ def up_args(d: Deployment, base: argparse.Namespace) -> argparse.Namespace:
     pl = m.placement
     out.rebalance, out.max_stage_ratio, out.require_balance = pl.rebalance, pl.max_stage_ratio, pl.require_balance
     out.layers, out.rank_nodes = d.layers_flag(), d.rank_nodes_flag()
+    if m.parallelism.tensor_split.shares:
+        out.tp_split = ",".join(map(str, m.parallelism.tensor_split.shares))
     sec = m.services.security
     if sec.tls_dir:  # `up --tls` with the manifest's material (made there when missing)
         out.tls, out.tls_dir = True, str(d.path(sec.tls_dir))
@@ -278,6 +297,8 @@ def coordinator_flags(d: Deployment) -> list[str]:
     layers, nodes = d.layers_flag(), d.rank_nodes_flag()
     flags += ["--layers", layers] if layers else []
     flags += ["--rank-nodes", nodes] if nodes else []
+    if m.parallelism.tensor_split.shares:
+        flags += ["--tp-split", ",".join(map(str, m.parallelism.tensor_split.shares))]
     return flags + _telemetry(m) + security_flags(d, "coordinator")
 
 

@@ -143,6 +143,11 @@ class TensorSplit(_Section):
         Literal["intermediate"],
         BeforeValidator(_one_of("intermediate", "mlp", _INTERMEDIATE)),
     ] = Field("intermediate", description="the MLP is split along its intermediate dimension")
+    shares: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=list, max_length=4096,
+        description="each tensor-parallel rank's share of the MLP columns and the vocabulary, e.g. [2, 1, 1] (rank 0 "
+        "holds half; the heads stay even); empty: equal shares. Needs an integer `tensor`, one share per rank",
+    )  # fmt: skip
 
 
 class Parallelism(_Section):

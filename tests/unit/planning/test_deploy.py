@@ -157,6 +157,32 @@ def test_a_paged_kv_cache_reaches_the_coordinator_which_counts_the_same_blocks(t
     assert not slots.limits.paged and "--kv-block-size" not in deploy.coordinator_flags(slots)
 
 
+def test_manifest_tensor_shares_reach_up_and_the_coordinator(tmp_path: Path) -> None:
+    """`parallelism.tensor_split.shares` becomes `--tp-split` for the coordinator (which parses it back) and `up`;
+    shares that do not fit the degree or the model are refused naming the field."""
+    from coordinator.app import build_config
+    from shardmesh_cli.main import build_parser
+
+    data = {"model": {"path": str(CONFIGS / "llama-3-8b"), "dtype": "bfloat16"},
+            "parallelism": {"pipeline": 1, "tensor": 2, "tensor_split": {"shares": [3, 1]}}}  # fmt: skip
+    d = deploy.resolve(parse_manifest(data), tmp_path / "m.yaml")
+    flags = deploy.coordinator_flags(d)
+    assert flags[flags.index("--tp-split") + 1] == "3,1"
+    assert build_config(build_parser().parse_args(["coordinator", *flags])).tp_split == (3, 1)
+    assert deploy.up_args(d, argparse.Namespace(tp_split="auto")).tp_split == "3,1"
+    data["parallelism"]["tensor_split"]["shares"] = [2, 1, 1]
+    with pytest.raises(ManifestError, match=r"parallelism\.tensor_split\.shares: tp split 2,1,1 has 3 shares for "
+                                            r"tensor parallel degree 2"):  # fmt: skip
+        deploy.resolve(parse_manifest(data), tmp_path / "m.yaml")
+    data["parallelism"]["tensor_split"]["shares"] = [0, 1]
+    with pytest.raises(ManifestError, match=r"parallelism\.tensor_split\.shares\[0\]: must be >= 1, got 0"):
+        parse_manifest(data)
+    del data["parallelism"]["tensor_split"]
+    even = deploy.resolve(parse_manifest(data), tmp_path / "m.yaml")
+    assert "--tp-split" not in deploy.coordinator_flags(even)
+    assert deploy.up_args(even, argparse.Namespace(tp_split="auto")).tp_split == "auto"  # up's own flag stands
+
+
 def _gpu_manifest(nodes: list[dict], device: str = "cuda", **parallelism: int) -> dict:
     return {"model": {"path": str(CONFIGS / "llama-3-8b"), "dtype": "bfloat16"}, "nodes": nodes,
             "parallelism": parallelism or {"pipeline": 2, "tensor": 2},
