@@ -19,6 +19,7 @@ HTTP API serves HTTPS, and `up` prints the flags that tools (status, drain, top,
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import secrets
@@ -185,8 +186,32 @@ def _priority_env(priority: str) -> dict[str, str]:
     return {PRIORITY_ENV: priority} if priority == "realtime" else {}
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LISTEN_PORTS_FROM = 10000  # the lowest port `free_port` picks below the ephemeral range
+_HANDED: collections.deque[int] = collections.deque(maxlen=256)  # the ports `free_port` gave out last
+
+
 def free_port() -> int:
-    """A port free on 127.0.0.1 right now (the OS picks it; nothing else binds loopback ports here)."""
+    """A port free on 127.0.0.1 right now, below the OS's ephemeral range where it can, so that no outgoing connection
+    (a gRPC channel, a Gloo or store client: their local ports come from that range) takes it between now and the
+    service's bind. A port the OS picked from that range once lost that race in a test run: a coordinator started a
+    second later found it in use. Where the range cannot be read or leaves no room below it, the OS picks."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = secrets.SystemRandom()
+    for _ in range(64 if low > LISTEN_PORTS_FROM + 1000 else 0):
+        port = rng.randrange(LISTEN_PORTS_FROM, low)
+        if port in _HANDED:  # handed out a moment ago, perhaps not bound yet (up picks several before any binds)
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED.append(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

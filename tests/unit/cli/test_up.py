@@ -195,3 +195,23 @@ def test_up_refuses_a_tp_split_that_does_not_fit_its_tp(capsys: pytest.CaptureFi
     assert "--tp-split: 2 shares for --tp 3" in capsys.readouterr().err
     assert main(["up", "--model", "smollm2-135m-instruct", "--tp", "3", "--tp-split", "2,one,1"]) == 2
     assert "--tp-split: tp split '2,one,1': expected whole numbers and commas" in capsys.readouterr().err
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_are_not_handed_out_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """Outgoing connections take their local ports from the ephemeral range, so a listening port picked there can be
+    taken before the service binds it; below it, only another listener can, and a port just handed out is not
+    handed out again."""
+    import socket
+
+    from shardmesh_cli import up
+
+    low = int(up.EPHEMERAL_RANGE.read_text().split()[0])
+    ports = [up.free_port() for _ in range(50)]
+    assert all(up.LISTEN_PORTS_FROM <= p < low for p in ports) and len(set(ports)) == 50
+    for p in ports[:3]:  # each one bindable on the loopback address
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))
+    monkeypatch.setattr(up, "EPHEMERAL_RANGE", tmp_path / "missing")  # no range to read: the OS picks
+    assert 0 < up.free_port() < 65536
