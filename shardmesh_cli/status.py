@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from shardmesh.core.heads import format_tp_split
 from shardmesh.core.topology import CalibrationStatus, MeshWorker, ServingLimits, Topology, WorkerState
 from shardmesh.core.units import format_bytes
 from shardmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -47,7 +48,7 @@ def _mib(n: int) -> str:
 
 def _split(shares: tuple[int, ...]) -> str:
     """How the MLP and the vocabulary are split when not evenly (`--tp-split`)."""
-    return f" (MLP and vocabulary split {','.join(map(str, shares))})" if shares else ""
+    return f" (MLP and vocabulary split {format_tp_split(shares)})" if shares else ""
 
 
 def render(t: Topology) -> str:

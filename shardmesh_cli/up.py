@@ -37,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.app import API_KEY_ENV
 from shardmesh.core.config import ModelConfig
+from shardmesh.core.heads import format_tp_split, parse_tp_split
 from shardmesh.core.layout import layer_counts
 from shardmesh.core.topology import Topology
 from shardmesh.engine import compute_priority
@@ -82,7 +83,7 @@ class CoreShare:
         elif self.priority_refused:
             threads += f" at normal priority, as real-time was refused: {self.priority_refused}"
         if self.rank_cpus:
-            threads += (f"; tp ranks outnumber the cores, so they are split {','.join(map(str, self.tp_split))} "
+            threads += (f"; tp ranks outnumber the cores, so they are split {format_tp_split(self.tp_split)} "
                         f"and pinned to CPUs {','.join(map(str, self.rank_cpus))} (--tp-split even: not)")  # fmt: skip
         if self.pipeline == "turns":
             return (f"pipeline: the stages share this host's {cores} cores, so they take turns (one step in "
@@ -144,8 +145,6 @@ def share_cores(pp: int, tp: int, device: str | Sequence[str], pipeline: str, wo
             cpus = list(cpu_ids) if cpu_ids is not None else list(range(cores))
             split, pins = uneven_ranks(tp, cpus, intermediate_size) or ((), ())
     elif tp_split != "even":
-        from shardmesh.core.heads import parse_tp_split
-
         split = parse_tp_split(tp_split)
     return CoreShare(pipeline, threads, depth, {**extra, **_priority_env(chosen)}, chosen, refused, split, pins)
 
@@ -482,7 +481,7 @@ def start_mesh(args: argparse.Namespace, model_dir: Path) -> LocalMesh:
                             cpu_ids=sorted(os.sched_getaffinity(0)))  # fmt: skip
         mesh.share = share
         if share.tp_split:
-            coord += ["--tp-split", ",".join(map(str, share.tp_split))]
+            coord += ["--tp-split", format_tp_split(share.tp_split)]
         coord += _balance_flags(args)
         if share.rank_cpus:
             coord += ["--rank-nodes", pinned_nodes(args.pp, args.tp, share.rank_cpus)]

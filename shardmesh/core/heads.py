@@ -37,12 +37,17 @@ def parse_tp_split(text: str) -> TpSplit:
     return split
 
 
+def format_tp_split(split: TpSplit) -> str:
+    """(2, 1, 1) -> "2,1,1": what `parse_tp_split` reads (a flag's value)."""
+    return ",".join(map(str, split))
+
+
 def check_tp_split(cfg: ModelConfig, size: int, split: TpSplit) -> None:
     """A TensorParallelError saying what is wrong unless `split` (non-empty) gives each of `size` ranks a positive
     share and its total divides intermediate_size (each rank's columns a whole number of shares)."""
     if not split:
         return
-    text = ",".join(map(str, split))
+    text = format_tp_split(split)
     if len(split) != size:
         raise TensorParallelError(f"tp split {text} has {len(split)} shares for tensor parallel degree {size}")
     if min(split) < 1:

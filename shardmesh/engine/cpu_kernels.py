@@ -151,10 +151,7 @@ static inline void block_f32(const float* x, int64_t xs, int64_t K, const float*
                              const void* next = nullptr) {
   in_registers<MB>(K, acc, [&](Sums* a, int64_t k) {
     ask_next(next, k);
-    if constexpr (Ahead) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + F32_AHEAD) * NB), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + F32_AHEAD) * NB + 16), _MM_HINT_T0);
-    }
+    if constexpr (Ahead) ask_ahead(w + (k + F32_AHEAD) * NB);
     add_rows<MB>(a, x, xs, k, _mm512_loadu_ps(w + k * NB), _mm512_loadu_ps(w + k * NB + 16));
   });
 }
@@ -619,6 +616,21 @@ static void over_blocks(int64_t M, int64_t N, const float* bias, float* y, bool 
   });
 }
 
+#ifdef __AVX512BF16__
+// The M rows of x (M, K) as bfloat16 pairs, one uint32 per (k, k + 1), K padded to even with a zero: what vdpbf16ps
+// and AMX's tiles read (exact where x holds bfloat16 values).
+static std::vector<uint32_t> bf16_pairs(const float* x, int64_t M, int64_t K) {
+  const int64_t K2 = (K + 1) / 2;
+  std::vector<uint32_t> xq(M * K2);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = 0; p < K2; ++p) {
+      const uint32_t lo = f2bf(x[m * K + 2 * p]), hi = 2 * p + 1 < K ? f2bf(x[m * K + 2 * p + 1]) : 0u;
+      xq[m * K2 + p] = lo | (hi << 16);
+    }
+  return xq;
+}
+#endif
+
 // Whether bfloat16 products of K2 pairs go to AMX's tiles: where the CPU has them and may use them, and K2 % 16 == 0
 // (a tile takes 16 pairs: any Llama width, and its tensor-parallel slices).
 static inline bool amx_taken(int64_t K2) {
@@ -676,10 +688,9 @@ std::vector<double> bf16_rows_probe(int64_t K2, int64_t passes, int64_t trials) 
   const int64_t K = 2 * K2;
   std::vector<uint16_t> w(K2 * 2 * NB);
   std::vector<float> x(R * K), acc(R * NB);
-  std::vector<uint32_t> xq(R * K2);
   for (size_t i = 0; i < w.size(); ++i) w[i] = f2bf(1.f + 0.001f * static_cast<float>(i % 97));
   for (size_t i = 0; i < x.size(); ++i) x[i] = bf2f(f2bf(0.01f * static_cast<float>(i % 89)));
-  for (int64_t i = 0; i < R * K2; ++i) xq[i] = f2bf(x[2 * i]) | (static_cast<uint32_t>(f2bf(x[2 * i + 1])) << 16);
+  const std::vector<uint32_t> xq = bf16_pairs(x.data(), R, K);
   double best[2] = {1e300, 1e300};
   float sink = 0.f;
   for (int64_t t = 0; t < trials; ++t)
@@ -761,12 +772,7 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
     });
     return;
   }
-  std::vector<uint32_t> xq(M * K2);  // the rows as bfloat16 pairs (exact when they hold bfloat16 values)
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t p = 0; p < K2; ++p) {
-      const uint32_t lo = f2bf(x[m * K + 2 * p]), hi = 2 * p + 1 < K ? f2bf(x[m * K + 2 * p + 1]) : 0u;
-      xq[m * K2 + p] = lo | (hi << 16);
-    }
+  const std::vector<uint32_t> xq = bf16_pairs(x, M, K);
 #ifdef SHARDMESH_AMX
   if (amx_taken(K2)) {
     at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {

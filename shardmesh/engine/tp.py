@@ -112,6 +112,7 @@ class VocabParallelHead(LinearProduct):
         self.start, self.end = vocab_range(vocab, group.rank, group.size, split)
         self.sizes = [e - s for s, e in (vocab_range(vocab, r, group.size, split) for r in range(group.size))]
         self.chunk = max(self.sizes)
+        self.even = all(n == self.chunk for n in self.sizes[:-1])  # only the last chunk may be short
         self.weight = nn.Parameter(torch.empty(self.end - self.start, dim, device="meta"), requires_grad=False)
         self.checkpoint_index: dict[str, tuple[Index, ...]] = {"weight": (_rows(self.start, self.end - self.start, 2),)}
 
@@ -121,7 +122,7 @@ class VocabParallelHead(LinearProduct):
         if pad:
             local = F.pad(local, (0, pad))
         gathered = self.group.all_gather(local)
-        if all(n == self.chunk for n in self.sizes[:-1]):  # even chunks: only the last is short
+        if self.even:
             return gathered[..., : self.vocab]
         return torch.cat([gathered[..., r * self.chunk : r * self.chunk + n] for r, n in enumerate(self.sizes)], -1)
 

@@ -83,6 +83,12 @@ class Deployment:
             return None
         return ",".join(self.node_of(r) or "" for r in range(self.pp * self.tp))
 
+    def tp_split_flag(self) -> str | None:
+        """`--tp-split`: each tensor-parallel rank's share (`parallelism.tensor_split.shares`); None for even ones."""
+        from shardmesh.core.heads import format_tp_split
+
+        return format_tp_split(tuple(self.manifest.parallelism.tensor_split.shares)) or None
+
 
 def check_shares(m: Manifest, model: ModelInfo, tp: int, source: str) -> None:
     """`parallelism.tensor_split.shares` fits `tp` and the model (`heads.check_tp_split`), else a ManifestError."""
@@ -242,8 +248,8 @@ def up_args(d: Deployment, base: argparse.Namespace) -> argparse.Namespace:
     pl = m.placement
     out.rebalance, out.max_stage_ratio, out.require_balance = pl.rebalance, pl.max_stage_ratio, pl.require_balance
     out.layers, out.rank_nodes = d.layers_flag(), d.rank_nodes_flag()
-    if m.parallelism.tensor_split.shares:
-        out.tp_split = ",".join(map(str, m.parallelism.tensor_split.shares))
+    if (tp_split := d.tp_split_flag()) is not None:
+        out.tp_split = tp_split
     sec = m.services.security
     if sec.tls_dir:  # `up --tls` with the manifest's material (made there when missing)
         out.tls, out.tls_dir = True, str(d.path(sec.tls_dir))
@@ -297,8 +303,8 @@ def coordinator_flags(d: Deployment) -> list[str]:
     layers, nodes = d.layers_flag(), d.rank_nodes_flag()
     flags += ["--layers", layers] if layers else []
     flags += ["--rank-nodes", nodes] if nodes else []
-    if m.parallelism.tensor_split.shares:
-        flags += ["--tp-split", ",".join(map(str, m.parallelism.tensor_split.shares))]
+    tp_split = d.tp_split_flag()
+    flags += ["--tp-split", tp_split] if tp_split else []
     return flags + _telemetry(m) + security_flags(d, "coordinator")
 
 
