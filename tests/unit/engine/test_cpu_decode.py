@@ -192,6 +192,29 @@ def test_native_steps_equal_eager(tmp_path: pytest.TempPathFactory, family: str,
     assert (native_cache.data.float() - eager_cache.data.float()).abs().max() < cache_tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_steps_equal_eager_at_widths_off_the_vectors(tmp_path: pytest.TempPathFactory,
+                                                            dtype: torch.dtype) -> None:  # fmt: skip
+    """Widths that are not multiples of 16, so each 16-lane loop of the layer halves ends on its scalar tail: hidden
+    72 (the norms and residuals: 64 + 8), head dim 18 (the cache writes: 16 + 2; RoPE's half of 9, scalar alone),
+    qkv 144 outputs (a last block of 16 of 32, masked), intermediate 52 (SwiGLU: 48 + 4)."""
+    d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=2, seed=5, hidden_size=72, intermediate_size=52)
+    model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
+    slots = [2, 0, 1]
+    eager_cache, native_cache = prefilled(model, slots, dtype), prefilled(model, slots, dtype)
+    runner = cpu_decode(model, native_cache, torch.device("cpu"))
+    assert isinstance(runner, CpuDecode)
+    batch = BatchLayout.build([Segment(s, len(PROMPTS[i]), 1) for i, s in enumerate(slots)])
+    ids = torch.tensor([5, 17, 30])
+    with torch.inference_mode():
+        eager, native = model(ids, batch, eager_cache).float(), runner.run(batch, ids)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert (native - eager).abs().max() / eager.abs().max() < tol
+    assert torch.equal(native.argmax(-1), eager.argmax(-1))
+    cache_tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (native_cache.data.float() - eager_cache.data.float()).abs().max() < cache_tol
+
+
 def test_native_bf16_steps_are_the_same_whichever_way_rows_are_multiplied(tmp_path: pytest.TempPathFactory,
                                                                          bf16_ways: list[str]) -> None:  # fmt: skip
     """A bfloat16 decode step of several sequences (the layer halves and the head) gives the same logits and writes the
