@@ -102,9 +102,9 @@ using Scratch = std::unique_ptr<float[]>;
 static inline Scratch scratch(int64_t n) { return Scratch(new float[n]); }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Elementwise work, 16 lanes at a time on AVX-512 with the same roundings as round_to and f2bf (a scalar loop takes the
-// tail, and every element elsewhere). Scalar, the norms, residuals, RoPE and SwiGLU of a 16-row bfloat16 step kept one
-// thread busy for ~4 of its 28 ms while the other waited.
+// Elementwise work, a vector at a time (16 lanes on AVX-512, 8 on AVX2) with the same roundings as round_to and f2bf
+// (a scalar loop takes the tail, and every element on other CPUs). Scalar, the norms, residuals, RoPE and SwiGLU of a
+// 16-row bfloat16 step kept one thread busy for ~4 of its 28 ms while the other waited.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T>
 static inline float load(const T* p, int64_t i) {
@@ -116,6 +116,8 @@ static inline void put(T* p, int64_t i, float v) {
 }
 
 #ifdef __AVX512F__
+#define SHARDMESH_LANES 16
+using Lanes = __m512;
 // f2bf's bits in each lane's high half (the low half zero): round to nearest even, a NaN kept NaN (quieted).
 static inline __m512i bf16_high(__m512 v) {
   const __m512i u = _mm512_castps_si512(v), high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
@@ -124,26 +126,85 @@ static inline __m512i bf16_high(__m512 v) {
   const __m512i quiet = _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x400000)), high);
   return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), quiet);
 }
-// round_to, 16 lanes.
-static inline __m512 round16(bool bf16, __m512 v) { return bf16 ? _mm512_castsi512_ps(bf16_high(v)) : v; }
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const at::BFloat16* p) {
+static inline __m512 vround(bool bf16, __m512 v) { return bf16 ? _mm512_castsi512_ps(bf16_high(v)) : v; }
+static inline __m512 vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 vload(const at::BFloat16* p) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
-// put, 16 lanes.
-static inline void put16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline void put16(at::BFloat16* p, __m512 v) {
+static inline void vput(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void vput(at::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_high(v), 16)));
 }
+static inline __m512 vset(float f) { return _mm512_set1_ps(f); }
+static inline __m512 vadd(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+static inline __m512 vsub(__m512 a, __m512 b) { return _mm512_sub_ps(a, b); }
+static inline __m512 vmul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+// A sum of squares in double (each square exact there), 16 values at a time.
+struct SumSq {
+  __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+  void add(__m512 v) {
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+    const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    s0 = _mm512_fmadd_pd(lo, lo, s0);
+    s1 = _mm512_fmadd_pd(hi, hi, s1);
+  }
+  double total() const { return _mm512_reduce_add_pd(_mm512_add_pd(s0, s1)); }
+};
+// 16 keys or values of the cache as float32 (the attention's name for vload).
+static inline __m512 load16(const float* p) { return vload(p); }
+static inline __m512 load16(const at::BFloat16* p) { return vload(p); }
+#elif defined(SHARDMESH_AVX2)
+#define SHARDMESH_LANES 8
+using Lanes = __m256;
+static inline __m256i bf16_high(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v), high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), high);
+  const __m256i quiet = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), high);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(quiet),
+                                              _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+static inline __m256 vround(bool bf16, __m256 v) { return bf16 ? _mm256_castsi256_ps(bf16_high(v)) : v; }
+static inline __m256 vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 vload(const at::BFloat16* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+static inline void vput(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline void vput(at::BFloat16* p, __m256 v) {
+  const __m256i b = _mm256_srli_epi32(bf16_high(v), 16);  // each lane <= 0xffff: packus keeps it as is
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+static inline __m256 vset(float f) { return _mm256_set1_ps(f); }
+static inline __m256 vadd(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+static inline __m256 vsub(__m256 a, __m256 b) { return _mm256_sub_ps(a, b); }
+static inline __m256 vmul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+struct SumSq {
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  void add(__m256 v) {
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    s0 = _mm256_fmadd_pd(lo, lo, s0);
+    s1 = _mm256_fmadd_pd(hi, hi, s1);
+  }
+  double total() const {
+    const __m256d s = _mm256_add_pd(s0, s1);
+    const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+  }
+};
+#endif
+#ifdef SHARDMESH_LANES
+constexpr int64_t L = SHARDMESH_LANES;
 #endif
 
 // p[i] = round_to(bf16, p[i]) for n values.
 static void round_all(bool bf16, float* p, int64_t n) {
   if (!bf16) return;
   int64_t i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(p + i, round16(true, _mm512_loadu_ps(p + i)));
+#ifdef SHARDMESH_LANES
+  for (; i + L <= n; i += L) vput(p + i, vround(true, vload(p + i)));
 #endif
   for (; i < n; ++i) p[i] = round_to(true, p[i]);
 }
@@ -152,8 +213,8 @@ static void round_all(bool bf16, float* p, int64_t n) {
 template <typename T>
 static void add_into(const T* x, const float* y, T* out, int64_t n) {
   int64_t i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16) put16(out + i, _mm512_add_ps(load16(x + i), _mm512_loadu_ps(y + i)));
+#ifdef SHARDMESH_LANES
+  for (; i + L <= n; i += L) vput(out + i, vadd(vload(x + i), vload(y + i)));
 #endif
   for (; i < n; ++i) put(out, i, load(x, i) + y[i]);
 }
@@ -161,8 +222,8 @@ static void add_into(const T* x, const float* y, T* out, int64_t n) {
 template <typename T>
 static void put_all(const float* y, T* out, int64_t n) {
   int64_t i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16) put16(out + i, _mm512_loadu_ps(y + i));
+#ifdef SHARDMESH_LANES
+  for (; i + L <= n; i += L) vput(out + i, vload(y + i));
 #endif
   for (; i < n; ++i) put(out, i, y[i]);
 }
@@ -571,20 +632,18 @@ static inline void block_dp(const uint32_t* x, int64_t xs, int64_t K2, const uin
 static inline void store_block(float* y, int64_t N, int64_t b, int64_t m, int rows, const float* acc, const float* bias,
                                bool round_bf16) {
   const int64_t n0 = b * NB, nn = std::min(NB, N - n0);
-#ifdef __AVX512F__
-  for (int64_t j = 0; j < nn; j += 16) {  // the last block's outputs past N masked off
-    const __mmask16 in = nn - j >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (nn - j)) - 1);
-    const __m512 bj = bias ? _mm512_maskz_loadu_ps(in, bias + n0 + j) : _mm512_setzero_ps();
+  int64_t j = 0;
+#ifdef SHARDMESH_LANES
+  for (; j + L <= nn; j += L) {
+    const Lanes bj = bias ? vload(bias + n0 + j) : vset(0.f);
     for (int i = 0; i < rows; ++i)
-      _mm512_mask_storeu_ps(y + (m + i) * N + n0 + j, in,
-                            round16(round_bf16, _mm512_add_ps(_mm512_loadu_ps(acc + i * NB + j), bj)));
+      vput(y + (m + i) * N + n0 + j, vround(round_bf16, vadd(vload(acc + i * NB + j), bj)));
   }
-#else
-  for (int i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < nn; ++j) {
-      y[(m + i) * N + n0 + j] = round_to(round_bf16, acc[i * NB + j] + (bias ? bias[n0 + j] : 0.f));
-    }
 #endif
+  for (int i = 0; i < rows; ++i)
+    for (int64_t t = j; t < nn; ++t) {  // the last block's outputs short of a vector (past N: padding, not stored)
+      y[(m + i) * N + n0 + t] = round_to(round_bf16, acc[i * NB + t] + (bias ? bias[n0 + t] : 0.f));
+    }
 }
 
 #ifdef SHARDMESH_AMX
@@ -1316,26 +1375,17 @@ static void rms_norm_rows(const T* x, int64_t M, int64_t H, const U* w, double e
     float* hm = h + m * H;
     double ss = 0;
     int64_t i = 0;
-#ifdef __AVX512F__
-    __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
-    for (; i + 16 <= H; i += 16) {
-      const __m512 v = load16(xm + i);
-      const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-      const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-      s0 = _mm512_fmadd_pd(lo, lo, s0);
-      s1 = _mm512_fmadd_pd(hi, hi, s1);
-    }
-    ss = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+#ifdef SHARDMESH_LANES
+    SumSq sq;
+    for (; i + L <= H; i += L) sq.add(vload(xm + i));
+    ss = sq.total();
 #endif
     for (int64_t j = i; j < H; ++j) ss += static_cast<double>(load(xm, j)) * load(xm, j);
     const float r = 1.0f / std::sqrt(static_cast<float>(ss / H) + static_cast<float>(eps));
     i = 0;
-#ifdef __AVX512F__
-    const __m512 rv = _mm512_set1_ps(r);
-    for (; i + 16 <= H; i += 16) {
-      const __m512 normed = round16(bf16, _mm512_mul_ps(load16(xm + i), rv));
-      _mm512_storeu_ps(hm + i, round16(bf16, _mm512_mul_ps(load16(w + i), normed)));
-    }
+#ifdef SHARDMESH_LANES
+    for (; i + L <= H; i += L)
+      vput(hm + i, vround(bf16, vmul(vload(w + i), vround(bf16, vmul(vload(xm + i), vset(r))))));
 #endif
     for (; i < H; ++i) hm[i] = round_to(bf16, load(w, i) * round_to(bf16, load(xm, i) * r));
   }
@@ -1504,13 +1554,11 @@ static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T
     for (int64_t h = 0; h < nh + nkv; ++h) {  // queries and keys: x * cos + rotate_half(x) * sin
       float* v = row + h * hd;
       int64_t i = 0;
-#ifdef __AVX512F__
-      for (; i + 16 <= half; i += 16) {
-        const __m512 a = _mm512_loadu_ps(v + i), b = _mm512_loadu_ps(v + i + half);
-        _mm512_storeu_ps(v + i, round16(bf16, _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(c + i)),
-                                                            _mm512_mul_ps(b, _mm512_loadu_ps(s + i)))));
-        _mm512_storeu_ps(v + i + half, round16(bf16, _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(c + i + half)),
-                                                                   _mm512_mul_ps(a, _mm512_loadu_ps(s + i + half)))));
+#ifdef SHARDMESH_LANES
+      for (; i + L <= half; i += L) {
+        const Lanes a = vload(v + i), b = vload(v + i + half);
+        vput(v + i, vround(bf16, vsub(vmul(a, vload(c + i)), vmul(b, vload(s + i)))));
+        vput(v + i + half, vround(bf16, vadd(vmul(b, vload(c + i + half)), vmul(a, vload(s + i + half)))));
       }
 #endif
       for (; i < half; ++i) {
@@ -1630,15 +1678,15 @@ static void swiglu(const float* gu, int64_t inter, bool bf16, float* a) {
     const __m512 g = _mm512_loadu_ps(gu + i);
     const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f),
                                                        exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    _mm512_storeu_ps(a + i, round16(bf16, _mm512_mul_ps(round16(bf16, silu), _mm512_loadu_ps(up + i))));
+    vput(a + i, vround(bf16, vmul(vround(bf16, silu), vload(up + i))));
   }
 #elif defined(SHARDMESH_AVX2)
-  for (; i + 8 <= inter; i += 8) {  // silu(gate), 8 at a time; rounded and times up below
+  for (; i + 8 <= inter; i += 8) {
     const __m256 g = _mm256_loadu_ps(gu + i);
-    _mm256_storeu_ps(a + i, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(
-                                                                      _mm256_setzero_ps(), g)))));
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f),
+                                                       exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    vput(a + i, vround(bf16, vmul(vround(bf16, silu), vload(up + i))));
   }
-  for (int64_t j = 0; j < i; ++j) a[j] = round_to(bf16, round_to(bf16, a[j]) * up[j]);
 #endif
   for (; i < inter; ++i) a[i] = round_to(bf16, round_to(bf16, gu[i] / (1.0f + std::exp(-gu[i]))) * up[i]);
 }
