@@ -1363,7 +1363,8 @@ static void product(const float* x, int64_t M, int64_t K, const Weights& w, bool
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// A decoder layer's halves for decode rows (one new token per row), as `model.py` computes them.
+// A decoder layer's halves for the rows of a step (`cpu_decode`: decode rows, and short prompts whose rows each attend
+// over the cache up to their own position), as `model.py` computes them.
 // ---------------------------------------------------------------------------------------------------------------
 
 // h = weight * rms_norm(x), rounded as the model rounds: the norm in float32, to the dtype, times the weight. The sum
@@ -1699,7 +1700,9 @@ torch::Tensor mlp_block(torch::Tensor x, torch::Tensor norm, double eps, Weights
   rms_norm(x, norm, eps, bf16, h.get());
   torch::Tensor keep_gu, keep_d;
   product(h.get(), M, H, w_gate_up, rows, groups_ptr(s_gate_up), opt_ptr(b_gate_up, keep_gu), gu.get(), bf16);
-  for (int64_t m = 0; m < M; ++m) swiglu(gu.get() + m * n_gate_up, inter, bf16, act.get() + m * inter);
+  at::parallel_for(0, M, 32, [&](int64_t m0, int64_t m1) {  // a prompt's rows in parallel, a step's few inline
+    for (int64_t m = m0; m < m1; ++m) swiglu(gu.get() + m * n_gate_up, inter, bf16, act.get() + m * inter);
+  });
   product(act.get(), M, inter, w_down, rows, groups_ptr(s_down), opt_ptr(b_down, keep_d), y.get(), bf16);
   return finish(x, y.get(), residual);
 }

@@ -12,6 +12,7 @@ import torch
 from shardmesh.core.dtypes import Quantization
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.step import Segment
+from shardmesh.engine import cpu_decode as cpu_decode_module
 from shardmesh.engine import cpu_kernels, sampling
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.cpu_decode import CpuDecode, cpu_decode
@@ -194,6 +195,36 @@ def test_native_steps_equal_eager(tmp_path: pytest.TempPathFactory, family: str,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_prompts_equal_eager(tmp_path: pytest.TempPathFactory, dtype: torch.dtype) -> None:
+    """Prompts through the layer halves: every row's key and value is written before any row attends, so each row
+    sees its own segment's earlier rows. Whole prompts, a prompt's second chunk beside decode rows, the logits of each
+    sequence's last token and the cache as eager leaves them."""
+    d = make_checkpoint(tmp_path, "qwen2-bias-tied", num_layers=2, seed=11, hidden_size=64, intermediate_size=80)
+    model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
+    eager_cache, native_cache = model.make_cache(4, dtype, "cpu"), model.make_cache(4, dtype, "cpu")
+    runner = cpu_decode(model, native_cache, torch.device("cpu"))
+    assert isinstance(runner, CpuDecode)
+    g = torch.Generator().manual_seed(2)
+    steps = [
+        [Segment(2, 0, 9), Segment(0, 0, 1), Segment(3, 0, 17)],  # three prompts, one of a single token
+        [Segment(2, 9, 1), Segment(0, 1, 6), Segment(3, 17, 1)],  # decode rows beside a prompt's second chunk
+        [Segment(2, 10, 1), Segment(0, 7, 1), Segment(3, 18, 1)],
+    ]
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for segments in steps:
+        batch = BatchLayout.build(segments)
+        ids = torch.randint(0, 96, (batch.num_tokens,), generator=g)
+        assert runner.accepts(batch, all_logits=False)
+        with torch.inference_mode():
+            eager, native = model(ids, batch, eager_cache), runner.run(batch, ids)
+        assert native.shape == eager.shape == (len(segments), 96)
+        assert (native - eager).abs().max() / eager.abs().max() < tol
+        assert torch.equal(native.argmax(-1), eager.argmax(-1))
+    cache_tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (native_cache.data.float() - eager_cache.data.float()).abs().max() < cache_tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_steps_equal_eager_at_widths_off_the_vectors(tmp_path: pytest.TempPathFactory,
                                                             dtype: torch.dtype) -> None:  # fmt: skip
     """Widths that are not multiples of 16, so each 16-lane loop of the layer halves ends on its scalar tail: hidden
@@ -296,7 +327,9 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Transformer:
 def test_declines_what_it_cannot_compute(small: Transformer) -> None:
     runner = cpu_decode(small, small.make_cache(2, torch.float32, "cpu"), torch.device("cpu"))
     assert runner is not None
-    assert not runner.accepts(BatchLayout.build([Segment(0, 4, 1), Segment(1, 0, 2)]), all_logits=False)  # a prompt
+    assert runner.accepts(BatchLayout.build([Segment(0, 4, 1), Segment(1, 0, 2)]), all_logits=False)  # a prompt
+    long = Segment(1, 0, cpu_decode_module.MAX_SEGMENT + 1)  # longer prompts keep eager's fused attention
+    assert not runner.accepts(BatchLayout.build([Segment(0, 4, 1), long]), all_logits=False)
     assert not runner.accepts(BatchLayout.build([Segment(0, 4, 1)]), all_logits=True)
     assert runner.accepts(BatchLayout.build([Segment(0, 4, 1)]), all_logits=False)
     # a paged cache, another device: eager
@@ -314,16 +347,20 @@ def test_other_kernels_stay_eager(tmp_path: pytest.TempPathFactory, monkeypatch:
     assert engine.decode_runner == "eager"
 
 
-def test_stage_engine_runs_decode_natively(small: Transformer) -> None:
+def test_stage_engine_runs_decode_and_short_prompts_natively(small: Transformer,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setattr(cpu_decode_module, "MAX_SEGMENT", 4)  # a prompt of 5 is a long one here
     groups = ShardGroups(ShardSpec(0, 2, 2), 0, 1, SingleRank(), None, None)
     engine = StageEngine(small, groups, small.make_cache(2, torch.float32, "cpu"), torch.device("cpu"))
     assert engine.decode_runner == "cpu-native"
     calls = []
     run = engine.native.run  # type: ignore[union-attr]
     engine.native.run = lambda batch, x: calls.append(batch) or run(batch, x)  # type: ignore[union-attr,method-assign]
-    engine.step(BatchLayout.build([Segment(0, 0, 3)]), torch.tensor([1, 2, 3]))  # a prompt: eager
+    engine.step(BatchLayout.build([Segment(1, 0, 5)]), torch.tensor([1, 2, 3, 4, 5]))  # a long prompt: eager
+    assert not calls
+    engine.step(BatchLayout.build([Segment(0, 0, 3)]), torch.tensor([1, 2, 3]))  # a short one: natively
     out = engine.step(BatchLayout.build([Segment(0, 3, 1)]), torch.tensor([4]))
-    assert len(calls) == 1 and out is not None and out.shape == (1, small.cfg.vocab_size)
+    assert len(calls) == 2 and out is not None and out.shape == (1, small.cfg.vocab_size)
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 17, 40), (3, 64, 576), (2, 9, 5), (8, 33, 1536)])
