@@ -29,7 +29,11 @@ from bench.run import Mesh, run_streams  # noqa: E402
 from shardmesh.rpc.procs import cores  # noqa: E402
 from shardmesh_cli.up import share_cores  # noqa: E402
 
-FIGURES = (("ms_per_token", "decode ms/token", "lower"), ("aggregate_tok_s", "aggregate tok/s", "higher"))
+FIGURES = (
+    ("ms_per_token", "decode ms/token", "lower"),
+    ("aggregate_tok_s", "aggregate tok/s", "higher"),
+    ("ttft_ms", "time to first token, ms", "lower"),
+)
 
 
 def worktree(rev: str, into: Path) -> str:
@@ -103,17 +107,20 @@ def report(info: dict, commit: str, rows: list[dict], a: argparse.Namespace) -> 
         f"{info['date']}",
         "",
         f"Model `{a.model}` {a.dtype}, greedy, {a.new_tokens} new tokens; each side's median over {a.rounds} meshes "
-        "started in turn (A B A B ...). Ratio = this ÷ REV: below 1 is faster for ms/token, above 1 for tok/s.",
+        "started in turn (A B A B ...). Ratio = this ÷ REV: below 1 is faster for ms/token and time to first token "
+        "(TTFT), above 1 for tok/s.",
         "",
-        "| pp | tp | streams | ms/token this | ms/token REV | ratio | tok/s this | tok/s REV | ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| pp | tp | streams | ms/token this | ms/token REV | ratio | tok/s this | tok/s REV | ratio | TTFT ms this "
+        "| TTFT ms REV | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        m, g = r["ms_per_token"], r["aggregate_tok_s"]
-        lines.append(f"| {r['pp']} | {r['tp']} | {r['streams']} | {m['this']:.1f} | {m['rev']:.1f} | "
-                     f"{m['ratio']:.3f} | {g['this']:.1f} | {g['rev']:.1f} | {g['ratio']:.3f} |")  # fmt: skip
+        cells = [f"{r[key]['this']:.1f} | {r[key]['rev']:.1f} | {r[key]['ratio']:.3f}" for key, _, _ in FIGURES]
+        lines.append(f"| {r['pp']} | {r['tp']} | {r['streams']} | {' | '.join(cells)} |")
     md = "\n".join(lines) + "\n"
-    save_results(Path(a.out), info, f"-against-{commit[:7]}", md, {"against": commit, "rows": rows})
+    # The dtype in the name: runs of both dtypes against one commit on one day would overwrite each other.
+    save_results(Path(a.out), info, f"-against-{commit[:7]}-{a.dtype}", md,
+                 {"against": commit, "dtype": a.dtype, "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":

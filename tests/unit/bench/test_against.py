@@ -1,0 +1,30 @@
+"""bench/against.py's report (no mesh is started: the rows are made up, so each cell can be checked by hand)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench import against
+
+
+def test_report_names_the_dtype_and_gives_every_figure(tmp_path: Path) -> None:
+    """Runs of two dtypes against one commit on one day go to two files, and the table has time to first token
+    beside decode ms/token and tokens/s, each with this ÷ REV."""
+    info = {"host": "vm", "date": "2026-11-29T06:00:00+00:00", "cpu": "cpu", "cores": 2, "torch": "2.13.0"}
+    rows = [{"pp": 1, "tp": 1, "streams": 16, "ms_per_token": {"this": 30.0, "rev": 32.0, "ratio": 30 / 32},
+             "aggregate_tok_s": {"this": 400.0, "rev": 360.0, "ratio": 400 / 360},
+             "ttft_ms": {"this": 54.0, "rev": 77.0, "ratio": 54 / 77}}]  # fmt: skip
+    for dtype in ("float32", "bfloat16"):
+        args = argparse.Namespace(model="m", dtype=dtype, new_tokens=64, rounds=3, out=str(tmp_path))
+        against.report(info, "f40302c" + "0" * 33, rows, args)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "vm-2026-11-29-against-f40302c-bfloat16.json", "vm-2026-11-29-against-f40302c-bfloat16.md",
+        "vm-2026-11-29-against-f40302c-float32.json", "vm-2026-11-29-against-f40302c-float32.md",
+    ]  # fmt: skip
+    md = (tmp_path / "vm-2026-11-29-against-f40302c-bfloat16.md").read_text()
+    assert "| 1 | 1 | 16 | 30.0 | 32.0 | 0.938 | 400.0 | 360.0 | 1.111 | 54.0 | 77.0 | 0.701 |" in md
+    assert "Model `m` bfloat16" in md
+    data = json.loads((tmp_path / "vm-2026-11-29-against-f40302c-bfloat16.json").read_text())
+    assert data["dtype"] == "bfloat16" and data["rows"] == rows
