@@ -232,9 +232,13 @@ def test_the_gateway_reports_a_failed_step_to_its_coordinator(
     server = GatewayServer(cfg, logs.logger, mesh_source=FakeSource(mesh_state(mesh, model_files)))
     server.start()
     try:
-        handle = server.scheduler.submit(request(model_files, "r", max_new=20))
-        handle.events.get(timeout=WAIT_S)
+        # The step held until the failure is in place: waiting for the first token instead let a fast run finish
+        # all 20 before the failure was set, and nothing was reported (a fresh-clone run failed so).
+        mesh.gate = threading.Event()
+        server.scheduler.submit(request(model_files, "r", max_new=20))
+        assert mesh.entered.wait(WAIT_S)
         mesh.failures[(0, 1)] = (grpc.StatusCode.UNAVAILABLE, "Connection refused")
+        mesh.gate.set()
         sent = coordinator.next_request()
         assert (list(sent.worker_ids), sent.reporter) == (["w0", "w1"], f"gateway 127.0.0.1:{server.port}")
         assert "127.0.0.1:7001 (stage 0, tp rank 1) lost: UNAVAILABLE" in sent.reason
