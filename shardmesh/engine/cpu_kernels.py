@@ -140,6 +140,7 @@ static inline __m512 vset(float f) { return _mm512_set1_ps(f); }
 static inline __m512 vadd(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 static inline __m512 vsub(__m512 a, __m512 b) { return _mm512_sub_ps(a, b); }
 static inline __m512 vmul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+static inline __m512 vdiv(__m512 a, __m512 b) { return _mm512_div_ps(a, b); }
 // A sum of squares in double (each square exact there), 16 values at a time.
 struct SumSq {
   __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
@@ -151,9 +152,6 @@ struct SumSq {
   }
   double total() const { return _mm512_reduce_add_pd(_mm512_add_pd(s0, s1)); }
 };
-// 16 keys or values of the cache as float32 (the attention's name for vload).
-static inline __m512 load16(const float* p) { return vload(p); }
-static inline __m512 load16(const at::BFloat16* p) { return vload(p); }
 #elif defined(SHARDMESH_AVX2)
 #define SHARDMESH_LANES 8
 using Lanes = __m256;
@@ -181,6 +179,7 @@ static inline __m256 vset(float f) { return _mm256_set1_ps(f); }
 static inline __m256 vadd(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
 static inline __m256 vsub(__m256 a, __m256 b) { return _mm256_sub_ps(a, b); }
 static inline __m256 vmul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+static inline __m256 vdiv(__m256 a, __m256 b) { return _mm256_div_ps(a, b); }
 struct SumSq {
   __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
   void add(__m256 v) {
@@ -402,10 +401,17 @@ static inline void block_f32(const float* x, int64_t xs, int64_t K, const float*
 #endif
 
 #ifdef __AVX512F__
-// Step k's products of MB rows with the widened pair (e: w[n, k], o: w[n, k + 1], for n of each half), k + 1 first.
+// Pair p (inputs k = 2p, k + 1) of MB rows times the block's p-th 32 pairs, widened in registers, added to their sums:
+// each uint32 holds (w[n, k], w[n, k + 1]); shifting gives the first, masking the second. k + 1 is added first.
 template <int MB>
-static inline void add_pair(Sums* a, const float* x, int64_t xs, int64_t K, int64_t k, __m512 e0, __m512 o0, __m512 e1,
-                            __m512 o1) {
+static inline void widened_step(Sums* a, const float* x, int64_t xs, int64_t K, const uint16_t* w, int64_t p) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t k = 2 * p;
+  const __m512i p0 = _mm512_loadu_si512(w + k * NB), p1 = _mm512_loadu_si512(w + k * NB + 32);
+  const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));  // w[n, k] for n of the first half
+  const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));  // w[n, k + 1]
+  const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
+  const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
   for (int m = 0; m < MB; ++m) {
     const __m512 x0 = _mm512_set1_ps(x[m * xs + k]), x1 = _mm512_set1_ps(k + 1 < K ? x[m * xs + k + 1] : 0.f);
     a[m][0] = _mm512_fmadd_ps(x0, e0, _mm512_fmadd_ps(x1, o0, a[m][0]));
@@ -421,17 +427,10 @@ static inline void add_pair(Sums* a, const float* x, int64_t xs, int64_t K, int6
 template <int MB, bool Ahead = false>
 static inline void block_bf16(const float* x, int64_t xs, int64_t K, const uint16_t* w, float* acc,
                               const void* next = nullptr) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   in_registers<MB>((K + 1) / 2, acc, [&](Sums* a, int64_t p) {
-    const int64_t k = 2 * p;
     ask_next(next, p);
     if constexpr (Ahead) ask_ahead(w + (p + F32_AHEAD) * 2 * NB);
-    const __m512i p0 = _mm512_loadu_si512(w + k * NB), p1 = _mm512_loadu_si512(w + k * NB + 32);
-    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));  // w[n, k] for n of the first half
-    const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));  // w[n, k + 1]
-    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
-    const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
-    add_pair<MB>(a, x, xs, K, k, e0, o0, e1, o1);
+    widened_step<MB>(a, x, xs, K, w, p);
   });
 }
 
@@ -441,19 +440,14 @@ static inline void block_bf16(const float* x, int64_t xs, int64_t K, const uint1
 template <int MB, bool Ahead>
 static inline void chunk_bf16(const float* x, int64_t xs, int64_t K, const uint16_t* w, int64_t p0, int64_t p1,
                               float* acc, bool fresh) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   Sums a[MB];
   for (int m = 0; m < MB; ++m) {
     a[m][0] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + m * NB);
     a[m][1] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + m * NB + 16);
   }
   for (int64_t p = p0; p < p1; ++p) {
-    const int64_t k = 2 * p;
     if constexpr (Ahead) ask_ahead(w + (p + F32_AHEAD) * 2 * NB);
-    const __m512i q0 = _mm512_loadu_si512(w + k * NB), q1 = _mm512_loadu_si512(w + k * NB + 32);
-    add_pair<MB>(a, x, xs, K, k, _mm512_castsi512_ps(_mm512_slli_epi32(q0, 16)),
-                 _mm512_castsi512_ps(_mm512_and_si512(q0, high)), _mm512_castsi512_ps(_mm512_slli_epi32(q1, 16)),
-                 _mm512_castsi512_ps(_mm512_and_si512(q1, high)));
+    widened_step<MB>(a, x, xs, K, w, p);
   }
   for (int m = 0; m < MB; ++m) {
     _mm512_storeu_ps(acc + m * NB, a[m][0]);
@@ -777,25 +771,32 @@ static void tiled_f32(const float* x, int64_t M, int64_t K, const float* wp, int
 
 // Every block of N, in parallel, times the rows eight (then four) at a time, then the rest: kernel(m, rows, block,
 // acc) with rows a compile-time constant (so the accumulators stay in registers), then each result stored.
+// f(m, rows) for M rows taken eight at a time, then four, then the rest, rows a compile-time constant.
+template <typename F>
+static inline void in_row_groups(int64_t M, F&& f) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) f(m, std::integral_constant<int, 8>{});
+  if (M - m >= 4) {
+    f(m, std::integral_constant<int, 4>{});
+    m += 4;
+  }
+  switch (M - m) {
+    case 3: f(m, std::integral_constant<int, 3>{}); break;
+    case 2: f(m, std::integral_constant<int, 2>{}); break;
+    case 1: f(m, std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
 template <typename F>
 static void over_blocks(int64_t M, int64_t N, const float* bias, float* y, bool round_bf16, F&& kernel) {
-  auto store = [&](int64_t b, int64_t m, int rows, const float* acc) {
-    store_block(y, N, b, m, rows, acc, bias, round_bf16);
-  };
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
     float acc[8 * NB];
-    for (int64_t b = b0; b < b1; ++b) {
-      int64_t m = 0;
-      for (; m + 8 <= M; m += 8) { kernel(m, std::integral_constant<int, 8>{}, b, acc); store(b, m, 8, acc); }
-      if (M - m >= 4) { kernel(m, std::integral_constant<int, 4>{}, b, acc); store(b, m, 4, acc); m += 4; }
-      switch (M - m) {
-        case 3: kernel(m, std::integral_constant<int, 3>{}, b, acc); break;
-        case 2: kernel(m, std::integral_constant<int, 2>{}, b, acc); break;
-        case 1: kernel(m, std::integral_constant<int, 1>{}, b, acc); break;
-        default: continue;
-      }
-      store(b, m, static_cast<int>(M - m), acc);
-    }
+    for (int64_t b = b0; b < b1; ++b)
+      in_row_groups(M, [&](int64_t m, auto rows) {
+        kernel(m, rows, b, acc);
+        store_block(y, N, b, m, decltype(rows)::value, acc, bias, round_bf16);
+      });
   });
 }
 
@@ -815,15 +816,7 @@ static void over_chunks(int64_t M, int64_t N, int64_t steps, const float* bias, 
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t p0 = 0; p0 < steps; p0 += CHUNK) {
         const int64_t p1 = std::min(steps, p0 + CHUNK);
-        int64_t m = 0;
-        for (; m + 8 <= M; m += 8) kernel(m, std::integral_constant<int, 8>{}, m == 0, b, p0, p1, acc + m * NB);
-        if (M - m >= 4) { kernel(m, std::integral_constant<int, 4>{}, m == 0, b, p0, p1, acc + m * NB); m += 4; }
-        switch (M - m) {
-          case 3: kernel(m, std::integral_constant<int, 3>{}, m == 0, b, p0, p1, acc + m * NB); break;
-          case 2: kernel(m, std::integral_constant<int, 2>{}, m == 0, b, p0, p1, acc + m * NB); break;
-          case 1: kernel(m, std::integral_constant<int, 1>{}, m == 0, b, p0, p1, acc + m * NB); break;
-          default: break;
-        }
+        in_row_groups(M, [&](int64_t m, auto rows) { kernel(m, rows, m == 0, b, p0, p1, acc + m * NB); });
       }
       store_block(y, N, b, 0, static_cast<int>(M), acc, bias, round_bf16);
     }
@@ -1429,7 +1422,7 @@ static void attend_group(const float* q, int64_t group, const T* keys, const T* 
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t b = 0; b < row; b += 64)  // a short stream per task: fetch ahead what the prefetcher would not
       _mm_prefetch(reinterpret_cast<const char*>(keys + (j + AHEAD) * hd) + b, _MM_HINT_T0);
-    for (int64_t i = 0; i < c; ++i) kv[i] = load16(keys + j * hd + 16 * i);
+    for (int64_t i = 0; i < c; ++i) kv[i] = vload(keys + j * hd + 16 * i);
     for (int64_t h = 0; h < group; ++h) {
       const float* qh = q + h * hd;
       __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
@@ -1463,7 +1456,7 @@ static void attend_group(const float* q, int64_t group, const T* keys, const T* 
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t b = 0; b < row; b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(vals + (j + AHEAD) * hd) + b, _MM_HINT_T0);
-    for (int64_t i = 0; i < c; ++i) kv[i] = load16(vals + j * hd + 16 * i);
+    for (int64_t i = 0; i < c; ++i) kv[i] = vload(vals + j * hd + 16 * i);
     for (int64_t h = 0; h < group; ++h) {
       const __m512 p = _mm512_set1_ps(score[h * n + j]);
       float* ah = acc + h * hd;
@@ -1477,12 +1470,6 @@ static void attend_group(const float* q, int64_t group, const T* keys, const T* 
 #elif defined(SHARDMESH_AVX2)
 // attend_group's loops 8 lanes wide (head dims a multiple of 8): a key or value of SmolLM2's 64 dims is 8 of AVX2's
 // 16 registers, loaded once for the group's heads.
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const at::BFloat16* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-
 constexpr int64_t MAX_HD8 = 32;    // head dims up to 256
 constexpr int64_t MAX_GROUP = 16;  // query heads per key-value head that `attend_group` takes at once
 constexpr int64_t AHEAD = 8;       // cached positions fetched ahead of the one being read
@@ -1496,7 +1483,7 @@ static void attend_group(const float* q, int64_t group, const T* keys, const T* 
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t b = 0; b < row; b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(keys + (j + AHEAD) * hd) + b, _MM_HINT_T0);
-    for (int64_t i = 0; i < c; ++i) kv[i] = load8(keys + j * hd + 8 * i);
+    for (int64_t i = 0; i < c; ++i) kv[i] = vload(keys + j * hd + 8 * i);
     for (int64_t h = 0; h < group; ++h) {
       const float* qh = q + h * hd;
       __m256 d = _mm256_mul_ps(_mm256_loadu_ps(qh), kv[0]);
@@ -1530,7 +1517,7 @@ static void attend_group(const float* q, int64_t group, const T* keys, const T* 
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t b = 0; b < row; b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(vals + (j + AHEAD) * hd) + b, _MM_HINT_T0);
-    for (int64_t i = 0; i < c; ++i) kv[i] = load8(vals + j * hd + 8 * i);
+    for (int64_t i = 0; i < c; ++i) kv[i] = vload(vals + j * hd + 8 * i);
     for (int64_t h = 0; h < group; ++h) {
       const __m256 p = _mm256_set1_ps(score[h * n + j]);
       float* ah = acc + h * hd;
@@ -1538,7 +1525,8 @@ static void attend_group(const float* q, int64_t group, const T* keys, const T* 
         _mm256_store_ps(ah + 8 * i, _mm256_fmadd_ps(p, kv[i], _mm256_load_ps(ah + 8 * i)));
     }
   }
-  for (int64_t i = 0; i < group * hd; ++i) out[i] = round_to(bf16, acc[i]);
+  std::memcpy(out, acc, sizeof(float) * group * hd);
+  round_all(bf16, out, group * hd);
 }
 #endif
 
@@ -1670,22 +1658,19 @@ torch::Tensor head_block(torch::Tensor x, torch::Tensor norm, double eps, Weight
   return y;
 }
 
+#ifdef __AVX512F__
+static inline __m512 vexp(__m512 v) { return exp16(v); }
+#elif defined(SHARDMESH_AVX2)
+static inline __m256 vexp(__m256 v) { return exp8(v); }
+#endif
+
 // a = silu(gate) * up over one row's `inter` columns (gu: gate, then up), each rounded as the eager model rounds.
 static void swiglu(const float* gu, int64_t inter, bool bf16, float* a) {
   const float* up = gu + inter;
   int64_t i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= inter; i += 16) {
-    const __m512 g = _mm512_loadu_ps(gu + i);
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f),
-                                                       exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    vput(a + i, vround(bf16, vmul(vround(bf16, silu), vload(up + i))));
-  }
-#elif defined(SHARDMESH_AVX2)
-  for (; i + 8 <= inter; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gu + i);
-    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f),
-                                                       exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+#ifdef SHARDMESH_LANES
+  for (; i + L <= inter; i += L) {
+    const Lanes g = vload(gu + i), silu = vdiv(g, vadd(vset(1.f), vexp(vsub(vset(0.f), g))));
     vput(a + i, vround(bf16, vmul(vround(bf16, silu), vload(up + i))));
   }
 #endif
