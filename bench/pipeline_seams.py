@@ -17,7 +17,7 @@ each pp=2 against the pp=1 of its own priority, and pp=1 at normal priority agai
 Every mesh runs `shardmesh up` as deployed (2 torch threads a worker on this host's cores, 8 decode steps per call);
 the last two differ only by `--compute-priority normal`. The links and the compute threads' priority each mesh's
 workers used are read from their logs (`SHARDMESH_LINK_TRANSPORT=gloo` in this process's environment puts every
-pipeline's links on Gloo). Writes bench/results/<host>-<date>-pipeline-seams.{md,json}.
+pipeline's links on Gloo). Writes bench/results/<host>-<date>-pipeline-seams-<dtype>.{md,json}.
 """
 
 from __future__ import annotations
@@ -138,7 +138,9 @@ def main() -> None:
                 m.close()
     found = derived(rounds)
     data = {"args": vars(a), "links": links, "compute_priority": priority, "rounds": rounds, "derived": found}
-    save_results(Path(a.out), info, "-pipeline-seams", markdown(info, a, rounds, found, links, priority), data)
+    # The dtype in the name: a bfloat16 run after a float32 one the same day wrote over it.
+    save_results(Path(a.out), info, f"-pipeline-seams-{a.dtype}", markdown(info, a, rounds, found, links, priority),
+                 data)  # fmt: skip
 
 
 if __name__ == "__main__":
