@@ -1446,6 +1446,18 @@ static inline void softmax_rows(float* score, int64_t group, int64_t n) {
   }
 }
 
+// The scores of the group's heads (q, one after another, head dim 16 * c) against one cached key, loaded as kv, at
+// position j of n: one horizontal sum each.
+static inline void scores_at(const float* q, int64_t group, const __m512* kv, int64_t c, int64_t j, int64_t n,
+                             float scale, float* score) {
+  for (int64_t h = 0; h < group; ++h) {
+    const float* qh = q + h * 16 * c;
+    __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
+    for (int64_t i = 1; i < c; ++i) d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), kv[i], d);
+    score[h * n + j] = _mm512_reduce_add_ps(d) * scale;
+  }
+}
+
 // r[j] = the sum of v[j]'s 16 lanes, for 16 vectors: a transposing tree of 45 instructions where 16 reductions of
 // one vector each took ~8 and a scalar store.
 static inline __m512 sums16(const __m512* v) {
@@ -1501,12 +1513,7 @@ static void attend_tiled(const float* q, int64_t group, const T* keys, const T* 
   for (int64_t j = blocks; j < n; ++j) {  // the last few, one at a time
     __m512 kv[C];
     for (int i = 0; i < C; ++i) kv[i] = vload(keys + j * hd + 16 * i);
-    for (int64_t h = 0; h < group; ++h) {
-      const float* qh = q + h * hd;
-      __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
-      for (int i = 1; i < C; ++i) d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), kv[i], d);
-      score[h * n + j] = _mm512_reduce_add_ps(d) * scale;
-    }
+    scores_at(q, group, kv, C, j, n, scale, score);
   }
   softmax_rows(score, group, n);
   __m512 acc[MAX_GROUP][C];
@@ -1555,12 +1562,7 @@ static void attend_group(const float* q, int64_t group, const T* keys, const T* 
     for (int64_t b = 0; b < row; b += 64)  // a short stream per task: fetch ahead what the prefetcher would not
       _mm_prefetch(reinterpret_cast<const char*>(keys + (j + AHEAD) * hd) + b, _MM_HINT_T0);
     for (int64_t i = 0; i < c; ++i) kv[i] = vload(keys + j * hd + 16 * i);
-    for (int64_t h = 0; h < group; ++h) {
-      const float* qh = q + h * hd;
-      __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
-      for (int64_t i = 1; i < c; ++i) d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), kv[i], d);
-      score[h * n + j] = _mm512_reduce_add_ps(d) * scale;
-    }
+    scores_at(q, group, kv, c, j, n, scale, score);
   }
   softmax_rows(score, group, n);
   alignas(64) float acc[MAX_GROUP * MAX_HD16 * 16];
