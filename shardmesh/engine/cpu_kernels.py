@@ -973,7 +973,7 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
   if (M >= 2 && bf16_rows_widened.load(std::memory_order_relaxed) && !amx_taken(K2)) {
     // The rows rounded to bfloat16, as vdpbf16ps reads them (`block_bf16`). Rows that are bfloat16 activations
     // (`round_bf16`: a bfloat16 model's, every caller's) hold bfloat16 values already and are read as they are: their
-    // copy and rounding were 0.6 ms of a 16-row SmolLM2 step, on the calling thread while the other waited.
+    // copy and rounding were ~0.5 ms of a 16-row SmolLM2 step, on the calling thread while the other waited.
     Scratch rounded;
     const float* xr = x;
     if (!round_bf16) {
