@@ -269,13 +269,13 @@ def test_native_bf16_steps_are_the_same_whichever_way_rows_are_multiplied(tmp_pa
     assert all(torch.equal(caches[first].data, c.data) for c in caches.values())
 
 
-@pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 32, 48, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_attention_over_longer_contexts_equals_eager(tmp_path: pytest.TempPathFactory, dtype: torch.dtype,
                                                             head_dim: int) -> None:  # fmt: skip
-    """Head dims that are multiples of 16 (the vectorized attention of CPUs with AVX-512; 32, 64 and 128 take it 16
-    positions at a time, 48 one at a time), contexts of 2 to 35 positions: whole 16-wide chunks, a partial one, and
-    both."""
+    """Head dims that are multiples of the vector (16 lanes on AVX-512, 8 on AVX2): 2, 4 or 8 vectors take the
+    attention a vector's positions at a time (AVX-512: 32, 64, 128; AVX2: 16, 32, 64), the others one position at a
+    time. Contexts of 2 to 35 positions: whole blocks of positions, a partial one, and both."""
     d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=2, seed=6, hidden_size=4 * head_dim,
                         intermediate_size=96)  # fmt: skip
     model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
