@@ -1519,15 +1519,22 @@ static inline void scores_at(const float* q, int64_t group, const Lanes* kv, int
   }
 }
 
-// Positions [j, j + L) of a head's cache (keys or values) as float32, one after another, into tile: widened once for
-// all the group's heads, read by each from L1. The next L are fetched meanwhile.
+// Positions [j, j + L) of a head's cache (keys or values) as float32, one after another: a float32 cache's own rows,
+// a bfloat16 one's widened into tile once for all the group's heads, read by each from L1. The next L are fetched
+// meanwhile.
 template <int C, typename T>
-static inline void widen_block(const T* cache, int64_t j, float* tile) {
+static inline const float* block_at(const T* cache, int64_t j, float* tile) {
   constexpr int64_t hd = L * C, row = hd * static_cast<int64_t>(sizeof(T));
-  for (int64_t r = 0; r < L; ++r) {
+  for (int64_t r = 0; r < L; ++r)
     for (int64_t b = 0; b < row; b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(cache + (j + L + r) * hd) + b, _MM_HINT_T0);
-    for (int i = 0; i < C; ++i) vput(tile + r * hd + L * i, vload(cache + (j + r) * hd + L * i));
+  if constexpr (std::is_same_v<T, float>) {
+    (void)tile;
+    return cache + j * hd;
+  } else {
+    for (int64_t r = 0; r < L; ++r)
+      for (int i = 0; i < C; ++i) vput(tile + r * hd + L * i, vload(cache + (j + r) * hd + L * i));
+    return tile;
   }
 }
 
@@ -1542,15 +1549,15 @@ static void attend_tiled(const float* q, int64_t group, const T* keys, const T* 
   alignas(64) float tile[L * hd];
   const int64_t blocks = n / L * L;
   for (int64_t j = 0; j < blocks; j += L) {
-    widen_block<C>(keys, j, tile);
+    const float* kb = block_at<C>(keys, j, tile);
     for (int64_t h = 0; h < group; ++h) {
       const float* qh = q + h * hd;
       Lanes d[L];
       const Lanes q0 = vload(qh);
-      for (int r = 0; r < L; ++r) d[r] = vmul(q0, vload(tile + r * hd));
+      for (int r = 0; r < L; ++r) d[r] = vmul(q0, vload(kb + r * hd));
       for (int i = 1; i < C; ++i) {
         const Lanes qi = vload(qh + L * i);
-        for (int r = 0; r < L; ++r) d[r] = vfma(qi, vload(tile + r * hd + L * i), d[r]);
+        for (int r = 0; r < L; ++r) d[r] = vfma(qi, vload(kb + r * hd + L * i), d[r]);
       }
       vput(score + h * n + j, vmul(vsums(d), vset(scale)));
     }
@@ -1565,13 +1572,13 @@ static void attend_tiled(const float* q, int64_t group, const T* keys, const T* 
   for (int64_t h = 0; h < group; ++h)
     for (int i = 0; i < C; ++i) acc[h][i] = vset(0.f);
   for (int64_t j = 0; j < blocks; j += L) {
-    widen_block<C>(vals, j, tile);
+    const float* vb = block_at<C>(vals, j, tile);
     for (int64_t h = 0; h < group; ++h) {
       Lanes a[C];
       for (int i = 0; i < C; ++i) a[i] = acc[h][i];
       for (int r = 0; r < L; ++r) {
         const Lanes p = vset(score[h * n + j + r]);
-        for (int i = 0; i < C; ++i) a[i] = vfma(p, vload(tile + r * hd + L * i), a[i]);
+        for (int i = 0; i < C; ++i) a[i] = vfma(p, vload(vb + r * hd + L * i), a[i]);
       }
       for (int i = 0; i < C; ++i) acc[h][i] = a[i];
     }
