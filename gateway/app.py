@@ -42,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
               "the workers run per call while every sequence in the batch decodes and none waits for a slot: the "
               "round trip is paid once per that many tokens, and a streaming client receives them together "
               f"(default 8; 1: a call per token; at most {MAX_DECODE_STEPS})")  # fmt: skip
+    flag("--admission-window", 0.002, type=float,
+         help="seconds without a new request that a burst gets to gather before the step after one that took new "
+              "requests in, while KV slots are free and no step is in flight (at most 10 such windows): where the "
+              "workers hold every core during a step, requests come in between steps, and a burst would otherwise "
+              "be prefilled a few at a time; a lone request's first decode step starts that much later (default "
+              "0.002; 0: off)")  # fmt: skip
     flag("--shutdown-grace", 5.0, type=float, help="seconds running requests get to finish on SIGTERM (default 5)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    default=os.environ.get(ENV_PREFIX + "NO_PREFIX_CACHING", "") in ("", "0", "false"),
@@ -106,6 +112,7 @@ def build_config(args: argparse.Namespace) -> Any:
         ("--resume-timeout", args.resume_timeout >= 0, ">= 0 seconds"),
         ("--pipeline-depth", args.pipeline_depth >= 0, ">= 0"),
         ("--decode-steps", 1 <= args.decode_steps <= MAX_DECODE_STEPS, f"in [1, {MAX_DECODE_STEPS}]"),
+        ("--admission-window", 0 <= args.admission_window <= 1, "in [0, 1] seconds"),
         ("--shutdown-grace", args.shutdown_grace >= 0, ">= 0 seconds"),
         ("--trace-decode-steps", args.trace_decode_steps >= 0, ">= 0"),
     ]
@@ -121,7 +128,8 @@ def build_config(args: argparse.Namespace) -> Any:
         listen=args.listen, coordinator=args.coordinator, max_queue=args.max_queue,
         max_message_bytes=args.max_message_bytes, default_max_new_tokens=args.default_max_new_tokens,
         step_timeout=args.step_timeout, resume_timeout=args.resume_timeout, pipeline_depth=args.pipeline_depth,
-        decode_steps=args.decode_steps, shutdown_grace=args.shutdown_grace, prefix_caching=args.prefix_caching,
+        decode_steps=args.decode_steps, admission_window=args.admission_window, shutdown_grace=args.shutdown_grace,
+        prefix_caching=args.prefix_caching,
         model_dir=args.model_dir,
         metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint, trace_decode_steps=args.trace_decode_steps,
         http_listen=args.http_listen, served_model_name=args.served_model_name, api_key=api_key, api_keys=api_keys,

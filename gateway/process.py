@@ -48,6 +48,7 @@ class GatewayConfig:
     resume_timeout: float = 60.0
     pipeline_depth: int = 0  # steps in flight at once; 0: one per pipeline stage
     decode_steps: int = 8  # decode steps per call with one step in flight, at most; 1: one per call
+    admission_window: float = 0.002  # seconds a burst gathers after a step that took new requests in; 0: off
     prefix_caching: bool = True  # a paged mesh reuses the blocks of cached prompt prefixes
     shutdown_grace: float = 5.0
     model_dir: str | None = None  # where this gateway reads the tokenizer; default: the topology's model path
@@ -87,7 +88,7 @@ class GatewayServer:
             SchedulerConfig(max_queue=cfg.max_queue, default_max_new_tokens=cfg.default_max_new_tokens,
                             step_timeout=cfg.step_timeout, resume_timeout=cfg.resume_timeout,
                             pipeline_depth=cfg.pipeline_depth, prefix_caching=cfg.prefix_caching,
-                            decode_steps=cfg.decode_steps),
+                            decode_steps=cfg.decode_steps, admission_window=cfg.admission_window),
             logger, observer=observer, report_failure=self.reporter.report,
         )  # fmt: skip
         if observer is not None and cfg.metrics_port:
@@ -140,6 +141,7 @@ class GatewayServer:
         self._log.info("listening", address=f"{host}:{self.port}", port=self.port, coordinator=cfg.coordinator,
                        max_queue=cfg.max_queue, max_message_bytes=cfg.max_message_bytes,
                        pipeline_depth=cfg.pipeline_depth or "one per stage", decode_steps=cfg.decode_steps,
+                       admission_window_s=cfg.admission_window,
                        metrics_port=self.metrics_port or "off",
                        http=self._http_url() or "off", api_key="required" if self.api_keys else "none",
                        tls="mutual" if cfg.tls else "off",

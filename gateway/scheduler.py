@@ -70,6 +70,7 @@ from shardmesh.core.errors import Internal, MeshError, Unavailable
 from shardmesh.proto.v1 import worker_pb2
 
 IDLE_WAIT_S = 0.5  # longest sleep without a wake-up; bounds how late a shutdown deadline is noticed
+GATHER_WINDOWS = 10  # the longest a burst gathers, in admission windows (`Scheduler._gather`)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class SchedulerConfig:
     resume_timeout: float = 60.0  # seconds a request whose workers were lost may wait for a mesh to resume on
     prefix_caching: bool = True  # on a paged mesh: reuse the blocks of a cached prompt prefix (`gateway/blocks.py`)
     decode_steps: int = 1  # decode steps per call with one step in flight, at most (`Scheduler._decode_steps`)
+    admission_window: float = 0.0  # seconds without an arrival a burst gets to gather (`Scheduler._gather`); 0: off
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ class Scheduler:
         self._mesh = MeshState()
         self._served: MeshState | None = None  # the last mesh state that could serve
         self._admission = Admission(cfg.max_queue)
+        self._arrivals = 0  # requests submitted since the start (`_gather` waits while it grows)
         self._failed_seq = -1  # MeshState.seq at the last step failure
         self._failure = ""
         self._closing = False
@@ -146,6 +149,8 @@ class Scheduler:
         self._prefix_counters = PrefixCounters()  # carried from one block pool to the next, for the metrics
         # Owned by the scheduler thread:
         self._running: list[Sequence] = []
+        self._fresh = 0  # requests admitted since the last step was dispatched
+        self._gathering = False  # the last step dispatched took new requests in: the next may wait for more
         self._to_release: list[Vacated] = []
         self._dispatch = Dispatcher(cfg.step_timeout, observer, self._wakeup.set)
         self._ready_clock = itertools.count(1)
@@ -215,6 +220,7 @@ class Scheduler:
                 raise Unavailable(self._not_ready_reason())
             handle = RequestHandle(req.request_id, self._wakeup.set)
             s = self._admission.enqueue(req, handle, self._free_slots_locked(), trace, trace_id)
+            self._arrivals += 1
             if not ready:  # the mesh is changing under running requests: this one waits with them
                 s.wait_for_mesh(self._clock(), self.cfg.resume_timeout, self._not_ready_reason())
             if trace is not None:
@@ -323,10 +329,47 @@ class Scheduler:
         if closing and not self._running and not has_waiting and not self._dispatch.steps:
             return False
         if view is not None and (self._running or has_waiting):
-            self._admit(view)
+            self._fresh += self._admit(view)
+            if self._gathering and not self._dispatch.steps:
+                self._gathering = False
+                if self._gather(closing):
+                    self._fresh += self._admit(view)
             self._fill_pipeline(view, state.seq)
         self._wakeup.wait(self._sleep_for(closing, expired))
         return True
+
+    def _gather(self, closing: bool) -> bool:
+        """Before the first step after one that took new requests in, once no step is in flight, while slots are
+        free: wait until `admission_window` passes without a new request (at most GATHER_WINDOWS of them), or until
+        every free slot has a request waiting for it, so that a burst still arriving is prefilled together. Whether
+        any came.
+
+        Why: where the workers' compute threads hold every core (real-time priority on a small host), this
+        gateway's threads, and any client beside it, run only between steps. A burst of requests then trickles in
+        a few at a time, each few prefilled in a step of its own, and the last ones finish several steps after the
+        rest, in steps of a few rows. The cost: a lone request's first decode step starts one window later."""
+        window = self.cfg.admission_window
+        if window <= 0 or closing:
+            return False
+        with self._lock:
+            if self._free_slots_locked() <= len(self._admission):
+                return False
+            seen = start = self._arrivals
+        end = time.monotonic() + window * GATHER_WINDOWS
+        quiet_until = time.monotonic() + window
+        while (now := time.monotonic()) < min(quiet_until, end):
+            woken = self._wakeup.wait(min(quiet_until, end) - now)
+            self._wakeup.clear()
+            with self._lock:
+                arrived, full = self._arrivals, self._free_slots_locked() <= len(self._admission)
+            if woken and arrived == seen:  # not an arrival (a cancellation, a mesh change, shutdown): look at it now
+                self._wakeup.set()
+                break
+            seen = arrived
+            if full:
+                break
+            quiet_until = time.monotonic() + window if woken else quiet_until
+        return seen != start
 
     def _sleep_for(self, closing: bool, expired: bool) -> float:
         """Until the shutdown deadline or a step's backstop deadline, at most IDLE_WAIT_S."""
@@ -352,20 +395,21 @@ class Scheduler:
 
     # -- admission and the pipeline ---------------------------------------------------------------
 
-    def _admit(self, view: MeshView) -> None:
-        """Waiting requests into free slots, oldest first."""
+    def _admit(self, view: MeshView) -> int:
+        """Waiting requests into free slots, oldest first. How many began to run."""
+        admitted = 0
         if not self._slots.serves(view) and not self._running:
             if self._dispatch.steps:
-                return  # the old placement's last steps are still out: its slots are not ours to hand out yet
+                return 0  # the old placement's last steps are still out: its slots are not ours to hand out yet
             with self._lock:
                 self._slots.adopt(view)
                 self._adopt_blocks(view)
         while True:
             with self._lock:
-                admitted = self._admission.next_admitted(self._slots)
-                if admitted is None:
-                    return
-            s, slot = admitted
+                taken = self._admission.next_admitted(self._slots)
+                if taken is None:
+                    return admitted
+            s, slot = taken
             refusal = context_refusal(s.req, view)
             if refusal is not None:
                 with self._lock:
@@ -377,7 +421,7 @@ class Scheduler:
                 with self._lock:
                     self._slots.put_back(slot)
                     self._admission.requeue([s])
-                return
+                return admitted
             kept = s.kept
             replayed = s.resumed_on(view, slot, lost_stages(kept.view, view) if kept is not None else None)
             if s.replay is None and s.cached < hit:
@@ -404,6 +448,7 @@ class Scheduler:
             if s.trace is not None:
                 s.trace.admitted(slot)
             self._running.append(s)
+            admitted += 1
 
     def _adopt_blocks(self, view: MeshView) -> None:
         """The block pool for `view` (under _lock, as a new placement is adopted): the same pool when the blocks
@@ -464,6 +509,7 @@ class Scheduler:
                     if p.seq.blocks is not None and p.seq.block_pool is not None:
                         p.seq.block_pool.grow(p.seq.blocks, p.seq.cached + p.num_tokens + steps - 1)
             self._dispatch.start(view, planned, seq, self._clock(), steps)
+            self._gathering, self._fresh = self._gathering or self._fresh > 0, 0
 
     def _decode_steps(self, view: MeshView, planned: list[Planned[Sequence]], depth: int) -> int:
         """Decode steps the next call runs (worker.proto `StepRequest.decode_steps`): one, or up to
