@@ -291,5 +291,7 @@ def test_gateway_flags_are_checked(capsys: pytest.CaptureFixture[str], monkeypat
     assert cli.main(["gateway", "--coordinator", "127.0.0.1:1"]) == 2
     assert capsys.readouterr().err == "error: --decode-steps: must be in [1, 64], got 65\n"
     monkeypatch.delenv("SHARDMESH_GATEWAY_DECODE_STEPS")
+    assert cli.main(["gateway", "--coordinator", "127.0.0.1:1", "--admission-window", "-0.001"]) == 2
+    assert capsys.readouterr().err == "error: --admission-window: must be in [0, 1] seconds, got -0.001\n"
     assert cli.main(["generate", "--max-new-tokens", "3", "hi"]) == 2
     assert "--model is required" in capsys.readouterr().err
