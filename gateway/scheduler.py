@@ -359,7 +359,8 @@ class Scheduler:
         quiet_until = time.monotonic() + window
         while (now := time.monotonic()) < min(quiet_until, end):
             woken = self._wakeup.wait(min(quiet_until, end) - now)
-            self._wakeup.clear()
+            if woken:
+                self._wakeup.clear()
             with self._lock:
                 arrived, full = self._arrivals, self._free_slots_locked() <= len(self._admission)
             if woken and arrived == seen:  # not an arrival (a cancellation, a mesh change, shutdown): look at it now
