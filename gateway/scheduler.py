@@ -355,8 +355,8 @@ class Scheduler:
             if self._free_slots_locked() <= len(self._admission):
                 return False
             seen = start = self._arrivals
-        end = time.monotonic() + window * GATHER_WINDOWS
-        quiet_until = time.monotonic() + window
+        began = time.monotonic()
+        end, quiet_until = began + window * GATHER_WINDOWS, began + window
         while (now := time.monotonic()) < min(quiet_until, end):
             woken = self._wakeup.wait(min(quiet_until, end) - now)
             if woken:
@@ -369,7 +369,8 @@ class Scheduler:
             seen = arrived
             if full:
                 break
-            quiet_until = time.monotonic() + window if woken else quiet_until
+            if woken:  # an arrival: the burst goes on
+                quiet_until = time.monotonic() + window
         return seen != start
 
     def _sleep_for(self, closing: bool, expired: bool) -> float:

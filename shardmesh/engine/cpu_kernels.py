@@ -1647,6 +1647,12 @@ static void attend_group(const float* q, int64_t group, const T* keys, const T* 
 }
 #endif
 
+// Where position `pos` of key-value head g of `slot` starts in a layer's cache (slots, nkv heads, max_len
+// positions, head dim), counted in cached positions: `KVCache`'s layout.
+static inline int64_t cache_row(int64_t slot, int64_t g, int64_t nkv, int64_t max_len, int64_t pos) {
+  return (slot * nkv + g) * max_len + pos;
+}
+
 // RoPE on the new queries and keys, the keys and values into the cache, each row's heads against its slot.
 template <typename T>
 static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T* kc, T* vc, int64_t max_len,
@@ -1674,7 +1680,7 @@ static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T
       }
     }
     for (int64_t g = 0; g < nkv; ++g) {
-      const int64_t at = ((slots[m] * nkv + g) * max_len + pos[m]) * hd;
+      const int64_t at = cache_row(slots[m], g, nkv, max_len, pos[m]) * hd;
       put_all(row + (nh + g) * hd, kc + at, hd);
       put_all(row + (nh + nkv + g) * hd, vc + at, hd);
     }
@@ -1689,8 +1695,8 @@ static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t m = t / nkv, g = t % nkv, n = pos[m] + 1;
         score.resize(group * n);
-        attend_group(qkv + m * width + g * group * hd, group, kc + (slots[m] * nkv + g) * max_len * hd,
-                     vc + (slots[m] * nkv + g) * max_len * hd, n, hd, scale, score.data(), bf16,
+        const int64_t at = cache_row(slots[m], g, nkv, max_len, 0) * hd;
+        attend_group(qkv + m * width + g * group * hd, group, kc + at, vc + at, n, hd, scale, score.data(), bf16,
                      out + (m * nh + g * group) * hd);
       }
     });
@@ -1703,8 +1709,9 @@ static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t m = t / nh, h = t % nh, g = h / group, n = pos[m] + 1;
       const float* q = qkv + m * width + h * hd;
-      const T* keys = kc + (slots[m] * nkv + g) * max_len * hd;
-      const T* vals = vc + (slots[m] * nkv + g) * max_len * hd;
+      const int64_t at = cache_row(slots[m], g, nkv, max_len, 0) * hd;
+      const T* keys = kc + at;
+      const T* vals = vc + at;
       score.resize(n);
       float best = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
@@ -1740,7 +1747,7 @@ static void ask_to_write(const torch::Tensor& k_cache, const torch::Tensor& v_ca
   const char* vc = static_cast<const char*>(v_cache.data_ptr());
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < n_kv; ++g) {
-      const int64_t at = ((slots[m] * n_kv + g) * max_len + pos[m]) * row;
+      const int64_t at = cache_row(slots[m], g, n_kv, max_len, pos[m]) * row;
       for (int64_t b = 0; b < row; b += 64) {
         __builtin_prefetch(kc + at + b, 1, 3);
         __builtin_prefetch(vc + at + b, 1, 3);
