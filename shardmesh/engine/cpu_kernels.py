@@ -1653,47 +1653,78 @@ static inline int64_t cache_row(int64_t slot, int64_t g, int64_t nkv, int64_t ma
   return (slot * nkv + g) * max_len + pos;
 }
 
+// RoPE on heads [h0, h1) of one row of the new queries and keys (queries, then keys, numbered together):
+// x * cos + rotate_half(x) * sin at the row's position (c, s: its cos and sin rows), each rounded as the model rounds.
+static void rope_heads(float* row, int64_t h0, int64_t h1, int64_t hd, const float* c, const float* s, bool bf16) {
+  const int64_t half = hd / 2;
+  for (int64_t h = h0; h < h1; ++h) {
+    float* v = row + h * hd;
+    int64_t i = 0;
+#ifdef SHARDMESH_LANES
+    for (; i + L <= half; i += L) {
+      const Lanes a = vload(v + i), b = vload(v + i + half);
+      vput(v + i, vround(bf16, vsub(vmul(a, vload(c + i)), vmul(b, vload(s + i)))));
+      vput(v + i + half, vround(bf16, vadd(vmul(b, vload(c + i + half)), vmul(a, vload(s + i + half)))));
+    }
+#endif
+    for (; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      v[i] = round_to(bf16, a * c[i] - b * s[i]);
+      v[i + half] = round_to(bf16, b * c[i + half] + a * s[i + half]);
+    }
+  }
+}
+
+// Whether no two of the M rows share a slot: a step of decode rows only, where no row attends over a key another row
+// of the step writes.
+static bool one_row_per_slot(const int64_t* slots, int64_t M) {
+  std::vector<int64_t> sorted(slots, slots + M);
+  std::sort(sorted.begin(), sorted.end());
+  return std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+}
+
 // RoPE on the new queries and keys, the keys and values into the cache, each row's heads against its slot.
 template <typename T>
 static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T* kc, T* vc, int64_t max_len,
                    const int64_t* slots, const int64_t* pos, const float* cos, const float* sin, bool bf16,
                    float* out) {
-  const int64_t width = (nh + 2 * nkv) * hd, half = hd / 2;
-  for (int64_t m = 0; m < M; ++m) {
-    float* row = qkv + m * width;
-    const float* c = cos + pos[m] * hd;
-    const float* s = sin + pos[m] * hd;
-    for (int64_t h = 0; h < nh + nkv; ++h) {  // queries and keys: x * cos + rotate_half(x) * sin
-      float* v = row + h * hd;
-      int64_t i = 0;
-#ifdef SHARDMESH_LANES
-      for (; i + L <= half; i += L) {
-        const Lanes a = vload(v + i), b = vload(v + i + half);
-        vput(v + i, vround(bf16, vsub(vmul(a, vload(c + i)), vmul(b, vload(s + i)))));
-        vput(v + i + half, vround(bf16, vadd(vmul(b, vload(c + i + half)), vmul(a, vload(s + i + half)))));
-      }
-#endif
-      for (; i < half; ++i) {
-        const float a = v[i], b = v[i + half];
-        v[i] = round_to(bf16, a * c[i] - b * s[i]);
-        v[i + half] = round_to(bf16, b * c[i + half] + a * s[i + half]);
-      }
-    }
-    for (int64_t g = 0; g < nkv; ++g) {
-      const int64_t at = cache_row(slots[m], g, nkv, max_len, pos[m]) * hd;
-      put_all(row + (nh + g) * hd, kc + at, hd);
-      put_all(row + (nh + nkv + g) * hd, vc + at, hd);
-    }
-  }
+  const int64_t width = (nh + 2 * nkv) * hd;
+  // Row m's key and value of head g into the cache at its position.
+  auto put_kv = [&](int64_t m, int64_t g) {
+    const float* row = qkv + m * width;
+    const int64_t at = cache_row(slots[m], g, nkv, max_len, pos[m]) * hd;
+    put_all(row + (nh + g) * hd, kc + at, hd);
+    put_all(row + (nh + nkv + g) * hd, vc + at, hd);
+  };
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t group = nh / nkv;
 #if defined(__AVX512F__) || defined(SHARDMESH_AVX2)
   const bool grouped = hd % L == 0 && hd <= MAX_HD && group <= MAX_GROUP;
+  // Decode rows only: each task takes its own row's RoPE and cache writes for its key-value head, so they run on
+  // both threads, and each thread attends with the queries and keys it has just written in its own cache.
+  // Otherwise (a prompt's rows attend over each other's new keys) every row's keys are written first.
+  const bool in_tasks = grouped && one_row_per_slot(slots, M);
+#else
+  const bool in_tasks = false;
+#endif
+  if (!in_tasks)
+    for (int64_t m = 0; m < M; ++m) {
+      rope_heads(qkv + m * width, 0, nh + nkv, hd, cos + pos[m] * hd, sin + pos[m] * hd, bf16);
+      for (int64_t g = 0; g < nkv; ++g) put_kv(m, g);
+    }
+#if defined(__AVX512F__) || defined(SHARDMESH_AVX2)
   if (grouped) {  // a task per row and key-value head
     at::parallel_for(0, M * nkv, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> score;
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t m = t / nkv, g = t % nkv, n = pos[m] + 1;
+        if (in_tasks) {
+          float* row = qkv + m * width;
+          const float *c = cos + pos[m] * hd, *s = sin + pos[m] * hd;
+          rope_heads(row, g * group, (g + 1) * group, hd, c, s, bf16);  // the group's queries
+          rope_heads(row, nh + g, nh + g + 1, hd, c, s, bf16);         // its key
+          put_kv(m, g);
+        }
         score.resize(group * n);
         const int64_t at = cache_row(slots[m], g, nkv, max_len, 0) * hd;
         attend_group(qkv + m * width + g * group * hd, group, kc + at, vc + at, n, hd, scale, score.data(), bf16,
