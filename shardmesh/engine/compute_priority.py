@@ -14,7 +14,9 @@ inherit the policy: call it on the compute thread before its first parallel regi
 makes for that thread is real-time too; the worker's gRPC, heartbeat and health threads stay normal. (Not with
 SCHED_RESET_ON_FORK: Linux applies it to every task the thread creates, threads included, and the team would start
 normal.) Linux keeps 5% of each core for normal threads whatever real-time threads do (`unbounded` checks that it
-does), and a worker sleeps at every decode call's end, when the gateway's next call comes.
+does), and a worker sleeps at every decode call's end, when the gateway's next call comes. Under sustained load
+the compute threads can still use up their share: at 16 streams on 2 vCPUs a compute thread was throttled for 21-29 ms
+with its vCPU idle, about once in 2 s, which cost ~1-2% of throughput there (docs/performance.md, session 37).
 
 It needs CAP_SYS_NICE or an RLIMIT_RTPRIO of at least 1 (`ulimit -r`; containers: `cap_add: [SYS_NICE]`), and a
 cgroup that allows real-time threads. `refusal` says why not, tried on a throwaway thread.
