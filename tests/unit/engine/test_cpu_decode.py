@@ -157,6 +157,31 @@ def test_blocked_int8_product_equals_the_dequantized_one(shape: tuple[int, int, 
     assert ((got.double() - want).abs() / (want.abs() + 1)).max() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_threads_sharing_a_product_compute_every_block_once(dtype: torch.dtype, rows: int) -> None:
+    """Each thread takes its own range of blocks, then the others' unclaimed ones (`over_blocks`). With more threads
+    than this host has cores a thread is often off its core mid-product while the others take its blocks: every
+    product must still equal one thread's, to the bit (each block is computed whole by whoever claims it)."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 32 * 40 + 7, 96  # 41 blocks, the last one short: ranges of 13 and 14 over 3 threads
+    w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    if dtype == torch.int8:
+        q, scale = quantize_groups(w)
+        args: tuple = (cpu_kernels.pack(q), None, cpu_kernels.pack_groups(scale))
+    else:
+        w, x = w.to(dtype), x.to(dtype)
+        args = (cpu_kernels.pack(w),)
+    want = cpu_kernels.linear(x, *args)  # on one thread, the suite's setting
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for _ in range(200):
+            assert torch.equal(cpu_kernels.linear(x, *args), want)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_pack_refuses_other_dtypes() -> None:
     with pytest.raises(ValueError, match="bfloat16 or int8, not torch"):
         cpu_kernels.pack(torch.zeros(4, 4, dtype=torch.float16))
