@@ -3,14 +3,16 @@ pp=2 alternated call by call so that this host's drift cancels.
 
     .venv/bin/python bench/stage_boundary.py [--model smollm2-135m-instruct] [--dtype float32] [--rows 1,16]
                                              [--cycles 40] [--spin-variants N,...] [--tp N] [--against REV]
-                                             [--out bench/results]
+                                             [--compute-priority auto] [--out bench/results]
 
 Why: through the mesh (bench/run.py, bench/pipeline_seams.py) pp=2 minus pp=1 moved by ±5 ms from one round to the
 next on the 2-vCPU machines here, where the target is 0.5 ms: a request takes seconds, and this host's memory speed
 changes within seconds. Here five processes stay up, each a `StageWorkerCore` holding its shard as a worker does:
 one with all the layers (pp=1), two stages of a pipeline whose links are shared-memory rings (`shm_link`, the default
 on one host), and two whose links are Gloo (SHARDMESH_LINK_TRANSPORT=gloo). Every process has `--threads` torch
-threads (2) and GOMP_SPINCOUNT as `up` sets it for stages taking turns on shared cores. A cycle runs one call of 8
+threads (2), GOMP_SPINCOUNT as `up` sets it for stages taking turns on shared cores, and its compute thread at the
+priority `up --compute-priority auto` gives pp=2 on this host's cores (real-time where the OS allows it; until
+2026-11-29 this bench ran every stage core at normal priority, unlike the meshes). A cycle runs one call of 8
 decode steps on each layout in turn (the order rotates from cycle to cycle), the others idle meanwhile, as in
 `up --pipeline turns`; the last stage sends each drawn token back to the first over the loop link. A number is one
 call's ms per token;
@@ -185,8 +187,10 @@ def stage_main(layout: str, rank: int, port: int, a: argparse.Namespace) -> None
     names = list(layouts)
     epoch = names.index(layout) + 1  # each layout's groups under a prefix of their own
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
-    core = StageWorkerCore(f"w{rank}", torch.device("cpu"),
-                           structlog.wrap_logger(structlog.ReturnLogger()), 120.0)  # fmt: skip
+    # (an `--against` commit from before compute priorities takes no `priority`; it runs at normal priority)
+    asked = {"priority": a.compute_priority} if a.compute_priority != "normal" else {}
+    core = StageWorkerCore(f"w{rank}", torch.device("cpu"), structlog.wrap_logger(structlog.ReturnLogger()), 120.0,
+                           **asked)  # fmt: skip
     last = stage == stages - 1 and rank % spec.tp == 0
     results: dict[int, list[float]] = {}
     computed: dict[int, list[float]] = {}  # this stage's compute per token (`stats.compute_s`: its steps less waits)
@@ -243,7 +247,8 @@ def run(a: argparse.Namespace, trees: dict[str, str]) -> dict[str, Any]:
                "SHARDMESH_LINK_TRANSPORT": spec.transport, "PYTHONPATH": tree, "SHARDMESH_BENCH_TREE": tree,
                "GOMP_SPINCOUNT": spec.spin}  # fmt: skip
         for rank in range(spec.processes):
-            args = [sys.executable, __file__, "--stage-of", layout, str(rank), str(store.port), *sys.argv[1:]]
+            args = [sys.executable, __file__, "--stage-of", layout, str(rank), str(store.port), *sys.argv[1:],
+                    "--compute-priority", a.compute_priority]  # fmt: skip
             procs.append(subprocess.Popen(args, env=env, cwd=ROOT))
     try:
         for p in procs:
@@ -394,7 +399,8 @@ def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any], compared:
         f"{info.get('load_avg_1m')} at the start. Model `{a.model}` in {a.dtype}, greedy; stage cores in "
         f"{sum(v.processes for v in layouts_of(a).values())} processes (no gateway), {a.threads} torch threads each"
         f"{tp_threads(a)}, "
-        f"GOMP_SPINCOUNT={a.spincount} unless the layout names another; {a.cycles} cycles, each one "
+        f"GOMP_SPINCOUNT={a.spincount} unless the layout names another, compute threads at {a.compute_priority} "
+        f"priority; {a.cycles} cycles, each one "
         f"call of {STEPS} decode steps on every layout in a rotating order. Medians over cycles of the per-cycle "
         f"values (quartiles of the boundary in brackets).",
         "",
@@ -480,6 +486,12 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=0, help="add one stage over this many tensor-parallel ranks (0: none)")
     ap.add_argument("--tp-threads", type=int, default=0, help="torch threads per tp rank (0: the cores split by rank)")
     ap.add_argument("--against", default="", help="a commit whose pp=1 and pp=2 run beside this checkout's")
+    ap.add_argument(
+        "--compute-priority",
+        default="auto",
+        choices=("auto", "normal", "realtime"),
+        help="the stage cores' compute threads' priority (auto: what `up --compute-priority auto` gives pp=2 here)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--stage-of", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -493,6 +505,11 @@ def main() -> None:
         layout, rank, port = a.stage_of
         stage_main(layout, int(rank), int(port), a)
         return
+    if a.compute_priority == "auto":  # resolved here once; the stage cores are told the answer
+        from shardmesh.rpc.procs import cores
+        from shardmesh_cli.up import share_cores
+
+        a.compute_priority = share_cores(2, 1, "cpu", "auto", a.threads, cores(), priority="auto").compute_priority
     if a.cycles < 4 or min(a.rows) < 1 or a.threads < 1 or a.tp == 1 or a.tp < 0:
         ap.error(
             f"--cycles must be at least 4, --rows and --threads positive, --tp 0 or above 1 (got {a.cycles}, "

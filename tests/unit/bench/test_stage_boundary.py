@@ -71,9 +71,10 @@ def test_a_tp_layout_is_taken_against_its_own_commits_pp1_within_each_cycle() ->
     assert d["tp=3 @r rows=1"]["over_pp1"] == pytest.approx(1.6)
     info = {"date": "2026-11-28T05:00:00", "cpu": "cpu", "cores": 2, "torch": "2.13.0", "load_avg_1m": 0.1}
     a = argparse.Namespace(model="m", dtype="bfloat16", spincount="10000", spin_variants=[], against="", tp=3,
-                           tp_threads=1, threads=2, cycles=3)  # fmt: skip
+                           tp_threads=1, threads=2, cycles=3, compute_priority="realtime")  # fmt: skip
     md = markdown(info, a, {}, None, d)
     assert "| tp=3 | 1 | 24.00 | 36.00 | **1.500×** (" in md and "3 tensor-parallel ranks: 1 each" in md
+    assert "compute threads at realtime priority" in md  # as the stage cores ran, which `up` decides
 
 
 def test_another_commits_pipeline_is_taken_against_its_own_pp1_and_set_beside_this_checkouts() -> None:
@@ -96,7 +97,8 @@ def test_another_commits_pipeline_is_taken_against_its_own_pp1_and_set_beside_th
     assert c["pp=2 shm rows=1"]["rev_around_ms"] == pytest.approx(1.0)
     info = {"date": "2026-11-28T05:00:00", "cpu": "cpu", "cores": 2, "torch": "2.13.0", "load_avg_1m": 0.1}
     a = argparse.Namespace(model="m", dtype="bfloat16", spincount="10000", spin_variants=[], against="r",
-                           against_commit="0123456789abcdef", threads=2, cycles=2, tp=0)  # fmt: skip
+                           against_commit="0123456789abcdef", threads=2, cycles=2, tp=0,
+                           compute_priority="normal")  # fmt: skip
     md = markdown(info, a, d, c)
     assert "| pp=2 shm @r | 1 | 35.00 | 37.50 | **+2.50** (" in md  # beside its own pp=1
     assert "## This checkout against r (0123456789ab)" in md
@@ -150,7 +152,7 @@ def test_the_seam_is_pp2s_serial_path_less_its_own_commits_pp1s_within_each_cycl
     assert d["pp=2 shm @r rows=1"]["seam_ms"] == pytest.approx(0.1)  # against pp=1 @r
     info = {"date": "2026-11-28T05:00:00", "cpu": "cpu", "cores": 2, "torch": "2.13.0", "load_avg_1m": 0.1}
     a = argparse.Namespace(model="m", dtype="float32", spincount="10000", spin_variants=[], against="", tp=0,
-                           tp_threads=0, threads=2, cycles=2)  # fmt: skip
+                           tp_threads=0, threads=2, cycles=2, compute_priority="normal")  # fmt: skip
     md = markdown(info, a, {}, None, None, d)
     assert "## The seam on the critical path, timestamped" in md
     assert "| pp=2 shm | 1 | 0.500 | 0.850 | **+0.350** (" in md
