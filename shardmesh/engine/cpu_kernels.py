@@ -806,11 +806,11 @@ static inline void in_row_groups(int64_t M, F&& f) {
 // Each thread takes a contiguous range of the blocks, one at a time from its front, and a thread done with its own
 // takes the others' next blocks, so that none spins at the region's end while blocks remain. Why: a decode step's
 // products are short regions (SmolLM2 at one row: 121 a step, ~35-110 us each), and on the Xeon of family 6 model 207
-// fixed halves finished 2.5 us (bfloat16) and 7 us (float32) apart on average, which thread first changing from region
-// to region, so no fixed split removes it. There, against fixed halves (in process, two builds alternated 6 rounds):
-// bfloat16 prompts of 16 x 46 tokens 0.98x the time (0.97-0.99, every round), one-row steps 0.94x (0.92-1.03);
-// float32 within noise (prompts 1.00x, one row 0.99x, 16 rows 1.00x). Each block is still computed whole by one
-// thread, so the numbers are the same to the bit whoever takes it.
+// fixed halves finished 2.5 us (bfloat16) and 7 us (float32) apart on average; which thread finished first changed
+// between regions and between processes, so no fixed split removes it. There, against fixed halves (in process, two
+// builds alternated 6 rounds): bfloat16 prompts of 16 x 46 tokens 0.98x the time (0.97-0.99, every round), one-row
+// steps 0.94x (0.92-1.03); float32 within noise (prompts 1.00x, one row 0.99x, 16 rows 1.00x). Each block is still
+// computed whole by one thread, so the numbers are the same to the bit whoever takes it.
 struct alignas(64) BlockRange {  // a line each: the threads claim from their own ranges without sharing one
   std::atomic<int64_t> next{0};
   int64_t end = 0;
