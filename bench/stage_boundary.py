@@ -44,6 +44,7 @@ RPCs for pp=2, one per stage, sent at once). Writes bench/results/<host>-<date>-
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import json
 import os
@@ -187,8 +188,9 @@ def stage_main(layout: str, rank: int, port: int, a: argparse.Namespace) -> None
     names = list(layouts)
     epoch = names.index(layout) + 1  # each layout's groups under a prefix of their own
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
-    # (an `--against` commit from before compute priorities takes no `priority`; it runs at normal priority)
-    asked = {"priority": a.compute_priority} if a.compute_priority != "normal" else {}
+    # A commit from before compute priorities (`--against`) takes no `priority`: its stage cores run at normal priority.
+    takes = "priority" in inspect.signature(StageWorkerCore).parameters
+    asked = {"priority": a.compute_priority} if takes else {}
     core = StageWorkerCore(f"w{rank}", torch.device("cpu"), structlog.wrap_logger(structlog.ReturnLogger()), 120.0,
                            **asked)  # fmt: skip
     last = stage == stages - 1 and rank % spec.tp == 0
