@@ -24,6 +24,7 @@ they lie (`rows`), the streamer bringing each layer in around its calls as the l
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,14 +60,16 @@ MAX_SEGMENT = 128
 
 
 class CpuDecode:
-    """Runs the decode steps of one CPU shard through `cpu_kernels`' layer halves."""
+    """Runs the decode steps of one CPU shard through `cpu_kernels`' layer halves: all layers in one call
+    (`decode_layers`) where they are whole, else each half in a call of its own (`one_call=False`: always)."""
 
-    def __init__(self, model: Transformer, cache: KVCache) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model: Transformer, cache: KVCache, one_call: bool = True) -> None:
+        self.model, self.cache, self.one_call = model, cache, one_call
         self.ext = cpu_kernels.module()
         self._layers: list[_LayerCalls] = []
         self._for: object = None  # the cache tensor `_layers` holds views of
         self._head: tuple[Any, ...] | None = None  # `head_block`'s arguments, gathered with `_layers`
+        self._all: _Stack | None = None  # every layer's arguments held by the kernels (`decode_layers`), with `_layers`
 
     def accepts(self, batch: BatchLayout, all_logits: bool) -> bool:
         """A step whose segments are each at most `MAX_SEGMENT` tokens (decode rows, short prompts), as a slot layout,
@@ -83,18 +86,11 @@ class CpuDecode:
         slots, positions = batch.kv_index
         if model.model.embed_tokens is not None:
             x = model.model.embed_tokens(x)
-        streamer = model.streamer
-        for c in self._calls():
-            if c.streamed is None:
-                x = self._layer(c, c.attention, c.mlp, x, slots, positions, cos, sin)
-                continue
-            assert streamer is not None
-            slot = streamer.acquire(c.index)
-            try:
-                attention, mlp = c.streamed_args(slot)
-                x = self._layer(c, attention, mlp, x, slots, positions, cos, sin)
-            finally:
-                streamer.release(c.index)
+        calls = self._calls()
+        if self._all is not None:
+            x = self.ext.decode_layers(self._all.id, x, slots, positions, cos, sin)
+        else:
+            x = self._each_layer(calls, x, slots, positions, cos, sin)
         if model.lm_head is None:
             return x
         if x.shape[0] != len(batch.segments):  # a prompt's rows: the head needs each sequence's last
@@ -103,6 +99,22 @@ class CpuDecode:
             return self.ext.head_block(x, *self._head)
         assert model.model.norm is not None
         return model.lm_head(model.model.norm(x)).float()
+
+    def _each_layer(self, calls: list[_LayerCalls], x: Tensor, *step: Tensor) -> Tensor:
+        """x through every layer, a call per half, each streamed layer brought in around its calls."""
+        streamer = self.model.streamer
+        for c in calls:
+            if c.streamed is None:
+                x = self._layer(c, c.attention, c.mlp, x, *step)
+                continue
+            assert streamer is not None
+            slot = streamer.acquire(c.index)
+            try:
+                attention, mlp = c.streamed_args(slot)
+                x = self._layer(c, attention, mlp, x, *step)
+            finally:
+                streamer.release(c.index)
+        return x
 
     def _layer(self, c: _LayerCalls, attention: tuple, mlp: tuple, x: Tensor, *step: Tensor) -> Tensor:
         slots, positions, cos, sin = step
@@ -118,6 +130,9 @@ class CpuDecode:
             self._layers = [_LayerCalls.of(int(name), layer, self.cache.keys(i), self.cache.values(i))
                             for i, (name, layer) in enumerate(self.model.model.layers.items())]  # fmt: skip
             self._head = _head_args(self.model)
+            if self._all is not None:
+                self._all.drop()
+            self._all = _Stack.of(self.ext, self._layers) if self.one_call else None
             self._for = self.cache.data
         return self._layers
 
@@ -163,6 +178,27 @@ class _LayerCalls:
             layer, keys, values = self.streamed
             args = self.by_slot[slot] = _args(layer, keys, values, True, *(_blocks(p) for p in _products(layer)))
         return args
+
+
+class _Stack:
+    """Every layer's arguments, converted once and held by the kernels under a number (`cpu_kernels.stack_layers`),
+    for `decode_layers`, until `drop` (or until the holder is collected): when every layer is whole (no
+    tensor-parallel all-reduce between its halves, no streamed weights) and they share their heads."""
+
+    def __init__(self, ext: Any, id: int) -> None:
+        self.id = id
+        self.drop = weakref.finalize(self, ext.drop_layers, id)
+
+    @classmethod
+    def of(cls, ext: Any, layers: list[_LayerCalls]) -> _Stack | None:
+        if not layers or any(c.o is not None or c.down is not None or c.streamed is not None for c in layers):
+            return None
+        n_heads, n_kv, residual, rows = layers[0].heads
+        if not residual or rows or any(c.heads != layers[0].heads for c in layers):
+            return None
+        attention = [list(args) for args in zip(*(c.attention for c in layers), strict=True)]
+        mlp = [list(args) for args in zip(*(c.mlp for c in layers), strict=True)]
+        return cls(ext, ext.stack_layers(*attention, n_heads, n_kv, *mlp[:8]))  # the mlp's residual, rows: as checked
 
 
 def _head_args(model: Transformer) -> tuple[Any, ...] | None:

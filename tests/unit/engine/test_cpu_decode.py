@@ -209,6 +209,7 @@ def test_native_steps_equal_eager(tmp_path: pytest.TempPathFactory, family: str,
             native = runner.run(batch, ids)
         assert native.dtype == torch.float32 and native.shape == eager.shape
         assert runner._head is not None  # the head in one call (`head_block`), not the eager modules
+        assert runner._all is not None  # and every layer in one (`decode_layers`)
         scale = eager.abs().max()
         # float32: the order of sums only; bfloat16: the same roundings, a bfloat16 ulp apart at most here and there
         tol = 1e-4 if dtype == torch.float32 else 5e-2
@@ -293,6 +294,55 @@ def test_native_bf16_steps_are_the_same_whichever_way_rows_are_multiplied(tmp_pa
     first = bf16_ways[0]
     assert all(torch.equal(logits[first], y) for y in logits.values())
     assert all(torch.equal(caches[first].data, c.data) for c in caches.values())
+
+
+@pytest.mark.parametrize("stage", ["whole", "middle"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_layers_in_one_call_equal_a_call_per_half(tmp_path: pytest.TempPathFactory, dtype: torch.dtype,
+                                                      stage: str) -> None:  # fmt: skip
+    """A shard of whole layers runs them all in one call (`decode_layers`): the same output and the same keys and
+    values, to the bit, as a call per half, over decode steps of several rows and a short prompt beside them; a
+    middle stage's too (activations in and out, no embeddings, no head)."""
+    d = make_checkpoint(tmp_path, "qwen2-bias-tied", num_layers=4, seed=11)
+    spec = ShardSpec(0, 4, 4) if stage == "whole" else ShardSpec(1, 3, 4)
+    model = build_shard(d, spec, dtype=dtype, progress=False, max_len=64)
+    slots = [3, 0, 7]
+    runners = {one: CpuDecode(model, model.make_cache(12, dtype, "cpu"), one_call=one) for one in (True, False)}
+    hidden = model.cfg.hidden_size
+    steps = [[Segment(s, 0, 5) for s in slots]]  # the prompts
+    steps += [[Segment(s, 5 + k, 1) for s in slots] + ([Segment(9, 0, 3)] if k == 1 else []) for k in range(3)]
+    generator = torch.Generator().manual_seed(2)
+    for segments in steps:
+        batch = BatchLayout.build(segments)
+        rows = batch.num_tokens
+        x = (torch.randint(0, model.cfg.vocab_size, (rows,), generator=generator) if stage == "whole"
+             else torch.randn(rows, hidden, generator=generator).to(dtype))  # fmt: skip
+        with torch.inference_mode():
+            out = {one: runner.run(batch, x) for one, runner in runners.items()}
+        assert torch.equal(out[True], out[False])
+        assert torch.equal(runners[True].cache.data, runners[False].cache.data)
+    assert runners[True]._all is not None and runners[False]._all is None  # each took the way it was asked to
+
+
+def test_a_stack_of_layers_is_refused_short_lists_and_gone_once_dropped(small: Transformer) -> None:
+    runner = CpuDecode(small, small.make_cache(2, torch.float32, "cpu"))
+    ext, layers = runner.ext, runner._calls()
+    stack = runner._all
+    assert stack is not None
+    attention = [list(args) for args in zip(*(c.attention for c in layers), strict=True)]
+    mlp = [list(args) for args in zip(*(c.mlp for c in layers), strict=True)][:8]
+    n_heads, n_kv = layers[0].heads[:2]
+    with pytest.raises(RuntimeError, match=r"one entry per layer \(1\), one holds 2"):
+        ext.stack_layers(attention[0][:1], *attention[1:], n_heads, n_kv, *mlp)  # the first layer's norm only
+    batch = BatchLayout.build([Segment(0, 0, 1)])
+    x = torch.zeros(1, small.cfg.hidden_size)
+    step = (*batch.kv_index, small.rope_cos, small.rope_sin)
+    assert ext.decode_layers(stack.id, x, *step).shape == x.shape
+    runner.cache = small.make_cache(2, torch.float32, "cpu")  # another cache: the stack is made again
+    runner._calls()
+    assert runner._all is not None and runner._all.id != stack.id
+    with pytest.raises(RuntimeError, match=f"no stack of layers numbered {stack.id}"):
+        ext.decode_layers(stack.id, x, *step)
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 48, 64, 128])
