@@ -1,5 +1,6 @@
-"""Decode steps and short prompts of a CPU shard in compiled code: two calls per decoder layer instead of ~70, and
-one for the head.
+"""Decode steps and short prompts of a CPU shard in compiled code: one call for all its decoder layers (two per layer
+where a tensor-parallel all-reduce or streamed weights come between them) instead of ~70 per layer, and one for the
+head.
 
 On a CPU a decode step's weights stream in ~15-20 ms for SmolLM2, and eager PyTorch adds ~12 ms of its own: each
 of a layer's ~70 small operations (norms, RoPE, the KV write, attention's reshapes, SwiGLU, residuals) costs a few
@@ -7,6 +8,9 @@ microseconds of dispatch, as much as the layer's products together. This runner 
 (`cpu_kernels.attention_block`, `mlp_block`) in one call over the same weights, KV cache and RoPE tables as the
 eager model, which still runs every step this one does not accept (long prompts, paged caches, other devices). It
 is the CPU's counterpart of `cuda_graph`: the model stays one readable file and this is another way to execute it.
+Where every layer is whole, the kernels hold all the layers' arguments (`cpu_kernels.stack_layers`) and one call
+(`decode_layers`) runs them: the 60 calls of a SmolLM2 step from Python cost ~0.3 ms of cold interpreter and argument
+conversion between parallel regions (docs/performance.md, "All of a stage's layers in one call").
 
 Tensor parallelism stays where it is: each half returns its partial sum and the row-parallel product's group
 all-reduces it, then adds the bias and the residual, exactly as `tp.RowParallelLinear` and `DecoderLayer` do.
