@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -63,14 +63,6 @@ def cpu_decode(model: Transformer, cache: AnyKVCache, device: torch.device) -> C
 MAX_SEGMENT = 128
 
 
-class NativeSender(Protocol):
-    """A pipeline link whose next message a kernel may send (`groups.StageLink`)."""
-
-    def native_send(self) -> tuple[Any, ...] | None: ...
-
-    def sent_natively(self, status: int, x: Tensor, waited: float) -> None: ...
-
-
 class CpuDecode:
     """Runs the decode steps of one CPU shard through `cpu_kernels`' layer halves: all layers in one call
     (`decode_layers`) where they are whole, else each half in a call of its own (`one_call=False`: always)."""
@@ -91,16 +83,6 @@ class CpuDecode:
     @torch.inference_mode()
     def run(self, batch: BatchLayout, x: Tensor) -> Tensor:
         """The shard's output for `batch` (which `accepts`): (n, vocab) float32 logits or (n, hidden) activations."""
-        return self._run(batch, x, None)[0]
-
-    @torch.inference_mode()
-    def run_and_send(self, batch: BatchLayout, x: Tensor, link: NativeSender) -> tuple[Tensor, bool]:
-        """`run`, for a stage before the last, and its output sent over `link` from the kernel as soon as the last
-        layer is done, where the layers run in one call and the link can be written from C++
-        (`StageLink.native_send`); (the output, whether it was sent: if not, the caller sends it)."""
-        return self._run(batch, x, link)
-
-    def _run(self, batch: BatchLayout, x: Tensor, link: NativeSender | None) -> tuple[Tensor, bool]:
         model = self.model
         cos, sin = model.rope_cos, model.rope_sin
         assert cos is not None and sin is not None, "call init_buffers() first"
@@ -109,24 +91,18 @@ class CpuDecode:
         if model.model.embed_tokens is not None:
             x = model.model.embed_tokens(x)
         calls = self._calls()
-        send = link.native_send() if link is not None and self._all is not None and model.lm_head is None else None
-        if send is not None:
-            assert link is not None and self._all is not None
-            x, status, waited = self.ext.decode_layers_then_send(self._all.id, x, slots, positions, cos, sin, *send)
-            link.sent_natively(status, x, waited)
-            return x, True
         if self._all is not None:
             x = self.ext.decode_layers(self._all.id, x, slots, positions, cos, sin)
         else:
             x = self._each_layer(calls, x, slots, positions, cos, sin)
         if model.lm_head is None:
-            return x, False
+            return x
         if x.shape[0] != len(batch.segments):  # a prompt's rows: the head needs each sequence's last
             x = x[batch.last_index]
         if self._head is not None:
-            return self.ext.head_block(x, *self._head), False
+            return self.ext.head_block(x, *self._head)
         assert model.model.norm is not None
-        return model.lm_head(model.model.norm(x)).float(), False
+        return model.lm_head(model.model.norm(x)).float()
 
     def _each_layer(self, calls: list[_LayerCalls], x: Tensor, *step: Tensor) -> Tensor:
         """x through every layer, a call per half, each streamed layer brought in around its calls."""

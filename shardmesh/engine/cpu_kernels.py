@@ -71,7 +71,6 @@ _SOURCE = r"""
 #include <mutex>
 #include <type_traits>
 #include <string>
-#include <tuple>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX512BF16__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -1966,25 +1965,6 @@ torch::Tensor decode_layers(int64_t id, torch::Tensor x, torch::Tensor slots, to
   }
   return x;
 }
-
-// decode_layers, then its output sent over a pipeline's shared-memory link by `send`, the address of the link
-// kernel's link_send (`shm_link`), given the rest of link_send's arguments: (the output, link_send's status, the
-// seconds it took). Why: a stage's activations otherwise went back through Python first (the forward's return, the
-// stage's step, the link's wrappers), all of it cold after the forward's reads; a send took ~100 us there against
-// ~7 us warm, and the other stage waited for it (docs/performance.md).
-using LinkSend = int64_t (*)(torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                             double, double);
-std::tuple<torch::Tensor, int64_t, double> decode_layers_then_send(
-    int64_t id, torch::Tensor x, torch::Tensor slots, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-    int64_t send, torch::Tensor ring, int64_t seq, int64_t ring_slots, int64_t capacity, int64_t data_offset,
-    int64_t peer_pid, int64_t peer_fd, double spin_s, double timeout_s) {
-  TORCH_CHECK(send != 0, "decode_layers_then_send: no link_send to call");
-  auto y = decode_layers(id, x, slots, positions, cos, sin).contiguous();
-  const auto t0 = std::chrono::steady_clock::now();
-  const int64_t status = reinterpret_cast<LinkSend>(send)(ring, y, seq, ring_slots, capacity, data_offset, peer_pid,
-                                                          peer_fd, spin_s, timeout_s);
-  return {y, status, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()};
-}
 """
 
 # What `SHARDMESH_CPU_ISA` may ask for: "native" (the default) compiles for this CPU, taking the widest paths it has;
@@ -2005,9 +1985,8 @@ def isa_kernel(isa: str) -> InlineKernel:
         source = _SOURCE.replace("@ROW@", int8_cpu.ROW_SOURCE).replace("@GROUP@", str(INT8_GROUP))
         _KERNELS[isa] = InlineKernel(
             "shardmesh_cpu", source.replace("@AMX_ENV@", AMX_ENV),
-            ["linear", "rows_linear", "attention_block", "mlp_block", "stack_layers", "decode_layers",
-             "decode_layers_then_send", "drop_layers", "head_block", "greedy_rows", "bf16_rows_ways", "bf16_rows",
-             "set_bf16_rows", "bf16_rows_probe"],
+            ["linear", "rows_linear", "attention_block", "mlp_block", "stack_layers", "decode_layers", "drop_layers",
+             "head_block", "greedy_rows", "bf16_rows_ways", "bf16_rows", "set_bf16_rows", "bf16_rows_probe"],
             ISA_FLAGS[isa],
         )  # fmt: skip
     return _KERNELS[isa]

@@ -338,20 +338,6 @@ class StageLink:
         self.bytes_sent += x.numel() * x.element_size()
         self.messages_sent += 1
 
-    def native_send(self) -> tuple[Any, ...] | None:
-        """`link_send`'s address and its arguments after the tensor, for a kernel that sends the next message from
-        C++ (`CpuDecode.run_and_send`), then `sent_natively`; None where the wire is not a shared-memory ring read in
-        place (Gloo, NCCL, host staging): send with `send`."""
-        native = getattr(self.wire, "native_send", None)
-        return native() if native is not None and self._staging is None else None
-
-    def sent_natively(self, status: int, x: Tensor, waited: float) -> None:
-        """After a kernel sent x with `native_send`'s arguments: as `send` ends (a failure raises as it does)."""
-        self.wire.sent_natively(status, x, waited)  # type: ignore[attr-defined]
-        self.send_s += waited
-        self.bytes_sent += x.numel() * x.element_size()
-        self.messages_sent += 1
-
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
         t0 = time.perf_counter()
         if self._staging is None:

@@ -183,10 +183,6 @@ int64_t link_recv(torch::Tensor seg, torch::Tensor out, int64_t seq, int64_t slo
   return 0;
 }
 
-// link_send's address, for a kernel of another extension that sends from C++ (`cpu_kernels.decode_layers_then_send`:
-// a stage's activations sent at the end of its forward, with no return to Python between them).
-int64_t link_send_address() { return reinterpret_cast<int64_t>(&link_send); }
-
 // Mark the link closed by `side` and wake whichever side waits, so it reads the mark now.
 void link_close(torch::Tensor seg, int64_t side) {
   uint8_t* base = seg.data_ptr<uint8_t>();
@@ -196,8 +192,7 @@ void link_close(torch::Tensor seg, int64_t side) {
 }
 """
 
-_KERNEL = InlineKernel("shardmesh_link", PRELUDE + _SOURCE,
-                       ["link_send", "link_recv", "link_close", "link_send_address"], ["-O3"])  # fmt: skip
+_KERNEL = InlineKernel("shardmesh_link", PRELUDE + _SOURCE, ["link_send", "link_recv", "link_close"], ["-O3"])
 
 
 def pidfd(pid: int) -> int:
@@ -267,36 +262,20 @@ class ShmLinkWire:
             self._broken = f"side {self.side} closed the link: {why}"
             self._ext.link_close(self._seg, self.side)
 
-    def native_send(self) -> tuple[Any, ...]:
-        """What a C++ caller passes to `link_send` after the tensor, led by its address (`link_send_address`), to
-        send the next message from its own code; then `sent_natively` with its status. Raises as `send` would on a
-        link that broke earlier."""
-        if self._broken:
-            raise RuntimeError(f"link send over shm: the link broke earlier ({self._broken})")
-        return (self._ext.link_send_address(), self._seg, self._seq, self.slots, self.capacity, data_offset(),
-                self.peer_pid, self.peer_fd, self.spin_s, self.timeout_s)  # fmt: skip
-
-    def sent_natively(self, status: int, x: Tensor, waited: float) -> None:
-        """After a C++ caller sent x with `native_send`'s arguments (status: what link_send returned, `waited`: the
-        seconds it took): the ring's count moves on, and a failure raises as `send` raises it."""
-        self._done("send", status, x.numel() * x.element_size(), waited)
-
     def _run(self, what: str, fn: Any, x: Tensor) -> None:
         if self._broken:
             raise RuntimeError(f"link {what} over shm: the link broke earlier ({self._broken})")
         if x.device.type != "cpu" or not x.is_contiguous():
             raise ValueError(f"a shared-memory link moves contiguous host tensors, got {x.device} "
                              f"contiguous={x.is_contiguous()}")  # fmt: skip
+        nbytes = x.numel() * x.element_size()
         t0 = time.perf_counter()
         status = fn(self._seg, x, self._seq, self.slots, self.capacity, data_offset(), self.peer_pid, self.peer_fd,
                     self.spin_s, self.timeout_s)  # fmt: skip
-        self._done(what, status, x.numel() * x.element_size(), time.perf_counter() - t0)
-
-    def _done(self, what: str, status: int, nbytes: int, waited: float) -> None:
         self._seq += max(1, math.ceil(nbytes / self.capacity))
         if status == 0:
             return
-        peer = f"side {1 - self.side} (pid {self.peer_pid})"
+        peer, waited = f"side {1 - self.side} (pid {self.peer_pid})", time.perf_counter() - t0
         if status == DEAD:
             why = f"{peer} died while side {self.side} waited {waited:.3f} s"
         elif status == CLOSED:

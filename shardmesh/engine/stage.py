@@ -69,7 +69,7 @@ class StageEngine:
         """Run one step over the segments this stage computes (`batch`; None: none). The first stage takes
         `token_ids` (T,); the last returns logits (B, vocab), or (T, vocab) with `all_logits`. The others send
         the next stage their output, or what `relay` says."""
-        out, sent = None, False
+        out = None
         if batch is not None:
             if self.is_first:
                 if token_ids is None or token_ids.shape != (batch.num_tokens,):
@@ -81,10 +81,7 @@ class StageEngine:
             if self.graphs is not None and self.graphs.accepts(batch, all_logits):
                 out = self.graphs.run(batch, x)
             elif self.native is not None and self.native.accepts(batch, all_logits):
-                if relay is None and self.groups.next is not None:  # the activations sent from the kernel, if it can
-                    out, sent = self.native.run_and_send(batch, x, self.groups.next)
-                else:
-                    out = self.native.run(batch, x)
+                out = self.native.run(batch, x)
             else:
                 out = self.model(x, batch, self.cache, all_logits=all_logits)
             if self.is_last:
@@ -95,8 +92,7 @@ class StageEngine:
             # The rows first, then the log: the next stage waits for the rows, and writing the log before them
             # put ~0.08 ms a token (0.14 at 16 sequences) on a pipeline's critical path (docs/performance.md,
             # "The seam's serial path, timestamped").
-            if not sent:
-                self._send(out)
+            self._send(out)
             self._record(batch, out)
         else:  # a replay may relay rows of the log: written first, as they would be by any later step
             self._record(batch, out)

@@ -22,15 +22,10 @@ import torch
 import torch.distributed as dist
 
 from shardmesh.core.layout import ShardSpec
-from shardmesh.core.step import Segment
-from shardmesh.engine import cpu_kernels, shm_collective, shm_link
-from shardmesh.engine.batch import BatchLayout
-from shardmesh.engine.cpu_decode import CpuDecode
+from shardmesh.engine import shm_collective, shm_link
 from shardmesh.engine.groups import StageLink, form_groups, form_link
-from shardmesh.engine.loader import build_shard
 from shardmesh.engine.shm_collective import SHM_DIR
 from shardmesh.engine.shm_link import ShmLinkWire
-from tests.checkpoints import make_checkpoint
 from tests.unit.engine.test_groups import on_both_sides
 
 TIMEOUT = timedelta(seconds=60)
@@ -302,42 +297,3 @@ def test_a_wire_refuses_device_or_strided_tensors(store) -> None:
     assert isinstance(wires[0], ShmLinkWire)
     with pytest.raises(ValueError, match="contiguous host tensors"):
         wires[0].send(torch.randn(4, 4).t())
-
-
-@pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ build of the CPU kernels")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_stage_sends_its_activations_from_the_kernel_and_a_closed_link_still_raises(
-    store, tmp_path, dtype: torch.dtype
-) -> None:  # fmt: skip
-    """A first stage whose layers run in one call sends its output over the ring from C++ at the end of its forward
-    (`CpuDecode.run_and_send`): the next stage receives what a call per half computes, to the bit, for prompts (several
-    slot-sized chunks) and decode steps, the link's counters move as for `send`, and once the receiver has closed the
-    link the next send raises naming it, as `send` does."""
-    d = make_checkpoint(tmp_path, "qwen2-bias-tied", num_layers=4, seed=4)
-    model = build_shard(d, ShardSpec(0, 2, 4), dtype=dtype, progress=False, max_len=128)
-    steps = [[Segment(s, 0, 100) for s in (0, 1, 2)],  # 300 rows of float32: two slot-sized chunks and a part
-             [Segment(s, 100, 1) for s in (0, 1, 2)], [Segment(s, 101, 1) for s in (0, 2)]]  # fmt: skip
-    ids = [torch.randint(0, model.cfg.vocab_size, (sum(s.length for s in step),)) for step in steps]
-
-    def body(client: dist.Store, side: int) -> Any:
-        end = link(client, side)
-        if side == 1:
-            got = [end.recv((len(x), model.cfg.hidden_size), dtype, CPU) for x in ids]
-            end.close("its epoch broke")
-            client.set("closed", "1")
-            return got
-        runner = CpuDecode(model, model.make_cache(4, dtype, "cpu"))
-        sent = [runner.run_and_send(BatchLayout.build(step), x, end) for step, x in zip(steps, ids, strict=True)]
-        assert all(was for _, was in sent)
-        assert end.messages_sent == len(steps)
-        assert end.bytes_sent == sum(y.numel() * y.element_size() for y, _ in sent)
-        client.wait(["closed"])
-        with pytest.raises(RuntimeError, match=r"side 1 \(pid \d+\) closed the link \(its epoch broke\)"):
-            runner.run_and_send(BatchLayout.build(steps[-1]), ids[-1], end)
-        return [y for y, _ in sent]
-
-    outputs, received = on_both_sides(store, body)
-    per_half = CpuDecode(model, model.make_cache(4, dtype, "cpu"), one_call=False)
-    expected = [per_half.run(BatchLayout.build(step), x) for step, x in zip(steps, ids, strict=True)]
-    assert all(torch.equal(a, b) for a, b in zip(received, expected, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True))
