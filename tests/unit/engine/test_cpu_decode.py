@@ -324,7 +324,7 @@ def test_all_layers_in_one_call_equal_a_call_per_half(tmp_path: pytest.TempPathF
     assert runners[True]._all is not None and runners[False]._all is None  # each took the way it was asked to
 
 
-def test_a_stack_of_layers_is_refused_short_lists_and_gone_once_dropped(small: Transformer) -> None:
+def test_a_stack_of_layers_refuses_short_lists_and_is_gone_once_dropped(small: Transformer) -> None:
     runner = CpuDecode(small, small.make_cache(2, torch.float32, "cpu"))
     ext, layers = runner.ext, runner._calls()
     stack = runner._all
