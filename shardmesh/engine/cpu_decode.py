@@ -195,14 +195,15 @@ class _Stack:
 
     @classmethod
     def of(cls, ext: Any, layers: list[_LayerCalls]) -> _Stack | None:
-        if not layers or any(c.o is not None or c.down is not None or c.streamed is not None for c in layers):
+        # Whole layers (no row-parallel product, nothing streamed) add their residuals and read blocked weights: the
+        # halves' `residual` and `rows` flags are then True and False, which `decode_layers` passes itself.
+        if not layers or any(c.o is not None or c.down is not None or c.streamed is not None
+                             or c.heads != layers[0].heads for c in layers):  # fmt: skip
             return None
-        n_heads, n_kv, residual, rows = layers[0].heads
-        if not residual or rows or any(c.heads != layers[0].heads for c in layers):
-            return None
+        n_heads, n_kv = layers[0].heads[:2]
         attention = [list(args) for args in zip(*(c.attention for c in layers), strict=True)]
         mlp = [list(args) for args in zip(*(c.mlp for c in layers), strict=True)]
-        return cls(ext, ext.stack_layers(*attention, n_heads, n_kv, *mlp[:8]))  # the mlp's residual, rows: as checked
+        return cls(ext, ext.stack_layers(*attention, n_heads, n_kv, *mlp[:8]))  # mlp[8:]: those flags
 
 
 def _head_args(model: Transformer) -> tuple[Any, ...] | None:
