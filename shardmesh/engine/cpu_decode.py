@@ -1,6 +1,6 @@
 """Decode steps and short prompts of a CPU shard in compiled code: one call for all its decoder layers (two per layer
-where a tensor-parallel all-reduce or streamed weights come between them) instead of ~70 per layer, and one for the
-head.
+where streamed weights, or a tensor-parallel all-reduce over Gloo, come between them) instead of ~70 per layer, and
+one for the head.
 
 On a CPU a decode step's weights stream in ~15-20 ms for SmolLM2, and eager PyTorch adds ~12 ms of its own: each
 of a layer's ~70 small operations (norms, RoPE, the KV write, attention's reshapes, SwiGLU, residuals) costs a few
@@ -13,7 +13,11 @@ Where every layer is whole, the kernels hold all the layers' arguments (`cpu_ker
 conversion between parallel regions (docs/performance.md, "All of a stage's layers in one call").
 
 Tensor parallelism stays where it is: each half returns its partial sum and the row-parallel product's group
-all-reduces it, then adds the bias and the residual, exactly as `tp.RowParallelLinear` and `DecoderLayer` do.
+all-reduces it, then adds the bias and the residual, exactly as `tp.RowParallelLinear` and `DecoderLayer` do. Where
+the group goes through shared memory and the products have no bias (a Llama's), the one call makes those
+all-reduces itself (`decode_layers_reduced`, through the collective's kernel): on two cores tp=3's ranks 1 and 2
+share one, and each return to Python between the halves delayed both (docs/performance.md, "A tensor-parallel
+rank's layers in one call").
 
 Eligible: a CPU shard whose decoder products all use the blocked kernels (`linear.BlockedCpuKernel`: float32 or
 bfloat16; its subclass `BlockedInt8Kernel`: int8 weights of a float32 shard; kernels built), the slot KV cache, a
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -91,10 +95,12 @@ class CpuDecode:
         if model.model.embed_tokens is not None:
             x = model.model.embed_tokens(x)
         calls = self._calls()
-        if self._all is not None:
+        if self._all is None:
+            x = self._each_layer(calls, x, slots, positions, cos, sin)
+        elif not self._all.reduced:
             x = self.ext.decode_layers(self._all.id, x, slots, positions, cos, sin)
         else:
-            x = self._each_layer(calls, x, slots, positions, cos, sin)
+            x = self._reduced(self._all, calls, x, slots, positions, cos, sin)
         if model.lm_head is None:
             return x
         if x.shape[0] != len(batch.segments):  # a prompt's rows: the head needs each sequence's last
@@ -118,6 +124,21 @@ class CpuDecode:
                 x = self._layer(c, attention, mlp, x, *step)
             finally:
                 streamer.release(c.index)
+        return x
+
+    def _reduced(self, stack: _Stack, calls: list[_LayerCalls], x: Tensor, *step: Tensor) -> Tensor:
+        """x through a tensor-parallel rank's layers in one call, their all-reduces included, where its group's
+        collectives go through shared memory (`NativeReduce`) and x fits them; else a call per half."""
+        assert calls[0].o is not None
+        # The group is looked up at each step, as `_reduce` does: `bind_group` may have given every product a new one.
+        group = cast(NativeReduce, calls[0].o.group)
+        native = getattr(group, "native_all_reduce_add", None)
+        args = native(x) if native is not None else None
+        if args is None:
+            return self._each_layer(calls, x, *step)
+        x = x.contiguous()
+        x, status, done, waited = self.ext.decode_layers_reduced(stack.id, x, *step, *args)
+        group.reduced_natively(done, status, x.numel() * x.element_size(), waited)
         return x
 
     def _layer(self, c: _LayerCalls, attention: tuple, mlp: tuple, x: Tensor, *step: Tensor) -> Tensor:
@@ -184,26 +205,38 @@ class _LayerCalls:
         return args
 
 
+class NativeReduce(Protocol):
+    """A tensor-parallel group whose all-reduces a kernel may make (`shm_collective.ShmCollective`)."""
+
+    def native_all_reduce_add(self, x: Tensor) -> tuple[Any, ...] | None: ...
+
+    def reduced_natively(self, done: int, status: int, nbytes: int, waited: float) -> None: ...
+
+
 class _Stack:
     """Every layer's arguments, converted once and held by the kernels under a number (`cpu_kernels.stack_layers`),
-    for `decode_layers`, until `drop` (or until the holder is collected): when every layer is whole (no
-    tensor-parallel all-reduce between its halves, no streamed weights) and they share their heads."""
+    until `drop` (or until the holder is collected), when no layer is streamed and they share their heads: for
+    `decode_layers` when every layer is whole, for `decode_layers_reduced` (`reduced`) when each half of every layer
+    ends in a row-parallel product without a bias (a tensor-parallel rank's)."""
 
-    def __init__(self, ext: Any, id: int) -> None:
-        self.id = id
+    def __init__(self, ext: Any, id: int, reduced: bool) -> None:
+        self.id, self.reduced = id, reduced
         self.drop = weakref.finalize(self, ext.drop_layers, id)
 
     @classmethod
     def of(cls, ext: Any, layers: list[_LayerCalls]) -> _Stack | None:
-        # Whole layers (no row-parallel product, nothing streamed) add their residuals and read blocked weights: the
-        # halves' `residual` and `rows` flags are then True and False, which `decode_layers` passes itself.
-        if not layers or any(c.o is not None or c.down is not None or c.streamed is not None
-                             or c.heads != layers[0].heads for c in layers):  # fmt: skip
+        # Whole layers add their residuals and a rank's leave them to the all-reduce; both read blocked weights: the
+        # halves' `residual` and `rows` flags follow, which the two calls pass themselves.
+        whole = all(c.o is None and c.down is None for c in layers)
+        reduced = all(c.o is not None and c.o.bias is None and c.down is not None and c.down.bias is None
+                      for c in layers)  # fmt: skip
+        if not layers or not (whole or reduced) or any(c.streamed is not None or c.heads != layers[0].heads
+                                                       for c in layers):  # fmt: skip
             return None
         n_heads, n_kv = layers[0].heads[:2]
         attention = [list(args) for args in zip(*(c.attention for c in layers), strict=True)]
         mlp = [list(args) for args in zip(*(c.mlp for c in layers), strict=True)]
-        return cls(ext, ext.stack_layers(*attention, n_heads, n_kv, *mlp[:8]))  # mlp[8:]: those flags
+        return cls(ext, ext.stack_layers(*attention, n_heads, n_kv, *mlp[:8]), reduced)  # mlp[8:]: those flags
 
 
 def _head_args(model: Transformer) -> tuple[Any, ...] | None:

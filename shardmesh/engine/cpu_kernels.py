@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from shardmesh.core.dtypes import INT8_GROUP
-from shardmesh.engine import int8_cpu
+from shardmesh.engine import int8_cpu, shm_collective
 from shardmesh.engine.native import InlineKernel
 
 NB = 32  # output features per block: two AVX-512 registers of float32
@@ -71,6 +71,7 @@ _SOURCE = r"""
 #include <mutex>
 #include <type_traits>
 #include <string>
+#include <tuple>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX512BF16__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -1947,15 +1948,17 @@ void drop_layers(int64_t id) {
   stacks.erase(id);
 }
 
+// Stack `id`, held for the caller's call (a drop meanwhile frees it only after).
+std::shared_ptr<const LayerStack> held_stack(int64_t id, const char* who) {
+  std::lock_guard<std::mutex> hold(stacks_lock);
+  const auto it = stacks.find(id);
+  TORCH_CHECK(it != stacks.end(), who, ": no stack of layers numbered ", id, " (dropped, or never made)");
+  return it->second;
+}
+
 torch::Tensor decode_layers(int64_t id, torch::Tensor x, torch::Tensor slots, torch::Tensor positions,
                             torch::Tensor cos, torch::Tensor sin) {
-  std::shared_ptr<const LayerStack> held;
-  {
-    std::lock_guard<std::mutex> hold(stacks_lock);
-    const auto it = stacks.find(id);
-    TORCH_CHECK(it != stacks.end(), "decode_layers: no stack of layers numbered ", id, " (dropped, or never made)");
-    held = it->second;
-  }
+  const auto held = held_stack(id, "decode_layers");
   const LayerStack& s = *held;
   for (size_t i = 0; i < s.norm.size(); ++i) {
     x = attention_block(x, s.norm[i], s.eps[i], s.w_qkv[i], s.b_qkv[i], s.s_qkv[i], s.w_o[i], s.b_o[i], s.s_o[i],
@@ -1964,6 +1967,50 @@ torch::Tensor decode_layers(int64_t id, torch::Tensor x, torch::Tensor slots, to
                   s.b_down[i], s.s_down[i], true, false);
   }
   return x;
+}
+
+// decode_layers for a tensor-parallel rank whose row-parallel products have no bias: each half's partial sum goes
+// to `reduce`, the shared-memory collective's shm_all_reduce_add (its address, from `shm_collective`), given the
+// rest of its arguments, which writes x + the sum over ranks over it, as CpuDecode's call per half does through
+// `ShmCollective.all_reduce_add`. Collective j of the call is number seq + j + 1. (x, the status of the last
+// collective made, how many were made, the seconds spent in them): on a failure, x as it was before that half.
+// Why: a rank otherwise returned to Python twice a layer, and on a host where two ranks share a core (tp=3 on two)
+// every microsecond of it delays both (docs/performance.md).
+constexpr int64_t NOT_CARRIED = @NOT_CARRIED@;  // shm_all_reduce_add's refusal (shm_collective.NOT_CARRIED)
+using ReduceAdd = int64_t (*)(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t,
+                              int64_t, torch::Tensor, double, double);
+std::tuple<torch::Tensor, int64_t, int64_t, double> decode_layers_reduced(
+    int64_t id, torch::Tensor x, torch::Tensor slots, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+    int64_t reduce, torch::Tensor seg, int64_t rank, int64_t size, int64_t seq, int64_t capacity, int64_t data_offset,
+    torch::Tensor pids, double spin_s, double timeout_s) {
+  TORCH_CHECK(reduce != 0, "decode_layers_reduced: no all-reduce to call");
+  const auto all_reduce_add = reinterpret_cast<ReduceAdd>(reduce);
+  const LayerStack& s = *held_stack(id, "decode_layers_reduced");
+  int64_t done = 0;
+  double waited = 0;
+  // partial := x + the sum of every rank's partial; on a failure the caller raises with (x, status, done, waited).
+  auto reduced = [&](torch::Tensor& partial) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t status = all_reduce_add(seg, partial, x, rank, size, seq + done + 1, capacity, data_offset, pids,
+                                          spin_s, timeout_s);
+    waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    TORCH_CHECK(status != NOT_CARRIED, "decode_layers_reduced: the all-reduce refused a ", partial.scalar_type(),
+                " partial sum of ", partial.numel(), " values (", capacity, "-byte slots)");
+    ++done;
+    return status;
+  };
+  for (size_t i = 0; i < s.norm.size(); ++i) {
+    auto part = attention_block(x, s.norm[i], s.eps[i], s.w_qkv[i], s.b_qkv[i], s.s_qkv[i], s.w_o[i], s.b_o[i],
+                                s.s_o[i], s.k_cache[i], s.v_cache[i], slots, positions, cos, sin, s.n_heads, s.n_kv,
+                                false, false);
+    if (const int64_t status = reduced(part)) return {x, status, done, waited};
+    x = part;
+    part = mlp_block(x, s.post_norm[i], s.post_eps[i], s.w_gate_up[i], s.b_gate_up[i], s.s_gate_up[i], s.w_down[i],
+                     s.b_down[i], s.s_down[i], false, false);
+    if (const int64_t status = reduced(part)) return {x, status, done, waited};
+    x = part;
+  }
+  return {x, 0, done, waited};
 }
 """
 
@@ -1982,11 +2029,13 @@ def isa_kernel(isa: str) -> InlineKernel:
     if isa not in ISA_FLAGS:
         raise ValueError(f"{ISA_ENV}={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
     if isa not in _KERNELS:
-        source = _SOURCE.replace("@ROW@", int8_cpu.ROW_SOURCE).replace("@GROUP@", str(INT8_GROUP))
+        source = (_SOURCE.replace("@ROW@", int8_cpu.ROW_SOURCE).replace("@GROUP@", str(INT8_GROUP))
+                  .replace("@NOT_CARRIED@", str(shm_collective.NOT_CARRIED)))  # fmt: skip
         _KERNELS[isa] = InlineKernel(
             "shardmesh_cpu", source.replace("@AMX_ENV@", AMX_ENV),
-            ["linear", "rows_linear", "attention_block", "mlp_block", "stack_layers", "decode_layers", "drop_layers",
-             "head_block", "greedy_rows", "bf16_rows_ways", "bf16_rows", "set_bf16_rows", "bf16_rows_probe"],
+            ["linear", "rows_linear", "attention_block", "mlp_block", "stack_layers", "decode_layers",
+             "decode_layers_reduced", "drop_layers", "head_block", "greedy_rows", "bf16_rows_ways", "bf16_rows",
+             "set_bf16_rows", "bf16_rows_probe"],
             ISA_FLAGS[isa],
         )  # fmt: skip
     return _KERNELS[isa]

@@ -33,6 +33,11 @@ RuntimeError naming the peer, as a broken Gloo group would, and the worker treat
 peer's `close` (its epoch broke: it lost a peer of its own, or a step failed part-way on it), which it writes into
 the header: a live peer that will never arrive. Without a C++ compiler the kernel is not built and `negotiate`
 reports shm as unavailable, so every rank keeps Gloo.
+
+A kernel of another extension may make a group's all-reduces itself (`cpu_kernels.decode_layers_reduced`, a
+tensor-parallel rank's layers in one call): `native_all_reduce_add` hands it `shm_all_reduce_add`'s address and
+arguments, its collectives number on from the group's, and `reduced_natively` moves the group's sequence and
+counters on by how many it made and raises on a failure as `all_reduce_add` does.
 """
 
 from __future__ import annotations
@@ -250,6 +255,10 @@ int64_t shm_all_reduce_add(torch::Tensor seg, torch::Tensor partial, torch::Tens
   return 0;
 }
 
+// shm_all_reduce_add's address, for a kernel of another extension that runs a tensor-parallel shard's layers in one
+// call (`cpu_kernels.decode_layers_reduced`): its all-reduces between the layers' halves then need no return to Python.
+int64_t shm_all_reduce_add_address() { return reinterpret_cast<int64_t>(&shm_all_reduce_add); }
+
 // x (rows, d) contiguous, at most `capacity` bytes; out (rows, size * d): every rank's rows side by side.
 int64_t shm_all_gather(torch::Tensor seg, torch::Tensor x, torch::Tensor out, int64_t rank, int64_t size,
                        int64_t seq, int64_t capacity, int64_t data_offset, torch::Tensor pids, double spin_s,
@@ -272,7 +281,8 @@ int64_t shm_all_gather(torch::Tensor seg, torch::Tensor x, torch::Tensor out, in
 }
 """
 
-_KERNEL = InlineKernel("shardmesh_shm", PRELUDE + _SOURCE, ["shm_all_reduce", "shm_all_reduce_add", "shm_all_gather"],
+_KERNEL = InlineKernel("shardmesh_shm", PRELUDE + _SOURCE,
+                       ["shm_all_reduce", "shm_all_reduce_add", "shm_all_reduce_add_address", "shm_all_gather"],
                        ["-O3"])  # fmt: skip
 NOT_CARRIED = -(1 << 21)  # the kernel's: shm_all_reduce_add was handed tensors the segment does not carry
 MAX_RANKS = 64  # the slots' sum (reduce_slots) keeps one pointer per rank on the stack
@@ -443,6 +453,30 @@ class ShmCollective:
         self._count(partial, t0)
         return partial
 
+    def native_all_reduce_add(self, x: Tensor) -> tuple[Any, ...] | None:
+        """What a C++ caller passes to `shm_all_reduce_add` after its two tensors, each like `x`, led by the
+        kernel's address: its own collectives number on from the group's (the arguments' sequence number, then one
+        more each). Then `reduced_natively` with how many it made. None when tensors like `x` do not go through the
+        segment in one collective (another dtype, more than a slot): the caller reduces through `all_reduce_add`.
+        Raises as a collective would on a group that broke earlier."""
+        if self._broken:
+            raise RuntimeError(f"tensor-parallel all_reduce over shm: the group broke earlier ({self._broken})")
+        if x.dtype not in SUPPORTED or x.device.type != "cpu" or x.numel() * x.element_size() > self.capacity:
+            return None
+        return (self._ext.shm_all_reduce_add_address(), self._seg, self.rank, self.size, self._seq, self.capacity,
+                self._offset, self._pids, self.spin_s, self.timeout_s)  # fmt: skip
+
+    def reduced_natively(self, done: int, status: int, nbytes: int, waited: float) -> None:
+        """After a C++ caller made `done` collectives with `native_all_reduce_add`'s arguments, of `nbytes` each, in
+        `waited` seconds, the last returning `status`: the group's sequence and counters move on, and a failure
+        raises (and breaks the group) as `all_reduce_add` would."""
+        self._seq += done
+        self.calls += done
+        self.bytes += done * nbytes
+        self.wait_s += waited
+        if status != 0:
+            self._fail("all_reduce", status, waited)
+
     def all_gather(self, x: Tensor) -> Tensor:
         """Every rank's `x` concatenated along the last dim (all ranks pass the same shape)."""
         x = x.contiguous()
@@ -475,13 +509,13 @@ class ShmCollective:
             self._seq -= 1
             return False
         if status != 0:
-            self._fail(what, status, t0)
+            self._fail(what, status, time.perf_counter() - t0)
         return True
 
-    def _fail(self, what: str, status: int, t0: float) -> NoReturn:
-        """Name the peer a collective failed on (the kernel's `status`), and break the group."""
+    def _fail(self, what: str, status: int, waited: float) -> NoReturn:
+        """Name the peer a collective failed on (the kernel's `status`) after `waited` seconds, and break the
+        group."""
         peer = status - CLOSED if status >= CLOSED else abs(status) - 1
-        waited = time.perf_counter() - t0
         if status >= CLOSED:
             why = (f"rank {peer} (pid {int(self._pids[peer])}) closed the group (its epoch broke) while rank "
                    f"{self.rank} waited {waited:.3f} s")  # fmt: skip

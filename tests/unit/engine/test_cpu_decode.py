@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from torch import Tensor
 
 from shardmesh.core.dtypes import Quantization
 from shardmesh.core.layout import ShardSpec
@@ -21,8 +22,10 @@ from shardmesh.engine.groups import ShardGroups, SingleRank
 from shardmesh.engine.linear import KERNEL_ENV, BlockedCpuKernel, BlockedInt8Kernel, dequantize, quantize_groups
 from shardmesh.engine.loader import build_shard
 from shardmesh.engine.model import Transformer
+from shardmesh.engine.shm_collective import ShmCollective
 from shardmesh.engine.stage import StageEngine
 from tests.checkpoints import make_checkpoint
+from tests.thread_mesh import run_mesh
 from tests.unit.engine.test_model import PROMPTS, prefilled
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C++ build: {cpu_kernels.build_error()}")
@@ -322,6 +325,76 @@ def test_all_layers_in_one_call_equal_a_call_per_half(tmp_path: pytest.TempPathF
         assert torch.equal(out[True], out[False])
         assert torch.equal(runners[True].cache.data, runners[False].cache.data)
     assert runners[True]._all is not None and runners[False]._all is None  # each took the way it was asked to
+
+
+def _tp_steps(runners: dict[bool, CpuDecode], vocab: int) -> list[tuple[Tensor, Tensor]]:
+    """Prompts, then decode steps of several rows with a short prompt beside one, through both runners in turn
+    (the same on every rank of the group): each step's (one call's, a call per half's) logits."""
+    slots = [3, 0, 7]
+    steps = [[Segment(s, 0, 5) for s in slots]]
+    steps += [[Segment(s, 5 + k, 1) for s in slots] + ([Segment(9, 0, 3)] if k == 1 else []) for k in range(3)]
+    generator = torch.Generator().manual_seed(4)
+    out = []
+    for segments in steps:
+        batch = BatchLayout.build(segments)
+        ids = torch.randint(0, vocab, (batch.num_tokens,), generator=generator)
+        with torch.inference_mode():
+            out.append((runners[True].run(batch, ids), runners[False].run(batch, ids)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tensor_parallel_ranks_layers_in_one_call_equal_a_call_per_half(tmp_path: pytest.TempPathFactory,
+                                                                          dtype: torch.dtype) -> None:  # fmt: skip
+    """A tensor-parallel rank whose group reduces through shared memory runs its layers and their all-reduces in one
+    call (`decode_layers_reduced`): on every rank of tp=3 at uneven shares (as `up` gives two cores), the same logits
+    and the same keys and values, to the bit, as a call per half; the group's counters move as they would."""
+    d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=3, seed=6, num_attention_heads=6,
+                        num_key_value_heads=3, intermediate_size=96)  # fmt: skip
+
+    def body(engine: StageEngine, rank: int) -> tuple[list[tuple[Tensor, Tensor]], bool, bool, list[int]]:
+        model, group = engine.model, engine.groups.tp
+        runners = {one: CpuDecode(model, model.make_cache(12, dtype, "cpu"), one_call=one) for one in (True, False)}
+        before = group.calls
+        out = _tp_steps(runners, model.cfg.vocab_size)
+        same_cache = torch.equal(runners[True].cache.data, runners[False].cache.data)
+        stacks = [int(r._all is not None and r._all.reduced) for r in runners.values()]
+        return out, isinstance(group, ShmCollective), same_cache, [group.calls - before, *stacks]
+
+    results = run_mesh(d, 1, 3, body, dtype=dtype, tp_split=(2, 1, 1))
+    layers = 3
+    for out, shm, same_cache, (calls, one, per_half) in results:
+        assert shm and same_cache and (one, per_half) == (1, 0)
+        assert all(torch.equal(a, b) for a, b in out)
+        # per step and runner: the embedding's all-reduce, two a layer, the head's all-gather
+        assert calls == 2 * len(out) * (1 + 2 * layers + 1)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(results[0][0], results[1][0], strict=True))
+
+
+def test_a_rank_whose_peer_closed_the_group_fails_its_one_call_naming_it(tmp_path: pytest.TempPathFactory) -> None:
+    """Rank 1 closes the group (its epoch broke) instead of stepping: ranks 0 and 2, waiting inside the one call,
+    raise naming rank 1, as a collective called from Python would; rank 1's own next step raises too."""
+    d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=2, seed=6, num_attention_heads=6,
+                        num_key_value_heads=3, intermediate_size=96)  # fmt: skip
+
+    def body(engine: StageEngine, rank: int) -> str:
+        model, group = engine.model, engine.groups.tp
+        runner = CpuDecode(model, model.make_cache(2, torch.float32, "cpu"))
+        batch = BatchLayout.build([Segment(0, 0, 1)])
+        with torch.inference_mode():
+            runner.run(batch, torch.tensor([5]))  # one step together
+            if rank == 1:
+                group.close("a test broke it")
+            try:
+                runner.run(BatchLayout.build([Segment(0, 1, 1)]), torch.tensor([6]))
+            except RuntimeError as e:
+                return str(e)
+        return "no error"
+
+    messages = run_mesh(d, 1, 3, body)
+    for rank in (0, 2):
+        assert "rank 1" in messages[rank] and "closed the group (its epoch broke)" in messages[rank]
+    assert "the group broke earlier (rank 1 closed the group: a test broke it)" in messages[1]
 
 
 def test_a_stack_of_layers_refuses_short_lists_and_is_gone_once_dropped(small: Transformer) -> None:
