@@ -23,11 +23,12 @@ tensor; all-gather: whole rows), rather than growing the segment or falling back
 same rank-order sum. Only an all-gather whose single row exceeds a slot, or a dtype other than float32 and
 bfloat16, goes over the wrapped Gloo group.
 
-The wait is C++ (std::atomic on the mapped memory), built at first use like `int8_cpu`: a short spin with the
-pause instruction, then sched_yield, then short sleeps, so that a host with fewer cores than ranks still makes
-progress. On such a host a rank does not spin at all (`spin_seconds`): the peer it waits for may be queued on its
-core, and spinning only delays it (SmolLM2 tp=3 on 2 cores, a decode step in process: bfloat16 14.2 ms with a
-50 µs spin, 11.1 ms yielding at once; float32 22.5 against 19.3). Every millisecond it checks that each peer it
+The wait and the sums are C++ (std::atomic on the mapped memory; the sums vectorized for this CPU), built at first
+use like `int8_cpu`. The wait is a short spin with the pause instruction, then sched_yield, then short sleeps, so
+that a host with fewer cores than ranks still makes progress. On such a host a rank does not spin at all
+(`spin_seconds`): the peer it waits for may be queued on its core, and spinning only delays it (SmolLM2 tp=3 on 2
+cores, a decode step in process: bfloat16 14.2 ms with a 50 µs spin, 11.1 ms yielding at once; float32 22.5 against
+19.3). Every millisecond it checks that each peer it
 waits for is alive (kill(pid, 0), and not a zombie) and that the group timeout has not passed; either failure raises
 RuntimeError naming the peer, as a broken Gloo group would, and the worker treats it as a lost peer. So does a
 peer's `close` (its epoch broke: it lost a peer of its own, or a step failed part-way on it), which it writes into
@@ -171,12 +172,11 @@ inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch rounds
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch rounds; a NaN as torch's 0x7fc0
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : static_cast<uint16_t>(rounded);  // a select: no branch to vectorize
 }
 
 uint8_t* slot(uint8_t* base, int64_t data_offset, int64_t capacity, int64_t size, int64_t seq, int64_t r) {
@@ -189,18 +189,36 @@ template <typename T> T narrow(float v);
 template <> float narrow<float>(float v) { return v; }
 template <> uint16_t narrow<uint16_t>(float v) { return float_to_bf16(v); }
 
+// Values summed at a time, in float32 on the stack (2 KiB, in L1).
+constexpr int64_t SUM_CHUNK = 512;
+
 // out[i] := the rank-order sum of every rank's slot (float32 or bfloat16 as uint16_t), summed in float32 and rounded
-// to T once; with `residual`, residual[i] + that sum, rounded again: as torch rounds `x + all_reduce(partial)`.
+// to T once; with `residual`, residual[i] + that sum, rounded again: as torch rounds `x + all_reduce(partial)`. A
+// chunk of values at a time, one rank after another, so that each loop runs over contiguous values and the compiler
+// vectorizes it; each value's additions keep rank order. The loop over ranks inside the loop over values had stayed
+// scalar: a bfloat16 all-reduce of 16 rows of 576 took 32 us, 61 of them a SmolLM2 step on each tp rank
+// (docs/performance.md).
 template <typename T>
 void reduce_slots(uint8_t* base, int64_t data_offset, int64_t capacity, int64_t size, int64_t seq, int64_t n, T* out,
                   const T* residual) {
   const T* s[64];
   for (int64_t r = 0; r < size; ++r) s[r] = reinterpret_cast<const T*>(slot(base, data_offset, capacity, size, seq, r));
-  for (int64_t i = 0; i < n; ++i) {
-    float acc = widen(s[0][i]);
-    for (int64_t r = 1; r < size; ++r) acc += widen(s[r][i]);
-    const T sum = narrow<T>(acc);
-    out[i] = residual == nullptr ? sum : narrow<T>(widen(residual[i]) + widen(sum));
+  alignas(64) float acc[SUM_CHUNK];
+  for (int64_t i0 = 0; i0 < n; i0 += SUM_CHUNK) {
+    const int64_t c = std::min(SUM_CHUNK, n - i0);
+    const T* first = s[0] + i0;
+    for (int64_t i = 0; i < c; ++i) acc[i] = widen(first[i]);
+    for (int64_t r = 1; r < size; ++r) {
+      const T* rank = s[r] + i0;
+      for (int64_t i = 0; i < c; ++i) acc[i] += widen(rank[i]);
+    }
+    T* o = out + i0;
+    if (residual == nullptr) {
+      for (int64_t i = 0; i < c; ++i) o[i] = narrow<T>(acc[i]);
+    } else {
+      const T* res = residual + i0;
+      for (int64_t i = 0; i < c; ++i) o[i] = narrow<T>(widen(res[i]) + widen(narrow<T>(acc[i])));
+    }
   }
 }
 
@@ -283,7 +301,7 @@ int64_t shm_all_gather(torch::Tensor seg, torch::Tensor x, torch::Tensor out, in
 
 _KERNEL = InlineKernel("shardmesh_shm", PRELUDE + _SOURCE,
                        ["shm_all_reduce", "shm_all_reduce_add", "shm_all_reduce_add_address", "shm_all_gather"],
-                       ["-O3"])  # fmt: skip
+                       ["-O3", "-march=native"])  # fmt: skip
 NOT_CARRIED = -(1 << 21)  # the kernel's: shm_all_reduce_add was handed tensors the segment does not carry
 MAX_RANKS = 64  # the slots' sum (reduce_slots) keeps one pointer per rank on the stack
 CLOSED_AT = 56  # the kernel's CLOSED_AT: the byte of the header where a rank that closed the group writes rank + 1

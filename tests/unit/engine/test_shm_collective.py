@@ -114,6 +114,36 @@ def test_all_reduce_add_is_the_residual_plus_the_sum_as_the_two_ops_round_it(sto
         assert [in_place for _, in_place in outs] == [True, True, False, False, True]
 
 
+def test_bfloat16_sums_round_as_torch_at_ties_overflow_and_nan(store) -> None:
+    """The sums are rounded to bfloat16 as torch rounds them where rounding is delicate: sums exactly halfway between
+    two bfloat16 numbers (to the even one, down and up), a sum within float32's range but past bfloat16's largest (to
+    infinity), infinities, NaN staying NaN, signed zeros, denormals; with the residual added and rounded again.
+    Compared bit for bit but for NaN's bits (torch's own conversions differ there: 0x7fc0 scalar, 0xffff vectorized),
+    over 1500 values: past one chunk of the sum."""
+    # rank by rank: 1 + 2**-8 (halfway: down to 1), 1 + 2**-7 + 2**-8 (halfway: up to 1 + 2**-6), 3.4e38, inf, -inf,
+    # NaN, +0, -0, 3e-40
+    per_rank = [[1.0, 1 + 2**-7, 1.7e38, float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40, 0.5],
+                [2**-8, 2**-8, 1.7e38, 1.0, 1.0, 1.0, -0.0, -0.0, 1e-40, 2**-9],
+                [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, -0.0, 1e-40, 2**-9]]  # fmt: skip
+
+    def inputs(rank: int) -> torch.Tensor:
+        return torch.tensor(per_rank[rank] * 150).to(torch.bfloat16)
+
+    residual = torch.tensor([0.5, -0.25, 1.0, 3.0, 2**-9, -7.0, 0.0, -0.0, 1.5, -1e-40] * 150).to(torch.bfloat16)
+
+    def body(tp: Any, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tp.all_reduce(inputs(rank)), tp.all_reduce_add(inputs(rank), residual)
+
+    total = inputs(0).float() + inputs(1).float() + inputs(2).float()
+    want_sum, want_add = total.to(torch.bfloat16), residual + total.to(torch.bfloat16)
+    assert want_sum[:3].tolist() == [1.0, 1 + 2**-6, float("inf")]  # the cases are what they say
+    for got_sum, got_add in tp_groups(store, 3, body):
+        for got, want in ((got_sum, want_sum), (got_add, want_add)):
+            nan = want.isnan()
+            assert bool(nan.any()) and torch.equal(got.isnan(), nan)
+            assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 def test_a_rank_spins_only_when_its_group_has_a_core_per_rank() -> None:
     # More ranks than cores: the peer a rank waits for may be queued on its core, so it yields at once.
     assert shm_collective.spin_seconds(3, cores=2) == 0.0
