@@ -131,14 +131,14 @@ class CpuDecode:
         collectives go through shared memory (`NativeReduce`) and x fits them; else a call per half."""
         assert calls[0].o is not None
         # The group is looked up at each step, as `_reduce` does: `bind_group` may have given every product a new one.
-        group = cast(NativeReduce, calls[0].o.group)
+        group = calls[0].o.group
         native = getattr(group, "native_all_reduce_add", None)
         args = native(x) if native is not None else None
         if args is None:
             return self._each_layer(calls, x, *step)
         x = x.contiguous()
         x, status, done, waited = self.ext.decode_layers_reduced(stack.id, x, *step, *args)
-        group.reduced_natively(done, status, x.numel() * x.element_size(), waited)
+        cast(NativeReduce, group).reduced_natively(done, status, x.numel() * x.element_size(), waited)
         return x
 
     def _layer(self, c: _LayerCalls, attention: tuple, mlp: tuple, x: Tensor, *step: Tensor) -> Tensor:

@@ -31,7 +31,8 @@ layer on this CPU, as much as the layer's products. Each half is one call here, 
 the activations' dtype exactly where the eager model does (`Transformer` in `model.py`), so a bfloat16 shard gives
 the eager path's numbers up to the order of sums. `decode_layers` runs every layer of a shard whose layers are whole
 (no tensor-parallel all-reduce, no streamed weights) in one call, the halves one after the other, over the layers'
-arguments converted once (`stack_layers`).
+arguments converted once (`stack_layers`); `decode_layers_reduced` does the same for a tensor-parallel rank, calling
+its shared-memory group's all-reduce between the halves.
 
 Built with `torch.utils.cpp_extension.load_inline` through `native.InlineKernel` (cached per CPU and torch version),
 for the widest instructions the CPU has: AVX-512 (with its bfloat16 instructions and AMX tiles where present), else
@@ -1956,16 +1957,32 @@ std::shared_ptr<const LayerStack> held_stack(int64_t id, const char* who) {
   return it->second;
 }
 
+// Stack s's layers over x: layer i's attention_block, then its mlp_block, each half's output handed to `after`, which
+// leaves the next input in x and returns 0, or a nonzero status that stops the layers and is returned. `residual`:
+// the halves add their residuals (whole layers), else each returns its partial sum (a tensor-parallel rank's).
+template <typename After>
+static int64_t run_stack(const LayerStack& s, torch::Tensor& x, const torch::Tensor& slots,
+                         const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin,
+                         bool residual, After&& after) {
+  for (size_t i = 0; i < s.norm.size(); ++i) {
+    auto y = attention_block(x, s.norm[i], s.eps[i], s.w_qkv[i], s.b_qkv[i], s.s_qkv[i], s.w_o[i], s.b_o[i],
+                             s.s_o[i], s.k_cache[i], s.v_cache[i], slots, positions, cos, sin, s.n_heads, s.n_kv,
+                             residual, false);
+    if (const int64_t status = after(y)) return status;
+    y = mlp_block(x, s.post_norm[i], s.post_eps[i], s.w_gate_up[i], s.b_gate_up[i], s.s_gate_up[i], s.w_down[i],
+                  s.b_down[i], s.s_down[i], residual, false);
+    if (const int64_t status = after(y)) return status;
+  }
+  return 0;
+}
+
 torch::Tensor decode_layers(int64_t id, torch::Tensor x, torch::Tensor slots, torch::Tensor positions,
                             torch::Tensor cos, torch::Tensor sin) {
   const auto held = held_stack(id, "decode_layers");
-  const LayerStack& s = *held;
-  for (size_t i = 0; i < s.norm.size(); ++i) {
-    x = attention_block(x, s.norm[i], s.eps[i], s.w_qkv[i], s.b_qkv[i], s.s_qkv[i], s.w_o[i], s.b_o[i], s.s_o[i],
-                        s.k_cache[i], s.v_cache[i], slots, positions, cos, sin, s.n_heads, s.n_kv, true, false);
-    x = mlp_block(x, s.post_norm[i], s.post_eps[i], s.w_gate_up[i], s.b_gate_up[i], s.s_gate_up[i], s.w_down[i],
-                  s.b_down[i], s.s_down[i], true, false);
-  }
+  run_stack(*held, x, slots, positions, cos, sin, true, [&](torch::Tensor& y) {
+    x = y;
+    return int64_t{0};
+  });
   return x;
 }
 
@@ -1985,11 +2002,11 @@ std::tuple<torch::Tensor, int64_t, int64_t, double> decode_layers_reduced(
     torch::Tensor pids, double spin_s, double timeout_s) {
   TORCH_CHECK(reduce != 0, "decode_layers_reduced: no all-reduce to call");
   const auto all_reduce_add = reinterpret_cast<ReduceAdd>(reduce);
-  const LayerStack& s = *held_stack(id, "decode_layers_reduced");
+  const auto held = held_stack(id, "decode_layers_reduced");
   int64_t done = 0;
   double waited = 0;
-  // partial := x + the sum of every rank's partial; on a failure the caller raises with (x, status, done, waited).
-  auto reduced = [&](torch::Tensor& partial) {
+  // partial := x + the sum of every rank's partial, then x := partial; on a failure x stays as it was.
+  const int64_t status = run_stack(*held, x, slots, positions, cos, sin, false, [&](torch::Tensor& partial) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t status = all_reduce_add(seg, partial, x, rank, size, seq + done + 1, capacity, data_offset, pids,
                                           spin_s, timeout_s);
@@ -1997,20 +2014,10 @@ std::tuple<torch::Tensor, int64_t, int64_t, double> decode_layers_reduced(
     TORCH_CHECK(status != NOT_CARRIED, "decode_layers_reduced: the all-reduce refused a ", partial.scalar_type(),
                 " partial sum of ", partial.numel(), " values (", capacity, "-byte slots)");
     ++done;
+    if (status == 0) x = partial;
     return status;
-  };
-  for (size_t i = 0; i < s.norm.size(); ++i) {
-    auto part = attention_block(x, s.norm[i], s.eps[i], s.w_qkv[i], s.b_qkv[i], s.s_qkv[i], s.w_o[i], s.b_o[i],
-                                s.s_o[i], s.k_cache[i], s.v_cache[i], slots, positions, cos, sin, s.n_heads, s.n_kv,
-                                false, false);
-    if (const int64_t status = reduced(part)) return {x, status, done, waited};
-    x = part;
-    part = mlp_block(x, s.post_norm[i], s.post_eps[i], s.w_gate_up[i], s.b_gate_up[i], s.s_gate_up[i], s.w_down[i],
-                     s.b_down[i], s.s_down[i], false, false);
-    if (const int64_t status = reduced(part)) return {x, status, done, waited};
-    x = part;
-  }
-  return {x, 0, done, waited};
+  });
+  return {x, status, done, waited};
 }
 """
 

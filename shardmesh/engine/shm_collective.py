@@ -477,8 +477,7 @@ class ShmCollective:
         more each). Then `reduced_natively` with how many it made. None when tensors like `x` do not go through the
         segment in one collective (another dtype, more than a slot): the caller reduces through `all_reduce_add`.
         Raises as a collective would on a group that broke earlier."""
-        if self._broken:
-            raise RuntimeError(f"tensor-parallel all_reduce over shm: the group broke earlier ({self._broken})")
+        self._check_unbroken("all_reduce")
         if x.dtype not in SUPPORTED or x.device.type != "cpu" or x.numel() * x.element_size() > self.capacity:
             return None
         return (self._ext.shm_all_reduce_add_address(), self._seg, self.rank, self.size, self._seq, self.capacity,
@@ -517,8 +516,7 @@ class ShmCollective:
     def _run(self, what: str, fn: Any, *args: Any) -> bool:
         """One collective through the segment; a failure names the peer, and breaks the group. False when the kernel
         refused the tensors before this rank published anything (NOT_CARRIED): the sequence number stays unused."""
-        if self._broken:
-            raise RuntimeError(f"tensor-parallel {what} over shm: the group broke earlier ({self._broken})")
+        self._check_unbroken(what)
         self._seq += 1
         t0 = time.perf_counter()
         status = fn(self._seg, *args, self.rank, self.size, self._seq, self.capacity, self._offset, self._pids,
@@ -529,6 +527,11 @@ class ShmCollective:
         if status != 0:
             self._fail(what, status, time.perf_counter() - t0)
         return True
+
+    def _check_unbroken(self, what: str) -> None:
+        """Raise, naming why, once a collective of this group has failed or the group was closed."""
+        if self._broken:
+            raise RuntimeError(f"tensor-parallel {what} over shm: the group broke earlier ({self._broken})")
 
     def _fail(self, what: str, status: int, waited: float) -> NoReturn:
         """Name the peer a collective failed on (the kernel's `status`) after `waited` seconds, and break the
