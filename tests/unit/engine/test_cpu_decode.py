@@ -299,6 +299,12 @@ def test_native_bf16_steps_are_the_same_whichever_way_rows_are_multiplied(tmp_pa
     assert all(torch.equal(caches[first].data, c.data) for c in caches.values())
 
 
+# Prompts of 5 tokens in slots 3, 0 and 7, then three decode steps of them, the second with a prompt of 3 beside them.
+ONE_CALL_STEPS = [[Segment(s, 0, 5) for s in (3, 0, 7)]] + [
+    [Segment(s, 5 + k, 1) for s in (3, 0, 7)] + ([Segment(9, 0, 3)] if k == 1 else []) for k in range(3)
+]
+
+
 @pytest.mark.parametrize("stage", ["whole", "middle"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_all_layers_in_one_call_equal_a_call_per_half(tmp_path: pytest.TempPathFactory, dtype: torch.dtype,
@@ -309,13 +315,10 @@ def test_all_layers_in_one_call_equal_a_call_per_half(tmp_path: pytest.TempPathF
     d = make_checkpoint(tmp_path, "qwen2-bias-tied", num_layers=4, seed=11)
     spec = ShardSpec(0, 4, 4) if stage == "whole" else ShardSpec(1, 3, 4)
     model = build_shard(d, spec, dtype=dtype, progress=False, max_len=64)
-    slots = [3, 0, 7]
     runners = {one: CpuDecode(model, model.make_cache(12, dtype, "cpu"), one_call=one) for one in (True, False)}
     hidden = model.cfg.hidden_size
-    steps = [[Segment(s, 0, 5) for s in slots]]  # the prompts
-    steps += [[Segment(s, 5 + k, 1) for s in slots] + ([Segment(9, 0, 3)] if k == 1 else []) for k in range(3)]
     generator = torch.Generator().manual_seed(2)
-    for segments in steps:
+    for segments in ONE_CALL_STEPS:
         batch = BatchLayout.build(segments)
         rows = batch.num_tokens
         x = (torch.randint(0, model.cfg.vocab_size, (rows,), generator=generator) if stage == "whole"
@@ -330,12 +333,9 @@ def test_all_layers_in_one_call_equal_a_call_per_half(tmp_path: pytest.TempPathF
 def _tp_steps(runners: dict[bool, CpuDecode], vocab: int) -> list[tuple[Tensor, Tensor]]:
     """Prompts, then decode steps of several rows with a short prompt beside one, through both runners in turn
     (the same on every rank of the group): each step's (one call's, a call per half's) logits."""
-    slots = [3, 0, 7]
-    steps = [[Segment(s, 0, 5) for s in slots]]
-    steps += [[Segment(s, 5 + k, 1) for s in slots] + ([Segment(9, 0, 3)] if k == 1 else []) for k in range(3)]
     generator = torch.Generator().manual_seed(4)
     out = []
-    for segments in steps:
+    for segments in ONE_CALL_STEPS:
         batch = BatchLayout.build(segments)
         ids = torch.randint(0, vocab, (batch.num_tokens,), generator=generator)
         with torch.inference_mode():
