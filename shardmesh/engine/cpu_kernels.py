@@ -1712,6 +1712,41 @@ static bool one_row_per_slot(const int64_t* slots, int64_t M) {
   return std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
 }
 
+// f(t, state) for the `per_row` attention tasks of each of M rows (t = row × per_row + i), each thread with a State
+// of its own. A prompt's row attends over every position up to its own, so its tasks' work grows with the row: the
+// task range split in halves gave one thread three times the other's work on a long prompt (and prompts went to
+// eager's fused attention above 128 tokens). Here each thread's range of tasks holds an even share of the positions
+// they attend over (plus a few per task for its own work), and a thread done with its range takes the others' next
+// tasks, as `over_blocks` does, so that none waits at the end. The ranges stay contiguous: taking the tasks longest
+// first from one counter balanced them as well, but sent neighbouring rows, which read the same keys, to different
+// threads (16 prompts of 46 tokens took 1.02-1.03x the time of halves). Each task is computed whole by one thread, so
+// the numbers are the same whoever takes it.
+template <typename State, typename F>
+static void balanced_tasks(int64_t M, int64_t per_row, const int64_t* pos, F&& f) {
+  constexpr int64_t TASK_COST = 16;  // a task's own work (its queries, softmax, output) in positions' worth
+  const int64_t tasks = M * per_row;
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  int64_t total = 0;
+  for (int64_t m = 0; m < M; ++m) total += per_row * (pos[m] + 1 + TASK_COST);
+  std::vector<BlockRange> ranges(T);
+  int64_t t = 0, done = 0;
+  for (int64_t task = 0; task < tasks && t < T; ++task) {  // range t starts where t / T of the work is done
+    while (t < T && done * T >= total * t) ranges[t++].next.store(task, std::memory_order_relaxed);
+    done += pos[task / per_row] + 1 + TASK_COST;
+  }
+  for (; t < T; ++t) ranges[t].next.store(tasks, std::memory_order_relaxed);
+  for (int64_t r = 0; r < T; ++r)
+    ranges[r].end = r + 1 < T ? ranges[r + 1].next.load(std::memory_order_relaxed) : tasks;
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    State state;
+    for (int64_t me = t0; me < t1; ++me)
+      for (int64_t k = 0; k < T; ++k) {  // its own range, then the others' in turn
+        BlockRange& r = ranges[(me + k) % T];
+        for (int64_t i; (i = r.next.fetch_add(1, std::memory_order_relaxed)) < r.end;) f(i, state);
+      }
+  });
+}
+
 // RoPE on the new queries and keys, the keys and values into the cache, each row's heads against its slot.
 template <typename T>
 static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T* kc, T* vc, int64_t max_len,
@@ -1743,55 +1778,61 @@ static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T
     }
 #if defined(__AVX512F__) || defined(SHARDMESH_AVX2)
   if (grouped) {  // a task per row and key-value head
-    at::parallel_for(0, M * nkv, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> score;
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t m = t / nkv, g = t % nkv, n = pos[m] + 1;
-        if (in_tasks) {
-          float* row = qkv + m * width;
-          const float *c = cos + pos[m] * hd, *s = sin + pos[m] * hd;
-          rope_heads(row, g * group, (g + 1) * group, hd, c, s, bf16);  // the group's queries
-          rope_heads(row, nh + g, nh + g + 1, hd, c, s, bf16);         // its key
-          put_kv(m, g);
-        }
-        score.resize(group * n);
-        const int64_t at = cache_row(slots[m], g, nkv, max_len, 0) * hd;
-        attend_group(qkv + m * width + g * group * hd, group, kc + at, vc + at, n, hd, scale, score.data(), bf16,
-                     out + (m * nh + g * group) * hd);
+    auto task = [&](int64_t t, std::vector<float>& score) {
+      const int64_t m = t / nkv, g = t % nkv, n = pos[m] + 1;
+      if (in_tasks) {
+        float* row = qkv + m * width;
+        const float *c = cos + pos[m] * hd, *s = sin + pos[m] * hd;
+        rope_heads(row, g * group, (g + 1) * group, hd, c, s, bf16);  // the group's queries
+        rope_heads(row, nh + g, nh + g + 1, hd, c, s, bf16);         // its key
+        put_kv(m, g);
       }
-    });
+      score.resize(group * n);
+      const int64_t at = cache_row(slots[m], g, nkv, max_len, 0) * hd;
+      attend_group(qkv + m * width + g * group * hd, group, kc + at, vc + at, n, hd, scale, score.data(), bf16,
+                   out + (m * nh + g * group) * hd);
+    };
+    if (in_tasks) {  // decode rows: as many positions each, so even halves
+      at::parallel_for(0, M * nkv, 1, [&](int64_t t0, int64_t t1) {
+        std::vector<float> score;
+        for (int64_t t = t0; t < t1; ++t) task(t, score);
+      });
+      return;
+    }
+    balanced_tasks<std::vector<float>>(M, nkv, pos, task);
     return;
   }
 #endif
-  at::parallel_for(0, M * nh, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> score;
-    std::vector<float> acc(hd);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t m = t / nh, h = t % nh, g = h / group, n = pos[m] + 1;
-      const float* q = qkv + m * width + h * hd;
-      const int64_t at = cache_row(slots[m], g, nkv, max_len, 0) * hd;
-      const T* keys = kc + at;
-      const T* vals = vc + at;
-      score.resize(n);
-      float best = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        float d = 0;
+  struct HeadScratch {
+    std::vector<float> score, acc;
+  };
+  balanced_tasks<HeadScratch>(M, nh, pos, [&](int64_t t, HeadScratch& sums) {  // a task per row and query head
+    const int64_t m = t / nh, h = t % nh, g = h / group, n = pos[m] + 1;
+    const float* q = qkv + m * width + h * hd;
+    const int64_t at = cache_row(slots[m], g, nkv, max_len, 0) * hd;
+    const T* keys = kc + at;
+    const T* vals = vc + at;
+    std::vector<float>& score = sums.score;
+    std::vector<float>& acc = sums.acc;
+    score.resize(n);
+    acc.assign(hd, 0.f);
+    float best = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      float d = 0;
 #pragma omp simd reduction(+ : d)
-        for (int64_t i = 0; i < hd; ++i) d += q[i] * load(keys, j * hd + i);
-        score[j] = d * scale;
-        best = std::max(best, score[j]);
-      }
-      float total = 0;
-      for (int64_t j = 0; j < n; ++j) total += (score[j] = std::exp(score[j] - best));
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = score[j] / total;
-#pragma omp simd
-        for (int64_t i = 0; i < hd; ++i) acc[i] += p * load(vals, j * hd + i);
-      }
-      float* o = out + (m * nh + h) * hd;
-      for (int64_t i = 0; i < hd; ++i) o[i] = round_to(bf16, acc[i]);
+      for (int64_t i = 0; i < hd; ++i) d += q[i] * load(keys, j * hd + i);
+      score[j] = d * scale;
+      best = std::max(best, score[j]);
     }
+    float total = 0;
+    for (int64_t j = 0; j < n; ++j) total += (score[j] = std::exp(score[j] - best));
+    for (int64_t j = 0; j < n; ++j) {
+      const float p = score[j] / total;
+#pragma omp simd
+      for (int64_t i = 0; i < hd; ++i) acc[i] += p * load(vals, j * hd + i);
+    }
+    float* o = out + (m * nh + h) * hd;
+    for (int64_t i = 0; i < hd; ++i) o[i] = round_to(bf16, acc[i]);
   });
 }
 
