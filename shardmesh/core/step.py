@@ -11,6 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# Rows the compiled CPU forward (`shardmesh.engine.cpu_decode`) takes through the layers at a time: a longer step goes
+# a chunk of rows at a time, so that its float32 scratch is that of this many rows (the planner counts it,
+# `shardmesh.planning.memory`).
+CPU_ROW_CHUNK = 1024
+
 
 def blocks_for(positions: int, block_size: int) -> int:
     """Blocks of `block_size` that hold positions [0, positions): block i holds [i * block_size, (i + 1) *

@@ -21,13 +21,15 @@ rank's layers in one call").
 
 Eligible: a CPU shard whose decoder products all use the blocked kernels (`linear.BlockedCpuKernel`: float32 or
 bfloat16; its subclass `BlockedInt8Kernel`: int8 weights of a float32 shard; kernels built), the slot KV cache, a
-step of segments of at most `MAX_SEGMENT` tokens (decode rows, short prompts and chunks of prompts: the layer halves
-write every row's key and value before any row attends, so each row sees its segment's earlier ones), logits of each
-sequence's last token. A float32 shard under a memory budget
-qualifies too: its streamed layers' products are the row-major blocks the offload streamer maps from the
-checkpoint (an int8 shard's: int8 blocks and their groups' scales from its int8 copy), which the halves multiply as
-they lie (`rows`), the streamer bringing each layer in around its calls as the layer's hooks do in eager mode
-(eager dispatch had been most of a hot streamed step's extra time).
+step of decode rows and prompts of any length (the layer halves write every row's key and value before any row
+attends, so each row sees its segment's earlier ones; more than `ROW_CHUNK` rows go through in chunks of rows), logits
+of each sequence's last token. Prompts went to eager's fused attention (SDPA) above 128 tokens until the prompt rows'
+attention tasks were balanced between the threads; since, this runner takes 0.67-0.73x eager's time at 1024 tokens
+and 0.66-0.68x at 2048 (docs/performance.md, "Long prompts through the compiled halves"). A float32 shard under a
+memory budget qualifies too, for steps of at most `STREAMED_ROWS` rows: its streamed layers' products are the
+row-major blocks the offload streamer maps from the checkpoint (an int8 shard's: int8 blocks and their groups' scales
+from its int8 copy), which the halves multiply as they lie (`rows`), the streamer bringing each layer in around its
+calls as the layer's hooks do in eager mode (eager dispatch had been most of a hot streamed step's extra time).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import Tensor
 
+from shardmesh.core.step import CPU_ROW_CHUNK
 from shardmesh.engine import cpu_kernels
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.kv_cache import AnyKVCache, KVCache
@@ -60,11 +63,18 @@ def cpu_decode(model: Transformer, cache: AnyKVCache, device: torch.device) -> C
     return CpuDecode(model, cache)
 
 
-# The longest segment (a prompt, or a chunk of one) a step may hold to run here: each of its rows attends over the
-# cache on its own, where eager's fused attention (SDPA) takes a segment at once. SmolLM2, prefill against eager
-# (same host, one process): float32 0.77x the time at 46 tokens, 0.91x at 128, 1.05x at 256, 1.21x at 512; bfloat16
-# 0.73x, 0.84x, 0.88x, 0.92x; 16 prompts of 46 tokens 0.83x and 0.90x.
-MAX_SEGMENT = 128
+# Rows a call of the layers takes at most: a longer step (a long prompt, or many) goes through them a chunk of rows at
+# a time, in order, so that the halves' float32 scratch (`attention_block`'s and `mlp_block`'s, ~4 × (2 hidden + 3
+# intermediate) bytes a row) stays that of ROW_CHUNK rows. Rows are independent but for the cache, and a prompt's rows
+# attend over keys its earlier rows wrote before (in this chunk or an earlier one), so the output is the same to the
+# bit. Each chunk reads the weights again: at 512 rows, 16 float32 prompts of 46 tokens (two chunks) took 1.025x the
+# time of one call (SmolLM2, 3 alternated rounds).
+ROW_CHUNK = CPU_ROW_CHUNK
+# The rows a step may hold where layers are streamed (`StreamedKernel`): their products read the mapped row-major
+# blocks by `rows_linear`'s loop, which beats PyTorch's product only for a few rows. SmolLM2 float32, every layer
+# streamed, one prompt, this runner against eager (same host, one process): 0.70x the time at 8 tokens, 0.92x at 16,
+# 1.32x at 32, 2.07x at 128.
+STREAMED_ROWS = 16
 
 
 class CpuDecode:
@@ -80,9 +90,11 @@ class CpuDecode:
         self._all: _Stack | None = None  # every layer's arguments held by the kernels (`decode_layers`), with `_layers`
 
     def accepts(self, batch: BatchLayout, all_logits: bool) -> bool:
-        """A step whose segments are each at most `MAX_SEGMENT` tokens (decode rows, short prompts), as a slot layout,
-        last-token logits."""
-        return not all_logits and batch.block_size == 0 and all(s.length <= MAX_SEGMENT for s in batch.segments)
+        """A step in a slot layout, with last-token logits, of at most `STREAMED_ROWS` rows where layers are
+        streamed."""
+        if all_logits or batch.block_size != 0:
+            return False
+        return self.model.streamer is None or batch.num_tokens <= STREAMED_ROWS
 
     @torch.inference_mode()
     def run(self, batch: BatchLayout, x: Tensor) -> Tensor:
@@ -95,12 +107,12 @@ class CpuDecode:
         if model.model.embed_tokens is not None:
             x = model.model.embed_tokens(x)
         calls = self._calls()
-        if self._all is None:
-            x = self._each_layer(calls, x, slots, positions, cos, sin)
-        elif not self._all.reduced:
-            x = self.ext.decode_layers(self._all.id, x, slots, positions, cos, sin)
+        if x.shape[0] <= ROW_CHUNK:
+            x = self._layers_of(calls, x, slots, positions, cos, sin)
         else:
-            x = self._reduced(self._all, calls, x, slots, positions, cos, sin)
+            x = torch.cat([self._layers_of(calls, x[r : r + ROW_CHUNK], slots[r : r + ROW_CHUNK],
+                                           positions[r : r + ROW_CHUNK], cos, sin)
+                           for r in range(0, x.shape[0], ROW_CHUNK)])  # fmt: skip
         if model.lm_head is None:
             return x
         if x.shape[0] != len(batch.segments):  # a prompt's rows: the head needs each sequence's last
@@ -109,6 +121,15 @@ class CpuDecode:
             return self.ext.head_block(x, *self._head)
         assert model.model.norm is not None
         return model.lm_head(model.model.norm(x)).float()
+
+    def _layers_of(self, calls: list[_LayerCalls], x: Tensor, *step: Tensor) -> Tensor:
+        """x (rows, hidden) through the shard's layers: one call where it can (`decode_layers`, or a tensor-parallel
+        rank's `decode_layers_reduced`), else a call per half."""
+        if self._all is None:
+            return self._each_layer(calls, x, *step)
+        if not self._all.reduced:
+            return self.ext.decode_layers(self._all.id, x, *step)
+        return self._reduced(self._all, calls, x, *step)
 
     def _each_layer(self, calls: list[_LayerCalls], x: Tensor, *step: Tensor) -> Tensor:
         """x through every layer, a call per half, each streamed layer brought in around its calls."""

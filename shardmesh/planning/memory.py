@@ -31,6 +31,11 @@ Notation, per shard (stage `s` × tensor rank `r` of `tp`); `b` is the bytes of 
                 the boolean mask of a chunked prompt (1 byte × T × max_context); and on the last stage the
                 sampled rows' logits in the serving dtype, gathered (2b) and in float32 for sampling (16).
                 Attention itself is assumed fused (SDPA flash / memory-efficient): no T × T score matrix.
+                On a CPU the compiled layer halves (`engine.cpu_decode`) take the step instead where they can, a
+                chunk of C = min(T, CPU_ROW_CHUNK) rows at a time with float32 scratch: the activations are then
+                the larger of the above and T × 2H × b (the step's input and output) + C × 4 × (2H + max(3F,
+                2Q + 2K)) (a half's normed input and output, and the MLP's gate, up and product or attention's
+                q, k, v and output).
   load        = the transient of loading, on top of the weights:
                 cpu:  max(2 × S × c, M × b). Reading holds one tensor at a time twice: its mapped file
                       pages and the slice safetensors returns (S = the shard's largest tensor slice in
@@ -61,6 +66,7 @@ from typing import Any
 from shardmesh.core.config import ModelConfig
 from shardmesh.core.dtypes import INT8_QUANTIZE_CHUNK, INT8_QUANTIZE_TEMP_BYTES, DType, Quantization
 from shardmesh.core.heads import HeadSplit, TpSplit, mlp_range
+from shardmesh.core.step import CPU_ROW_CHUNK
 from shardmesh.core.topology import ServingLimits
 from shardmesh.models.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, TensorRead
 from shardmesh.planning.kv_blocks import block_bytes
@@ -205,6 +211,9 @@ def stage_memory(
     t, h, f = limits.max_batch_tokens, cfg.hidden_size, ffn_end - ffn_start
     q, k = heads.q_count * hd, heads.kv_count * hd
     acts = t * (b * (2 * h + max(3 * f, 4 * q + 3 * k)) + 8 * h + 8 * hd) + t * limits.max_context
+    if runtime.device == "cpu":
+        chunk = min(t, CPU_ROW_CHUNK)
+        acts = max(acts, t * 2 * h * b + chunk * 4 * (2 * h + max(3 * f, 2 * q + 2 * k)))
     if last:
         acts += min(limits.kv_slots, t) * cfg.vocab_size * (2 * b + 16)
     load = _load_transient(model, [part for _, part in held], b, quant, runtime.device == "cpu")

@@ -480,8 +480,8 @@ def test_declines_what_it_cannot_compute(small: Transformer) -> None:
     runner = cpu_decode(small, small.make_cache(2, torch.float32, "cpu"), torch.device("cpu"))
     assert runner is not None
     assert runner.accepts(BatchLayout.build([Segment(0, 4, 1), Segment(1, 0, 2)]), all_logits=False)  # a prompt
-    long = Segment(1, 0, cpu_decode_module.MAX_SEGMENT + 1)  # longer prompts keep eager's fused attention
-    assert not runner.accepts(BatchLayout.build([Segment(0, 4, 1), long]), all_logits=False)
+    long = Segment(1, 0, cpu_decode_module.ROW_CHUNK + 1)  # taken in chunks of rows
+    assert runner.accepts(BatchLayout.build([Segment(0, 4, 1), long]), all_logits=False)
     assert not runner.accepts(BatchLayout.build([Segment(0, 4, 1)]), all_logits=True)
     assert runner.accepts(BatchLayout.build([Segment(0, 4, 1)]), all_logits=False)
     # a paged cache, another device: eager
@@ -499,20 +499,56 @@ def test_other_kernels_stay_eager(tmp_path: pytest.TempPathFactory, monkeypatch:
     assert engine.decode_runner == "eager"
 
 
-def test_stage_engine_runs_decode_and_short_prompts_natively(small: Transformer,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    monkeypatch.setattr(cpu_decode_module, "MAX_SEGMENT", 4)  # a prompt of 5 is a long one here
+def test_stage_engine_runs_decode_and_prompts_natively(small: Transformer) -> None:
     groups = ShardGroups(ShardSpec(0, 2, 2), 0, 1, SingleRank(), None, None)
     engine = StageEngine(small, groups, small.make_cache(2, torch.float32, "cpu"), torch.device("cpu"))
     assert engine.decode_runner == "cpu-native"
     calls = []
     run = engine.native.run  # type: ignore[union-attr]
     engine.native.run = lambda batch, x: calls.append(batch) or run(batch, x)  # type: ignore[union-attr,method-assign]
-    engine.step(BatchLayout.build([Segment(1, 0, 5)]), torch.tensor([1, 2, 3, 4, 5]))  # a long prompt: eager
-    assert not calls
-    engine.step(BatchLayout.build([Segment(0, 0, 3)]), torch.tensor([1, 2, 3]))  # a short one: natively
+    engine.step(BatchLayout.build([Segment(1, 0, 40)]), torch.arange(1, 41))  # a long prompt
+    engine.step(BatchLayout.build([Segment(0, 0, 3)]), torch.tensor([1, 2, 3]))  # a short one
     out = engine.step(BatchLayout.build([Segment(0, 3, 1)]), torch.tensor([4]))
-    assert len(calls) == 2 and out is not None and out.shape == (1, small.cfg.vocab_size)
+    assert len(calls) == 3 and out is not None and out.shape == (1, small.cfg.vocab_size)
+
+
+@pytest.mark.parametrize(("stage", "hidden"), [("whole", 128), ("first", 128), ("whole", 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_steps_in_chunks_of_rows_equal_one_chunk_and_eager(tmp_path: pytest.TempPathFactory,
+                                                               monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                               stage: str, hidden: int) -> None:  # fmt: skip
+    """A step of more than `ROW_CHUNK` rows goes through the layers a chunk of rows at a time, each chunk's prompt rows
+    attending over keys the chunks before wrote: the same logits (or a first stage's activations) and cache to the bit
+    as one chunk, and eager's within the order of sums. Chunks of 7 rows cut a 40-token prompt, a 9-token one, and
+    decode rows beside them. The prompts' rows attend over 1 to 40 positions, so their attention tasks differ in length
+    as a long prompt's do, and the threads take them longest first: by key-value head (head dim 32, a multiple of the
+    vector) or by query head (12)."""
+    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=2, seed=9, hidden_size=hidden, intermediate_size=96)
+    spec = ShardSpec(0, 2, 2) if stage == "whole" else ShardSpec(0, 1, 2)
+    model = build_shard(d, spec, dtype=dtype, progress=False, max_len=64)
+    slots = [1, 3]
+    caches = {way: prefilled(model, slots, dtype) for way in ("eager", "one", "chunks")}
+    runners = {way: cpu_decode(model, caches[way], torch.device("cpu")) for way in ("one", "chunks")}
+    segments = [Segment(0, 0, 40), Segment(slots[0], len(PROMPTS[0]), 1), Segment(2, 0, 9),
+                Segment(slots[1], len(PROMPTS[1]), 1)]  # fmt: skip
+    batch = BatchLayout.build(segments)
+    ids = torch.randint(1, 96, (batch.num_tokens,), generator=torch.Generator().manual_seed(4))
+    out = {}
+    with torch.inference_mode():
+        out["eager"] = model(ids, batch, caches["eager"]).float()
+        for way, chunk in (("one", 64), ("chunks", 7)):
+            monkeypatch.setattr(cpu_decode_module, "ROW_CHUNK", chunk)
+            runner = runners[way]
+            assert runner is not None and runner.accepts(batch, all_logits=False)
+            out[way] = runner.run(batch, ids).float()
+    rows = len(segments) if stage == "whole" else batch.num_tokens
+    assert out["one"].shape == out["eager"].shape and out["one"].shape[0] == rows
+    assert torch.equal(out["chunks"], out["one"]) and torch.equal(caches["chunks"].data, caches["one"].data)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert (out["one"] - out["eager"]).abs().max() / out["eager"].abs().max() < tol
+    native_kv, eager_kv = caches["one"].data.float(), caches["eager"].data.float()
+    cache_tol = 1e-5 if dtype == torch.float32 else 1e-2  # relative: bfloat16 keys near 4 are 1/64 apart
+    assert (native_kv - eager_kv).abs().max() / eager_kv.abs().max() < cache_tol
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 17, 40), (3, 64, 576), (2, 9, 5), (8, 33, 1536)])

@@ -459,7 +459,7 @@ def test_streamed_layers_decode_natively_as_eager_does(
     that the native one's layers take their buffers in turn as serving does); copied layers come into both buffers,
     and their arguments follow them."""
     from shardmesh.core.dtypes import Quantization
-    from shardmesh.engine.cpu_decode import cpu_decode
+    from shardmesh.engine.cpu_decode import STREAMED_ROWS, cpu_decode
     from tests.unit.engine.test_model import PROMPTS, prefilled
 
     monkeypatch.setenv("SHARDMESH_CACHE", str(tmp_path))  # where an int8 shard writes its int8 copy
@@ -482,6 +482,9 @@ def test_streamed_layers_decode_natively_as_eager_does(
     eager_cache, native_cache = prefilled(eager_model, slots, torch.float32), prefilled(model, slots, torch.float32)
     runner = cpu_decode(model, native_cache, torch.device("cpu"))
     assert runner is not None
+    # a step of more rows than the streamed products' loop is faster for goes to the eager model's
+    assert runner.accepts(BatchLayout.build([Segment(0, 0, STREAMED_ROWS)]), all_logits=False)
+    assert not runner.accepts(BatchLayout.build([Segment(0, 0, STREAMED_ROWS + 1)]), all_logits=False)
     streamer = streamer_of(model)
     assert {k.name for layer in streamer.layers.values() for k in layer.kernels.values()} == {kernel}
     came_in: dict[int, set[int]] = {}

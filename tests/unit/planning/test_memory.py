@@ -11,6 +11,7 @@ import torch
 
 from shardmesh.core.heads import valid_tp_degrees
 from shardmesh.core.layout import ShardSpec, split_layers
+from shardmesh.core.step import CPU_ROW_CHUNK
 from shardmesh.core.topology import ServingLimits
 from shardmesh.engine.kv_cache import ActivationLog
 from shardmesh.engine.loader import build_shard
@@ -118,6 +119,12 @@ def test_memory_terms_follow_the_formulas() -> None:
     # cpu: reading holds one bf16 slice twice (mapped pages + copy); the re-layout adds one matrix at a time.
     assert cpu.load == max(2 * largest * 2, largest * 2)
     assert cpu.total == cpu.runtime + cpu.weights + cpu.buffers + max(cpu.load, cpu.kv_cache + cpu.activations)
+    # cpu: the compiled halves' float32 scratch, a chunk of rows at a time, where it is the larger (here: 512 rows)
+    compiled = t * 2 * h * 2 + min(t, CPU_ROW_CHUNK) * 4 * (2 * h + max(3 * f, 2 * q + 2 * k))
+    assert cpu.activations == max(mid.activations, compiled) > mid.activations
+    long = shard_memory(model, (4, 8), 2, 0, "bfloat16", ServingLimits(4, 8192, 8192))
+    eager = 8192 * (2 * (2 * h + max(3 * f, 4 * q + 3 * k)) + 8 * h + 8 * hd) + 8192 * 8192
+    assert long.activations == eager  # a long step: chunks of CPU_ROW_CHUNK rows stay below eager's estimate
     assert cpu.runtime == RuntimeCosts().process and shard_memory(model, (0, 4), 2, 0, "bfloat16", lim).runtime == (
         RuntimeCosts().process + RuntimeCosts().first_stage
     )
