@@ -1,6 +1,7 @@
 """This checkout against an earlier commit, in one run: did a change make serving slower?
 
     .venv/bin/python bench/against.py REV [--layouts 1x1,2x1] [--streams 1,16] [--dtype float32] [--rounds 3]
+                                          [--prompt-tokens N]
 
 REV is checked out into a temporary git worktree (removed afterwards). For each layout, the two
 checkouts' meshes (`shardmesh up`, same model, flags and threads) are started in turn, A B A B ...,
@@ -8,6 +9,8 @@ checkouts' meshes (`shardmesh up`, same model, flags and threads) are started in
 streams: one burst). Alternating keeps slow drifts of the machine (another tenant, thermal state) from
 landing on one side only. The table gives each side's median over its rounds and the ratio this / REV,
 per figure: decode ms per token (below 1 is faster) and aggregate tokens/s (above 1 is faster).
+`--prompt-tokens N` sends a longer prompt instead: bench/run.py's request repeated until its chat encoding holds N
+tokens or more (for changes to prompts: their time to first token).
 
 Writes bench/results/<host>-<date>-against-<rev>.{md,json} and prints the markdown.
 """
@@ -20,20 +23,33 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.conditions import PROMPT, machine, save_results  # noqa: E402  (the repository root is on the path only now)
-from bench.run import Mesh, run_streams  # noqa: E402
+from bench.run import MAX_CONTEXT, Mesh, run_streams  # noqa: E402
 from shardmesh.rpc.procs import cores  # noqa: E402
 from shardmesh_cli.up import share_cores  # noqa: E402
+
+if TYPE_CHECKING:
+    from shardmesh.models.tokenizer import Tokenizer
 
 FIGURES = (
     ("ms_per_token", "decode ms/token", "lower"),
     ("aggregate_tok_s", "aggregate tok/s", "higher"),
     ("ttft_ms", "time to first token, ms", "lower"),
 )
+
+
+def long_prompt(tokenizer: Tokenizer, tokens: int) -> list[int]:
+    """bench/run.py's chat request, its text repeated until the encoding holds `tokens` tokens or more (once for 0)."""
+    for repeats in range(1, tokens + 2):
+        ids = tokenizer.encode_chat([{"role": "user", "content": " ".join([PROMPT] * repeats)}])
+        if len(ids) >= tokens:
+            return ids
+    raise AssertionError("unreachable: every repeat adds a token")
 
 
 def worktree(rev: str, into: Path) -> str:
@@ -65,14 +81,19 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--rounds", type=int, default=3, help="meshes started per checkout and layout, alternating")
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of at least this many tokens (default: "
+                    "bench/run.py's, ~46)")  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
+    if a.prompt_tokens < 0 or a.prompt_tokens + a.new_tokens > MAX_CONTEXT:
+        ap.error(f"--prompt-tokens: 0 to {MAX_CONTEXT} less --new-tokens ({a.new_tokens}), got {a.prompt_tokens}")
 
     from shardmesh.models.registry import resolve
     from shardmesh.models.tokenizer import Tokenizer
 
     model_dir = resolve(a.model)
-    prompt_ids = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])
+    prompt_ids = long_prompt(Tokenizer.from_dir(model_dir), a.prompt_tokens)
+    a.prompt_len = len(prompt_ids)
     streams = [int(s) for s in a.streams.split(",")]
     layouts = [tuple(int(x) for x in layout.split("x")) for layout in a.layouts.split(",")]
     info = machine()
@@ -106,7 +127,8 @@ def report(info: dict, commit: str, rows: list[dict], a: argparse.Namespace) -> 
         f"## This checkout against {commit[:7]} — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
         f"{info['date']}",
         "",
-        f"Model `{a.model}` {a.dtype}, greedy, {a.new_tokens} new tokens; each side's median over {a.rounds} meshes "
+        f"Model `{a.model}` {a.dtype}, greedy, a prompt of {a.prompt_len} tokens, {a.new_tokens} new tokens; "
+        f"each side's median over {a.rounds} meshes "
         "started in turn (A B A B ...). Ratio = this ÷ REV: below 1 is faster for ms/token and time to first token "
         "(TTFT), above 1 for tok/s.",
         "",
@@ -120,7 +142,7 @@ def report(info: dict, commit: str, rows: list[dict], a: argparse.Namespace) -> 
     md = "\n".join(lines) + "\n"
     # The dtype in the name: runs of both dtypes against one commit on one day would overwrite each other.
     save_results(Path(a.out), info, f"-against-{commit[:7]}-{a.dtype}", md,
-                 {"against": commit, "dtype": a.dtype, "rows": rows})  # fmt: skip
+                 {"against": commit, "dtype": a.dtype, "prompt_tokens": a.prompt_len, "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -126,6 +126,9 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
+MAX_CONTEXT = 1024  # each mesh's --max-context: prompt and new tokens of a request
+
+
 class Mesh:
     """`shardmesh up` of this checkout, or of another one (`tree`: a checkout of an earlier commit, for
     bench/against.py), started as its own process tree and stopped by `close`."""
@@ -137,7 +140,7 @@ class Mesh:
         # Earlier checkouts ran the command as `shardmesh.cli`; it lives in `shardmesh_cli` since the layering.
         command = "shardmesh_cli" if (tree / "shardmesh_cli").is_dir() else "shardmesh.cli"
         args = [sys.executable, "-m", command, "up", "--model", str(model_dir), "--pp", str(pp),
-                "--tp", str(tp), "--pipeline", pipeline, "--kv-slots", str(slots), "--max-context", "1024",
+                "--tp", str(tp), "--pipeline", pipeline, "--kv-slots", str(slots), "--max-context", str(MAX_CONTEXT),
                 "--rebalance", rebalance, "--worker-threads", str(threads), "--log-dir", str(log_dir),
                 *extra]  # fmt: skip
         # that checkout's packages first (`pythonpath`); `env`: the services' own settings

@@ -17,7 +17,7 @@ def test_report_names_the_dtype_and_gives_every_figure(tmp_path: Path) -> None:
              "aggregate_tok_s": {"this": 400.0, "rev": 360.0, "ratio": 400 / 360},
              "ttft_ms": {"this": 54.0, "rev": 77.0, "ratio": 54 / 77}}]  # fmt: skip
     for dtype in ("float32", "bfloat16"):
-        args = argparse.Namespace(model="m", dtype=dtype, new_tokens=64, rounds=3, out=str(tmp_path))
+        args = argparse.Namespace(model="m", dtype=dtype, new_tokens=64, rounds=3, out=str(tmp_path), prompt_len=46)
         against.report(info, "f40302c" + "0" * 33, rows, args)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "vm-2026-11-29-against-f40302c-bfloat16.json", "vm-2026-11-29-against-f40302c-bfloat16.md",
@@ -25,6 +25,21 @@ def test_report_names_the_dtype_and_gives_every_figure(tmp_path: Path) -> None:
     ]  # fmt: skip
     md = (tmp_path / "vm-2026-11-29-against-f40302c-bfloat16.md").read_text()
     assert "| 1 | 1 | 16 | 30.0 | 32.0 | 0.938 | 400.0 | 360.0 | 1.111 | 54.0 | 77.0 | 0.701 |" in md
-    assert "Model `m` bfloat16" in md
+    assert "Model `m` bfloat16, greedy, a prompt of 46 tokens" in md
     data = json.loads((tmp_path / "vm-2026-11-29-against-f40302c-bfloat16.json").read_text())
-    assert data["dtype"] == "bfloat16" and data["rows"] == rows
+    assert data["dtype"] == "bfloat16" and data["rows"] == rows and data["prompt_tokens"] == 46
+
+
+class _Words:
+    """A tokenizer whose chat encoding is 5 tokens of template and one per word of each message."""
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return [0] * 5 + [1] * sum(len(m["content"].split()) for m in messages)
+
+
+def test_a_long_prompt_repeats_the_request_until_it_holds_the_tokens_asked_for() -> None:
+    once = len(against.PROMPT.split()) + 5  # bench/run.py's request as it is
+    assert len(against.long_prompt(_Words(), 0)) == once  # type: ignore[arg-type]
+    assert len(against.long_prompt(_Words(), once)) == once  # type: ignore[arg-type]
+    ids = against.long_prompt(_Words(), 300)  # type: ignore[arg-type]
+    assert 300 <= len(ids) < 300 + len(against.PROMPT.split())  # the fewest repeats that reach it
