@@ -24,8 +24,9 @@ bfloat16; its subclass `BlockedInt8Kernel`: int8 weights of a float32 shard; ker
 step of decode rows and prompts of any length (the layer halves write every row's key and value before any row
 attends, so each row sees its segment's earlier ones; more than `ROW_CHUNK` rows go through in chunks of rows), logits
 of each sequence's last token. Prompts went to eager's fused attention (SDPA) above 128 tokens until the prompt rows'
-attention tasks were balanced between the threads; since, this runner takes 0.67-0.73x eager's time at 1024 tokens
-and 0.66-0.68x at 2048 (docs/performance.md, "Long prompts through the compiled halves"). A float32 shard under a
+attention tasks were balanced between the threads; then this runner took 0.67-0.73x eager's time at 1024 tokens
+and 0.66-0.68x at 2048, and a prompt's rows attending by runs took 0.86-0.96x of that again (docs/performance.md,
+"Long prompts through the compiled halves"). A float32 shard under a
 memory budget qualifies too, for steps of at most `STREAMED_ROWS` rows: its streamed layers' products are the
 row-major blocks the offload streamer maps from the checkpoint (an int8 shard's: int8 blocks and their groups' scales
 from its int8 copy), which the halves multiply as they lie (`rows`), the streamer bringing each layer in around its

@@ -1676,6 +1676,79 @@ static void attend_group(const float* q, int64_t group, const T* keys, const T* 
 }
 #endif
 
+#if defined(__AVX512F__) || defined(SHARDMESH_AVX2)
+// attend_tiled for R rows of one slot at once (a prompt's rows: row r's queries at q + r * qs, attending over its
+// first n[r] positions, n ascending): each block of L positions is read (and, from a bfloat16 cache, widened) once
+// for all of them. A row's own work is attend_tiled's, step for step: its full blocks through the tile, its last
+// positions one at a time, its values' weighted sums added in the same order (kept in acc between blocks, where
+// attend_tiled keeps them in registers), so each row's numbers are the same as on its own.
+template <int C, typename T>
+static void attend_rows(const float* q, int64_t qs, int64_t R, const int64_t* n, int64_t group, const T* keys,
+                        const T* vals, float scale, float* score, float* acc, bool bf16, float* out, int64_t os) {
+  constexpr int64_t hd = L * C;
+  alignas(64) float tile[L * hd];
+  std::vector<float*> sc(R);  // row r's scores (group x n[r])
+  for (int64_t r = 0, at = 0; r < R; at += group * n[r], ++r) sc[r] = score + at;
+  const int64_t blocks = n[R - 1] / L * L;
+  for (int64_t j = 0; j < blocks; j += L) {
+    const float* kb = block_at<C>(keys, j, tile);
+    for (int64_t r = 0; r < R; ++r) {
+      if (j >= n[r] / L * L) continue;  // past row r's full blocks
+      const float* qr = q + r * qs;
+      for (int64_t h = 0; h < group; ++h) {
+        const float* qh = qr + h * hd;
+        Lanes d[L];
+        const Lanes q0 = vload(qh);
+        for (int k = 0; k < L; ++k) d[k] = vmul(q0, vload(kb + k * hd));
+        for (int i = 1; i < C; ++i) {
+          const Lanes qi = vload(qh + L * i);
+          for (int k = 0; k < L; ++k) d[k] = vfma(qi, vload(kb + k * hd + L * i), d[k]);
+        }
+        vput(sc[r] + h * n[r] + j, vmul(vsums(d), vset(scale)));
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t j = n[r] / L * L; j < n[r]; ++j) {  // the row's last few, one at a time
+      Lanes kv[C];
+      for (int i = 0; i < C; ++i) kv[i] = vload(keys + j * hd + L * i);
+      scores_at(q + r * qs, group, kv, C, j, n[r], scale, sc[r]);
+    }
+    softmax_rows(sc[r], group, n[r]);
+  }
+  std::fill(acc, acc + R * group * hd, 0.f);
+  for (int64_t j = 0; j < blocks; j += L) {
+    const float* vb = block_at<C>(vals, j, tile);
+    for (int64_t r = 0; r < R; ++r) {
+      if (j >= n[r] / L * L) continue;
+      for (int64_t h = 0; h < group; ++h) {
+        float* ah = acc + (r * group + h) * hd;
+        Lanes a[C];
+        for (int i = 0; i < C; ++i) a[i] = vload(ah + L * i);
+        for (int k = 0; k < L; ++k) {
+          const Lanes p = vset(sc[r][h * n[r] + j + k]);
+          for (int i = 0; i < C; ++i) a[i] = vfma(p, vload(vb + k * hd + L * i), a[i]);
+        }
+        for (int i = 0; i < C; ++i) vput(ah + L * i, a[i]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* ar = acc + r * group * hd;
+    for (int64_t j = n[r] / L * L; j < n[r]; ++j) {
+      Lanes kv[C];
+      for (int i = 0; i < C; ++i) kv[i] = vload(vals + j * hd + L * i);
+      for (int64_t h = 0; h < group; ++h) {
+        const Lanes p = vset(sc[r][h * n[r] + j]);
+        for (int i = 0; i < C; ++i) vput(ar + h * hd + L * i, vfma(p, kv[i], vload(ar + h * hd + L * i)));
+      }
+    }
+    std::memcpy(out + r * os, ar, sizeof(float) * group * hd);
+    round_all(bf16, out + r * os, group * hd);
+  }
+}
+#endif
+
 // Where position `pos` of key-value head g of `slot` starts in a layer's cache (slots, nkv heads, max_len
 // positions, head dim), counted in cached positions: `KVCache`'s layout.
 static inline int64_t cache_row(int64_t slot, int64_t g, int64_t nkv, int64_t max_len, int64_t pos) {
@@ -1712,27 +1785,26 @@ static bool one_row_per_slot(const int64_t* slots, int64_t M) {
   return std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
 }
 
-// f(t, state) for the `per_row` attention tasks of each of M rows (t = row × per_row + i), each thread with a State
-// of its own. A prompt's row attends over every position up to its own, so its tasks' work grows with the row: the
-// task range split in halves gave one thread three times the other's work on a long prompt (and prompts went to
-// eager's fused attention above 128 tokens). Here each thread's range of tasks holds an even share of the positions
-// they attend over (plus a few per task for its own work), and a thread done with its range takes the others' next
-// tasks, as `over_blocks` does, so that none waits at the end. The ranges stay contiguous: taking the tasks longest
-// first from one counter balanced them as well, but sent neighbouring rows, which read the same keys, to different
-// threads (16 prompts of 46 tokens took 1.02-1.03x the time of halves). Each task is computed whole by one thread, so
-// the numbers are the same whoever takes it.
-template <typename State, typename F>
-static void balanced_tasks(int64_t M, int64_t per_row, const int64_t* pos, F&& f) {
-  constexpr int64_t TASK_COST = 16;  // a task's own work (its queries, softmax, output) in positions' worth
-  const int64_t tasks = M * per_row;
+constexpr int64_t TASK_COST = 16;  // a task's own work (its queries, softmax, output) in positions' worth
+// f(t, state) for attention tasks 0 .. tasks - 1, each thread with a State of its own; cost(t) is a task's work, in
+// positions attended over plus TASK_COST. A prompt's row attends over every position up to its own, so its tasks' work
+// grows with the row: the task range split in halves gave one thread three times the other's work on a long prompt
+// (and prompts went to eager's fused attention above 128 tokens). Here each thread's contiguous range of tasks holds
+// an even share of the work, and a thread done with its range takes the others' next tasks, as `over_blocks` does, so
+// that none waits at the end. The ranges stay contiguous: taking the tasks longest first from one counter balanced
+// them as well, but sent neighbouring rows, which read the same keys, to different threads (16 prompts of 46 tokens
+// took 1.02-1.03x the time of halves). Each task is computed whole by one thread, so the numbers are the same whoever
+// takes it.
+template <typename State, typename Cost, typename F>
+static void balanced_tasks(int64_t tasks, Cost&& cost, F&& f) {
   const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
   int64_t total = 0;
-  for (int64_t m = 0; m < M; ++m) total += per_row * (pos[m] + 1 + TASK_COST);
+  for (int64_t task = 0; task < tasks; ++task) total += cost(task);
   std::vector<BlockRange> ranges(T);
   int64_t t = 0, done = 0;
   for (int64_t task = 0; task < tasks && t < T; ++task) {  // range t starts where t / T of the work is done
     while (t < T && done * T >= total * t) ranges[t++].next.store(task, std::memory_order_relaxed);
-    done += pos[task / per_row] + 1 + TASK_COST;
+    done += cost(task);
   }
   for (; t < T; ++t) ranges[t].next.store(tasks, std::memory_order_relaxed);
   for (int64_t r = 0; r < T; ++r)
@@ -1746,6 +1818,54 @@ static void balanced_tasks(int64_t M, int64_t per_row, const int64_t* pos, F&& f
       }
   });
 }
+
+#if defined(__AVX512F__) || defined(SHARDMESH_AVX2)
+constexpr int64_t RUN_ROWS = 8;  // a prompt's consecutive rows that attend together (`attend_rows`)
+
+// A step's rows (their keys and values already in the cache) attending by runs: up to RUN_ROWS consecutive rows of one
+// slot at consecutive positions (a prompt's) against each key-value head in one task (`attend_rows`), each block of
+// keys and values read once for the run instead of once a row. Head dims of 2, 4 or 8 vectors.
+template <typename T>
+static void attend_runs(const float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, const T* kc, const T* vc,
+                        int64_t max_len, const int64_t* slots, const int64_t* pos, float scale, bool bf16,
+                        float* out) {
+  const int64_t width = (nh + 2 * nkv) * hd, group = nh / nkv;
+  std::vector<int64_t> first;  // each run's first row, then M
+  for (int64_t m = 0; m < M; ++m)
+    if (first.empty() || m - first.back() == RUN_ROWS || slots[m] != slots[m - 1] || pos[m] != pos[m - 1] + 1)
+      first.push_back(m);
+  const int64_t runs = static_cast<int64_t>(first.size());
+  first.push_back(M);
+  std::vector<int64_t> n(M);
+  for (int64_t m = 0; m < M; ++m) n[m] = pos[m] + 1;
+  const auto cost = [&](int64_t t) {
+    int64_t work = 0;
+    for (int64_t m = first[t / nkv]; m < first[t / nkv + 1]; ++m) work += n[m] + TASK_COST;
+    return work;
+  };
+  struct RunScratch {
+    std::vector<float> score, acc;
+  };
+  balanced_tasks<RunScratch>(runs * nkv, cost, [&](int64_t t, RunScratch& scratch) {
+    const int64_t run = t / nkv, g = t % nkv, m0 = first[run], R = first[run + 1] - m0;
+    int64_t scores = 0;
+    for (int64_t m = m0; m < m0 + R; ++m) scores += group * n[m];
+    scratch.score.resize(scores);
+    scratch.acc.resize(R * group * hd);
+    const int64_t at = cache_row(slots[m0], g, nkv, max_len, 0) * hd;
+    const float* q = qkv + m0 * width + g * group * hd;
+    float* o = out + (m0 * nh + g * group) * hd;
+    auto rows = [&](auto c) {
+      attend_rows<decltype(c)::value>(q, width, R, n.data() + m0, group, kc + at, vc + at, scale,
+                                      scratch.score.data(), scratch.acc.data(), bf16, o, nh * hd);
+    };
+    const int64_t c = hd / L;
+    if (c == 2) rows(std::integral_constant<int, 2>{});
+    else if (c == 4) rows(std::integral_constant<int, 4>{});
+    else rows(std::integral_constant<int, 8>{});
+  });
+}
+#endif
 
 // RoPE on the new queries and keys, the keys and values into the cache, each row's heads against its slot.
 template <typename T>
@@ -1799,14 +1919,21 @@ static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T
       });
       return;
     }
-    balanced_tasks<std::vector<float>>(M, nkv, pos, task);
+    const int64_t c = hd / L;
+    if (c == 2 || c == 4 || c == 8) {
+      attend_runs(qkv, M, nh, nkv, hd, kc, vc, max_len, slots, pos, scale, bf16, out);
+      return;
+    }
+    balanced_tasks<std::vector<float>>(
+        M * nkv, [&](int64_t t) { return pos[t / nkv] + 1 + TASK_COST; }, task);
     return;
   }
 #endif
   struct HeadScratch {
     std::vector<float> score, acc;
   };
-  balanced_tasks<HeadScratch>(M, nh, pos, [&](int64_t t, HeadScratch& sums) {  // a task per row and query head
+  const auto head_cost = [&](int64_t t) { return pos[t / nh] + 1 + TASK_COST; };
+  balanced_tasks<HeadScratch>(M * nh, head_cost, [&](int64_t t, HeadScratch& sums) {  // a task per row, query head
     const int64_t m = t / nh, h = t % nh, g = h / group, n = pos[m] + 1;
     const float* q = qkv + m * width + h * hd;
     const int64_t at = cache_row(slots[m], g, nkv, max_len, 0) * hd;

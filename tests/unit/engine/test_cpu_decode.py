@@ -551,6 +551,34 @@ def test_long_steps_in_chunks_of_rows_equal_one_chunk_and_eager(tmp_path: pytest
     assert (native_kv - eager_kv).abs().max() / eager_kv.abs().max() < cache_tol
 
 
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_in_one_step_equals_it_token_by_token(tmp_path: pytest.TempPathFactory, dtype: torch.dtype,
+                                                       head_dim: int) -> None:  # fmt: skip
+    """A prompt's rows attend by runs of consecutive rows (`attend_rows`: each block of keys read once for the run),
+    a decode row on its own (`attend_tiled`); row for row they do the same work, and the products, norms and RoPE
+    are each row's own. So a 37-token prompt in one step (runs of 8, 8, 8, 8 and 5 rows, rows whose positions end
+    inside a block of the vector's width and on its edge) leaves the same cache, and its last token the same logits,
+    to the bit, as the same tokens one step each. Beside it, in the same steps, another slot's prompt of 3 tokens."""
+    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=2, seed=12, hidden_size=4 * head_dim,
+                        intermediate_size=96)  # fmt: skip
+    model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
+    ids = torch.randint(1, 96, (40,), generator=torch.Generator().manual_seed(7))
+    whole, stepped = model.make_cache(2, dtype, "cpu"), model.make_cache(2, dtype, "cpu")
+    at_once_runner, stepped_runner = (cpu_decode(model, c, torch.device("cpu")) for c in (whole, stepped))
+    assert at_once_runner is not None and stepped_runner is not None
+    with torch.inference_mode():
+        at_once = at_once_runner.run(BatchLayout.build([Segment(0, 0, 37), Segment(1, 0, 3)]), ids)
+        for p in range(37):
+            segments = [Segment(0, p, 1)] + ([Segment(1, p, 1)] if p < 3 else [])
+            tokens = torch.stack([ids[p], ids[37 + p]]) if p < 3 else ids[p : p + 1]
+            one = stepped_runner.run(BatchLayout.build(segments), tokens)
+            if p == 2:
+                assert torch.equal(one[1], at_once[1])
+    assert torch.equal(one[0], at_once[0])
+    assert torch.equal(whole.data, stepped.data)
+
+
 @pytest.mark.parametrize("rows,n,k", [(1, 17, 40), (3, 64, 576), (2, 9, 5), (8, 33, 1536)])
 def test_rows_linear_multiplies_row_major_weights_and_column_slices(rows: int, n: int, k: int) -> None:
     """The streamed products' kernel: weights as the checkpoint lays them out (rows of a few, K not a multiple of 16 or
