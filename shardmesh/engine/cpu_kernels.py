@@ -1467,6 +1467,25 @@ static torch::Tensor finish(const torch::Tensor& x, const float* y, bool residua
   return out;
 }
 
+// Positions per attention segment. A row attending over more than this takes its softmax a segment at a time, each
+// segment's weighted values normalized by its own sum, and folds the segments in order (`merge_segment`). Why: a decode
+// step of one sequence has one task per key-value head (SmolLM2: 3), and two threads split 3 tasks 2:1 (16 threads
+// 3:0), while at 4096 positions attention is a third of a SmolLM2 step. Where the threads would not share a step's
+// tasks evenly, each segment is a task of its own (`attend_runs`). Prompts take the same segments and the same merges,
+// so a prompt's rows and the same tokens decoded one by one give the same numbers. On the Xeon of family 6 model 207
+// (2 threads, in process, alternated step by step with no segments): one sequence's step at 2048 positions 0.96x the
+// time in bfloat16 and 0.95x in float32, at 4096 0.93x both; a 2048-token prompt and 16 sequences' steps within noise.
+// Segments of 256 and 512 measured the same within noise at 2048 and 4096 positions, and cost up to 2% just past
+// 512. A multiple of 16 (of L); `set_attend_segment` (for tests) changes it.
+constexpr int64_t ATTEND_SEGMENT = 1024;
+static std::atomic<int64_t> attend_segment{ATTEND_SEGMENT};
+
+// Sets the positions per attention segment and returns the last.
+int64_t set_attend_segment(int64_t positions) {
+  TORCH_CHECK(positions > 0 && positions % 16 == 0, "attention segments: a positive multiple of 16, not ", positions);
+  return attend_segment.exchange(positions);
+}
+
 #if defined(__AVX512F__) || defined(SHARDMESH_AVX2)
 // The attention over the lane layer (`Lanes`: 16 floats on AVX-512, 8 on AVX2), with what differs by ISA first: one
 // multiply-add, a vector's sum, L vectors' sums at once, and a softmax over masked tails.
@@ -1496,8 +1515,9 @@ static inline __m512 vsums(const __m512* v) {
 }
 
 // Each of `group` rows of n scores (score, one after another) becomes its probabilities: exp16 of each less the row's
-// largest, over their sum.
-static inline void softmax_rows(float* score, int64_t group, int64_t n) {
+// largest, over their sum. With `stats`, row h's largest and sum go to stats[2h] and stats[2h + 1] (a segment's, for
+// `merge_segment`).
+static inline void softmax_rows(float* score, int64_t group, int64_t n, float* stats = nullptr) {
   for (int64_t h = 0; h < group; ++h) {
     float* sh = score + h * n;
     __m512 best = _mm512_set1_ps(-INFINITY);
@@ -1513,7 +1533,12 @@ static inline void softmax_rows(float* score, int64_t group, int64_t n) {
       _mm512_mask_storeu_ps(sh + j, k, e);
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
     }
-    const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+    const float all = _mm512_reduce_add_ps(sum);
+    if (stats != nullptr) {
+      stats[2 * h] = top;
+      stats[2 * h + 1] = all;
+    }
+    const __m512 total = _mm512_set1_ps(all);
     for (j = 0; j < n; j += 16) {
       const __mmask16 k = lanes(n - j);
       _mm512_mask_storeu_ps(sh + j, k, _mm512_div_ps(_mm512_maskz_loadu_ps(k, sh + j), total));
@@ -1533,7 +1558,7 @@ static inline __m256 vsums(const __m256* v) {
 }
 
 // softmax_rows 8 lanes wide, exp8 for exp16.
-static inline void softmax_rows(float* score, int64_t group, int64_t n) {
+static inline void softmax_rows(float* score, int64_t group, int64_t n, float* stats = nullptr) {
   for (int64_t h = 0; h < group; ++h) {
     float* sh = score + h * n;
     __m256 best = _mm256_set1_ps(-INFINITY);
@@ -1549,7 +1574,12 @@ static inline void softmax_rows(float* score, int64_t group, int64_t n) {
       _mm256_maskstore_ps(sh + j, k, e);
       sum = _mm256_add_ps(sum, e);
     }
-    const __m256 total = _mm256_set1_ps(hsum8(sum));
+    const float all = hsum8(sum);
+    if (stats != nullptr) {
+      stats[2 * h] = top;
+      stats[2 * h + 1] = all;
+    }
+    const __m256 total = _mm256_set1_ps(all);
     for (j = 0; j < n; j += 8) {
       const __m256i k = lanes8(n - j);
       _mm256_maskstore_ps(sh + j, k, _mm256_div_ps(_mm256_maskload_ps(sh + j, k), total));
@@ -1606,12 +1636,13 @@ static inline void block_scores(const float* qh, const float* kb, float scale, f
 }
 
 // attend_group for head dims of L * C, L cached positions at a time: each head's L scores summed in registers and
-// reduced together (`vsums`), its values' weighted sum kept in registers. A 16-row bfloat16 SmolLM2 step at ~600
+// reduced together (`vsums`), its values' weighted sum kept in registers. With `stats`, each head's largest score and
+// sum of exponentials as well (a segment's, for `merge_segment`). A 16-row bfloat16 SmolLM2 step at ~600
 // positions took 0.94x the time of one key at a time on AVX-512 (35.3 against 37.4 ms; the cache's reads bound it
 // there, ~20 GB/s), 0.84x in the AVX2 build on the same host (59.4-60.6 against 70.8-72.1 ms).
 template <int C, typename T>
 static void attend_tiled(const float* q, int64_t group, const T* keys, const T* vals, int64_t n, float scale,
-                         float* score, bool bf16, float* out) {
+                         float* score, bool bf16, float* out, float* stats = nullptr) {
   constexpr int64_t hd = L * C;
   alignas(64) float tile[L * hd];
   const int64_t blocks = n / L * L;
@@ -1624,7 +1655,7 @@ static void attend_tiled(const float* q, int64_t group, const T* keys, const T* 
     for (int i = 0; i < C; ++i) kv[i] = vload(keys + j * hd + L * i);
     scores_at(q, group, kv, C, j, n, scale, score);
   }
-  softmax_rows(score, group, n);
+  softmax_rows(score, group, n, stats);
   Lanes acc[MAX_GROUP][C];
   for (int64_t h = 0; h < group; ++h)
     for (int i = 0; i < C; ++i) acc[h][i] = vset(0.f);
@@ -1653,6 +1684,39 @@ static void attend_tiled(const float* q, int64_t group, const T* keys, const T* 
   round_all(bf16, out, group * hd);
 }
 
+// Folds one segment's weighted values (o: group x hd, each head's normalized by its segment's sum; part: each head's
+// largest score and sum of exponentials) into the running ones (out, stats), weighting each side by its share of the
+// whole sum. Out of line, so that every caller runs the same instructions: decode steps and prompts merge alike.
+__attribute__((noinline)) static void merge_segment(int64_t group, int64_t hd, const float* o, const float* part,
+                                                    float* out, float* stats) {
+  for (int64_t h = 0; h < group; ++h) {
+    const float top = std::max(stats[2 * h], part[2 * h]);
+    const float a = stats[2 * h + 1] * std::exp(stats[2 * h] - top), b = part[2 * h + 1] * std::exp(part[2 * h] - top);
+    const float wa = a / (a + b), wb = b / (a + b);
+    float* oh = out + h * hd;
+    const float* ph = o + h * hd;
+    for (int64_t i = 0; i < hd; ++i) oh[i] = wa * oh[i] + wb * ph[i];
+    stats[2 * h] = top;
+    stats[2 * h + 1] = a + b;
+  }
+}
+
+// attend_tiled over n positions a segment of S at a time, merged in order (one call where n <= S).
+template <int C, typename T>
+static void attend_segments(const float* q, int64_t group, const T* keys, const T* vals, int64_t n, int64_t S,
+                            float scale, float* score, bool bf16, float* out) {
+  if (n <= S) return attend_tiled<C>(q, group, keys, vals, n, scale, score, bf16, out);
+  constexpr int64_t hd = L * C;
+  float stats[2 * MAX_GROUP], part[2 * MAX_GROUP];
+  alignas(64) float seg[MAX_GROUP * hd];
+  attend_tiled<C>(q, group, keys, vals, S, scale, score, false, out, stats);
+  for (int64_t j = S; j < n; j += S) {
+    attend_tiled<C>(q, group, keys + j * hd, vals + j * hd, std::min(S, n - j), scale, score, false, seg, part);
+    merge_segment(group, hd, seg, part, out, stats);
+  }
+  round_all(bf16, out, group * hd);
+}
+
 // The `group` query heads (q, one after another) that share one key-value head against its n cached keys and
 // values, head dim a multiple of L: each key and value is loaded once for all of them (3x less cache traffic for
 // SmolLM2's groups of 3), the scores into score (group x n), softmax, the weighted values summed into out
@@ -1661,10 +1725,10 @@ static void attend_tiled(const float* q, int64_t group, const T* keys, const T* 
 template <typename T>
 static void attend_group(const float* q, int64_t group, const T* keys, const T* vals, int64_t n, int64_t hd,
                          float scale, float* score, bool bf16, float* out) {
-  const int64_t c = hd / L;
-  if (c == 2) return attend_tiled<2>(q, group, keys, vals, n, scale, score, bf16, out);
-  if (c == 4) return attend_tiled<4>(q, group, keys, vals, n, scale, score, bf16, out);
-  if (c == 8) return attend_tiled<8>(q, group, keys, vals, n, scale, score, bf16, out);
+  const int64_t c = hd / L, S = attend_segment.load(std::memory_order_relaxed);
+  if (c == 2) return attend_segments<2>(q, group, keys, vals, n, S, scale, score, bf16, out);
+  if (c == 4) return attend_segments<4>(q, group, keys, vals, n, S, scale, score, bf16, out);
+  if (c == 8) return attend_segments<8>(q, group, keys, vals, n, S, scale, score, bf16, out);
   Lanes kv[MAX_HD / L];
   const int64_t row = hd * static_cast<int64_t>(sizeof(T));  // bytes per cached position
   for (int64_t j = 0; j < n; ++j) {
@@ -1696,10 +1760,12 @@ static void attend_group(const float* q, int64_t group, const T* keys, const T* 
 // first n[r] positions, n ascending): each block of L positions is read (and, from a bfloat16 cache, widened) once
 // for all of them. A row's own work is attend_tiled's, step for step: its full blocks through the tile, its last
 // positions one at a time, its values' weighted sums added in the same order (kept in acc between blocks, where
-// attend_tiled keeps them in registers), so each row's numbers are the same as on its own.
+// attend_tiled keeps them in registers), so each row's numbers are the same as on its own. With `stats`, row r's
+// heads' largest scores and sums at stats + r * group * 2.
 template <int C, typename T>
 static void attend_rows(const float* q, int64_t qs, int64_t R, const int64_t* n, int64_t group, const T* keys,
-                        const T* vals, float scale, float* score, float* acc, bool bf16, float* out, int64_t os) {
+                        const T* vals, float scale, float* score, float* acc, bool bf16, float* out, int64_t os,
+                        float* stats = nullptr) {
   constexpr int64_t hd = L * C;
   alignas(64) float tile[L * hd];
   std::vector<float*> sc(R);  // row r's scores (group x n[r])
@@ -1719,7 +1785,7 @@ static void attend_rows(const float* q, int64_t qs, int64_t R, const int64_t* n,
       for (int i = 0; i < C; ++i) kv[i] = vload(keys + j * hd + L * i);
       scores_at(q + r * qs, group, kv, C, j, n[r], scale, sc[r]);
     }
-    softmax_rows(sc[r], group, n[r]);
+    softmax_rows(sc[r], group, n[r], stats == nullptr ? nullptr : stats + r * group * 2);
   }
   std::fill(acc, acc + R * group * hd, 0.f);
   for (int64_t j = 0; j < blocks; j += L) {
@@ -1826,15 +1892,24 @@ static void balanced_tasks(int64_t tasks, Cost&& cost, F&& f) {
 
 #if defined(__AVX512F__) || defined(SHARDMESH_AVX2)
 constexpr int64_t RUN_ROWS = 8;  // a prompt's consecutive rows that attend together (`attend_rows`)
+// Whether `tasks` of equal work, split among the threads as whole tasks, leave over an eighth of their time idle (3
+// on 2 threads: 2 and 1): then rows over several segments make a task per segment, to be shared evenly.
+static bool uneven(int64_t tasks) {
+  const int64_t T = at::get_num_threads();
+  return (tasks + T - 1) / T * T * 8 > tasks * 9;
+}
 
 // A step's rows (their keys and values already in the cache) attending by runs: up to RUN_ROWS consecutive rows of one
 // slot at consecutive positions (a prompt's) against each key-value head in one task (`attend_rows`), each block of
-// keys and values read once for the run instead of once a row. Head dims of 2, 4 or 8 vectors.
+// keys and values read once for the run instead of once a row. Rows over more than a segment of positions take
+// them in order within the task, or, where the threads would not share the tasks evenly, a task per segment. Head
+// dims of 2, 4 or 8 vectors.
 template <typename T>
 static void attend_runs(const float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, const T* kc, const T* vc,
                         int64_t max_len, const int64_t* slots, const int64_t* pos, float scale, bool bf16,
                         float* out) {
-  const int64_t width = (nh + 2 * nkv) * hd, group = nh / nkv;
+  const int64_t width = (nh + 2 * nkv) * hd, group = nh / nkv, gh = group * hd;
+  const int64_t S = attend_segment.load(std::memory_order_relaxed);
   std::vector<int64_t> first;  // each run's first row, then M
   for (int64_t m = 0; m < M; ++m)
     if (first.empty() || m - first.back() == RUN_ROWS || slots[m] != slots[m - 1] || pos[m] != pos[m - 1] + 1)
@@ -1843,31 +1918,91 @@ static void attend_runs(const float* qkv, int64_t M, int64_t nh, int64_t nkv, in
   first.push_back(M);
   std::vector<int64_t> n(M);
   for (int64_t m = 0; m < M; ++m) n[m] = pos[m] + 1;
-  const auto cost = [&](int64_t t) {
-    int64_t work = 0;
-    for (int64_t m = first[t / nkv]; m < first[t / nkv + 1]; ++m) work += n[m] + TASK_COST;
-    return work;
-  };
+  const auto segments = [&](int64_t m) { return (n[m] + S - 1) / S; };  // a run's last row has the most
   struct RunScratch {
-    std::vector<float> score, acc;
+    std::vector<float> score, acc, seg, part;
   };
-  balanced_tasks<RunScratch>(runs * nkv, cost, [&](int64_t t, RunScratch& scratch) {
-    const int64_t run = t / nkv, g = t % nkv, m0 = first[run], R = first[run + 1] - m0;
-    int64_t scores = 0;
-    for (int64_t m = m0; m < m0 + R; ++m) scores += group * n[m];
+  // Segment s of the run's rows that reach it against key-value head g, each row's weighted values (not rounded) at
+  // o + (row - run's first) * os, its heads' largest scores and sums at st + (row - run's first) * group * 2.
+  const auto segment = [&](int64_t run, int64_t g, int64_t s, float* o, int64_t os, float* st, RunScratch& scratch) {
+    const int64_t m0 = first[run], m1 = first[run + 1];
+    int64_t r0 = m0;
+    while (n[r0] <= s * S) ++r0;
+    const int64_t R = m1 - r0;
+    int64_t local[RUN_ROWS], scores = 0;
+    for (int64_t r = 0; r < R; ++r) scores += group * (local[r] = std::min(n[r0 + r], (s + 1) * S) - s * S);
     scratch.score.resize(scores);
-    scratch.acc.resize(R * group * hd);
-    const int64_t at = cache_row(slots[m0], g, nkv, max_len, 0) * hd;
-    const float* q = qkv + m0 * width + g * group * hd;
-    float* o = out + (m0 * nh + g * group) * hd;
+    scratch.acc.resize(R * gh);
+    const int64_t at = cache_row(slots[m0], g, nkv, max_len, s * S) * hd;
+    const float* q = qkv + r0 * width + g * gh;
     auto rows = [&](auto c) {
-      attend_rows<decltype(c)::value>(q, width, R, n.data() + m0, group, kc + at, vc + at, scale,
-                                      scratch.score.data(), scratch.acc.data(), bf16, o, nh * hd);
+      attend_rows<decltype(c)::value>(q, width, R, local, group, kc + at, vc + at, scale, scratch.score.data(),
+                                      scratch.acc.data(), false, o + (r0 - m0) * os, os, st + (r0 - m0) * group * 2);
     };
     const int64_t c = hd / L;
     if (c == 2) rows(std::integral_constant<int, 2>{});
     else if (c == 4) rows(std::integral_constant<int, 4>{});
     else rows(std::integral_constant<int, 8>{});
+  };
+  const auto row_out = [&](int64_t m, int64_t g) { return out + (m * nh + g * group) * hd; };
+  int64_t most = 1;
+  for (int64_t m = 0; m < M; ++m) most = std::max(most, segments(m));
+  if (most > 1 && uneven(runs * nkv)) {
+    // Runs over several segments that the threads would not share evenly (a decode step of one sequence at a long
+    // context): a task per segment, its rows' results in a slot of their own, merged in order afterwards.
+    std::vector<int64_t> task_at{0};  // (run, g)'s first task
+    for (int64_t t = 0; t < runs * nkv; ++t) task_at.push_back(task_at.back() + segments(first[t / nkv + 1] - 1));
+    const int64_t tasks = task_at.back();
+    std::vector<int64_t> owner(tasks);  // each task's (run, g)
+    for (int64_t t = 0; t < runs * nkv; ++t) std::fill(owner.begin() + task_at[t], owner.begin() + task_at[t + 1], t);
+    std::vector<float> slots_o(tasks * RUN_ROWS * gh), slots_st(tasks * RUN_ROWS * group * 2);
+    const auto cost = [&](int64_t t) {
+      const int64_t rg = owner[t], s = t - task_at[rg];
+      int64_t work = 0;
+      for (int64_t m = first[rg / nkv]; m < first[rg / nkv + 1]; ++m)
+        if (n[m] > s * S) work += std::min(n[m], (s + 1) * S) - s * S + TASK_COST;
+      return work;
+    };
+    balanced_tasks<RunScratch>(tasks, cost, [&](int64_t t, RunScratch& scratch) {
+      const int64_t rg = owner[t];
+      segment(rg / nkv, rg % nkv, t - task_at[rg], slots_o.data() + t * RUN_ROWS * gh, gh,
+              slots_st.data() + t * RUN_ROWS * group * 2, scratch);
+    });
+    for (int64_t rg = 0; rg < runs * nkv; ++rg) {
+      const int64_t m0 = first[rg / nkv], g = rg % nkv, t0 = task_at[rg];
+      for (int64_t m = m0; m < first[rg / nkv + 1]; ++m) {
+        const int64_t r = m - m0;
+        float* o = row_out(m, g);
+        float st[2 * MAX_GROUP];
+        std::memcpy(o, slots_o.data() + (t0 * RUN_ROWS + r) * gh, sizeof(float) * gh);
+        std::memcpy(st, slots_st.data() + (t0 * RUN_ROWS + r) * group * 2, sizeof(float) * group * 2);
+        for (int64_t s = 1; s < segments(m); ++s)
+          merge_segment(group, hd, slots_o.data() + ((t0 + s) * RUN_ROWS + r) * gh,
+                        slots_st.data() + ((t0 + s) * RUN_ROWS + r) * group * 2, o, st);
+        round_all(bf16, o, gh);
+      }
+    }
+    return;
+  }
+  const auto cost = [&](int64_t t) {
+    int64_t work = 0;
+    for (int64_t m = first[t / nkv]; m < first[t / nkv + 1]; ++m) work += n[m] + TASK_COST;
+    return work;
+  };
+  balanced_tasks<RunScratch>(runs * nkv, cost, [&](int64_t t, RunScratch& scratch) {
+    const int64_t run = t / nkv, g = t % nkv, m0 = first[run], m1 = first[run + 1];
+    float st[RUN_ROWS * 2 * MAX_GROUP];
+    segment(run, g, 0, row_out(m0, g), nh * hd, st, scratch);
+    for (int64_t s = 1; s < segments(m1 - 1); ++s) {  // each later segment into scratch, then merged in order
+      scratch.seg.resize((m1 - m0) * gh);
+      scratch.part.resize((m1 - m0) * group * 2);
+      segment(run, g, s, scratch.seg.data(), gh, scratch.part.data(), scratch);
+      for (int64_t m = m0; m < m1; ++m)
+        if (n[m] > s * S)
+          merge_segment(group, hd, scratch.seg.data() + (m - m0) * gh, scratch.part.data() + (m - m0) * group * 2,
+                        row_out(m, g), st + (m - m0) * group * 2);
+    }
+    for (int64_t m = m0; m < m1; ++m) round_all(bf16, row_out(m, g), gh);
   });
 }
 #endif
@@ -1889,10 +2024,18 @@ static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T
   const int64_t group = nh / nkv;
 #if defined(__AVX512F__) || defined(SHARDMESH_AVX2)
   const bool grouped = hd % L == 0 && hd <= MAX_HD && group <= MAX_GROUP;
+  const int64_t vectors = hd / L;
+  const bool by_runs = grouped && (vectors == 2 || vectors == 4 || vectors == 8);
   // Decode rows only: each task takes its own row's RoPE and cache writes for its key-value head, so they run on
   // both threads, and each thread attends with the queries and keys it has just written in its own cache.
-  // Otherwise (a prompt's rows attend over each other's new keys) every row's keys are written first.
-  const bool in_tasks = grouped && one_row_per_slot(slots, M);
+  // Otherwise (a prompt's rows attend over each other's new keys) every row's keys are written first. So are those
+  // of decode rows over more than a segment of positions whose tasks the threads would not share evenly: they attend
+  // a task per segment (`attend_runs`).
+  bool in_tasks = grouped && one_row_per_slot(slots, M);
+  if (in_tasks && by_runs && uneven(M * nkv)) {
+    const int64_t S = attend_segment.load(std::memory_order_relaxed);
+    in_tasks = std::all_of(pos, pos + M, [&](int64_t p) { return p + 1 <= S; });
+  }
 #else
   const bool in_tasks = false;
 #endif
@@ -1924,8 +2067,7 @@ static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T
       });
       return;
     }
-    const int64_t c = hd / L;
-    if (c == 2 || c == 4 || c == 8) {
+    if (by_runs) {
       attend_runs(qkv, M, nh, nkv, hd, kc, vc, max_len, slots, pos, scale, bf16, out);
       return;
     }
@@ -2215,7 +2357,7 @@ def isa_kernel(isa: str) -> InlineKernel:
             "shardmesh_cpu", source.replace("@AMX_ENV@", AMX_ENV),
             ["linear", "rows_linear", "attention_block", "mlp_block", "stack_layers", "decode_layers",
              "decode_layers_reduced", "drop_layers", "head_block", "greedy_rows", "bf16_rows_ways", "bf16_rows",
-             "set_bf16_rows", "bf16_rows_probe"],
+             "set_bf16_rows", "bf16_rows_probe", "set_attend_segment"],
             ISA_FLAGS[isa],
         )  # fmt: skip
     return _KERNELS[isa]

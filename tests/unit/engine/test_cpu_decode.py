@@ -551,15 +551,30 @@ def test_long_steps_in_chunks_of_rows_equal_one_chunk_and_eager(tmp_path: pytest
     assert (native_kv - eager_kv).abs().max() / eager_kv.abs().max() < cache_tol
 
 
+@pytest.fixture(params=[None, 16], ids=["one-segment", "segments-of-16"])
+def attend_segment(request: pytest.FixtureRequest) -> Iterator[int | None]:
+    """The positions per attention segment: the default (512: every sequence in these tests within one), or 16, so
+    that short test sequences span several and take the softmax a segment at a time."""
+    if request.param is None:
+        yield None
+        return
+    ext = cpu_kernels.module()
+    before = ext.set_attend_segment(request.param)  # type: ignore[attr-defined]
+    yield request.param
+    ext.set_attend_segment(before)  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prompt_in_one_step_equals_it_token_by_token(tmp_path: pytest.TempPathFactory, dtype: torch.dtype,
-                                                       head_dim: int) -> None:  # fmt: skip
+                                                       head_dim: int, attend_segment: int | None) -> None:  # fmt: skip
     """A prompt's rows attend by runs of consecutive rows (`attend_rows`: each block of keys read once for the run),
     a decode row on its own (`attend_tiled`); row for row they do the same work, and the products, norms and RoPE
     are each row's own. So a 37-token prompt in one step (runs of 8, 8, 8, 8 and 5 rows, rows whose positions end
     inside a block of the vector's width and on its edge) leaves the same cache, and its last token the same logits,
-    to the bit, as the same tokens one step each. Beside it, in the same steps, another slot's prompt of 3 tokens."""
+    to the bit, as the same tokens one step each. Beside it, in the same steps, another slot's prompt of 3 tokens.
+    With segments of 16 positions, the prompt's runs take their segments in order within a task, and a decode row
+    (too few tasks for the threads) a task per segment, merged after: the same merges in the same order."""
     d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=2, seed=12, hidden_size=4 * head_dim,
                         intermediate_size=96)  # fmt: skip
     model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
@@ -577,6 +592,55 @@ def test_a_prompt_in_one_step_equals_it_token_by_token(tmp_path: pytest.TempPath
                 assert torch.equal(one[1], at_once[1])
     assert torch.equal(one[0], at_once[0])
     assert torch.equal(whole.data, stepped.data)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_by_segments_equals_eager_however_cut(tmp_path: pytest.TempPathFactory, dtype: torch.dtype,
+                                                        head_dim: int) -> None:  # fmt: skip
+    """Rows attending over more positions than a segment (16 here) take the softmax a segment at a time, normalized
+    by its own sum, and merge the segments in order, however the tasks are cut. On 3 threads: prompts of 20 to 59
+    tokens (2 to 4 segments; runs of 8 rows in tasks that do their segments in turn) and a 5-token chunk after the
+    59 (one run: 2 tasks, so a task per segment, merged after) match eager's logits. Then one decode step of the 4
+    sequences (8 tasks: each does its row's segments in turn) and the same rows one step each (2 tasks: a task per
+    segment) give the same logits and cache to the bit, and match eager's step."""
+    ext = cpu_kernels.module()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # tasks are cut by how evenly the threads would share them
+    before = ext.set_attend_segment(16)  # type: ignore[attr-defined]
+    try:
+        d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=2, seed=13, hidden_size=4 * head_dim,
+                            intermediate_size=96)  # fmt: skip
+        model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=96)
+        pieces = [Segment(0, 0, 50), Segment(1, 0, 37), Segment(2, 0, 59), Segment(2, 59, 5), Segment(3, 0, 20)]
+        ids = torch.randint(1, 96, (sum(p.length for p in pieces) + 4,), generator=torch.Generator().manual_seed(8))
+        caches = {way: model.make_cache(4, dtype, "cpu") for way in ("eager", "together", "alone")}
+        runners = {way: cpu_decode(model, caches[way], torch.device("cpu")) for way in ("together", "alone")}
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        with torch.inference_mode():
+            start = 0
+            for piece in pieces:
+                prompt, tokens = BatchLayout.build([piece]), ids[start : start + piece.length]
+                want = model(tokens, prompt, caches["eager"]).float()
+                for way, runner in runners.items():
+                    assert runner is not None
+                    got = runner.run(prompt, tokens).float()
+                    assert (got - want).abs().max() / want.abs().max() < tol, (way, piece)
+                start += piece.length
+            lengths = [50, 37, 64, 20]
+            step = BatchLayout.build([Segment(slot, n, 1) for slot, n in enumerate(lengths)])
+            tokens = ids[start:]
+            one_step, one_each = runners["together"], runners["alone"]
+            assert one_step is not None and one_each is not None
+            together = one_step.run(step, tokens)
+            alone = torch.cat([one_each.run(BatchLayout.build([Segment(slot, n, 1)]), tokens[slot : slot + 1])
+                               for slot, n in enumerate(lengths)])  # fmt: skip
+            eager = model(tokens, step, caches["eager"]).float()
+    finally:
+        ext.set_attend_segment(before)  # type: ignore[attr-defined]
+        torch.set_num_threads(threads)
+    assert torch.equal(together, alone) and torch.equal(caches["together"].data, caches["alone"].data)
+    assert (together.float() - eager).abs().max() / eager.abs().max() < tol
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 17, 40), (3, 64, 576), (2, 9, 5), (8, 33, 1536)])
