@@ -1,4 +1,4 @@
-"""Decode steps and short prompts of a CPU shard in compiled code: one call for all its decoder layers (two per layer
+"""Decode steps and prompts of a CPU shard in compiled code: one call for all its decoder layers (two per layer
 where streamed weights, or a tensor-parallel all-reduce over Gloo, come between them) instead of ~70 per layer, and
 one for the head.
 
@@ -6,8 +6,9 @@ On a CPU a decode step's weights stream in ~15-20 ms for SmolLM2, and eager PyTo
 of a layer's ~70 small operations (norms, RoPE, the KV write, attention's reshapes, SwiGLU, residuals) costs a few
 microseconds of dispatch, as much as the layer's products together. This runner computes each half of a layer
 (`cpu_kernels.attention_block`, `mlp_block`) in one call over the same weights, KV cache and RoPE tables as the
-eager model, which still runs every step this one does not accept (long prompts, paged caches, other devices). It
-is the CPU's counterpart of `cuda_graph`: the model stays one readable file and this is another way to execute it.
+eager model, which still runs every step this one does not accept (logits at every position, paged caches, other
+devices, more than 16 rows of streamed layers). It is the CPU's counterpart of `cuda_graph`: the model stays one
+readable file and this is another way to execute it.
 Where every layer is whole, the kernels hold all the layers' arguments (`cpu_kernels.stack_layers`) and one call
 (`decode_layers`) runs them: the 60 calls of a SmolLM2 step from Python cost ~0.3 ms of cold interpreter and argument
 conversion between parallel regions (docs/performance.md, "All of a stage's layers in one call").
