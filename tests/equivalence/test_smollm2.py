@@ -98,7 +98,7 @@ def test_int8_greedy_chat_answers_against_float32(smollm2) -> None:
     answers = {}
     for q in (Quantization.NONE, Quantization.INT8):
         model = build_shard(smollm2, ShardSpec(0, 30, 30), max_len=256, progress=False, quantization=q)
-        answers[q] = [greedy(model, p) for p in prompts]
+        answers[q] = greedy(model, prompts)
         del model
     identical = sum(a == b for a, b in zip(answers[Quantization.INT8], answers[Quantization.NONE], strict=True))
     print(f"int8 greedy answers identical to float32: {identical} of {len(prompts)}")
