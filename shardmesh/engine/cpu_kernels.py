@@ -1635,133 +1635,18 @@ static inline void block_scores(const float* qh, const float* kb, float scale, f
   vput(dst, vmul(vsums(d), vset(scale)));
 }
 
-// attend_group for head dims of L * C, L cached positions at a time: each head's L scores summed in registers and
-// reduced together (`vsums`), its values' weighted sum kept in registers. With `stats`, each head's largest score and
-// sum of exponentials as well (a segment's, for `merge_segment`). A 16-row bfloat16 SmolLM2 step at ~600
-// positions took 0.94x the time of one key at a time on AVX-512 (35.3 against 37.4 ms; the cache's reads bound it
-// there, ~20 GB/s), 0.84x in the AVX2 build on the same host (59.4-60.6 against 70.8-72.1 ms).
-template <int C, typename T>
-static void attend_tiled(const float* q, int64_t group, const T* keys, const T* vals, int64_t n, float scale,
-                         float* score, bool bf16, float* out, float* stats = nullptr) {
-  constexpr int64_t hd = L * C;
-  alignas(64) float tile[L * hd];
-  const int64_t blocks = n / L * L;
-  for (int64_t j = 0; j < blocks; j += L) {
-    const float* kb = block_at<C>(keys, j, tile);
-    for (int64_t h = 0; h < group; ++h) block_scores<C>(q + h * hd, kb, scale, score + h * n + j);
-  }
-  for (int64_t j = blocks; j < n; ++j) {  // the last few, one at a time
-    Lanes kv[C];
-    for (int i = 0; i < C; ++i) kv[i] = vload(keys + j * hd + L * i);
-    scores_at(q, group, kv, C, j, n, scale, score);
-  }
-  softmax_rows(score, group, n, stats);
-  Lanes acc[MAX_GROUP][C];
-  for (int64_t h = 0; h < group; ++h)
-    for (int i = 0; i < C; ++i) acc[h][i] = vset(0.f);
-  for (int64_t j = 0; j < blocks; j += L) {
-    const float* vb = block_at<C>(vals, j, tile);
-    for (int64_t h = 0; h < group; ++h) {
-      Lanes a[C];
-      for (int i = 0; i < C; ++i) a[i] = acc[h][i];
-      for (int r = 0; r < L; ++r) {
-        const Lanes p = vset(score[h * n + j + r]);
-        for (int i = 0; i < C; ++i) a[i] = vfma(p, vload(vb + r * hd + L * i), a[i]);
-      }
-      for (int i = 0; i < C; ++i) acc[h][i] = a[i];
-    }
-  }
-  for (int64_t j = blocks; j < n; ++j) {
-    Lanes kv[C];
-    for (int i = 0; i < C; ++i) kv[i] = vload(vals + j * hd + L * i);
-    for (int64_t h = 0; h < group; ++h) {
-      const Lanes p = vset(score[h * n + j]);
-      for (int i = 0; i < C; ++i) acc[h][i] = vfma(p, kv[i], acc[h][i]);
-    }
-  }
-  for (int64_t h = 0; h < group; ++h)
-    for (int i = 0; i < C; ++i) vput(out + h * hd + L * i, acc[h][i]);
-  round_all(bf16, out, group * hd);
-}
-
-// Folds one segment's weighted values (o: group x hd, each head's normalized by its segment's sum; part: each head's
-// largest score and sum of exponentials) into the running ones (out, stats), weighting each side by its share of the
-// whole sum. Out of line, so that every caller runs the same instructions: decode steps and prompts merge alike.
-__attribute__((noinline)) static void merge_segment(int64_t group, int64_t hd, const float* o, const float* part,
-                                                    float* out, float* stats) {
-  for (int64_t h = 0; h < group; ++h) {
-    const float top = std::max(stats[2 * h], part[2 * h]);
-    const float a = stats[2 * h + 1] * std::exp(stats[2 * h] - top), b = part[2 * h + 1] * std::exp(part[2 * h] - top);
-    const float wa = a / (a + b), wb = b / (a + b);
-    float* oh = out + h * hd;
-    const float* ph = o + h * hd;
-    for (int64_t i = 0; i < hd; ++i) oh[i] = wa * oh[i] + wb * ph[i];
-    stats[2 * h] = top;
-    stats[2 * h + 1] = a + b;
-  }
-}
-
-// attend_tiled over n positions a segment of S at a time, merged in order (one call where n <= S).
-template <int C, typename T>
-static void attend_segments(const float* q, int64_t group, const T* keys, const T* vals, int64_t n, int64_t S,
-                            float scale, float* score, bool bf16, float* out) {
-  if (n <= S) return attend_tiled<C>(q, group, keys, vals, n, scale, score, bf16, out);
-  constexpr int64_t hd = L * C;
-  float stats[2 * MAX_GROUP], part[2 * MAX_GROUP];
-  alignas(64) float seg[MAX_GROUP * hd];
-  attend_tiled<C>(q, group, keys, vals, S, scale, score, false, out, stats);
-  for (int64_t j = S; j < n; j += S) {
-    attend_tiled<C>(q, group, keys + j * hd, vals + j * hd, std::min(S, n - j), scale, score, false, seg, part);
-    merge_segment(group, hd, seg, part, out, stats);
-  }
-  round_all(bf16, out, group * hd);
-}
-
-// The `group` query heads (q, one after another) that share one key-value head against its n cached keys and
-// values, head dim a multiple of L: each key and value is loaded once for all of them (3x less cache traffic for
-// SmolLM2's groups of 3), the scores into score (group x n), softmax, the weighted values summed into out
-// (group x hd). Per head, the same operations in the same order as one head alone. Head dims of 2, 4 or 8 vectors
-// (AVX-512: 32, 64, 128; AVX2: 16, 32, 64) take `attend_tiled`; the sums of more would not fit in registers.
-template <typename T>
-static void attend_group(const float* q, int64_t group, const T* keys, const T* vals, int64_t n, int64_t hd,
-                         float scale, float* score, bool bf16, float* out) {
-  const int64_t c = hd / L, S = attend_segment.load(std::memory_order_relaxed);
-  if (c == 2) return attend_segments<2>(q, group, keys, vals, n, S, scale, score, bf16, out);
-  if (c == 4) return attend_segments<4>(q, group, keys, vals, n, S, scale, score, bf16, out);
-  if (c == 8) return attend_segments<8>(q, group, keys, vals, n, S, scale, score, bf16, out);
-  Lanes kv[MAX_HD / L];
-  const int64_t row = hd * static_cast<int64_t>(sizeof(T));  // bytes per cached position
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t b = 0; b < row; b += 64)  // a short stream per task: fetch ahead what the prefetcher would not
-      _mm_prefetch(reinterpret_cast<const char*>(keys + (j + AHEAD) * hd) + b, _MM_HINT_T0);
-    for (int64_t i = 0; i < c; ++i) kv[i] = vload(keys + j * hd + L * i);
-    scores_at(q, group, kv, c, j, n, scale, score);
-  }
-  softmax_rows(score, group, n);
-  alignas(64) float acc[MAX_GROUP * MAX_HD];
-  std::fill(acc, acc + group * hd, 0.f);
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t b = 0; b < row; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(vals + (j + AHEAD) * hd) + b, _MM_HINT_T0);
-    for (int64_t i = 0; i < c; ++i) kv[i] = vload(vals + j * hd + L * i);
-    for (int64_t h = 0; h < group; ++h) {
-      const Lanes p = vset(score[h * n + j]);
-      float* ah = acc + h * hd;
-      for (int64_t i = 0; i < c; ++i) vput(ah + L * i, vfma(p, kv[i], vload(ah + L * i)));
-    }
-  }
-  std::memcpy(out, acc, sizeof(float) * group * hd);
-  round_all(bf16, out, group * hd);
-}
-#endif
-
-#if defined(__AVX512F__) || defined(SHARDMESH_AVX2)
-// attend_tiled for R rows of one slot at once (a prompt's rows: row r's queries at q + r * qs, attending over its
-// first n[r] positions, n ascending): each block of L positions is read (and, from a bfloat16 cache, widened) once
-// for all of them. A row's own work is attend_tiled's, step for step: its full blocks through the tile, its last
-// positions one at a time, its values' weighted sums added in the same order (kept in acc between blocks, where
-// attend_tiled keeps them in registers), so each row's numbers are the same as on its own. With `stats`, row r's
-// heads' largest scores and sums at stats + r * group * 2.
+// The `group` query heads of R rows of one slot (row r's at q + r * qs; a prompt's consecutive rows, or one decode
+// row) against a key-value head's first n[r] cached positions (n ascending), head dim L * C, L positions at a time:
+// each block of keys and values is read (and, from a bfloat16 cache, widened) once for all the rows and heads, a
+// head's L scores summed in registers and reduced together (`vsums`), its values' weighted sums added block by block
+// into acc (R x group x hd), the last few positions one at a time. Every row runs the same operations in the same
+// order whatever R is, so a prompt's rows give the same numbers as the same tokens decoded one by one. With `stats`,
+// row r's heads' largest scores and sums of exponentials (a segment's, for `merge_segment`) at stats + r * group * 2.
+// A 16-row bfloat16 SmolLM2 step at ~600 positions took 0.94x the time of one key at a time on AVX-512 (35.3 against
+// 37.4 ms; the cache's reads bound it there, ~20 GB/s), 0.84x in the AVX2 build on the same host. A decode row's
+// weighted sums were once kept in registers across blocks, in a kernel of their own: alternated step by step against
+// it (Xeon family 6 model 207, SmolLM2, 1 and 16 rows at 80-2048 positions, both dtypes, both ISA builds), this took
+// 0.99-1.01x the time.
 template <int C, typename T>
 static void attend_rows(const float* q, int64_t qs, int64_t R, const int64_t* n, int64_t group, const T* keys,
                         const T* vals, float scale, float* score, float* acc, bool bf16, float* out, int64_t os,
@@ -1817,6 +1702,81 @@ static void attend_rows(const float* q, int64_t qs, int64_t R, const int64_t* n,
     std::memcpy(out + r * os, ar, sizeof(float) * group * hd);
     round_all(bf16, out + r * os, group * hd);
   }
+}
+
+// Folds one segment's weighted values (o: group x hd, each head's normalized by its segment's sum; part: each head's
+// largest score and sum of exponentials) into the running ones (out, stats), weighting each side by its share of the
+// whole sum. Out of line, so that every caller runs the same instructions: decode steps and prompts merge alike.
+__attribute__((noinline)) static void merge_segment(int64_t group, int64_t hd, const float* o, const float* part,
+                                                    float* out, float* stats) {
+  for (int64_t h = 0; h < group; ++h) {
+    const float top = std::max(stats[2 * h], part[2 * h]);
+    const float a = stats[2 * h + 1] * std::exp(stats[2 * h] - top), b = part[2 * h + 1] * std::exp(part[2 * h] - top);
+    const float wa = a / (a + b), wb = b / (a + b);
+    float* oh = out + h * hd;
+    const float* ph = o + h * hd;
+    for (int64_t i = 0; i < hd; ++i) oh[i] = wa * oh[i] + wb * ph[i];
+    stats[2 * h] = top;
+    stats[2 * h + 1] = a + b;
+  }
+}
+
+// One row's heads (attend_rows, R = 1) over n positions a segment of S at a time, merged in order (one call where
+// n <= S).
+template <int C, typename T>
+static void attend_segments(const float* q, int64_t group, const T* keys, const T* vals, int64_t n, int64_t S,
+                            float scale, float* score, bool bf16, float* out) {
+  constexpr int64_t hd = L * C;
+  alignas(64) float acc[MAX_GROUP * hd];
+  const auto one = [&](int64_t j, int64_t positions, bool round, float* o, float* stats) {
+    attend_rows<C>(q, 0, 1, &positions, group, keys + j * hd, vals + j * hd, scale, score, acc, round, o, 0, stats);
+  };
+  if (n <= S) return one(0, n, bf16, out, nullptr);
+  float stats[2 * MAX_GROUP], part[2 * MAX_GROUP];
+  alignas(64) float seg[MAX_GROUP * hd];
+  one(0, S, false, out, stats);
+  for (int64_t j = S; j < n; j += S) {
+    one(j, std::min(S, n - j), false, seg, part);
+    merge_segment(group, hd, seg, part, out, stats);
+  }
+  round_all(bf16, out, group * hd);
+}
+
+// The `group` query heads (q, one after another) that share one key-value head against its n cached keys and
+// values, head dim a multiple of L: each key and value is loaded once for all of them (3x less cache traffic for
+// SmolLM2's groups of 3), the scores into score (group x n), softmax, the weighted values summed into out
+// (group x hd). Per head, the same operations in the same order as one head alone. Head dims of 2, 4 or 8 vectors
+// (AVX-512: 32, 64, 128; AVX2: 16, 32, 64) take `attend_rows`; the sums of more would not fit in registers.
+template <typename T>
+static void attend_group(const float* q, int64_t group, const T* keys, const T* vals, int64_t n, int64_t hd,
+                         float scale, float* score, bool bf16, float* out) {
+  const int64_t c = hd / L, S = attend_segment.load(std::memory_order_relaxed);
+  if (c == 2) return attend_segments<2>(q, group, keys, vals, n, S, scale, score, bf16, out);
+  if (c == 4) return attend_segments<4>(q, group, keys, vals, n, S, scale, score, bf16, out);
+  if (c == 8) return attend_segments<8>(q, group, keys, vals, n, S, scale, score, bf16, out);
+  Lanes kv[MAX_HD / L];
+  const int64_t row = hd * static_cast<int64_t>(sizeof(T));  // bytes per cached position
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t b = 0; b < row; b += 64)  // a short stream per task: fetch ahead what the prefetcher would not
+      _mm_prefetch(reinterpret_cast<const char*>(keys + (j + AHEAD) * hd) + b, _MM_HINT_T0);
+    for (int64_t i = 0; i < c; ++i) kv[i] = vload(keys + j * hd + L * i);
+    scores_at(q, group, kv, c, j, n, scale, score);
+  }
+  softmax_rows(score, group, n);
+  alignas(64) float acc[MAX_GROUP * MAX_HD];
+  std::fill(acc, acc + group * hd, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t b = 0; b < row; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(vals + (j + AHEAD) * hd) + b, _MM_HINT_T0);
+    for (int64_t i = 0; i < c; ++i) kv[i] = vload(vals + j * hd + L * i);
+    for (int64_t h = 0; h < group; ++h) {
+      const Lanes p = vset(score[h * n + j]);
+      float* ah = acc + h * hd;
+      for (int64_t i = 0; i < c; ++i) vput(ah + L * i, vfma(p, kv[i], vload(ah + L * i)));
+    }
+  }
+  std::memcpy(out, acc, sizeof(float) * group * hd);
+  round_all(bf16, out, group * hd);
 }
 #endif
 
