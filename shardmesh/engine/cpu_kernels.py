@@ -1909,13 +1909,13 @@ static void attend_runs(const float* qkv, int64_t M, int64_t nh, int64_t nkv, in
   for (int64_t m = 0; m < M; ++m) most = std::max(most, segments(m));
   if (most > 1 && uneven(runs * nkv)) {
     // Runs over several segments that the threads would not share evenly (a decode step of one sequence at a long
-    // context): a task per segment, its rows' results in a slot of their own, merged in order afterwards.
+    // context): a task per segment, its rows' results in parts of their own, merged in order afterwards.
     std::vector<int64_t> task_at{0};  // (run, g)'s first task
     for (int64_t t = 0; t < runs * nkv; ++t) task_at.push_back(task_at.back() + segments(first[t / nkv + 1] - 1));
     const int64_t tasks = task_at.back();
     std::vector<int64_t> owner(tasks);  // each task's (run, g)
     for (int64_t t = 0; t < runs * nkv; ++t) std::fill(owner.begin() + task_at[t], owner.begin() + task_at[t + 1], t);
-    std::vector<float> slots_o(tasks * RUN_ROWS * gh), slots_st(tasks * RUN_ROWS * group * 2);
+    std::vector<float> parts(tasks * RUN_ROWS * gh), part_stats(tasks * RUN_ROWS * group * 2);
     const auto cost = [&](int64_t t) {
       const int64_t rg = owner[t], s = t - task_at[rg];
       int64_t work = 0;
@@ -1925,8 +1925,8 @@ static void attend_runs(const float* qkv, int64_t M, int64_t nh, int64_t nkv, in
     };
     balanced_tasks<RunScratch>(tasks, cost, [&](int64_t t, RunScratch& scratch) {
       const int64_t rg = owner[t];
-      segment(rg / nkv, rg % nkv, t - task_at[rg], slots_o.data() + t * RUN_ROWS * gh, gh,
-              slots_st.data() + t * RUN_ROWS * group * 2, scratch);
+      segment(rg / nkv, rg % nkv, t - task_at[rg], parts.data() + t * RUN_ROWS * gh, gh,
+              part_stats.data() + t * RUN_ROWS * group * 2, scratch);
     });
     for (int64_t rg = 0; rg < runs * nkv; ++rg) {
       const int64_t m0 = first[rg / nkv], g = rg % nkv, t0 = task_at[rg];
@@ -1934,11 +1934,11 @@ static void attend_runs(const float* qkv, int64_t M, int64_t nh, int64_t nkv, in
         const int64_t r = m - m0;
         float* o = row_out(m, g);
         float st[2 * MAX_GROUP];
-        std::memcpy(o, slots_o.data() + (t0 * RUN_ROWS + r) * gh, sizeof(float) * gh);
-        std::memcpy(st, slots_st.data() + (t0 * RUN_ROWS + r) * group * 2, sizeof(float) * group * 2);
+        std::memcpy(o, parts.data() + (t0 * RUN_ROWS + r) * gh, sizeof(float) * gh);
+        std::memcpy(st, part_stats.data() + (t0 * RUN_ROWS + r) * group * 2, sizeof(float) * group * 2);
         for (int64_t s = 1; s < segments(m); ++s)
-          merge_segment(group, hd, slots_o.data() + ((t0 + s) * RUN_ROWS + r) * gh,
-                        slots_st.data() + ((t0 + s) * RUN_ROWS + r) * group * 2, o, st);
+          merge_segment(group, hd, parts.data() + ((t0 + s) * RUN_ROWS + r) * gh,
+                        part_stats.data() + ((t0 + s) * RUN_ROWS + r) * group * 2, o, st);
         round_all(bf16, o, gh);
       }
     }
