@@ -568,13 +568,14 @@ def attend_segment(request: pytest.FixtureRequest) -> Iterator[int | None]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prompt_in_one_step_equals_it_token_by_token(tmp_path: pytest.TempPathFactory, dtype: torch.dtype,
                                                        head_dim: int, attend_segment: int | None) -> None:  # fmt: skip
-    """A prompt's rows attend by runs of consecutive rows (`attend_rows`: each block of keys read once for the run),
-    a decode row on its own (the same kernel, one row); row for row they must do the same work whatever the run's
-    length, and the products, norms and RoPE are each row's own. So a 37-token prompt in one step (runs of 8, 8, 8, 8 and 5 rows, rows whose positions end
-    inside a block of the vector's width and on its edge) leaves the same cache, and its last token the same logits,
-    to the bit, as the same tokens one step each. Beside it, in the same steps, another slot's prompt of 3 tokens.
-    With segments of 16 positions, the prompt's runs take their segments in order within a task, and a decode row
-    (too few tasks for the threads) a task per segment, merged after: the same merges in the same order."""
+    """A prompt's rows attend by runs of consecutive rows (`attend_rows`: each block of keys read once for the run), a
+    decode row on its own (the same kernel, one row); row for row they must do the same work whatever the run's length,
+    and the products, norms and RoPE are each row's own. So a 37-token prompt in one step (runs of 8, 8, 8, 8 and 5
+    rows, rows whose positions end inside a block of the vector's width and on its edge) leaves the same cache, and its
+    last token the same logits, to the bit, as the same tokens one step each. Beside it, in the same steps, another
+    slot's prompt of 3 tokens. With segments of 16 positions, the prompt's runs take their segments in order within a
+    task, and a decode row (too few tasks for the threads) a task per segment, merged after: the same merges in the same
+    order."""
     d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=2, seed=12, hidden_size=4 * head_dim,
                         intermediate_size=96)  # fmt: skip
     model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
