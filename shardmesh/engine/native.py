@@ -2,10 +2,11 @@
 `shm_collective`, `shm_link`).
 
 Each is built with `torch.utils.cpp_extension.load_inline` under a name that carries a digest of its source, its
-compiler flags, this CPU's flags and torch's version, so a machine with other flags or another torch builds its own,
-and cached under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR): about a minute per kernel on 2 cores the
-first time, a fraction of a second after. A kernel that cannot be built (no compiler, no ninja, a failed build) is
-None with the reason in `build_error`, and its module falls back to a torch path.
+compiler flags, this CPU's flags, torch's version and where torch's headers are, so a machine with other flags or
+another torch (or the same torch in another virtual environment) builds its own, and cached under
+~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR): about a minute per kernel on 2 cores the first time, a
+fraction of a second after. A kernel that cannot be built (no compiler, no ninja, a failed build) is None with the
+reason in `build_error`, and its module falls back to a torch path.
 
 Every function is bound so that it releases the GIL while it runs (`torch::wrap_pybind_function_no_gil`), as torch's
 own operators do. A worker's compute thread spends nearly all of a step inside these calls. Holding the GIL there, the
@@ -58,10 +59,16 @@ class InlineKernel:
 
     @property
     def name(self) -> str:
+        from torch.utils.cpp_extension import include_paths
+
         flags = " ".join(sorted(cpu_flags()))
         compiler = " ".join([*self.cflags, *OPENMP])
-        digest = hashlib.sha256((self.bound_source + compiler + flags + torch.__version__).encode()).hexdigest()[:16]
-        return f"{self.prefix}_{digest}"
+        # torch's headers where this environment has them: the build file names them, so a kernel built from another
+        # virtual environment's torch is rebuilt, in place and without a word, by every process of this one (a fresh
+        # clone's first `make run` spent two minutes so, and two environments on one machine rebuilt each other's).
+        where = " ".join(include_paths())
+        digest = hashlib.sha256((self.bound_source + compiler + flags + torch.__version__ + where).encode())
+        return f"{self.prefix}_{digest.hexdigest()[:16]}"
 
     @functools.cache  # noqa: B019  (one instance per kernel module, alive as long as the process)
     def module(self) -> Any | None:
@@ -76,7 +83,7 @@ class InlineKernel:
             building = not (build_dir / f"{name}.so").exists()
             if building:
                 log.info("kernel_build_started", kernel=self.prefix, dir=str(build_dir),
-                         note="once per machine, CPU and torch version; about a minute on 2 cores")  # fmt: skip
+                         note="once per CPU, torch and environment; about a minute on 2 cores")  # fmt: skip
             t0 = time.perf_counter()
             ext = cpp_extension.load_inline(name, cpp_sources=self.bound_source, extra_cflags=[*self.cflags, *OPENMP],
                                             extra_ldflags=list(OPENMP))  # fmt: skip

@@ -1,5 +1,5 @@
-"""The C++ kernels' builder (`engine/native.py`): a build lock left by a killed process does not hang later starts, and
-every function is bound to release the GIL."""
+"""The C++ kernels' builder (`engine/native.py`): a build lock left by a killed process does not hang later starts, a
+kernel's name follows the torch it is built against, and every function is bound to release the GIL."""
 
 from __future__ import annotations
 
@@ -53,6 +53,20 @@ def test_a_kernels_name_does_not_depend_on_what_the_process_loaded_before(monkey
     name = second.name
     assert first.module() is not None and second.module() is not None
     assert second.name == name and native.OPENMP == ("-fopenmp",)
+
+
+def test_a_kernel_built_against_another_environments_torch_has_another_name(monkeypatch) -> None:
+    """The build file names torch's header directories, so a build dir shared by two virtual environments was rebuilt
+    by each in turn, silently (the build looked cached). Each environment's torch gets a name, and a build, of its
+    own; the same environment keeps its name."""
+    from torch.utils import cpp_extension
+
+    kernel = native.InlineKernel("shardmesh_native_where", "int one() { return 1; }", ["one"], ["-O1"])
+    here = kernel.name
+    assert kernel.name == here
+    other = [p.replace("site-packages", "elsewhere/site-packages") for p in cpp_extension.include_paths()]
+    monkeypatch.setattr(cpp_extension, "include_paths", lambda *args, **kwargs: other)
+    assert kernel.name != here and kernel.name.startswith("shardmesh_native_where_")
 
 
 def test_every_function_is_bound_to_release_the_gil() -> None:
