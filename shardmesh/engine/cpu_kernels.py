@@ -1491,6 +1491,7 @@ int64_t set_attend_segment(int64_t positions) {
 // multiply-add, a vector's sum, L vectors' sums at once, and a softmax over masked tails.
 constexpr int64_t MAX_HD = 256;    // head dims up to 256 keep a key's or value's slices in registers
 constexpr int64_t MAX_GROUP = 16;  // query heads per key-value head that `attend_group` takes at once
+constexpr int64_t RUN_ROWS = 8;    // a prompt's consecutive rows that attend together (`attend_rows`: at most this)
 constexpr int64_t AHEAD = 8;       // cached positions fetched ahead of the one being read
 #endif
 
@@ -1635,25 +1636,25 @@ static inline void block_scores(const float* qh, const float* kb, float scale, f
   vput(dst, vmul(vsums(d), vset(scale)));
 }
 
-// The `group` query heads of R rows of one slot (row r's at q + r * qs; a prompt's consecutive rows, or one decode
-// row) against a key-value head's first n[r] cached positions (n ascending), head dim L * C, L positions at a time:
-// each block of keys and values is read (and, from a bfloat16 cache, widened) once for all the rows and heads, a
-// head's L scores summed in registers and reduced together (`vsums`), its values' weighted sums added block by block
-// into acc (R x group x hd), the last few positions one at a time. Every row runs the same operations in the same
+// The `group` query heads of R rows (at most RUN_ROWS) of one slot (row r's at q + r * qs; a prompt's consecutive rows,
+// or one decode row) against a key-value head's first n[r] cached positions (n ascending), head dim L * C, L positions
+// at a time: each block of keys and values is read (and, from a bfloat16 cache, widened) once for all the rows and
+// heads, a head's L scores summed in registers and reduced together (`vsums`), its values' weighted sums added block by
+// block into acc (R x group x hd), the last few positions one at a time. Every row runs the same operations in the same
 // order whatever R is, so a prompt's rows give the same numbers as the same tokens decoded one by one. With `stats`,
-// row r's heads' largest scores and sums of exponentials (a segment's, for `merge_segment`) at stats + r * group * 2.
-// A 16-row bfloat16 SmolLM2 step at ~600 positions took 0.94x the time of one key at a time on AVX-512 (35.3 against
-// 37.4 ms; the cache's reads bound it there, ~20 GB/s), 0.84x in the AVX2 build on the same host. A decode row's
-// weighted sums were once kept in registers across blocks, in a kernel of their own: alternated step by step against
-// it (Xeon family 6 model 207, SmolLM2, 1 and 16 rows at 80-2048 positions, both dtypes, both ISA builds), this took
-// 0.99-1.01x the time.
+// row r's heads' largest scores and sums of exponentials (a segment's, for `merge_segment`) at stats + r * group * 2. A
+// 16-row bfloat16 SmolLM2 step at ~600 positions took 0.94x the time of one key at a time on AVX-512 (35.3 against 37.4
+// ms; the cache's reads bound it there, ~20 GB/s), 0.84x in the AVX2 build on the same host. A decode row's weighted
+// sums were once kept in registers across blocks, in a kernel of their own: alternated step by step against it (Xeon
+// family 6 model 207, SmolLM2, 1 and 16 rows at 80-2048 positions, both dtypes, both ISA builds), this took 0.99-1.01x
+// the time.
 template <int C, typename T>
 static void attend_rows(const float* q, int64_t qs, int64_t R, const int64_t* n, int64_t group, const T* keys,
                         const T* vals, float scale, float* score, float* acc, bool bf16, float* out, int64_t os,
                         float* stats = nullptr) {
   constexpr int64_t hd = L * C;
   alignas(64) float tile[L * hd];
-  std::vector<float*> sc(R);  // row r's scores (group x n[r])
+  float* sc[RUN_ROWS];  // row r's scores (group x n[r]); on the stack, as decode rows come here one by one
   for (int64_t r = 0, at = 0; r < R; at += group * n[r], ++r) sc[r] = score + at;
   const int64_t blocks = n[R - 1] / L * L;
   for (int64_t j = 0; j < blocks; j += L) {
@@ -1851,7 +1852,6 @@ static void balanced_tasks(int64_t tasks, Cost&& cost, F&& f) {
 }
 
 #if defined(__AVX512F__) || defined(SHARDMESH_AVX2)
-constexpr int64_t RUN_ROWS = 8;  // a prompt's consecutive rows that attend together (`attend_rows`)
 // Whether `tasks` of equal work, split among the threads as whole tasks, leave over an eighth of their time idle (3
 // on 2 threads: 2 and 1): then rows over several segments make a task per segment, to be shared evenly.
 static bool uneven(int64_t tasks) {
