@@ -59,7 +59,6 @@ NB = 32  # output features per block: two AVX-512 registers of float32
 AMX_ENV = "SHARDMESH_CPU_AMX"  # 0: bfloat16 products keep to AVX512-BF16 on a CPU with AMX (read by the C++ once)
 
 _SOURCE = r"""
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdlib>

@@ -443,7 +443,7 @@ def build_transport_kernels(device: torch.device) -> None:
     """Build (or load from the cache) the C++ kernels of the shared-memory transports a shard with peers may
     negotiate: the tp collectives on a CPU shard, and the link rings on any (the loop between a pipeline's ends is
     host memory whatever the device). A worker calls this while it loads its shard: built inside the negotiation
-    instead, a first build on a fresh machine (about 40 s each on 2 cores) would eat into the time its peers wait
+    instead, a first build on a fresh machine (10-15 s each on 2 cores) would eat into the time its peers wait
     there (--group-timeout). Where a kernel cannot be built the negotiation refuses shared memory, as before."""
     if device.type == "cpu":
         shm_collective.available()

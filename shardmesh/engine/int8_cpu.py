@@ -15,8 +15,8 @@ The loader chooses it on CPUs without AVX-512 (which take the blocked kernel of 
 streamed layers multiply their mapped row-major int8 with it (`offload.StreamedInt8Kernel`; a row-parallel slice's
 rows are strided, read in place).
 
-It is built with `torch.utils.cpp_extension.load_inline` (a C++ compiler and ninja are needed; about a minute,
-once per machine: the build is cached under `~/.cache/torch_extensions`, named by a digest of the source and of
+It is built with `torch.utils.cpp_extension.load_inline` (a C++ compiler and ninja are needed; ~15 s on
+2 cores, once per machine: the build is cached under `~/.cache/torch_extensions`, named by a digest of the source and of
 the CPU's flags, so one CPU's build is never loaded on another). Without a compiler `available()` is False, the
 reason is in `build_error()`, and the loader chooses another int8 kernel.
 """
@@ -126,7 +126,6 @@ inline void int8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, int
 """
 
 _SOURCE = r"""
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <vector>
 

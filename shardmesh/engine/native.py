@@ -4,9 +4,10 @@
 Each is built with `torch.utils.cpp_extension.load_inline` under a name that carries a digest of its source, its
 compiler flags, this CPU's flags, torch's version and where torch's headers are, so a machine with other flags or
 another torch (or the same torch in another virtual environment) builds its own, and cached under
-~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR): about a minute per kernel on 2 cores the first time, a
-fraction of a second after. A kernel that cannot be built (no compiler, no ninja, a failed build) is None with the
-reason in `build_error`, and its module falls back to a torch path.
+~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR): 10-35 s per kernel on 2 cores the first time (compiled
+against HEADERS, not <torch/extension.h>: see there), a fraction of a second after. A kernel that cannot be built
+(no compiler, no ninja, a failed build) is None with the reason in `build_error`, and its module falls back to a
+torch path.
 
 Every function is bound so that it releases the GIL while it runs (`torch::wrap_pybind_function_no_gil`), as torch's
 own operators do. A worker's compute thread spends nearly all of a step inside these calls. Holding the GIL there, the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,21 @@ from shardmesh.engine.cpu_features import cpu_flags
 # each process would look for (and build) kernels under names that depend on what it happened to load first.
 OPENMP = ("-fopenmp",)
 log = structlog.get_logger()
-STALE_LOCK_S = 15 * 60  # a build takes about a minute on 2 cores; a lock this old was left by a dead process
+# What every kernel is compiled against, in place of the <torch/extension.h> that `load_inline` would put first. That
+# header brings torch's whole C++ frontend (modules, optimizers, data loaders, autograd's factories): ~400,000 lines
+# after the preprocessor, and parsing them was most of every build (a one-line kernel took 35 s on 2 cores with it,
+# 10 s with these). The kernels use tensors, their dtypes and dispatch, `at::parallel_for`, `empty(_like)` and pybind's
+# casters.
+HEADERS = r"""#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/Exceptions.h>
+namespace torch { using namespace at; }  // torch::Tensor, torch::empty, torch::kFloat, as <torch/types.h> has them
+"""
+STALE_LOCK_S = 15 * 60  # a build takes under a minute on 2 cores; a lock this old was left by a dead process
 
 
 class InlineKernel:
@@ -53,9 +69,10 @@ class InlineKernel:
 
     @property
     def bound_source(self) -> str:
-        """The source with its Python bindings: each function releases the GIL while it runs (module docstring)."""
+        """The source after HEADERS, with its Python bindings: each function releases the GIL while it runs (module
+        docstring)."""
         defs = "".join(f'  m.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");\n' for f in self.functions)
-        return f"{self.source}\n\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}}}\n"
+        return f"{HEADERS}\n{self.source}\n\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}}}\n"
 
     @property
     def name(self) -> str:
@@ -79,14 +96,15 @@ class InlineKernel:
             name = self.name
             build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
             _remove_stale_lock(build_dir / "lock")
-            # A first build takes about a minute on 2 cores, inside a worker's load: say so, or it looks like a hang.
+            # A first build takes up to half a minute on 2 cores, inside a worker's load: say so, or it looks hung.
             building = not (build_dir / f"{name}.so").exists()
             if building:
                 log.info("kernel_build_started", kernel=self.prefix, dir=str(build_dir),
-                         note="once per CPU, torch and environment; about a minute on 2 cores")  # fmt: skip
+                         note="once per CPU, torch and environment; 10-35 s on 2 cores")  # fmt: skip
             t0 = time.perf_counter()
             ext = cpp_extension.load_inline(name, cpp_sources=self.bound_source, extra_cflags=[*self.cflags, *OPENMP],
-                                            extra_ldflags=list(OPENMP))  # fmt: skip
+                                            extra_ldflags=list(OPENMP),
+                                            **_lean_headers(cpp_extension.load_inline))  # fmt: skip
             if building:
                 log.info("kernel_built", kernel=self.prefix, seconds=round(time.perf_counter() - t0, 1))
             self.ext = ext
@@ -97,6 +115,12 @@ class InlineKernel:
             log.warning("kernel_unavailable", kernel=self.prefix, error=self.build_error,
                         fallback="the torch path this kernel stands in for")  # fmt: skip
             return None
+
+
+def _lean_headers(load_inline: Any) -> dict[str, bool]:
+    """Keeps `load_inline` from putting <torch/extension.h> before HEADERS where it can (torch 2.6 on); an older torch
+    compiles both, slower but alike."""
+    return {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(load_inline).parameters else {}
 
 
 def _remove_stale_lock(lock: Path, now: float | None = None) -> bool:

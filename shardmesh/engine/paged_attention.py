@@ -39,7 +39,6 @@ from torch import Tensor
 from shardmesh.engine.native import InlineKernel
 
 _SOURCE = r"""
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

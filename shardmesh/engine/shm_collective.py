@@ -71,7 +71,6 @@ SUPPORTED = {torch.float32: 0, torch.bfloat16: 1}  # dtype -> the kernel's dtype
 
 # What the collectives here and the pipeline links (`shm_link`) share: waiting politely, and telling a dead peer.
 PRELUDE = r"""
-#include <torch/extension.h>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -250,7 +249,7 @@ int64_t shm_all_reduce_add(torch::Tensor seg, torch::Tensor partial, torch::Tens
                            int64_t seq, int64_t capacity, int64_t data_offset, torch::Tensor pids, double spin_s,
                            double timeout_s) {
   const auto dtype = partial.scalar_type();
-  if ((dtype != torch::kFloat32 && dtype != torch::kBFloat16) || x.scalar_type() != dtype ||
+  if ((dtype != torch::kFloat && dtype != torch::kBFloat16) || x.scalar_type() != dtype ||
       x.numel() != partial.numel() || !partial.is_contiguous() || !x.is_contiguous() || !partial.device().is_cpu() ||
       !x.device().is_cpu() || partial.numel() * partial.element_size() > capacity) {
     return NOT_CARRIED;
@@ -263,7 +262,7 @@ int64_t shm_all_reduce_add(torch::Tensor seg, torch::Tensor partial, torch::Tens
   std::memcpy(slot(base, data_offset, capacity, size, seq, rank), data, n * partial.element_size());
   const int64_t status = barrier(base, rank, size, seq, pid, spin_s, timeout_s);
   if (status != 0) return status;
-  if (dtype == torch::kFloat32) {
+  if (dtype == torch::kFloat) {
     reduce_slots(base, data_offset, capacity, size, seq, n, static_cast<float*>(data),
                  static_cast<const float*>(residual));
   } else {

@@ -75,7 +75,42 @@ def test_every_function_is_bound_to_release_the_gil() -> None:
     kernel = native.InlineKernel("shardmesh_native_gil", "int one() { return 1; }\nint two() { return 2; }",
                                  ["one", "two"], ["-O1"])  # fmt: skip
     source = kernel.bound_source
-    assert source.startswith("int one() { return 1; }\nint two() { return 2; }")
+    assert source.startswith(native.HEADERS + "\nint one() { return 1; }\nint two() { return 2; }")
     assert "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)" in source and source.count("m.def(") == 2
     for f in ("one", "two"):
         assert f'm.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");' in source
+
+
+def test_a_kernel_is_compiled_against_the_lean_headers_and_has_the_tensor_api(tmp_path: Path, monkeypatch) -> None:
+    """The build's source starts with HEADERS, not <torch/extension.h> (most of a build's time went to parsing that),
+    and what the kernels use compiles and runs with them: tensors and their dtypes, `torch::empty(_like)`, dispatch on
+    a dtype, `at::parallel_for`, a tuple back to Python."""
+    import torch
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    source = r"""
+std::tuple<torch::Tensor, int64_t> doubled(torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous(), "contiguous input");
+  auto out = torch::empty_like(x);
+  auto sizes = torch::empty({1}, x.options().dtype(torch::kLong));
+  sizes.data_ptr<int64_t>()[0] = x.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "doubled", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.numel(), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) dst[i] = src[i] * scalar_t(2);
+    });
+  });
+  return {out, sizes.data_ptr<int64_t>()[0]};
+}
+"""
+    kernel = native.InlineKernel("shardmesh_native_api", source, ["doubled"], ["-O1"])
+    module = kernel.module()
+    assert module is not None, kernel.build_error
+    built = (Path(cpp_extension._get_build_directory(kernel.name, verbose=False)) / "main.cpp").read_text()
+    assert built.startswith(native.HEADERS) and "torch/extension.h" not in built
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.arange(6, dtype=dtype)
+        out, n = module.doubled(x)
+        assert torch.equal(out, x * 2) and out.dtype == dtype and n == 6
