@@ -384,10 +384,19 @@ class StageWorkerCore:
                       decode_runner=runtime.engine.decode_runner, **runtime.engine.groups.describe_links())  # fmt: skip
 
     def _load(self, p: Placement) -> Transformer:
-        model = self._load_shard(p.spec, p.model_path, p.dtype, p.limits.max_context, p.quantization)
-        if _has_peers(p):  # now, not inside the negotiation, where a first build would eat the peers' timeout
-            build_transport_kernels(self.device)
-        return model
+        # The transports' kernels are built now, not inside the negotiation, where a first build would eat the peers'
+        # timeout; and beside the shard's load, whose own first build (the layers' kernel) is one compiler process:
+        # a fresh machine's first start compiles two kernels at a time, not one after another.
+        builds = None
+        if _has_peers(p):
+            builds = threading.Thread(target=build_transport_kernels, args=(self.device,), name="kernel-builds",
+                                      daemon=True)  # fmt: skip
+            builds.start()
+        try:
+            return self._load_shard(p.spec, p.model_path, p.dtype, p.limits.max_context, p.quantization)
+        finally:
+            if builds is not None:
+                builds.join()
 
     def _load_shard(self, spec: ShardSpec, model_path: str, dtype: str, max_context: int,
                     quantization: str) -> Transformer:  # fmt: skip
