@@ -61,6 +61,7 @@ AMX_ENV = "SHARDMESH_CPU_AMX"  # 0: bfloat16 products keep to AVX512-BF16 on a C
 _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <limits>
 #include <cstdlib>
 #include <algorithm>
 #include <atomic>
@@ -2293,6 +2294,83 @@ std::tuple<torch::Tensor, int64_t, int64_t, double> decode_layers_reduced(
   });
   return {x, status, done, waited};
 }
+
+// `linear.quantize_groups` in one pass over the weights instead of some twenty float64 tensors of them: the same
+// grids, roundings and choice, so the same int8 values and float16 scales (the two grids' errors are summed in
+// another order than torch's, which could only decide between two grids whose errors tie to the last bit).
+// Contraction off: q * s + m is a product then a sum, each rounded, as torch computes them; an FMA would round once.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+namespace {
+struct Grid {
+  at::Half s, m;
+};
+
+// The squared error of x[0..group) on the grid (s, m), its levels 0..255 into q.
+double fit_grid(const double* x, int64_t group, Grid grid, double* q) {
+  const double s = static_cast<float>(grid.s), m = static_cast<float>(grid.m);
+  double error = 0;
+  for (int64_t i = 0; i < group; ++i) {
+    const double level = std::min(std::max(std::nearbyint((x[i] - m) / s), 0.0), 255.0);
+    const double d = level * s + m - x[i];
+    q[i] = level;
+    error += d * d;
+  }
+  return error;
+}
+
+template <typename T>
+void quantize_row(const T* row, int64_t in_f, int64_t group, int8_t* values, at::Half* scale, double* x, double* q,
+                  double* q2) {
+  const int64_t groups = (in_f + group - 1) / group;
+  const double tiny = 6.103515625e-05;  // float16's smallest normal
+  const double last = static_cast<float>(row[in_f - 1]);  // pads the last group: changes neither its min nor its max
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t start = g * group, n = std::min(group, in_f - start);
+    double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+    for (int64_t i = 0; i < group; ++i) {
+      x[i] = i < n ? static_cast<double>(static_cast<float>(row[start + i])) : last;
+      lo = std::min(lo, x[i]);
+      hi = std::max(hi, x[i]);
+    }
+    const at::Half sym_s = static_cast<float>(std::max(std::max(hi, -lo) / 127, tiny));
+    const Grid sym{sym_s, static_cast<float>(-128.0f * static_cast<float>(sym_s))};
+    const Grid asym{static_cast<float>(std::max((hi - lo) / 255, tiny)), static_cast<float>(lo)};
+    const double e_sym = fit_grid(x, group, sym, q), e_asym = fit_grid(x, group, asym, q2);
+    const bool use_asym = e_asym < e_sym;
+    const double* levels = use_asym ? q2 : q;
+    for (int64_t i = 0; i < n; ++i) values[start + i] = static_cast<int8_t>(levels[i] - 128);
+    const Grid chosen = use_asym ? asym : sym;
+    scale[2 * g] = chosen.s;
+    scale[2 * g + 1] = chosen.m;
+  }
+}
+}  // namespace
+
+// weight (rows, in) float32, bfloat16 or float16, contiguous -> values (rows, in) int8 and scale (rows, groups, 2)
+// float16, written in place.
+void quantize_groups(torch::Tensor weight, torch::Tensor values, torch::Tensor scale, int64_t group) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) > 0 && group > 0,
+              "quantize_groups: a contiguous 2-D weight with inputs, and a group size");
+  const int64_t rows = weight.size(0), in_f = weight.size(1), groups = (in_f + group - 1) / group;
+  TORCH_CHECK(values.scalar_type() == at::kChar && values.is_contiguous() && values.dim() == 2 &&
+                  values.size(0) == rows && values.size(1) == in_f,
+              "quantize_groups: values must be a contiguous int8 (rows, in) tensor");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == rows * groups * 2,
+              "quantize_groups: scale must be a contiguous float16 (rows, groups, 2) tensor");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, weight.scalar_type(), "quantize_groups", [&] {
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    int8_t* v = values.data_ptr<int8_t>();
+    at::Half* s = scale.data_ptr<at::Half>();
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      std::vector<double> work(3 * group);
+      for (int64_t r = begin; r < end; ++r)
+        quantize_row(w + r * in_f, in_f, group, v + r * in_f, s + r * groups * 2, work.data(), work.data() + group,
+                     work.data() + 2 * group);
+    });
+  });
+}
+#pragma GCC pop_options
 """
 
 # What `SHARDMESH_CPU_ISA` may ask for: "native" (the default) compiles for this CPU, taking the widest paths it has;
@@ -2316,7 +2394,7 @@ def isa_kernel(isa: str) -> InlineKernel:
             "shardmesh_cpu", source.replace("@AMX_ENV@", AMX_ENV),
             ["linear", "rows_linear", "attention_block", "mlp_block", "stack_layers", "decode_layers",
              "decode_layers_reduced", "drop_layers", "head_block", "greedy_rows", "bf16_rows_ways", "bf16_rows",
-             "set_bf16_rows", "bf16_rows_probe", "set_attend_segment"],
+             "set_bf16_rows", "bf16_rows_probe", "set_attend_segment", "quantize_groups"],
             ISA_FLAGS[isa],
         )  # fmt: skip
     return _KERNELS[isa]
@@ -2412,6 +2490,15 @@ def build_error() -> str:
 def loaded() -> bool:
     """Whether the kernels are built and loaded in this process already (never starts a build)."""
     return _KERNEL.ext is not None
+
+
+def quantize_groups(weight: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """`linear.quantize_groups` of a float32, bfloat16 or float16 host weight (out, in), in one pass (see there)."""
+    rows, in_f = weight.shape
+    values = torch.empty(rows, in_f, dtype=torch.int8)
+    scale = torch.empty(rows, -(-in_f // group), 2, dtype=torch.float16)
+    module().quantize_groups(weight.contiguous(), values, scale, group)  # type: ignore[attr-defined]
+    return values, scale
 
 
 def greedy_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -159,6 +159,40 @@ def test_int8_groups_round_to_the_nearest_step_a_short_last_group_included(
     assert torch.equal(again[0], values) and torch.equal(again[1], scale)
 
 
+def _int8_cases() -> list[Tensor]:
+    g = torch.Generator().manual_seed(1)
+    cases = [(torch.randn(*shape, generator=g) * 0.05).to(dtype)
+             for shape in [(33, 100), (7, 31), (5, 1), (64, 576)]
+             for dtype in (torch.float32, torch.bfloat16, torch.float16)]  # fmt: skip
+    cases.append(torch.randn(40, 256, generator=g).abs())  # skewed: the asymmetric grid
+    d = (torch.rand(40, 8, 1, generator=g) * 0.01).half().float()
+    cases.append((torch.randint(-127, 128, (40, 8, 32), generator=g) * d).view(40, 256))  # Q8_0 blocks
+    m = -torch.rand(40, 8, 1, generator=g).half().float()
+    cases.append((torch.randint(0, 16, (40, 8, 32), generator=g) * d + m).view(40, 256))  # Q4_1 blocks
+    zeros = torch.zeros(4, 64)
+    zeros[1, 5] = 1e-9  # below float16's smallest normal scale
+    return [*cases, zeros]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the kernels need a C++ compiler")
+def test_the_one_pass_quantizer_gives_the_torch_paths_numbers_to_the_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cpu_kernels.quantize_groups` computes, group by group in compiled code, what the float64 tensors of
+    `linear._quantize_rows` do: the same int8 values and float16 scales and minima, for float32, bfloat16 and
+    float16 weights, short last groups, both grids, all-zero groups. `quantize_groups` takes it on such a CPU."""
+    for w in _int8_cases():
+        values, scale = cpu_kernels.quantize_groups(w, INT8_GROUP)
+        ref_values, ref_scale = linear._quantize_rows(w, INT8_GROUP)
+        assert torch.equal(values, ref_values), (w.shape, w.dtype)
+        assert torch.equal(scale.view(torch.int16), ref_scale.view(torch.int16)), (w.shape, w.dtype)
+    w = _int8_cases()[0]
+    taken: list[Tensor] = []
+    monkeypatch.setattr(cpu_kernels, "quantize_groups", lambda w, group: taken.append(w) or (w, w))
+    quantize_groups(w)
+    assert len(taken) == 1
+    monkeypatch.setattr(linear, "_blocked_suits_cpu", lambda: False)  # a CPU without the kernels: torch's tensors
+    assert torch.equal(quantize_groups(w)[0], linear._quantize_rows(w, INT8_GROUP)[0]) and len(taken) == 1
+
+
 INT8_KERNELS = [Int8DequantKernel(), Int8CpuKernel()] + ([BlockedInt8Kernel()] if cpu_kernels.available() else [])
 
 
