@@ -338,7 +338,7 @@ def quantize_groups(weight: Tensor, group: int = INT8_GROUP) -> tuple[Tensor, Te
     prefers the first, a skewed one the second. An all-zero group gets the smallest scale. Rows are quantized
     `INT8_QUANTIZE_CHUNK` elements at a time, in float64, the values rounded for the pair as stored, so `dequantize`
     reproduces what was compared. On a CPU with the blocked kernels, one pass of compiled code computes the same
-    numbers (`cpu_kernels.quantize_groups`: SmolLM2's products in ~1 s instead of ~10)."""
+    numbers (`cpu_kernels.quantize_groups`: all of SmolLM2's in 0.3 s instead of 5.3 s)."""
     out_f, in_f = weight.shape
     if weight.device.type == "cpu" and weight.dtype in ONE_PASS_DTYPES and in_f > 0 and _blocked_suits_cpu():
         return cpu_kernels.quantize_groups(weight, group)
