@@ -74,11 +74,10 @@ def report(info: dict, commit: str, pp: int, runs: dict[str, list[dict]]) -> tup
         "| | ready (s) | each round | kernels built (s, as the slowest worker logged them) |",
         "|---|---:|---|---|",
     ]
-    for side, median in (("this", mine), (commit[:10], theirs)):
-        rs = runs["this" if side == "this" else "rev"]
+    for label, median, rs in (("this", mine, runs["this"]), (commit[:10], theirs, runs["rev"])):
         builds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(rs[0]["kernels"].items()))
         each = " / ".join(f"{r['ready_s']:.1f}" for r in rs)
-        lines.append(f"| {side} | {median:.1f} | {each} | {builds} |")
+        lines.append(f"| {label} | {median:.1f} | {each} | {builds} |")
     lines += ["", f"this ÷ {commit[:10]}: **{ratio:.2f}×** (the median of the rounds' ratios)."]
     return "\n".join(lines) + "\n", {"commit": commit, "pp": pp, "runs": runs, "ratio": ratio}
 
