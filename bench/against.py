@@ -18,10 +18,12 @@ Writes bench/results/<host>-<date>-against-<rev>.{md,json} and prints the markdo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,12 +54,17 @@ def long_prompt(tokenizer: Tokenizer, tokens: int) -> list[int]:
     raise AssertionError("unreachable: every repeat adds a token")
 
 
-def worktree(rev: str, into: Path) -> str:
-    """Check `rev` out at `into`; its full commit id."""
+@contextlib.contextmanager
+def checked_out(rev: str, into: Path) -> Iterator[str]:
+    """`rev` checked out at `into` (a git worktree) for the block, removed after it however the block ends; yields the
+    full commit id."""
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"],
                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(into), commit], check=True)
-    return commit
+    try:
+        yield commit
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(into)], check=False)
 
 
 def measure(tree: Path, model_dir: Path, pp: int, tp: int, streams: list[int], prompt_ids: list[int],
@@ -99,8 +106,7 @@ def main() -> None:
     info = machine()
     with tempfile.TemporaryDirectory() as tmp:
         other = Path(tmp) / "against"
-        commit = worktree(a.rev, other)
-        try:
+        with checked_out(a.rev, other) as commit:
             rows = []
             for pp, tp in layouts:
                 runs: dict[str, list[dict[int, dict]]] = {"this": [], "rev": []}
@@ -117,8 +123,6 @@ def main() -> None:
                         theirs = statistics.median(r[n][key] for r in runs["rev"])
                         row[key] = {"this": mine, "rev": theirs, "ratio": mine / theirs}
                     rows.append(row)
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(other)], check=False)
     report(info, commit, rows, a)
 
 

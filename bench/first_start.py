@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.against import worktree  # noqa: E402  (the repository root is on the path now)
+from bench.against import checked_out  # noqa: E402  (the repository root is on the path now)
 from bench.conditions import alternated, machine, pythonpath, save_results  # noqa: E402
 
 READY = re.compile(r"\(ready in ([0-9.]+) s; logs in ([^)]+)\)")
@@ -95,14 +95,11 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"this": [], "rev": []}
     with tempfile.TemporaryDirectory() as tmp:
         other = Path(tmp) / "rev"
-        commit = worktree(a.rev, other)
-        try:
+        with checked_out(a.rev, other) as commit:
             for r in range(a.rounds):
                 for side in alternated(["this", "rev"], r):
                     runs[side].append(start(ROOT if side == "this" else other, a.pp))
                     print(f"round {r + 1} {side}: {runs[side][-1]}", file=sys.stderr)
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(other)], check=False)
     md, data = report(info, commit, a.pp, runs)
     save_results(a.out, info, "-first-start", md, data)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import itertools
 import math
 import re
@@ -377,15 +378,16 @@ def main() -> None:
     rounds: list[dict[str, dict[str, float]]] = []
     served_all: dict[str, list[float]] = {n: [] for n in names}
     events_of: dict[str, int] = dict.fromkeys(names, 0)
-    with tempfile.TemporaryDirectory() as logs:
+    from bench.against import checked_out
+
+    # the stack removes REV's worktree after the finally below has stopped the meshes that run from it
+    with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
         ups: dict[str, Any] = {}
         pp1 = None
         try:
             trees = {"this checkout": ROOT}
             if a.against:
-                from bench.against import worktree
-
-                a.against_commit = worktree(a.against, Path(logs) / "rev")
+                a.against_commit = stack.enter_context(checked_out(a.against, Path(logs) / "rev"))
                 trees[a.against] = Path(logs) / "rev"
             for i, n in enumerate(names):
                 (Path(logs) / f"pp2-{i}").mkdir()
@@ -416,9 +418,6 @@ def main() -> None:
             for m in (*ups.values(), pp1):
                 if m is not None:
                     m.close()
-            if a.against:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(logs) / "rev")],
-                               check=False)  # fmt: skip
     md = []
     for n in names:
         found = summary(pooled[n], meshes_of[n])

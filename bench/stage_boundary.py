@@ -44,6 +44,7 @@ RPCs for pp=2, one per stage, sent at once). Writes bench/results/<host>-<date>-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import itertools
 import json
@@ -524,18 +525,12 @@ def main() -> None:
         ap.error(f"--cycles {a.cycles}: {why}")
     sys.argv += ["--model-dir", str(model_dir)]
     info = machine()
-    with tempfile.TemporaryDirectory() as tmp:
-        trees, a.against_commit = {}, ""
-        if a.against:
-            from bench.against import worktree
+    from bench.against import checked_out
 
-            trees[a.against] = str(Path(tmp) / "against")
-            a.against_commit = worktree(a.against, Path(trees[a.against]))
-        try:
-            got = run(a, trees)
-        finally:
-            for tree in trees.values():
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tree], check=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "against"
+        with checked_out(a.against, tree) if a.against else contextlib.nullcontext("") as a.against_commit:
+            got = run(a, {a.against: str(tree)} if a.against else {})
     found, ranks, seamed = derived(got, a.rows), over_pp1(got, a.rows), seams(got, a.rows)
     compared = against(got, a.rows, a.against) if a.against else None
     save_results(Path(a.out), info, "-stage-boundary", markdown(info, a, found, compared, ranks, seamed),

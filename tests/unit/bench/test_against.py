@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from bench import against
 
@@ -43,3 +46,24 @@ def test_a_long_prompt_repeats_the_request_until_it_holds_the_tokens_asked_for()
     assert len(against.long_prompt(_Words(), once)) == once  # type: ignore[arg-type]
     ids = against.long_prompt(_Words(), 300)  # type: ignore[arg-type]
     assert 300 <= len(ids) < 300 + len(against.PROMPT.split())  # the fewest repeats that reach it
+
+
+def _worktrees() -> str:
+    return subprocess.run(["git", "-C", str(against.ROOT), "worktree", "list", "--porcelain"],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+
+
+def test_a_checked_out_revision_is_there_for_the_block_and_gone_after_it_however_the_block_ends(tmp_path: Path) -> None:
+    """The benches that compare against REV run its processes from a worktree: it holds REV's files for the block and
+    is removed from disk and from git's list afterwards, when the block raises too."""
+    head = subprocess.run(["git", "-C", str(against.ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+    tree = tmp_path / "rev"
+    with against.checked_out("HEAD", tree) as commit:
+        assert commit == head
+        assert (tree / "bench" / "against.py").is_file() and str(tree) in _worktrees()
+    assert not tree.exists() and str(tree) not in _worktrees()
+    with pytest.raises(RuntimeError, match="a bench failed"), against.checked_out("HEAD", tree):
+        assert tree.is_dir()
+        raise RuntimeError("a bench failed")
+    assert not tree.exists() and str(tree) not in _worktrees()
