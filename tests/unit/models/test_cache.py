@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -75,7 +75,47 @@ def test_crash_during_conversion_leaves_nothing(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(cache, "convert_gguf", exploding_convert)
     with pytest.raises(KeyboardInterrupt):
         pull(REGISTRY[DEFAULT_MODEL], tmp_path, progress=False)
-    assert list((tmp_path / "models").iterdir()) == []
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [f".{DEFAULT_MODEL}.lock"]  # the lock, let go of
+
+
+def test_pulls_at_once_install_and_convert_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two pulls of one model at once (services starting together on a fresh machine): the second waits for the
+    first's lock, then finds the directory complete, so the package is installed and the GGUF converted once."""
+    source = REGISTRY[DEFAULT_MODEL]
+    converting, second_waits = threading.Event(), threading.Event()
+    located: list[str] = []
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+
+    def fake_locate(src: cache.ModelSource, **kwargs: object) -> Path:
+        located.append(threading.current_thread().name)
+        return tmp_path / "model.gguf"
+
+    def fake_convert(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:
+        converting.set()
+        assert second_waits.wait(timeout=60), "the second pull never reached the lock"
+        for name in REQUIRED_FILES:
+            (out_dir / name).write_bytes(b"{}")
+
+    real_lock = cache._pull_lock
+
+    def lock(target: Path) -> cache.FileLock:
+        if threading.current_thread().name == "second":
+            second_waits.set()  # from here the second pull blocks until the first lets go
+        return real_lock(target)
+
+    monkeypatch.setattr(cache, "locate_gguf", fake_locate)
+    monkeypatch.setattr(cache, "convert_gguf", fake_convert)
+    monkeypatch.setattr(cache, "_pull_lock", lock)
+    got: dict[str, Path] = {}
+    first = threading.Thread(target=lambda: got.update(first=pull(source, tmp_path, progress=False)), name="first")
+    second = threading.Thread(target=lambda: got.update(second=pull(source, tmp_path, progress=False)), name="second")
+    first.start()
+    assert converting.wait(timeout=60)
+    second.start()
+    first.join(timeout=60)
+    second.join(timeout=60)
+    assert got == {"first": cache.model_dir(source, tmp_path), "second": cache.model_dir(source, tmp_path)}
+    assert located == ["first"] and cache.is_complete(got["first"])
 
 
 # -- the real pulled model -----------------------------------------------------------------------
@@ -95,7 +135,6 @@ def test_second_pull_is_a_no_op(model_dir: Path, monkeypatch: pytest.MonkeyPatch
         raise AssertionError("a complete cache must not be converted again")
 
     monkeypatch.setattr(cache, "convert_gguf", must_not_convert)
-    start = time.perf_counter()
     assert pull(REGISTRY[DEFAULT_MODEL], progress=False) == model_dir
-    assert time.perf_counter() - start < 0.5
+    assert {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()} == before
     assert {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()} == before
