@@ -16,16 +16,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def native_kernels() -> None:
     """Build the C++ kernels (blocked products and decode layers, int8 products, paged decode attention, the
     shared-memory collectives and links) once, before the first test: a worker builds
-    them at first use (about a minute each on 2 cores, then cached under ~/.cache/torch_extensions), which on a
+    them at first use (tens of seconds each on 2 cores, then cached under ~/.cache/torch_extensions), which on a
     fresh machine would otherwise fall inside some test's wait for a worker to load. Where they cannot be built the
-    engine falls back to its torch paths, as it would in service."""
+    engine falls back to its torch paths, as it would in service. Parallel test workers (pytest-xdist) take them in
+    opposite orders: on a fresh machine the two build different kernels at once until they meet in the middle, where
+    one waits for the other's build (torch's lock in the build directory) and then finds the rest built."""
     from shardmesh.engine import cpu_kernels, int8_cpu, paged_attention, shm_collective, shm_link
 
-    cpu_kernels.available()
-    int8_cpu.available()
-    paged_attention.available()
-    shm_collective.available()
-    shm_link.available()
+    kernels = [cpu_kernels, int8_cpu, paged_attention, shm_collective, shm_link]
+    if int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")) % 2:
+        kernels.reverse()
+    for kernel in kernels:
+        kernel.available()
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
-"""Fixtures for shardmesh/models: the real pulled SmolLM2 (converted once per session), and a fake cache.
+"""Fixtures for shardmesh/models: the real pulled SmolLM2 (converted once per run), and a fake cache.
 
-The real model: every module that asks for ``model_dir`` gets the same per-session cache path, so a full
+The real model: every module that asks for ``model_dir`` gets the same per-run cache path, so a full
 run converts the GGUF only once (~30 s) and later modules find it complete. The fake cache holds a
 SmolLM2-shaped sparse checkpoint under the default model's name, for tests of name resolution that must
 neither install a package nor convert anything.
@@ -9,6 +9,7 @@ neither install a package nor convert anything.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,10 @@ from tests.checkpoints import SMOLLM2_CONFIG
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One cache per test session, exposed via SHARDMESH_CACHE."""
-    path = tmp_path_factory.getbasetemp() / "shardmesh-cache"
+    """One cache per test run, exposed via SHARDMESH_CACHE. Parallel test workers (pytest-xdist) each have a
+    directory of their own under the run's: they share the one beside them, and the first to pull converts."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shardmesh-cache"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SHARDMESH_CACHE", str(path))
         yield path
