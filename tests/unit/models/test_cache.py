@@ -118,6 +118,49 @@ def test_pulls_at_once_install_and_convert_once(monkeypatch: pytest.MonkeyPatch,
     assert located == ["first"] and cache.is_complete(got["first"])
 
 
+def test_a_pull_that_waits_for_another_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """While another process holds the pull's lock, a pull says on stderr what it waits for, then waits; it pulls
+    once the lock is let go of."""
+    source = REGISTRY[DEFAULT_MODEL]
+    said = threading.Event()
+
+    class Stderr:
+        text = ""
+
+        def write(self, s: str) -> int:
+            self.text += s
+            if "waiting for it" in self.text:
+                said.set()
+            return len(s)
+
+        def flush(self) -> None:
+            pass
+
+    def fake_convert(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:
+        for name in REQUIRED_FILES:
+            (out_dir / name).write_bytes(b"{}")
+
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    monkeypatch.setattr(cache, "locate_gguf", lambda src, **kwargs: tmp_path / "model.gguf")
+    monkeypatch.setattr(cache, "convert_gguf", fake_convert)
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    target = cache.model_dir(source, tmp_path)
+    target.parent.mkdir(parents=True)
+    held = cache._pull_lock(target)
+    held.acquire()
+    got: list[Path] = []
+    waiter = threading.Thread(target=lambda: got.append(pull(source, tmp_path, progress=True)))
+    waiter.start()
+    try:
+        assert said.wait(timeout=60), sys.stderr.text
+    finally:
+        held.release()
+    waiter.join(timeout=60)
+    assert got == [target] and cache.is_complete(target)
+    assert sys.stderr.text.startswith(f"shardmesh: another process is pulling {DEFAULT_MODEL} into {target.parent}; "
+                                      "waiting for it\n")  # fmt: skip
+
+
 # -- the real pulled model -----------------------------------------------------------------------
 
 
