@@ -102,6 +102,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model, args.revision)
     cfg = ModelConfig.from_dir(model_dir)
     ids, tokenizer = _prompt_ids(args, model_dir, cfg.vocab_size)
+    if len(ids) + args.max_new_tokens > cfg.max_context:  # as `generate_local` checks it, for callers of its own
+        raise UsageError(f"--max-new-tokens: prompt ({len(ids)}) + max_new_tokens ({args.max_new_tokens}) exceeds the "
+                         f"model context of {cfg.max_context} tokens")  # fmt: skip
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     except ValueError as e:

@@ -8,11 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Each case: the flags after `generate --model M`, and the start of the one line it prints.
+# Each case: the flags after `generate --model M` (a model of 96 tokens and a context of 256), and the start of the
+# one line it prints.
 CASES = [
     (["--token-ids", "1,2,500"], "error: --token-ids: [500] outside the vocabulary [0, 96)"),
     (["--token-ids", "1,x"], "error: --token-ids: expected comma-separated integers"),
     (["--token-ids", "1", "--max-new-tokens", "0"], "error: --max-new-tokens: must be > 0"),
+    (
+        ["--token-ids", "1,2", "--max-new-tokens", "255"],
+        "error: --max-new-tokens: prompt (2) + max_new_tokens (255) exceeds the model context of 256 tokens",
+    ),
     (["--token-ids", "1", "--temperature", "-1"], "error: --temperature: temperature must be >= 0"),
     (["--token-ids", "1", "--top-p", "1.5"], "error: --top-p: top_p must be in (0, 1]"),
     (["--token-ids", "1", "--memory-budget", "lots"], "error: --memory-budget: expected a size like 24GiB"),
