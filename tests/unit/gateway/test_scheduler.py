@@ -7,7 +7,6 @@ test_pipeline.py; the planner on its own in test_batching.py.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -344,9 +343,7 @@ def test_shutdown_lets_running_finish_then_cancels(logger: Any, model_files: Mod
     mesh.step_delay = 0.02  # 60 tokens take 1.2 s: longer than the grace
     endless = scheduler.submit(request(model_files, "endless", max_new=60))
     assert isinstance(endless.events.get(timeout=WAIT_S), TokenEvent)
-    started = time.monotonic()
-    scheduler.shutdown(grace=0.2)
-    assert time.monotonic() - started < 2.0
+    scheduler.shutdown(grace=0.2)  # the grace ends before the 60 tokens do: cancelled, part-way
     events = collect(endless)
     assert finish(events) is FinishReason.CANCELLED and events[-1].summary.completion_tokens < 60
     assert "endless" in mesh.shards[1].released_ids()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -203,9 +202,7 @@ def test_shutdown_cancels_unary_with_partial_result(model_files: ModelFiles) -> 
         stream = stub.GenerateStream(gateway_pb2.GenerateRequest(prompt="hi", params=params, request_id="stream"),
                                      timeout=10)  # fmt: skip
         assert next(stream).index == 0
-        started = time.monotonic()
-        server.stop()
-        assert time.monotonic() - started < 3.0
+        server.stop()  # the grace ends before the 40 tokens do: both requests end cancelled, part-way
         r = unary.result(timeout=5)
         assert r.finish_reason == common_pb2.FINISH_REASON_CANCELLED and 0 < len(r.token_ids) < 40
         err = _rpc_error(lambda: list(stream))
