@@ -94,7 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.model is None:
         raise UsageError("--model is required (or --gateway ADDR to use a running gateway)")
     try:  # each rank on a device of its own (`generate_local` checks it again, for callers of its own)
-        device_map.assign_devices(args.device, args.pp, args.tp, device_map.visible_gpus_for(args.device))
+        device_map.rank_devices(args.device, args.pp, args.tp)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.stop:
@@ -102,9 +102,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model, args.revision)
     cfg = ModelConfig.from_dir(model_dir)
     ids, tokenizer = _prompt_ids(args, model_dir, cfg.vocab_size)
-    if len(ids) + args.max_new_tokens > cfg.max_context:  # as `generate_local` checks it, for callers of its own
-        raise UsageError(f"--max-new-tokens: prompt ({len(ids)}) + max_new_tokens ({args.max_new_tokens}) exceeds the "
-                         f"model context of {cfg.max_context} tokens")  # fmt: skip
+    try:  # `generate_local` checks it again, for callers of its own
+        cfg.check_fits(len(ids), args.max_new_tokens)
+    except ValueError as e:
+        raise UsageError(f"--max-new-tokens: {str(e).removeprefix('max_new_tokens: ')}") from None
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     except ValueError as e:

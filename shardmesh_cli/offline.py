@@ -51,14 +51,6 @@ class OfflineResult:
     finish_reason: str  # "length" | "stop"
 
 
-def rank_devices(device: str, pp: int, tp: int, visible_gpus: int | None = None) -> list[str]:
-    """Each rank's `--device` (`device_map.assign_devices`: with cuda, rank r on cuda:r, one GPU each). Raises
-    ValueError naming `--device` and the counts, before any process starts. `visible_gpus`: None asks torch."""
-    if visible_gpus is None:
-        visible_gpus = device_map.visible_gpus_for(device)
-    return device_map.assign_devices(device, pp, tp, visible_gpus)
-
-
 def generate_local(
     model_dir: Path,
     request: OfflineRequest,
@@ -75,7 +67,7 @@ def generate_local(
     """Run `request` on a fresh P × T mesh of local processes and return what the last stage sampled. With
     `memory_budget` (bytes of weights per process) layers that do not fit stream in for each step (`offload`);
     with `kv_block_size` the KV cache is paged, blocks of that many tokens, as a paged mesh serves."""
-    devices = rank_devices(device, pp, tp)
+    devices = device_map.rank_devices(device, pp, tp)
     cfg = ModelConfig.from_dir(model_dir)
     check_shards(model_dir, shard_specs(cfg.num_layers, pp, tp), cfg)  # fail here, not in a child
     if memory_budget is not None:
@@ -84,11 +76,7 @@ def generate_local(
         # int8 on a CPU the int8 copy of the layers is written here, once, before the ranks map it
         check_budget(model_dir, cfg, specs, parse_dtype(dtype), memory_budget, devices,
                      Quantization(quantization))  # fmt: skip
-    if len(request.input_ids) + request.max_new_tokens > cfg.max_context:
-        raise ValueError(
-            f"max_new_tokens: prompt ({len(request.input_ids)}) + max_new_tokens ({request.max_new_tokens}) "
-            f"exceeds the model context of {cfg.max_context} tokens"
-        )
+    cfg.check_fits(len(request.input_ids), request.max_new_tokens)
     world = pp * tp
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="shardmesh-") as tmp:

@@ -51,6 +51,13 @@ def visible_gpus_for(spec: str) -> int:
     return visible_gpu_count() if needs_gpus(spec) else 0
 
 
+def rank_devices(spec: str, pp: int, tp: int) -> list[str]:
+    """Each rank's `--device` for ranks all on this host (`assign_devices` against the GPUs this process sees; with
+    cuda, rank r on cuda:r, one GPU each). Raises ValueError naming `--device` and the counts, before any process
+    starts; imports torch only when `spec` names a GPU."""
+    return assign_devices(spec, pp, tp, visible_gpus_for(spec))
+
+
 def _ranks(world: int, pp: int, tp: int) -> str:
     return f"{world} rank{'s' if world != 1 else ''} (pp={pp} × tp={tp})"
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from shardmesh.core import device_map
-from shardmesh_cli import offline, up
+from shardmesh_cli import up
 from shardmesh_cli.main import build_parser, main
 
 
@@ -105,12 +105,12 @@ def test_offline_generate_gives_each_rank_its_own_device(gpus: Gpus, visible: in
     gpus(visible)
     for pp, tp in [(1, 1), (2, 1), (2, 2), (2, 4)]:
         if pp * tp <= visible:
-            assert offline.rank_devices("cuda", pp, tp) == [f"cuda:{r}" for r in range(pp * tp)]
+            assert device_map.rank_devices("cuda", pp, tp) == [f"cuda:{r}" for r in range(pp * tp)]
         else:
             with pytest.raises(ValueError, match=rf"need {pp * tp} GPUs, one each, but {visible} (is|are) visible"):
-                offline.rank_devices("cuda", pp, tp)
-    assert offline.rank_devices("cpu", 2, 2) == ["cpu"] * 4
-    assert offline.rank_devices(f"cuda:{visible - 1}", 1, 1) == [f"cuda:{visible - 1}"]
+                device_map.rank_devices("cuda", pp, tp)
+    assert device_map.rank_devices("cpu", 2, 2) == ["cpu"] * 4
+    assert device_map.rank_devices(f"cuda:{visible - 1}", 1, 1) == [f"cuda:{visible - 1}"]
 
 
 def test_offline_generate_refuses_before_any_process_starts(gpus: Gpus, capsys: pytest.CaptureFixture[str]) -> None:
