@@ -21,7 +21,8 @@ the median of the rounds' values with their range.
 
 - single stream: decode tokens/s = completion tokens / (total - time to first token), TTFT as the
   gateway reports it (queue wait + prefill + first step), and client-side totals; the median of 3
-  requests in a row.
+  requests in a row, or, for the meshes of a stage-boundary pair, of 6 requests alternated with the
+  other mesh's (below).
 - aggregate: N concurrent streams, total completion tokens / wall time of the slowest.
 - pp=2 (tp=1) runs twice, once per `up --pipeline`: `turns` (the default on CPU: one step in flight,
   each stage on all the cores when its turn comes) and `full` (two micro-batches in flight, every stage
@@ -37,7 +38,10 @@ Derived lines, per dtype, each beside its target and whether this run met it:
   per worker and the same decode steps per call (`turns`, one step in flight, runs the gateway's 8 per call as
   pp=1 does; `full`, two in flight, one per call, so pp=1 runs again with `--decode-steps 1` on the thread count
   a `full` stage gets), i.e. what one extra hop costs; target <= 0.5 ms. Against pp=1 as deployed (all the
-  cores, several decode steps per call) beside it.
+  cores, several decode steps per call) beside it. Each pp=2 mesh and the pp=1 it is set against are up at
+  once, and their one-stream requests alternate, A B B A ... (PAIRED_REQUESTS each; `run_meshes`): the
+  boundary is the median of the adjacent pairs' differences. Meshes measured minutes apart met this host's
+  drift (±3 ms a token), which put single rounds' boundaries anywhere from -3.7 to +3.2 ms.
 - pipeline: aggregate tokens/s of pp=2 over pp=1 (both tp=1) at 16 streams, per pipeline mode: target >= 0.9x;
   and 16 streams over one stream: target >= 6x.
 """
@@ -45,6 +49,7 @@ Derived lines, per dtype, each beside its target and whether this run met it:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -194,7 +199,9 @@ class Mesh:
         self.proc.wait(timeout=30)
 
 
-def run_streams(address: str, prompt_ids: list[int], new_tokens: int, n: int) -> dict:
+def run_streams(address: str, prompt_ids: list[int], new_tokens: int, n: int, repeats: int | None = None) -> dict:
+    """`n` concurrent greedy requests through the gateway at `address`, `repeats` times in a row (default: 3 for one
+    stream, whose median is taken, else once), after a short warm-up request."""
     import grpc
 
     from shardmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
@@ -212,7 +219,7 @@ def run_streams(address: str, prompt_ids: list[int], new_tokens: int, n: int) ->
     # One stream is measured 3 times in a row (the median of the 3): single runs of it moved by 2-5 ms
     # between otherwise identical runs, as much as the stage boundary being measured.
     wall = 0.0
-    for _ in range(3 if n == 1 else 1):
+    for _ in range(repeats or (3 if n == 1 else 1)):
         threads = [threading.Thread(target=one) for _ in range(n)]
         t0 = time.perf_counter()
         for t in threads:
@@ -227,6 +234,15 @@ def run_streams(address: str, prompt_ids: list[int], new_tokens: int, n: int) ->
             "ms_per_token": statistics.median(decode) if decode else float("nan")}  # fmt: skip
 
 
+def merged(parts: list[dict]) -> dict:
+    """One stream's measurement from single requests made apart (`run_streams(..., 1, repeats=1)` each): tokens and
+    wall time summed, time to first token and ms/token the medians of the requests'."""
+    tokens, wall = sum(p["tokens"] for p in parts), sum(p["wall_s"] for p in parts)
+    return {"streams": parts[0]["streams"], "tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall,
+            "ttft_ms": statistics.median(p["ttft_ms"] for p in parts),
+            "ms_per_token": statistics.median(p["ms_per_token"] for p in parts)}  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------------
@@ -236,10 +252,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 # the bfloat16 target against llama.cpp does not apply.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 LAYOUTS, STREAMS = "1x1,2x1,1x3,2x3", "1,4,16,64"
-# --quick: what the targets need (pp=1, pp=2 both ways, tp=3; one and 16 streams), ~10 minutes on 2 cores.
+# --quick: what the targets need (pp=1, pp=2 both ways, tp=3; one and 16 streams), ~5 minutes a round on 2 cores.
 QUICK_LAYOUTS, QUICK_STREAMS = "1x1,2x1,1x3", "1,16"
 # tp=3 ÷ pp=1 per token, one stream: on a host with a core per rank, and on fewer cores (issue targets)
 TP_GOAL_CORE_PER_RANK, TP_GOAL_SHARED_CORES = 1.1, 1.5
+# One-stream requests per mesh of a stage-boundary pair, alternated between the two meshes (`run_meshes`).
+PAIRED_REQUESTS = 6
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -326,26 +344,73 @@ def plan_runs(layouts: list[tuple[int, int]], streams: list[int], dtype: str) ->
     return runs
 
 
-def run_mesh(model_dir: Path, run: dict, prompt_ids: list[int], a: argparse.Namespace) -> list[dict]:
-    """One `shardmesh up` of ``run``'s layout and dtype, each of its stream counts through the gateway."""
-    with tempfile.TemporaryDirectory() as logs:
-        steps = {"SHARDMESH_GATEWAY_DECODE_STEPS": str(run["decode_steps"])}
-        mesh = Mesh(model_dir, run["pp"], run["tp"], run["pipeline"], max(a.stream_list), Path(logs), run["threads"],
-                    a.rebalance, extra=("--dtype", run["dtype"]), env=steps)  # fmt: skip
-        try:
-            mine = []
-            for n in run["streams"]:
-                r = run_streams(mesh.address, prompt_ids, a.new_tokens, n)
-                r.update({k: v for k, v in run.items() if k != "streams"})
-                mine.append(r)
-                print(f"round {run.get('round', 1)} {run['dtype']} pp={run['pp']} tp={run['tp']} "
-                      f"pipeline={run['pipeline']} threads={run['threads']}: {r}", file=sys.stderr)  # fmt: skip
+def boundary_pairs(runs: list[dict]) -> list[list[dict]]:
+    """One dtype's planned runs as the steps of a round: each pp=2 (tp=1) run together with the pp=1 run of the same
+    threads per worker and decode steps per call (its stage-boundary baseline), pp=1 first, where both measure one
+    stream; every other run alone. A pair takes the place of the first of its two runs in the plan."""
+
+    def key(r: dict) -> tuple[int, int]:
+        return r["threads"], r.get("decode_steps", 1)
+
+    single = [r for r in runs if 1 in r["streams"] and r["tp"] == 1]
+    partner: dict[int, dict] = {}
+    for pp2 in (r for r in single if r["pp"] == 2):
+        pp1 = next((r for r in single if r["pp"] == 1 and key(r) == key(pp2) and id(r) not in partner), None)
+        if pp1 is not None:
+            partner[id(pp1)], partner[id(pp2)] = pp2, pp1
+    steps: list[list[dict]] = []
+    placed: set[int] = set()
+    for r in runs:
+        if id(r) not in placed:
+            group = sorted([r, partner[id(r)]], key=lambda x: x["pp"]) if id(r) in partner else [r]
+            placed |= {id(x) for x in group}
+            steps.append(group)
+    return steps
+
+
+def run_meshes(model_dir: Path, runs: list[dict], prompt_ids: list[int], a: argparse.Namespace,
+               flip: bool = False) -> list[dict]:  # fmt: skip
+    """One step of a round: ``runs``' meshes (`shardmesh up` of each layout and dtype) up at once, and each of their
+    stream counts through the gateway.
+
+    A stage-boundary pair (pp=1, then pp=2; `boundary_pairs`) measures one stream by alternating single requests
+    between its two meshes, PAIRED_REQUESTS each, in the order A B B A A B ... (B first if `flip`), so the host's
+    drift from one minute to the next lands on both alike; the pp=2 row's `boundary_each` holds every pair's
+    difference (pp=2 minus pp=1, ms/token). Then each mesh, in turn, runs its other stream counts."""
+    with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
+        meshes = []
+        for i, run in enumerate(runs):
+            log_dir = Path(logs) / f"mesh{i}"
+            log_dir.mkdir()
+            steps = {"SHARDMESH_GATEWAY_DECODE_STEPS": str(run["decode_steps"])}
+            mesh = Mesh(model_dir, run["pp"], run["tp"], run["pipeline"], max(a.stream_list), log_dir, run["threads"],
+                        a.rebalance, extra=("--dtype", run["dtype"]), env=steps)  # fmt: skip
+            stack.callback(mesh.close)
+            meshes.append(mesh)
+        found: list[dict[int, dict]] = [{} for _ in runs]
+        order = [1, 0] if flip else [0, 1]
+        if len(runs) == 2:
+            parts: list[list[dict]] = [[], []]
+            for i in range(PAIRED_REQUESTS):
+                for j in order if i % 2 == 0 else order[::-1]:
+                    parts[j].append(run_streams(meshes[j].address, prompt_ids, a.new_tokens, 1, repeats=1))
+            found = [{1: merged(parts[0])}, {1: merged(parts[1])}]
+            found[1][1]["boundary_each"] = [b["ms_per_token"] - x["ms_per_token"] for x, b in zip(*parts, strict=True)]
+        for j in order if len(runs) == 2 else range(len(runs)):
+            for n in runs[j]["streams"]:
+                if n not in found[j]:
+                    found[j][n] = run_streams(meshes[j].address, prompt_ids, a.new_tokens, n)
+        rows = []
+        for run, mesh, by_n in zip(runs, meshes, found, strict=True):
             rss = [round(x / 2**20) for x in mesh.worker_peak_rss()]
             seen = {"layers": mesh.layers(), "links": mesh.links(), "compute_priority": mesh.priorities(),
                     "bf16_rows": mesh.bf16_rows()}  # fmt: skip
-            return [{**r, "worker_peak_rss_mib": rss, **seen} for r in mine]
-        finally:
-            mesh.close()
+            for n in run["streams"]:
+                r = {**by_n[n], **{k: v for k, v in run.items() if k != "streams"}}
+                print(f"round {run.get('round', 1)} {run['dtype']} pp={run['pp']} tp={run['tp']} "
+                      f"pipeline={run['pipeline']} threads={run['threads']}: {r}", file=sys.stderr)  # fmt: skip
+                rows.append({**r, "worker_peak_rss_mib": rss, **seen})
+        return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -367,20 +432,22 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for number in range(a.rounds):
         for dtype in a.dtype_list:
-            steps: list[dict | None] = [None, *plan_runs(a.layout_list, a.stream_list, dtype)]  # None: llama.cpp
-            for run in steps if number % 2 == 0 else steps[::-1]:
-                if run is None:
+            planned = boundary_pairs(plan_runs(a.layout_list, a.stream_list, dtype))
+            steps: list[list[dict] | None] = [None, *planned]  # None: llama.cpp
+            for step in steps if number % 2 == 0 else steps[::-1]:
+                if step is None:
                     llama = baseline_llamacpp(a.model, prompt_ids, a.new_tokens, info["cores"], dtype)
                     print(f"round {number + 1} llama.cpp {dtype}: {llama}", file=sys.stderr)
                     bases[dtype]["llama_cpp_rounds"].append(llama)
                     continue
-                run = {**run, "round": number + 1}
+                group = [{**run, "round": number + 1} for run in step]
                 try:
-                    rows += run_mesh(model_dir, run, prompt_ids, a)
+                    rows += run_meshes(model_dir, group, prompt_ids, a, flip=number % 2 == 1)
                 except Exception as exc:  # one layout or dtype that will not serve must not lose the others' numbers
                     failure = one_line(exc)
-                    print(f"{dtype} pp={run['pp']} tp={run['tp']}: FAILED {failure}", file=sys.stderr)
-                    rows.append({**{k: v for k, v in run.items() if k != "streams"}, "failed": failure})
+                    for run in group:
+                        print(f"{dtype} pp={run['pp']} tp={run['tp']}: FAILED {failure}", file=sys.stderr)
+                        rows.append({**{k: v for k, v in run.items() if k != "streams"}, "failed": failure})
     for base in bases.values():
         base["llama_cpp"] = base["llama_cpp_rounds"][0]
     report(info, bases, rows, a, Path(a.out))
@@ -472,6 +539,11 @@ def boundary_targets(dtype: str, rows: list[dict]) -> list[dict]:
         if same is None:
             out.append(_target(name, dtype, None, " ms", "<=", 0.5, detail,
                                f"needs pp=1 on {r['threads']} thread(s), {steps} decode step(s) per call"))  # fmt: skip
+        elif r.get("boundary_each"):  # up beside its pp=1, requests alternated: the median of the pairs' differences
+            each = r["boundary_each"]
+            detail += (f"; up beside that pp=1, the median of {len(each)} alternated requests' differences "
+                       f"({min(each):+.2f} to {max(each):+.2f})")  # fmt: skip
+            out.append(_target(name, dtype, statistics.median(each), " ms", "<=", 0.5, detail))
         else:
             out.append(_target(name, dtype, r["ms_per_token"] - same["ms_per_token"], " ms", "<=", 0.5, detail))
     if not out:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -193,18 +194,19 @@ def test_rounds_are_alternated_and_llamacpp_stays_beside_pp1(monkeypatch: pytest
     monkeypatch.setattr(run, "cores", lambda: 2)
     order: list[str] = []
 
-    def mesh(model_dir: Path, r: dict, ids: list[int], a: argparse.Namespace) -> list[dict]:
-        order.append(f"{r['round']}:{r['pp']}x{r['tp']}:{r['pipeline']}:{r['threads']}")
-        row = _row(r["dtype"], r["pp"], r["tp"], 1, ms=10.0 * r["round"], tok_s=1.0, pipeline=r["pipeline"],
-                   threads=r["threads"], deployed=r["deployed"], decode_steps=r["decode_steps"])  # fmt: skip
-        return [row | {"round": r["round"]}]
+    def meshes(model_dir: Path, group: list[dict], ids: list[int], a: argparse.Namespace, flip: bool) -> list[dict]:
+        order.append("+".join(f"{r['round']}:{r['pp']}x{r['tp']}:{r['pipeline']}:{r['threads']}" for r in group)
+                     + (" flipped" if flip else ""))  # fmt: skip
+        return [_row(r["dtype"], r["pp"], r["tp"], 1, ms=10.0 * r["round"], tok_s=1.0, pipeline=r["pipeline"],
+                     threads=r["threads"], deployed=r["deployed"], decode_steps=r["decode_steps"])
+                | {"round": r["round"]} for r in group]  # fmt: skip
 
     def llama(model: str, ids: list[int], n: int, threads: int, dtype: str) -> dict:
         order.append(f"llama:{dtype}")
         return _llama(11.0 * sum(x.startswith("llama") for x in order))  # 11 ms in round 1, 22 in round 2
 
     saved = {}
-    monkeypatch.setattr(run, "run_mesh", mesh)
+    monkeypatch.setattr(run, "run_meshes", meshes)
     monkeypatch.setattr(run, "baseline_llamacpp", llama)
     monkeypatch.setattr(run, "baseline_transformers", lambda *args: {"decode_tok_s": 1.0, "ms_per_token": 1e3,
                                                                      "ttft_ms": 1.0})  # fmt: skip
@@ -214,13 +216,93 @@ def test_rounds_are_alternated_and_llamacpp_stays_beside_pp1(monkeypatch: pytest
     monkeypatch.setattr("shardmesh.models.tokenizer.Tokenizer.from_dir",
                         lambda d: type("T", (), {"encode_chat": lambda self, m: [1, 2]})())  # fmt: skip
     run.main(["--layouts", "1x1,2x1", "--streams", "1", "--dtypes", "float32", "--rounds", "2"])
-    first = ["llama:float32", "1:1x1:full:2", "1:2x1:turns:2", "1:2x1:full:1", "1:1x1:full:1"]
-    second = ["2:1x1:full:1", "2:2x1:full:1", "2:2x1:turns:2", "2:1x1:full:2", "llama:float32"]
+    # Each pp=2 mesh is up at once with the pp=1 of its threads and decode steps per call (the boundary's pair).
+    first = ["llama:float32", "1:1x1:full:2+1:2x1:turns:2", "1:1x1:full:1+1:2x1:full:1"]
+    second = ["2:1x1:full:1+2:2x1:full:1 flipped", "2:1x1:full:2+2:2x1:turns:2 flipped", "llama:float32"]
     assert order == first + second
     base = saved["bases"]["float32"]
     assert [x["ms_per_token_median"] for x in base["llama_cpp_rounds"]] == [11.0, 22.0]
     assert base["llama_cpp"] is base["llama_cpp_rounds"][0]
     assert [r["round"] for r in saved["rows"]] == [1] * 4 + [2] * 4
+
+
+def test_boundary_pairs_put_each_pp2_beside_its_like_for_like_pp1(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run, "cores", lambda: 2)
+    runs = run.plan_runs([(1, 1), (2, 1), (1, 3)], [1, 16], "float32")
+    got = [[(r["pp"], r["tp"], r["pipeline"], r["threads"], r["decode_steps"]) for r in step]
+           for step in run.boundary_pairs(runs)]  # fmt: skip
+    steps = run.DECODE_STEPS
+    assert got == [[(1, 1, "full", 2, steps), (2, 1, "turns", 2, steps)],  # pp=1 as deployed and `turns`
+                   [(1, 1, "full", 1, 1), (2, 1, "full", 1, 1)],  # `full`, with pp=1 on one thread, a call per token
+                   [(1, 3, "full", 1, steps)]]  # fmt: skip
+    # Without one stream, or without its baseline, a pp=2 run stands alone.
+    alone = run.boundary_pairs(run.plan_runs([(2, 1)], [1, 16], "float32"))
+    assert [len(step) for step in alone] == [1, 1]
+    assert [len(step) for step in run.boundary_pairs(run.plan_runs([(1, 1), (2, 1)], [16], "float32"))] == [1, 1, 1]
+
+
+class _FakeMesh:
+    """A mesh for `run_meshes` that starts no process: its address names it; what happened goes to `log`."""
+
+    log: ClassVar[list[str]] = []
+
+    def __init__(self, model_dir: Path, pp: int, tp: int, *args: object, **kwargs: object) -> None:
+        self.address = f"pp{pp}"
+        self.log.append(f"up {self.address}")
+
+    def worker_peak_rss(self) -> list[int]:
+        return [2**20]
+
+    def layers(self) -> list[int]:
+        return [30]
+
+    def links(self) -> list[str]:
+        return ["shm"]
+
+    def priorities(self) -> list[str]:
+        return ["realtime"]
+
+    def bf16_rows(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        self.log.append(f"close {self.address}")
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_a_boundary_pair_alternates_requests_so_drift_cancels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                              flip: bool) -> None:  # fmt: skip
+    """Both meshes are up before the first request and closed after the last; one stream alternates single requests
+    A B B A ...; the host slowing down by 1 ms a request is in both sides' medians but in none of the pairs'
+    differences, which are pp=2's own +0.4 ms."""
+    log: ClassVar[list[str]] = []
+    monkeypatch.setattr(_FakeMesh, "log", log)
+    monkeypatch.setattr(run, "Mesh", _FakeMesh)
+    own = {"pp1": 20.0, "pp2": 20.4}
+
+    def streams(address: str, ids: list[int], new_tokens: int, n: int, repeats: int | None = None) -> dict:
+        log.append(f"{address}x{n}" + (f" repeats={repeats}" if repeats else ""))
+        ms = own[address] + sum(x.startswith("pp") for x in log)  # every request 1 ms slower than the last
+        return {"streams": n, "tokens": 64 * n, "wall_s": ms * 64 * n / 1e3, "aggregate_tok_s": 1e3 / ms,
+                "ttft_ms": 50.0, "ms_per_token": ms}  # fmt: skip
+
+    monkeypatch.setattr(run, "run_streams", streams)
+    a = argparse.Namespace(stream_list=[1, 16], rebalance="none", new_tokens=64)
+    pair = run.boundary_pairs(run.plan_runs([(1, 1), (2, 1)], [1, 16], "float32"))[0]
+    rows = run.run_meshes(tmp_path, pair, [1, 2], a, flip=flip)
+    a_, b_ = ("pp2", "pp1") if flip else ("pp1", "pp2")
+    one = [f"{x}x1 repeats=1" for x in [a_, b_, b_, a_] * (run.PAIRED_REQUESTS // 2)]
+    assert log == ["up pp1", "up pp2", *one, f"{a_}x16", f"{b_}x16", "close pp2", "close pp1"]
+    by = {(r["pp"], r["streams"]): r for r in rows}
+    assert by[(2, 1)]["boundary_each"] == [pytest.approx(0.4 + (1 if (i % 2 == 0) != flip else -1))
+                                           for i in range(run.PAIRED_REQUESTS)]  # fmt: skip
+    # ABBA: A's request just before B's in even pairs, just after in odd ones; the drift of +-1 ms cancels in the
+    # median only with an even count, and the reported boundary is pp=2's own +0.4 ms.
+    found = run.boundary_targets("float32", rows)
+    turns = _by_name(found, "float32", "stage boundary, `--pipeline turns`")
+    assert turns["value"] == pytest.approx(0.4)
+    assert f"the median of {run.PAIRED_REQUESTS} alternated requests' differences (-0.60 to +1.40)" in turns["detail"]
+    assert by[(1, 16)]["links"] == ["shm"] and by[(2, 16)]["worker_peak_rss_mib"] == [1]
 
 
 def test_round_targets_are_medians_of_each_rounds_own_ratio() -> None:
