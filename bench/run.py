@@ -691,6 +691,10 @@ def markdown(info: dict, bases: dict[str, dict], rows: list[dict], found: list[d
         lines += [f"{a.rounds} rounds of llama.cpp and every mesh, alternated (odd rounds in the planned order, "
                   "even rounds reversed, the table in the order they ran); each derived line is computed within "
                   "each round, then the median of the rounds' values is set against its target."]  # fmt: skip
+    if any(r.get("boundary_each") for r in rows):
+        lines += [f"Each pp=2 mesh was up at once with the pp=1 mesh it is set against for the stage boundary, their "
+                  f"one-stream requests alternated ({PAIRED_REQUESTS} each, A B B A ...): the boundary is the median "
+                  "of the adjacent pairs' differences."]  # fmt: skip
     for dtype, base in bases.items():
         lines += ["", f"Baseline `transformers.generate` {dtype} (same run): **{base['decode_tok_s']:.1f} tok/s** "
                       f"decode ({base['ms_per_token']:.1f} ms/token), TTFT {base['ttft_ms']:.0f} ms.",

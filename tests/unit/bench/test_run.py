@@ -345,3 +345,6 @@ def test_markdown_of_rounds_has_a_round_column() -> None:
     assert [line.split("|")[1].strip() for line in table[1:]] == ["1", "2"]
     assert "llama.cpp float32 ms/token in rounds 1-2: 22.00, 18.00." in md
     assert "**1.00×** (range 0.90 to 1.10) (target >= 1×: **met**" in md
+    assert "up at once" not in md  # no pair among these rows
+    paired = [*rows, _row("float32", 2, 1, 1, ms=20.5, tok_s=48.0, pipeline="turns") | {"boundary_each": [0.5]}]
+    assert f"alternated ({run.PAIRED_REQUESTS} each, A B B A ...)" in run.markdown(info, bases, paired, [], a)
