@@ -55,8 +55,14 @@ def test_slots_are_reused_after_release(logger: Any, model_files: ModelFiles) ->
     scheduler.start()
     try:
         mesh = FakeMesh(pp=1, tp=2, kv_slots=2)
+        mesh.gate = threading.Event()
         scheduler.update_mesh(mesh_state(mesh, model_files))
-        handles = [scheduler.submit(request(model_files, f"r{i}", max_new=2 + i)) for i in range(4)]
+        handles = [scheduler.submit(request(model_files, "r0", max_new=2))]
+        # r0's prompt step is held until every request is queued: on a busy machine r0 could otherwise finish and
+        # free its slot before r1 arrives, and r1 would take slot 0 again.
+        assert mesh.entered.wait(WAIT_S)
+        handles += [scheduler.submit(request(model_files, f"r{i}", max_new=2 + i)) for i in range(1, 4)]
+        mesh.gate.set()
         results = [collect(h) for h in handles]
         assert [len(tokens(r)) for r in results] == [2, 3, 4, 5]
         first_step, last_step = {}, {}
@@ -464,8 +470,12 @@ def test_paged_admission_waits_for_blocks_and_never_runs_out(logger: Any, model_
     try:
         # 6 blocks of 4: each request may need 3 (2 prompt tokens + up to 10 new), so two run at once.
         mesh = FakeMesh(pp=1, tp=1, kv_slots=4, max_context=24, kv_block_size=4, kv_blocks=6)
+        mesh.gate = threading.Event()
         scheduler.update_mesh(mesh_state(mesh, model_files))
-        handles = [scheduler.submit(request(model_files, f"r{i}", max_new=10)) for i in range(4)]
+        handles = [scheduler.submit(request(model_files, "r0", max_new=10))]
+        assert mesh.entered.wait(WAIT_S)  # r0's prompt step held until all four wait: none can finish alone first
+        handles += [scheduler.submit(request(model_files, f"r{i}", max_new=10)) for i in range(1, 4)]
+        mesh.gate.set()
         assert [len(tokens(collect(h))) for h in handles] == [10] * 4
         concurrent = max(len(step.entries) for step in mesh.shards[0].steps)
         assert concurrent == 2  # four slots, but blocks for two
