@@ -4,6 +4,7 @@ biases, grouped or full heads, any slots, positions and order, and write the sam
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +28,7 @@ from shardmesh.engine.stage import StageEngine
 from tests.checkpoints import make_checkpoint
 from tests.thread_mesh import run_mesh
 from tests.unit.engine.test_model import PROMPTS, prefilled
+from tests.waiting import WAIT_S
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C++ build: {cpu_kernels.build_error()}")
 
@@ -377,12 +379,17 @@ def test_a_rank_whose_peer_closed_the_group_fails_its_one_call_naming_it(tmp_pat
     d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=2, seed=6, num_attention_heads=6,
                         num_key_value_heads=3, intermediate_size=96)  # fmt: skip
 
+    stepped = threading.Barrier(3)  # the ranks are threads (`run_mesh`)
+
     def body(engine: StageEngine, rank: int) -> str:
         model, group = engine.model, engine.groups.tp
         runner = CpuDecode(model, model.make_cache(2, torch.float32, "cpu"))
         batch = BatchLayout.build([Segment(0, 0, 1)])
         with torch.inference_mode():
             runner.run(batch, torch.tensor([5]))  # one step together
+            # Every rank out of that step before rank 1 closes: a rank leaves the step's last collective as soon as
+            # its own share is read, and on a busy machine rank 1 could close while another still read its part.
+            stepped.wait(WAIT_S)
             if rank == 1:
                 group.close("a test broke it")
             try:
