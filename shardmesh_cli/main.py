@@ -103,9 +103,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_dir(model_dir)
     ids, tokenizer = _prompt_ids(args, model_dir, cfg.vocab_size)
     try:  # `generate_local` checks it again, for callers of its own
-        cfg.check_fits(len(ids), args.max_new_tokens)
+        cfg.check_fits(len(ids), args.max_new_tokens, name="--max-new-tokens")
     except ValueError as e:
-        raise UsageError(f"--max-new-tokens: {str(e).removeprefix('max_new_tokens: ')}") from None
+        raise UsageError(str(e)) from None
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     except ValueError as e:

@@ -63,10 +63,11 @@ class ModelConfig:
     def max_context(self) -> int:
         return self.max_position_embeddings
 
-    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        """Raises ValueError naming `max_new_tokens` when a prompt and its longest answer exceed `max_context`."""
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int, name: str = "max_new_tokens") -> None:
+        """Raises ValueError led by `name` (the field or flag the caller took `max_new_tokens` from) when a prompt and
+        its longest answer exceed `max_context`."""
         if prompt_tokens + max_new_tokens > self.max_context:
-            raise ValueError(f"max_new_tokens: prompt ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) exceeds "
+            raise ValueError(f"{name}: prompt ({prompt_tokens}) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"the model context of {self.max_context} tokens")  # fmt: skip
 
     @classmethod
