@@ -4,6 +4,7 @@ should fail here, not on a reader."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-def anchors(page: Path) -> set[str]:
+@functools.cache  # a page's headings, read once however many links point into it
+def anchors(page: Path) -> frozenset[str]:
     seen: dict[str, int] = {}
     out = set()
     for line in prose(page.read_text()):
@@ -41,7 +43,7 @@ def anchors(page: Path) -> set[str]:
             n = seen.get(base, 0)
             seen[base] = n + 1
             out.add(base if n == 0 else f"{base}-{n}")
-    return out
+    return frozenset(out)
 
 
 def test_slug_follows_github() -> None:
