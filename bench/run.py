@@ -39,9 +39,11 @@ Derived lines, per dtype, each beside its target and whether this run met it:
   pp=1 does; `full`, two in flight, one per call, so pp=1 runs again with `--decode-steps 1` on the thread count
   a `full` stage gets), i.e. what one extra hop costs; target <= 0.5 ms. Against pp=1 as deployed (all the
   cores, several decode steps per call) beside it. Each pp=2 mesh and the pp=1 it is set against are up at
-  once, and their one-stream requests alternate, A B B A ... (PAIRED_REQUESTS each; `run_meshes`): the
-  boundary is the median of the adjacent pairs' differences. Meshes measured minutes apart met this host's
-  drift (±3 ms a token), which put single rounds' boundaries anywhere from -3.7 to +3.2 ms.
+  once, and their one-stream requests alternate, A B B A ... (`--pairs`, 12 each by default; `run_meshes`):
+  the boundary is the median of the adjacent pairs' differences. Meshes measured minutes apart met this host's
+  drift (±3 ms a token), which put single rounds' boundaries anywhere from -3.7 to +3.2 ms. The report also
+  pools every round's pairs: their median and a 95% interval of it (`median_interval`), and whether the whole
+  interval lies below the target, above it, or holds it (then the run cannot tell the two apart).
 - pipeline: aggregate tokens/s of pp=2 over pp=1 (both tp=1) at 16 streams, per pipeline mode: target >= 0.9x;
   and 16 streams over one stream: target >= 6x.
 """
@@ -51,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -256,8 +259,11 @@ LAYOUTS, STREAMS = "1x1,2x1,1x3,2x3", "1,4,16,64"
 QUICK_LAYOUTS, QUICK_STREAMS = "1x1,2x1,1x3", "1,16"
 # tp=3 ÷ pp=1 per token, one stream: on a host with a core per rank, and on fewer cores (issue targets)
 TP_GOAL_CORE_PER_RANK, TP_GOAL_SHARED_CORES = 1.1, 1.5
-# One-stream requests per mesh of a stage-boundary pair, alternated between the two meshes (`run_meshes`).
-PAIRED_REQUESTS = 6
+# One-stream requests per mesh of a stage-boundary pair, alternated between the two meshes (`run_meshes`; `--pairs`).
+# Single pairs' differences spread over ~5 ms on the 2-vCPU Xeon (a 64-token request takes ~1.3 s, and this host's
+# speed moves within seconds), so 6 a round left the rounds' medians 1-2 ms apart where the target is 0.5 ms; 12 a
+# round give 36 pairs in three rounds, whose pooled median has an interval ~1 ms wide (`pooled_boundaries`).
+PAIRED_REQUESTS = 12
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -287,6 +293,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="1",
         help="run llama.cpp and the meshes this many times, alternating their order; lines are per-round medians",
     )
+    ap.add_argument(
+        "--pairs",
+        default=str(PAIRED_REQUESTS),
+        help="one-stream requests per mesh of a stage-boundary pair, alternated A B B A (an even number)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
     a.layouts = a.layouts or (QUICK_LAYOUTS if a.quick else LAYOUTS)
@@ -295,6 +306,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.layout_list = [_layout(x) for x in a.layouts.split(",")]
         a.stream_list = [_positive("--streams", x) for x in a.streams.split(",")]
         a.rounds = _positive("--rounds", a.rounds, each=False)
+        a.pairs = _positive("--pairs", a.pairs, each=False)
+        if a.pairs % 2:  # A B B A cancels a steady drift only over whole A B, B A quartets
+            raise ValueError(f"--pairs: must be even (A B B A ...), got {a.pairs}")
     except ValueError as exc:
         ap.error(str(exc))
     a.dtype_list = [d.strip() for d in a.dtypes.split(",") if d.strip()]
@@ -374,7 +388,7 @@ def run_meshes(model_dir: Path, runs: list[dict], prompt_ids: list[int], a: argp
     stream counts through the gateway.
 
     A stage-boundary pair (pp=1, then pp=2; `boundary_pairs`) measures one stream by alternating single requests
-    between its two meshes, PAIRED_REQUESTS each, in the order A B B A A B ... (B first if `flip`), so the host's
+    between its two meshes, `a.pairs` each, in the order A B B A A B ... (B first if `flip`), so the host's
     drift from one minute to the next lands on both alike; the pp=2 row's `boundary_each` holds every pair's
     difference (pp=2 minus pp=1, ms/token). Then each mesh, in turn, runs its other stream counts."""
     with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
@@ -391,7 +405,7 @@ def run_meshes(model_dir: Path, runs: list[dict], prompt_ids: list[int], a: argp
         order = [1, 0] if flip else [0, 1]
         if len(runs) == 2:
             parts: list[list[dict]] = [[], []]
-            for i in range(PAIRED_REQUESTS):
+            for i in range(a.pairs):
                 for j in order if i % 2 == 0 else order[::-1]:
                     parts[j].append(run_streams(meshes[j].address, prompt_ids, a.new_tokens, 1, repeats=1))
             found = [{1: merged(parts[0])}, {1: merged(parts[1])}]
@@ -552,6 +566,43 @@ def boundary_targets(dtype: str, rows: list[dict]) -> list[dict]:
     return out
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """An interval that holds the median of the distribution `values` were drawn from with at least `confidence`,
+    whatever that distribution: the k-th smallest and k-th largest value, k the largest with P(B < k) <= (1 -
+    confidence) / 2 for B ~ Binomial(n, 1/2), the count of values below the median. None below 6 values (95%)."""
+    xs, n = sorted(values), len(values)
+    tail, below, k = (1 - confidence) / 2, 0.0, 0
+    while k < n and below + math.comb(n, k) / 2**n <= tail:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k else None
+
+
+def pooled_boundaries(rows: list[dict], goal: float = 0.5) -> list[dict]:
+    """Per dtype and pipeline mode, every round's stage-boundary pairs (`boundary_each`) taken together: their
+    median, its `median_interval`, and what the interval says of the target. A round's median of its pairs moves
+    by more than the target from round to round on a noisy host; the pooled pairs say whether the run could tell
+    the boundary from the target at all."""
+    pooled: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        if r.get("boundary_each"):
+            pooled.setdefault((r["dtype"], r["pipeline"]), []).extend(r["boundary_each"])
+    out = []
+    for (dtype, pipeline), each in pooled.items():
+        interval = median_interval(each)
+        if interval is None:
+            verdict = "too few pairs to tell"
+        elif interval[1] <= goal:
+            verdict = f"all of it at or below {goal} ms: **met**, beyond this run's noise"
+        elif interval[0] > goal:
+            verdict = f"all of it above {goal} ms: **not met**, beyond this run's noise"
+        else:
+            verdict = f"the interval holds {goal} ms: this run cannot tell the boundary from the target"
+        out.append({"dtype": dtype, "pipeline": pipeline, "pairs": len(each), "median": statistics.median(each),
+                    "interval": interval, "verdict": verdict})  # fmt: skip
+    return out
+
+
 def throughput_targets(dtype: str, rows: list[dict]) -> list[dict]:
     """pp=2 aggregate tokens/s over pp=1 (tp=1) at 16 streams per pipeline mode (target >= 0.9x), and 16
     streams over one stream for each (target >= 6x)."""
@@ -691,9 +742,9 @@ def markdown(info: dict, bases: dict[str, dict], rows: list[dict], found: list[d
         lines += [f"{a.rounds} rounds of llama.cpp and every mesh, alternated (odd rounds in the planned order, "
                   "even rounds reversed, the table in the order they ran); each derived line is computed within "
                   "each round, then the median of the rounds' values is set against its target."]  # fmt: skip
-    if any(r.get("boundary_each") for r in rows):
+    if paired := [len(r["boundary_each"]) for r in rows if r.get("boundary_each")]:
         lines += [f"Each pp=2 mesh was up at once with the pp=1 mesh it is set against for the stage boundary, their "
-                  f"one-stream requests alternated ({PAIRED_REQUESTS} each, A B B A ...): the boundary is the median "
+                  f"one-stream requests alternated ({max(paired)} each, A B B A ...): the boundary is the median "
                   "of the adjacent pairs' differences."]  # fmt: skip
     for dtype, base in bases.items():
         lines += ["", f"Baseline `transformers.generate` {dtype} (same run): **{base['decode_tok_s']:.1f} tok/s** "
@@ -711,15 +762,28 @@ def markdown(info: dict, bases: dict[str, dict], rows: list[dict], found: list[d
     lines += [_row_line(r, bases[r["dtype"]], rounds) for r in rows]
     lines += ["", "Targets (this run's rows; ratios > 1 against llama.cpp mean faster than llama.cpp):", ""]
     lines += [_target_line(t) for t in found]
+    if pooled := pooled_boundaries(rows):
+        lines += ["", "The stage boundary with every round's pairs pooled: their median, and a 95% interval of it "
+                      "that assumes nothing of their distribution (`median_interval`):", ""]  # fmt: skip
+        lines += [_pooled_line(p) for p in pooled]
     return "\n".join(lines) + "\n"
+
+
+def _pooled_line(p: dict) -> str:
+    if p["interval"] is None:
+        return (f"- {p['dtype']}, `--pipeline {p['pipeline']}`: median **{p['median']:+.2f} ms** of {p['pairs']} "
+                f"pairs (too few for an interval).")  # fmt: skip
+    low, high = p["interval"]
+    return (f"- {p['dtype']}, `--pipeline {p['pipeline']}`: median **{p['median']:+.2f} ms** of {p['pairs']} pairs, "
+            f"interval {low:+.2f} to {high:+.2f} ms: {p['verdict']}.")  # fmt: skip
 
 
 def report(info: dict, bases: dict[str, dict], rows: list[dict], a: argparse.Namespace, out: Path) -> None:
     info = {**info, "load_avg_1m_end": round(os.getloadavg()[0], 2)}  # how busy the shared machine was
     found = round_targets(bases, rows, info.get("cpu_flags", []), info.get("cores"))
-    data = {"baselines": bases, "rows": rows, "targets": found, "options": {
+    data = {"baselines": bases, "rows": rows, "targets": found, "boundary_pooled": pooled_boundaries(rows), "options": {
         "layouts": a.layouts, "streams": a.streams, "dtypes": a.dtypes, "new_tokens": a.new_tokens,
-        "rebalance": a.rebalance, "quick": a.quick, "rounds": a.rounds}}  # fmt: skip
+        "rebalance": a.rebalance, "quick": a.quick, "rounds": a.rounds, "pairs": a.pairs}}  # fmt: skip
     save_results(out, info, "", markdown(info, bases, rows, found, a), data)
 
 

@@ -43,6 +43,8 @@ def test_defaults_and_quick() -> None:
     (["--dtypes", "float32,int8"], "--dtypes: each must be one of float32, bfloat16, float16; got 'float32,int8'"),
     (["--layouts", "2"], "--layouts: each must be PPxTP, e.g. 2x1, got '2'"),
     (["--streams", "1,0"], "--streams: each must be a positive whole number, got '0'"),
+    (["--pairs", "0"], "--pairs: must be a positive whole number, got '0'"),
+    (["--pairs", "5"], "--pairs: must be even (A B B A ...), got 5"),
 ])  # fmt: skip
 def test_wrong_options_name_the_flag(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
@@ -180,6 +182,7 @@ def test_machine_records_cpu_model_and_kernel_flags(monkeypatch: pytest.MonkeyPa
 def test_rounds_option() -> None:
     assert run.parse_args([]).rounds == 1
     assert run.parse_args(["--quick", "--rounds", "3"]).rounds == 3
+    assert (run.parse_args([]).pairs, run.parse_args(["--pairs", "4"]).pairs) == (run.PAIRED_REQUESTS, 4)
 
 
 def test_rounds_must_be_positive(capsys: pytest.CaptureFixture) -> None:
@@ -287,21 +290,21 @@ def test_a_boundary_pair_alternates_requests_so_drift_cancels(monkeypatch: pytes
                 "ttft_ms": 50.0, "ms_per_token": ms}  # fmt: skip
 
     monkeypatch.setattr(run, "run_streams", streams)
-    a = argparse.Namespace(stream_list=[1, 16], rebalance="none", new_tokens=64)
+    a = argparse.Namespace(stream_list=[1, 16], rebalance="none", new_tokens=64, pairs=6)
     pair = run.boundary_pairs(run.plan_runs([(1, 1), (2, 1)], [1, 16], "float32"))[0]
     rows = run.run_meshes(tmp_path, pair, [1, 2], a, flip=flip)
     a_, b_ = ("pp2", "pp1") if flip else ("pp1", "pp2")
-    one = [f"{x}x1 repeats=1" for x in [a_, b_, b_, a_] * (run.PAIRED_REQUESTS // 2)]
+    one = [f"{x}x1 repeats=1" for x in [a_, b_, b_, a_] * 3]
     assert log == ["up pp1", "up pp2", *one, f"{a_}x16", f"{b_}x16", "close pp2", "close pp1"]
     by = {(r["pp"], r["streams"]): r for r in rows}
     assert by[(2, 1)]["boundary_each"] == [pytest.approx(0.4 + (1 if (i % 2 == 0) != flip else -1))
-                                           for i in range(run.PAIRED_REQUESTS)]  # fmt: skip
+                                           for i in range(6)]  # fmt: skip
     # ABBA: A's request just before B's in even pairs, just after in odd ones; the drift of +-1 ms cancels in the
     # median only with an even count, and the reported boundary is pp=2's own +0.4 ms.
     found = run.boundary_targets("float32", rows)
     turns = _by_name(found, "float32", "stage boundary, `--pipeline turns`")
     assert turns["value"] == pytest.approx(0.4)
-    assert f"the median of {run.PAIRED_REQUESTS} alternated requests' differences (-0.60 to +1.40)" in turns["detail"]
+    assert "the median of 6 alternated requests' differences (-0.60 to +1.40)" in turns["detail"]
     assert by[(1, 16)]["links"] == ["shm"] and by[(2, 16)]["worker_peak_rss_mib"] == [1]
 
 
@@ -346,5 +349,41 @@ def test_markdown_of_rounds_has_a_round_column() -> None:
     assert "llama.cpp float32 ms/token in rounds 1-2: 22.00, 18.00." in md
     assert "**1.00×** (range 0.90 to 1.10) (target >= 1×: **met**" in md
     assert "up at once" not in md  # no pair among these rows
-    paired = [*rows, _row("float32", 2, 1, 1, ms=20.5, tok_s=48.0, pipeline="turns") | {"boundary_each": [0.5]}]
-    assert f"alternated ({run.PAIRED_REQUESTS} each, A B B A ...)" in run.markdown(info, bases, paired, [], a)
+    pairs = [0.1 * i for i in range(8)]
+    paired = [*rows, _row("float32", 2, 1, 1, ms=20.5, tok_s=48.0, pipeline="turns") | {"boundary_each": pairs}]
+    md = run.markdown(info, bases, paired, [], a)
+    assert "alternated (8 each, A B B A ...)" in md
+    # 8 pairs: a 95% interval of their median runs from the smallest to the largest (P(B = 0) = 1/256 each side).
+    assert (
+        "- float32, `--pipeline turns`: median **+0.35 ms** of 8 pairs, interval +0.00 to +0.70 ms: the interval "
+        "holds 0.5 ms: this run cannot tell the boundary from the target."
+    ) in md
+
+
+def test_median_interval_takes_the_order_statistics_binomial_tails_allow() -> None:
+    # n = 36: P(B <= 11) = 0.016 <= 0.025 < P(B <= 12) = 0.033, so the 12th smallest and the 12th largest.
+    assert run.median_interval([float(x) for x in range(36, 0, -1)]) == (12.0, 25.0)
+    # n = 6: only the extremes (P(B = 0) = 1/64); n = 5: 1/32 > 0.025, so no 95% interval at all.
+    assert run.median_interval([3.0, 1.0, 2.0, 6.0, 5.0, 4.0]) == (1.0, 6.0)
+    assert run.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+    assert run.median_interval([1.0, 2.0, 3.0, 4.0, 5.0], confidence=0.9) == (1.0, 5.0)  # 1/32 <= 0.05
+
+
+def test_pooled_boundaries_take_every_round_and_say_what_the_interval_tells() -> None:
+    def pp2(dtype: str, pipeline: str, each: list[float], number: int) -> dict:
+        return _row(dtype, 2, 1, 1, ms=20.0, tok_s=50.0, pipeline=pipeline) | {"boundary_each": each, "round": number}
+
+    low = [0.1, 0.2, 0.3, 0.2, 0.1, 0.3]
+    rows = [pp2("float32", "turns", low, 1), pp2("float32", "turns", low, 2),  # 12 pairs, all under 0.5
+            pp2("float32", "full", [0.9, 1.1, 0.8, 1.2, 1.0, 0.7], 1),        # 6 pairs, all over
+            pp2("bfloat16", "turns", [0.1, 0.9, 0.2, 0.8, 0.4, 0.6], 1),      # 6 on both sides
+            pp2("bfloat16", "full", [0.1, 0.2, 0.3], 1),                      # too few
+            _row("float32", 1, 1, 1, ms=20.0, tok_s=50.0)]  # fmt: skip
+    got = {(p["dtype"], p["pipeline"]): p for p in run.pooled_boundaries(rows)}
+    assert got[("float32", "turns")]["pairs"] == 12 and got[("float32", "turns")]["median"] == pytest.approx(0.2)
+    assert got[("float32", "turns")]["verdict"].endswith("**met**, beyond this run's noise")
+    assert got[("float32", "full")]["verdict"].endswith("**not met**, beyond this run's noise")
+    assert got[("float32", "full")]["interval"] == (0.7, 1.2)
+    assert "cannot tell" in got[("bfloat16", "turns")]["verdict"]
+    assert got[("bfloat16", "full")]["interval"] is None and "too few" in got[("bfloat16", "full")]["verdict"]
+    assert "(too few for an interval)" in run._pooled_line(got[("bfloat16", "full")])
