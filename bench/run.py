@@ -255,7 +255,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # the bfloat16 target against llama.cpp does not apply.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 LAYOUTS, STREAMS = "1x1,2x1,1x3,2x3", "1,4,16,64"
-# --quick: what the targets need (pp=1, pp=2 both ways, tp=3; one and 16 streams), ~2.5 min a round and dtype.
+# --quick: what the targets need (pp=1, pp=2 both ways, tp=3; one and 16 streams), ~3.3 min a round and dtype.
 QUICK_LAYOUTS, QUICK_STREAMS = "1x1,2x1,1x3", "1,16"
 # tp=3 ÷ pp=1 per token, one stream: on a host with a core per rank, and on fewer cores (issue targets)
 TP_GOAL_CORE_PER_RANK, TP_GOAL_SHARED_CORES = 1.1, 1.5
