@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import platform
 import socket
@@ -117,3 +118,15 @@ def spawned(target: Any, count: int, args: dict[str, Any], timeout: timedelta) -
             p.join(60)
             if p.is_alive():
                 p.kill()
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """An interval that holds the median of the distribution `values` were drawn from with at least `confidence`,
+    whatever that distribution: the k-th smallest and k-th largest value, k the largest with P(B < k) <= (1 -
+    confidence) / 2 for B ~ Binomial(n, 1/2), the count of values below the median. None below 6 values (95%)."""
+    xs, n = sorted(values), len(values)
+    tail, below, k = (1 - confidence) / 2, 0.0, 0
+    while k < n and below + math.comb(n, k) / 2**n <= tail:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k else None

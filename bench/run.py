@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -70,7 +69,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import llamacpp  # noqa: E402  (the repository root is on the path only now)
-from bench.conditions import PROMPT, machine, pythonpath, save_results  # noqa: E402
+from bench.conditions import PROMPT, machine, median_interval, pythonpath, save_results  # noqa: E402
 from gateway.batching import pipeline_depth  # noqa: E402
 from gateway.process import GatewayConfig  # noqa: E402
 from shardmesh.rpc.procs import cores  # noqa: E402
@@ -564,18 +563,6 @@ def boundary_targets(dtype: str, rows: list[dict]) -> list[dict]:
         out.append(_target("stage boundary (pp=2 minus pp=1, one stream)", dtype, None, " ms", "<=", 0.5,
                            why_none="needs --layouts 1x1,2x1 and --streams 1"))  # fmt: skip
     return out
-
-
-def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
-    """An interval that holds the median of the distribution `values` were drawn from with at least `confidence`,
-    whatever that distribution: the k-th smallest and k-th largest value, k the largest with P(B < k) <= (1 -
-    confidence) / 2 for B ~ Binomial(n, 1/2), the count of values below the median. None below 6 values (95%)."""
-    xs, n = sorted(values), len(values)
-    tail, below, k = (1 - confidence) / 2, 0.0, 0
-    while k < n and below + math.comb(n, k) / 2**n <= tail:
-        below += math.comb(n, k) / 2**n
-        k += 1
-    return (xs[k - 1], xs[n - k]) if k else None
 
 
 def pooled_boundaries(rows: list[dict], goal: float = 0.5) -> list[dict]:

@@ -17,7 +17,9 @@ decode steps on each layout in turn (the order rotates from cycle to cycle), the
 `up --pipeline turns`; the last stage sends each drawn token back to the first over the loop link. A number is one
 call's ms per token;
 each derived number is taken within a cycle and reported as the median over cycles with its quartiles:
-- stage boundary: pp=2's ms/token minus pp=1's (target <= 0.5 ms), at each of `--rows` sequences per step;
+- stage boundary: pp=2's ms/token minus pp=1's (target <= 0.5 ms), at each of `--rows` sequences per step, with a
+  95% interval of its median over cycles that assumes nothing of their distribution (`conditions.median_interval`):
+  whether the run tells the boundary from the target at all;
 - pp=2 ÷ pp=1 tokens per second at the largest `--rows` (target >= 0.9x at 16);
 - the boundary split in two: the pp=2 stages' compute per token (each stage's `stats.compute_s`, its steps less its
   waits for input) minus pp=1's, and the rest (the links, each step's Python, the stages' handing over);
@@ -64,7 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TREE = os.environ.get("SHARDMESH_BENCH_TREE") or str(ROOT)
 sys.path.insert(0, TREE)
 
-from bench.conditions import machine, save_results  # noqa: E402  (the repository root is on the path only now)
+from bench.conditions import machine, median_interval, save_results  # noqa: E402  (the repository root is on the path only now)
 
 STEPS = 8  # decode steps per call, as the gateway's default --decode-steps
 # name: (stages, SHARDMESH_LINK_TRANSPORT): "shm" fails loudly where the ring cannot be had, so the row is what it says
@@ -104,6 +106,7 @@ def layouts_of(a: argparse.Namespace) -> dict[str, Layout]:
 
 
 PROMPT = (1, 17, 5, 42, 9, 3, 8, 100)
+BOUNDARY_GOAL_MS = 0.5  # issue 19's target for the stage boundary per decode step
 TIMEOUT = timedelta(seconds=600)
 
 
@@ -293,6 +296,7 @@ def derived(got: dict[str, Any], rows: list[int]) -> dict[str, Any]:
             out[f"{layout} rows={r}"] = {
                 "pp1_ms": statistics.median(base), "pp2_ms": statistics.median(mine),
                 "boundary_ms": statistics.median(diff), "boundary_quartiles": [q[0], q[2]],
+                "boundary_interval": median_interval(diff),
                 "compute_more_ms": statistics.median(more), "rest_ms": statistics.median(rest),
                 "ratio": statistics.median(ratio),
             }  # fmt: skip
@@ -393,6 +397,16 @@ def _table(head: list[str], found: dict[str, Any], cells: Callable[[dict[str, An
     return lines
 
 
+def _interval(bounds: tuple[float, float] | None) -> str:
+    """A boundary's `median_interval` as the table shows it: against the target, where the run can tell."""
+    if bounds is None:
+        return "too few cycles"
+    low, high = bounds
+    goal = BOUNDARY_GOAL_MS
+    verdict = f"at or below {goal}" if high <= goal else f"above {goal}" if low > goal else f"holds {goal}"
+    return f"{low:+.2f} to {high:+.2f} ({verdict})"
+
+
 def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any], compared: dict[str, Any] | None = None,
              ranks: dict[str, Any] | None = None, seamed: dict[str, Any] | None = None) -> str:  # fmt: skip
     lines = [
@@ -407,10 +421,11 @@ def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any], compared:
         f"call of {STEPS} decode steps on every layout in a rotating order. Medians over cycles of the per-cycle "
         f"values (quartiles of the boundary in brackets).",
         "",
-        *_table(["pp=1 ms/token", "pp=2 ms/token", "stage boundary ms", "of which compute", "of which the rest",
-                 "pp=2 ÷ pp=1 tok/s"], found,
+        *_table(["pp=1 ms/token", "pp=2 ms/token", "stage boundary ms", "95% interval of its median",
+                 "of which compute", "of which the rest", "pp=2 ÷ pp=1 tok/s"], found,
                 lambda d: [f"{d['pp1_ms']:.2f}", f"{d['pp2_ms']:.2f}", f"**{d['boundary_ms']:+.2f}** "
                            f"({d['boundary_quartiles'][0]:+.2f} to {d['boundary_quartiles'][1]:+.2f})",
+                           _interval(d.get("boundary_interval")),
                            f"{d['compute_more_ms']:+.2f}", f"{d['rest_ms']:+.2f}", f"{d['ratio']:.3f}×"]),
     ]  # fmt: skip
     lines += ["", "Targets: stage boundary <= 0.5 ms per step (one sequence); pp=2 >= 0.9× pp=1's tokens at 16 "

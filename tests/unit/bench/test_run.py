@@ -360,15 +360,6 @@ def test_markdown_of_rounds_has_a_round_column() -> None:
     ) in md
 
 
-def test_median_interval_takes_the_order_statistics_binomial_tails_allow() -> None:
-    # n = 36: P(B <= 11) = 0.016 <= 0.025 < P(B <= 12) = 0.033, so the 12th smallest and the 12th largest.
-    assert run.median_interval([float(x) for x in range(36, 0, -1)]) == (12.0, 25.0)
-    # n = 6: only the extremes (P(B = 0) = 1/64); n = 5: 1/32 > 0.025, so no 95% interval at all.
-    assert run.median_interval([3.0, 1.0, 2.0, 6.0, 5.0, 4.0]) == (1.0, 6.0)
-    assert run.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
-    assert run.median_interval([1.0, 2.0, 3.0, 4.0, 5.0], confidence=0.9) == (1.0, 5.0)  # 1/32 <= 0.05
-
-
 def test_pooled_boundaries_take_every_round_and_say_what_the_interval_tells() -> None:
     def pp2(dtype: str, pipeline: str, each: list[float], number: int) -> dict:
         return _row(dtype, 2, 1, 1, ms=20.0, tok_s=50.0, pipeline=pipeline) | {"boundary_each": each, "round": number}

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from bench import stage_boundary as sb
 from bench.stage_boundary import (
     PROMPT,
     STEPS,
@@ -35,6 +36,23 @@ def test_the_boundary_is_split_within_each_cycle() -> None:
     assert d["rest_ms"] == pytest.approx(0.5)  # of +0.5, +1.0, 0.0: each cycle's boundary less its compute
     assert d["ratio"] == pytest.approx(30.0 / 31.0)  # pp=1's ms over pp=2's, tokens/s the other way round
     assert (d["pp1_ms"], d["pp2_ms"]) == (31.0, 31.5)
+    assert d["boundary_interval"] is None  # 3 cycles: too few for a 95% interval of the median
+
+
+def test_the_boundary_has_an_interval_of_its_median_that_says_what_it_tells_of_the_target() -> None:
+    base = [20.0] * 8
+    got = {"pp=1": {"ms": {"1": base}, "compute_ms": {"1": base}}}
+    for name, diffs in [("pp=2 shm", [0.1, 0.3, 0.2, 0.4, 0.0, 0.3, 0.2, 0.1]),
+                        ("pp=2 gloo", [0.6, 0.9, 0.7, 1.0, 0.8, 0.6, 0.9, 0.7]),
+                        ("pp=2 shm spin=0", [0.1, 0.9, 0.2, 0.8, 0.3, 0.7, 0.4, 0.6])]:  # fmt: skip
+        got[name] = {"ms": {"1": [b + x for b, x in zip(base, diffs, strict=True)]}, "compute_ms": {"1": base}}
+    found = derived(got, [1])
+    # 8 cycles: P(B = 0) = 1/256 <= 0.025 < P(B <= 1), so the interval runs from the smallest to the largest.
+    assert found["pp=2 shm rows=1"]["boundary_interval"] == (pytest.approx(0.0), pytest.approx(0.4))
+    assert sb._interval(found["pp=2 shm rows=1"]["boundary_interval"]) == "+0.00 to +0.40 (at or below 0.5)"
+    assert sb._interval(found["pp=2 gloo rows=1"]["boundary_interval"]) == "+0.60 to +1.00 (above 0.5)"
+    assert sb._interval(found["pp=2 shm spin=0 rows=1"]["boundary_interval"]) == "+0.10 to +0.90 (holds 0.5)"
+    assert sb._interval(None) == "too few cycles"
 
 
 def test_the_layouts_add_a_pipeline_per_spin_count_a_tp_stage_and_the_layouts_of_another_commit() -> None:
