@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TREE = os.environ.get("SHARDMESH_BENCH_TREE") or str(ROOT)
 sys.path.insert(0, TREE)
 
-from bench.conditions import machine, median_interval, save_results  # noqa: E402  (the repository root is on the path only now)
+from bench.conditions import machine, save_results  # noqa: E402  (the repository root is on the path only now)
 
 STEPS = 8  # decode steps per call, as the gateway's default --decode-steps
 # name: (stages, SHARDMESH_LINK_TRANSPORT): "shm" fails loudly where the ring cannot be had, so the row is what it says
@@ -281,6 +281,10 @@ def pp1_of(layout: str) -> str:
 
 
 def derived(got: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+    # Here, not at the top: a stage process of `--against REV` puts REV's tree first on the path, and an older
+    # bench/conditions.py has no median_interval; only this process, the parent, derives.
+    from bench.conditions import median_interval
+
     out: dict[str, Any] = {}
     for r in rows:
         for layout in (name for name in got if name.startswith("pp=2")):
