@@ -23,6 +23,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+BOUNDARY_GOAL_MS = 0.5  # issue 19's target for a pipeline's stage boundary per decode step
 # The flags that choose the kernels (linear.cpu_has_native_bf16, the int8 paths) or bound what bfloat16 and
 # int8 can gain on a CPU: the same torch build picks different code on hosts with and without them.
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16",
@@ -118,6 +119,13 @@ def spawned(target: Any, count: int, args: dict[str, Any], timeout: timedelta) -
             p.join(60)
             if p.is_alive():
                 p.kill()
+
+
+def interval_side(interval: tuple[float, float], goal: float = BOUNDARY_GOAL_MS) -> str:
+    """Where an interval lies against an upper bound `goal`: "at or below" it whole, "above" it whole, or it "holds"
+    the goal (a run that cannot tell what it measured from the goal)."""
+    low, high = interval
+    return "at or below" if high <= goal else "above" if low > goal else "holds"
 
 
 def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:

@@ -69,7 +69,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import llamacpp  # noqa: E402  (the repository root is on the path only now)
-from bench.conditions import PROMPT, machine, median_interval, pythonpath, save_results  # noqa: E402
+from bench.conditions import (  # noqa: E402
+    BOUNDARY_GOAL_MS,
+    PROMPT,
+    interval_side,
+    machine,
+    median_interval,
+    pythonpath,
+    save_results,
+)
 from gateway.batching import pipeline_depth  # noqa: E402
 from gateway.process import GatewayConfig  # noqa: E402
 from shardmesh.rpc.procs import cores  # noqa: E402
@@ -550,22 +558,23 @@ def boundary_targets(dtype: str, rows: list[dict]) -> list[dict]:
         if deployed is not None:
             detail += f"; {r['ms_per_token'] - deployed['ms_per_token']:+.2f} ms against pp=1 as deployed"
         if same is None:
-            out.append(_target(name, dtype, None, " ms", "<=", 0.5, detail,
+            out.append(_target(name, dtype, None, " ms", "<=", BOUNDARY_GOAL_MS, detail,
                                f"needs pp=1 on {r['threads']} thread(s), {steps} decode step(s) per call"))  # fmt: skip
         elif r.get("boundary_each"):  # up beside its pp=1, requests alternated: the median of the pairs' differences
             each = r["boundary_each"]
             detail += (f"; up beside that pp=1, the median of {len(each)} alternated requests' differences "
                        f"({min(each):+.2f} to {max(each):+.2f})")  # fmt: skip
-            out.append(_target(name, dtype, statistics.median(each), " ms", "<=", 0.5, detail))
+            out.append(_target(name, dtype, statistics.median(each), " ms", "<=", BOUNDARY_GOAL_MS, detail))
         else:
-            out.append(_target(name, dtype, r["ms_per_token"] - same["ms_per_token"], " ms", "<=", 0.5, detail))
+            boundary = r["ms_per_token"] - same["ms_per_token"]
+            out.append(_target(name, dtype, boundary, " ms", "<=", BOUNDARY_GOAL_MS, detail))
     if not out:
-        out.append(_target("stage boundary (pp=2 minus pp=1, one stream)", dtype, None, " ms", "<=", 0.5,
+        out.append(_target("stage boundary (pp=2 minus pp=1, one stream)", dtype, None, " ms", "<=", BOUNDARY_GOAL_MS,
                            why_none="needs --layouts 1x1,2x1 and --streams 1"))  # fmt: skip
     return out
 
 
-def pooled_boundaries(rows: list[dict], goal: float = 0.5) -> list[dict]:
+def pooled_boundaries(rows: list[dict], goal: float = BOUNDARY_GOAL_MS) -> list[dict]:
     """Per dtype and pipeline mode, every round's stage-boundary pairs (`boundary_each`) taken together: their
     median, its `median_interval`, and what the interval says of the target. A round's median of its pairs moves
     by more than the target from round to round on a noisy host; the pooled pairs say whether the run could tell
@@ -577,11 +586,12 @@ def pooled_boundaries(rows: list[dict], goal: float = 0.5) -> list[dict]:
     out = []
     for (dtype, pipeline), each in pooled.items():
         interval = median_interval(each)
-        if interval is None:
+        side = interval_side(interval, goal) if interval is not None else None
+        if side is None:
             verdict = "too few pairs to tell"
-        elif interval[1] <= goal:
+        elif side == "at or below":
             verdict = f"all of it at or below {goal} ms: **met**, beyond this run's noise"
-        elif interval[0] > goal:
+        elif side == "above":
             verdict = f"all of it above {goal} ms: **not met**, beyond this run's noise"
         else:
             verdict = f"the interval holds {goal} ms: this run cannot tell the boundary from the target"

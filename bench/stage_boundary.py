@@ -62,11 +62,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-# A stage process of `--against REV`'s layouts imports the project from REV's worktree, this script from here.
+sys.path.insert(0, str(ROOT))
+from bench.conditions import BOUNDARY_GOAL_MS, interval_side, machine, median_interval, save_results  # noqa: E402
+
+# A stage process of `--against REV`'s layouts imports the project from REV's worktree, ahead of this checkout on the
+# path; this script and its helpers (bench/conditions.py, imported above) come from here.
 TREE = os.environ.get("SHARDMESH_BENCH_TREE") or str(ROOT)
 sys.path.insert(0, TREE)
-
-from bench.conditions import machine, save_results  # noqa: E402  (the repository root is on the path only now)
 
 STEPS = 8  # decode steps per call, as the gateway's default --decode-steps
 # name: (stages, SHARDMESH_LINK_TRANSPORT): "shm" fails loudly where the ring cannot be had, so the row is what it says
@@ -106,7 +108,6 @@ def layouts_of(a: argparse.Namespace) -> dict[str, Layout]:
 
 
 PROMPT = (1, 17, 5, 42, 9, 3, 8, 100)
-BOUNDARY_GOAL_MS = 0.5  # issue 19's target for the stage boundary per decode step
 TIMEOUT = timedelta(seconds=600)
 
 
@@ -281,10 +282,6 @@ def pp1_of(layout: str) -> str:
 
 
 def derived(got: dict[str, Any], rows: list[int]) -> dict[str, Any]:
-    # Here, not at the top: a stage process of `--against REV` puts REV's tree first on the path, and an older
-    # bench/conditions.py has no median_interval; only this process, the parent, derives.
-    from bench.conditions import median_interval
-
     out: dict[str, Any] = {}
     for r in rows:
         for layout in (name for name in got if name.startswith("pp=2")):
@@ -406,9 +403,7 @@ def _interval(bounds: tuple[float, float] | None) -> str:
     if bounds is None:
         return "too few cycles"
     low, high = bounds
-    goal = BOUNDARY_GOAL_MS
-    verdict = f"at or below {goal}" if high <= goal else f"above {goal}" if low > goal else f"holds {goal}"
-    return f"{low:+.2f} to {high:+.2f} ({verdict})"
+    return f"{low:+.2f} to {high:+.2f} ({interval_side(bounds)} {BOUNDARY_GOAL_MS})"
 
 
 def markdown(info: dict, a: argparse.Namespace, found: dict[str, Any], compared: dict[str, Any] | None = None,
