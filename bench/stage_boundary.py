@@ -23,7 +23,8 @@ each derived number is taken within a cycle and reported as the median over cycl
 - pp=2 ÷ pp=1 tokens per second at the largest `--rows` (target >= 0.9x at 16);
 - the boundary split in two: the pp=2 stages' compute per token (each stage's `stats.compute_s`, its steps less its
   waits for input) minus pp=1's, and the rest (the links, each step's Python, the stages' handing over);
-- the seam on the critical path, timestamped: every forward of the CPU decode path (`CpuDecode.run`) is stamped on
+- the seam on the critical path, timestamped: every forward of the CPU decode path (`CpuDecode.run`; a stage that
+  receives its input inside the call, `CpuDecode.run_received`, from when that input was there) is stamped on
   `time.perf_counter` (one clock for all the processes), and a token's time between forwards (pp=1: from one
   forward's end to the next's start; pp=2: around the loop and the activations' hop) is taken less pp=1's within
   each cycle. What the boundary itself adds to a token, in tenths of a millisecond, where the wall time moves by
@@ -172,6 +173,21 @@ def around_the_forward() -> tuple[list[float], list[tuple[float, float]]]:
 
     StageWorkerCore._decode_steps = timed(StageWorkerCore._decode_steps, 0)  # type: ignore[method-assign]
     CpuDecode.run = timed(CpuDecode.run, 1, spans)  # type: ignore[method-assign]
+    received = getattr(CpuDecode, "run_received", None)  # a commit from before it (`--against`) has none
+    if received is not None:
+
+        def run_received(self: Any, *args: Any) -> Any:
+            # The call waits for its input, then computes: its forward starts when the input was there.
+            c0 = time.thread_time()
+            try:
+                out = received(self, *args)
+            finally:
+                spent[1] += time.thread_time() - c0
+            if out is not None:
+                spans.append((self.arrived, time.perf_counter()))
+            return out
+
+        CpuDecode.run_received = run_received  # type: ignore[method-assign]
     return spent, spans
 
 

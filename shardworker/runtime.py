@@ -641,21 +641,20 @@ class StageWorkerCore:
             params = [self._seeded(rt, e) for e in entries] if last else []
         penalized = [i for i, e in enumerate(entries) if e.sampling.penalized] if history is not None else []
         sampled, elapsed, forward_s = list(result.sampled), result.elapsed_s, 0.0
-        before, loop_before = CommCounters.of(groups), loop.wait_s if receiving else 0.0
+        before = CommCounters.of(groups)
         sending = loop is not None and last
         if sending:  # what the call's first step drew; each later step's draw is sent as soon as it is drawn
             self._send_drawn(rt, loop, tokens, entries)
         for k, layout in enumerate(layouts, 1):
             t0 = time.perf_counter()
             try:
-                if receiving:  # a pipeline's first stage: what the last stage drew comes over the loop
-                    ids = loop.recv((len(entries),), torch.int64, "cpu")
-                elif first and loop is None:  # a single stage embeds what it drew itself
+                if first and loop is None:  # a single stage embeds what it drew itself
                     ids = torch.tensor(tokens, dtype=torch.int64)
                 for e in entries:  # how far each slot's cache is written here, as `_step` records it
                     caches.record_end(e.slot, e.start_pos + k + 1)
                 t1 = time.perf_counter()
-                logits = engine.step(layout, ids)
+                # A pipeline's first stage: what the last stage drew comes over the loop, received in the step.
+                logits = engine.step(layout, ids, tokens_from=loop if receiving else None)
             except RuntimeError as e:  # the other end of the loop, or a peer in the forward, is gone
                 raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
             t2 = time.perf_counter()
@@ -672,10 +671,9 @@ class StageWorkerCore:
             sampled += [Sampled(e.request_id, t, lp, top) for e, t, lp, top
                         in zip(entries, d.token_ids, d.logprobs, d.top_logprobs, strict=True)]  # fmt: skip
         comm = CommCounters.of(groups) - before
-        looped = loop.wait_s - loop_before if receiving else 0.0  # waiting for the drawn token, not for activations
         rt.steps += len(layouts)
         self.stats.steps += len(layouts)
-        self.stats.compute_s += forward_s - (comm.recv_wait_s - looped)
+        self.stats.compute_s += forward_s - comm.recv_wait_s  # every wait, the drawn token's too, is in the step
         self.stats.recv_wait_s += comm.recv_wait_s
         return StepResult(sampled, elapsed, result.comm + comm, rt.placement, len(layouts) + 1)
 

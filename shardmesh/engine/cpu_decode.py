@@ -13,6 +13,13 @@ Where every layer is whole, the kernels hold all the layers' arguments (`cpu_ker
 (`decode_layers`) runs them: the 60 calls of a SmolLM2 step from Python cost ~0.3 ms of cold interpreter and argument
 conversion between parallel regions (docs/performance.md, "All of a stage's layers in one call").
 
+A pipeline stage whose link is a shared-memory ring waits for its input inside that one call (`run_received`,
+`decode_layers_received`): the first stage for the token the last one drew, which the call embeds, a later stage for
+the activations. Everything the call needs (its arguments, the layout's checks, the buffers) is made before it
+waits. A receive that returned to Python first put that Python, the call's argument conversion and the first layer's
+norm on the pipeline's critical path, cold, at every hop: in stage cores the seam fell from +0.29-0.37 to
++0.07-0.12 ms a token (docs/performance.md, "The stages receive inside the layers' call").
+
 Tensor parallelism stays where it is: each half returns its partial sum and the row-parallel product's group
 all-reduces it, then adds the bias and the residual, exactly as `tp.RowParallelLinear` and `DecoderLayer` do. Where
 the group goes through shared memory and the products have no bias (a Llama's), the one call makes those
@@ -46,6 +53,7 @@ from torch import Tensor
 from shardmesh.core.step import CPU_ROW_CHUNK
 from shardmesh.engine import cpu_kernels
 from shardmesh.engine.batch import BatchLayout
+from shardmesh.engine.groups import StageLink
 from shardmesh.engine.kv_cache import AnyKVCache, KVCache
 from shardmesh.engine.linear import BlockedCpuKernel, LinearProduct
 from shardmesh.engine.model import DecoderLayer, Transformer
@@ -90,6 +98,7 @@ class CpuDecode:
         self._for: object = None  # the cache tensor `_layers` holds views of
         self._head: tuple[Any, ...] | None = None  # `head_block`'s arguments, gathered with `_layers`
         self._all: _Stack | None = None  # every layer's arguments held by the kernels (`decode_layers`), with `_layers`
+        self.arrived = 0.0  # when `run_received`'s last message came, on time.perf_counter
 
     def accepts(self, batch: BatchLayout, all_logits: bool) -> bool:
         """A step in a slot layout, with last-token logits, of at most `STREAMED_ROWS` rows where layers are
@@ -115,6 +124,42 @@ class CpuDecode:
             x = torch.cat([self._layers_of(calls, x[r : r + ROW_CHUNK], slots[r : r + ROW_CHUNK],
                                            positions[r : r + ROW_CHUNK], cos, sin)
                            for r in range(0, x.shape[0], ROW_CHUNK)])  # fmt: skip
+        return self._head_of(batch, x)
+
+    @torch.inference_mode()
+    def run_received(self, batch: BatchLayout, link: StageLink) -> Tensor | None:
+        """`run` with the step's input received over `link` inside the layers' call (`decode_layers_received`): the
+        token ids on the first stage, else the activations. Everything the call needs is made before it waits, so
+        that none of it is on the pipeline's critical path. None where it cannot be (layers not in one call, more rows
+        than a chunk, a link that is not shared memory): nothing was received, and the caller receives as before."""
+        model = self.model
+        cos, sin = model.rope_cos, model.rope_sin
+        assert cos is not None and sin is not None, "call init_buffers() first"
+        self._calls()
+        n, embed = batch.num_tokens, model.model.embed_tokens
+        if self._all is None or self._all.reduced or n > ROW_CHUNK:
+            return None
+        table = ids = None
+        if embed is not None:
+            table, ids = embed.weight, torch.empty((n,), dtype=torch.int64)
+            if table.dtype != model.dtype or not table.is_contiguous():
+                return None
+        x = torch.empty((n, model.cfg.hidden_size), dtype=model.dtype)
+        into = ids if ids is not None else x
+        args = link.native_recv(into)
+        if args is None:
+            return None
+        self.cache.check(batch)
+        slots, positions = batch.kv_index
+        x, status, waited, self.arrived = self.ext.decode_layers_received(self._all.id, x, table, ids, slots,
+                                                                           positions, cos, sin, *args)  # fmt: skip
+        link.received_natively(into, status, waited)
+        return self._head_of(batch, x)
+
+    def _head_of(self, batch: BatchLayout, x: Tensor) -> Tensor:
+        """The shard's output from its layers' (n, hidden) output x: x itself, or on the last stage the logits of each
+        sequence's last row."""
+        model = self.model
         if model.lm_head is None:
             return x
         if x.shape[0] != len(batch.segments):  # a prompt's rows: the head needs each sequence's last

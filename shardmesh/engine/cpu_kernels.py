@@ -2261,6 +2261,50 @@ torch::Tensor decode_layers(int64_t id, torch::Tensor x, torch::Tensor slots, to
   return x;
 }
 
+// decode_layers whose input comes over a pipeline link, received inside this call: `recv` is the shared-memory
+// link's link_recv (its address, from `shm_link`), given the rest of its arguments. A later stage receives the
+// activations into x; the first stage (`embed` given) receives the token ids into `ids` and embeds them into x.
+// Returns (x through the layers, the receive's status, the seconds it waited, when its message was there on
+// steady_clock, which is Python's time.perf_counter); on a failure, x as it was. Why: a stage waits through the other
+// stage's turn, and a receive returned to Python before the forward's call was made. That Python, the call's
+// argument conversion and the first layer's norm ran after the message came, cold, on the critical path of every
+// token: ~0.2 ms a hop here (docs/performance.md). Made before the wait, they are off it.
+using LinkRecv = int64_t (*)(torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                             double, double);
+std::tuple<torch::Tensor, int64_t, double, double> decode_layers_received(
+    int64_t id, torch::Tensor x, Opt embed, Opt ids, torch::Tensor slots, torch::Tensor positions, torch::Tensor cos,
+    torch::Tensor sin, int64_t recv, torch::Tensor seg, int64_t seq, int64_t link_slots, int64_t capacity,
+    int64_t data_offset, int64_t peer_pid, int64_t peer_fd, double spin_s, double timeout_s) {
+  TORCH_CHECK(recv != 0, "decode_layers_received: no receive to call");
+  TORCH_CHECK(embed.has_value() == ids.has_value(), "decode_layers_received: embed and ids come together");
+  const auto held = held_stack(id, "decode_layers_received");
+  const auto link_recv = reinterpret_cast<LinkRecv>(recv);
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t status = link_recv(seg, embed ? *ids : x, seq, link_slots, capacity, data_offset, peer_pid, peer_fd,
+                                   spin_s, timeout_s);
+  const auto t1 = std::chrono::steady_clock::now();
+  const double waited = std::chrono::duration<double>(t1 - t0).count();
+  const double arrived = std::chrono::duration<double>(t1.time_since_epoch()).count();
+  if (status != 0) return {x, status, waited, arrived};
+  if (embed) {  // the rows of the token ids, as nn.Embedding gives them
+    const auto& table = *embed;
+    const int64_t vocab = table.size(0), row = table.size(1) * table.element_size();
+    const int64_t* id_of = ids->data_ptr<int64_t>();
+    auto* dst = static_cast<uint8_t*>(x.data_ptr());
+    const auto* src = static_cast<const uint8_t*>(table.data_ptr());
+    for (int64_t i = 0; i < ids->numel(); ++i) {
+      TORCH_CHECK(0 <= id_of[i] && id_of[i] < vocab, "decode_layers_received: token id ", id_of[i],
+                  " is out of the embedding's ", vocab, " rows");
+      std::memcpy(dst + i * row, src + id_of[i] * row, row);
+    }
+  }
+  run_stack(*held, x, slots, positions, cos, sin, true, [&](torch::Tensor& y) {
+    x = y;
+    return int64_t{0};
+  });
+  return {x, 0, waited, arrived};
+}
+
 // decode_layers for a tensor-parallel rank whose row-parallel products have no bias: each half's partial sum goes
 // to `reduce`, the shared-memory collective's shm_all_reduce_add (its address, from `shm_collective`), given the
 // rest of its arguments, which writes x + the sum over ranks over it, as CpuDecode's call per half does through
@@ -2393,8 +2437,9 @@ def isa_kernel(isa: str) -> InlineKernel:
         _KERNELS[isa] = InlineKernel(
             "shardmesh_cpu", source.replace("@AMX_ENV@", AMX_ENV),
             ["linear", "rows_linear", "attention_block", "mlp_block", "stack_layers", "decode_layers",
-             "decode_layers_reduced", "drop_layers", "head_block", "greedy_rows", "bf16_rows_ways", "bf16_rows",
-             "set_bf16_rows", "bf16_rows_probe", "set_attend_segment", "quantize_groups"],
+             "decode_layers_reduced", "decode_layers_received", "drop_layers", "head_block", "greedy_rows",
+             "bf16_rows_ways", "bf16_rows", "set_bf16_rows", "bf16_rows_probe", "set_attend_segment",
+             "quantize_groups"],
             ISA_FLAGS[isa],
         )  # fmt: skip
     return _KERNELS[isa]

@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import structlog
 import torch
@@ -337,6 +337,22 @@ class StageLink:
         self.send_s += time.perf_counter() - t0
         self.bytes_sent += x.numel() * x.element_size()
         self.messages_sent += 1
+
+    def native_recv(self, out: Tensor) -> tuple[Any, ...] | None:
+        """Arguments with which a C++ caller receives the next message into `out` itself (`ShmLinkWire.native_recv`),
+        then `received_natively`; None where this link cannot hand its receive over (not shared memory, staged, or
+        `out` more than a message), and the caller receives through `recv`."""
+        native = getattr(self.wire, "native_recv", None)
+        return native(out) if native is not None and self._staging is None else None
+
+    def received_natively(self, out: Tensor, status: int, waited: float) -> None:
+        """After a C++ caller received into `out` with `native_recv`'s arguments (see there): counted as `recv`
+        counts, and a failure raises as `recv` would."""
+        nbytes = out.numel() * out.element_size()
+        cast(Any, self.wire).received_natively(status, nbytes, waited)
+        self.wait_s += waited
+        self.bytes_received += nbytes
+        self.messages_received += 1
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
         t0 = time.perf_counter()

@@ -24,6 +24,8 @@ it waits for needs that core), then sleeps on the futex word for at most 10 ms a
 other stage's whole turn, and each wake-up would take a core from it), after which it checks that its peer lives
 (one poll() of a pidfd of it; kill(pid, 0) and /proc for a zombie where there is no pidfd) and the group timeout.
 A peer that closes the link (its epoch broke) wakes it at once.
+A CPU stage's decode step receives inside its layers' call (`cpu_decode`): the call is handed `link_recv`'s address
+and its arguments (`ShmLinkWire.native_recv`), and the wire counts and raises after it (`received_natively`).
 Each failure returns a status that `ShmLinkWire` raises as RuntimeError naming the peer, as a broken Gloo link
 would, and the worker treats it as a lost peer. The kernel is `shm_collective`'s prelude plus the functions
 here, built at first use; without a C++ compiler the negotiation refuses and the link stays on Gloo.
@@ -183,6 +185,10 @@ int64_t link_recv(torch::Tensor seg, torch::Tensor out, int64_t seq, int64_t slo
   return 0;
 }
 
+// link_recv's address, for a kernel of another extension that waits for its input inside the call it computes in
+// (`cpu_kernels.decode_layers_received`).
+int64_t link_recv_address() { return reinterpret_cast<int64_t>(&link_recv); }
+
 // Mark the link closed by `side` and wake whichever side waits, so it reads the mark now.
 void link_close(torch::Tensor seg, int64_t side) {
   uint8_t* base = seg.data_ptr<uint8_t>();
@@ -192,7 +198,9 @@ void link_close(torch::Tensor seg, int64_t side) {
 }
 """
 
-_KERNEL = InlineKernel("shardmesh_link", PRELUDE + _SOURCE, ["link_send", "link_recv", "link_close"], ["-O3"])
+_KERNEL = InlineKernel(
+    "shardmesh_link", PRELUDE + _SOURCE, ["link_send", "link_recv", "link_recv_address", "link_close"], ["-O3"]
+)
 
 
 def pidfd(pid: int) -> int:
@@ -256,6 +264,25 @@ class ShmLinkWire:
     def recv_into(self, out: Tensor) -> None:
         self._run("recv", self._ext.link_recv, out)
 
+    def native_recv(self, out: Tensor) -> tuple[Any, ...] | None:
+        """What a C++ caller passes to `link_recv` after `out` (which it receives into), led by the kernel's address;
+        then `received_natively`. None when `out` would not come in one message (the caller receives through
+        `recv_into`). Raises as `recv_into` would on a link that broke earlier."""
+        if self._broken:
+            raise RuntimeError(f"link recv over shm: the link broke earlier ({self._broken})")
+        if out.device.type != "cpu" or not out.is_contiguous() or out.numel() * out.element_size() > self.capacity:
+            return None
+        return (self._ext.link_recv_address(), self._seg, self._seq, self.slots, self.capacity, data_offset(),
+                self.peer_pid, self.peer_fd, self.spin_s, self.timeout_s)  # fmt: skip
+
+    def received_natively(self, status: int, nbytes: int, waited: float) -> None:
+        """After a C++ caller received one message of `nbytes` with `native_recv`'s arguments in `waited` seconds,
+        which returned `status`: the sequence moves on, and a failure raises (and breaks the link) as `recv_into`
+        would."""
+        self._seq += 1
+        if status != 0:
+            self._failed("recv", status, nbytes, waited)
+
     def close(self, why: str) -> None:
         """Mark the link closed in the segment and wake the peer: if it waits on the link, it raises now."""
         if not self._broken:
@@ -273,9 +300,11 @@ class ShmLinkWire:
         status = fn(self._seg, x, self._seq, self.slots, self.capacity, data_offset(), self.peer_pid, self.peer_fd,
                     self.spin_s, self.timeout_s)  # fmt: skip
         self._seq += max(1, math.ceil(nbytes / self.capacity))
-        if status == 0:
-            return
-        peer, waited = f"side {1 - self.side} (pid {self.peer_pid})", time.perf_counter() - t0
+        if status != 0:
+            self._failed(what, status, nbytes, time.perf_counter() - t0)
+
+    def _failed(self, what: str, status: int, nbytes: int, waited: float) -> None:
+        peer = f"side {1 - self.side} (pid {self.peer_pid})"
         if status == DEAD:
             why = f"{peer} died while side {self.side} waited {waited:.3f} s"
         elif status == CLOSED:

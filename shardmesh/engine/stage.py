@@ -18,7 +18,7 @@ from shardmesh.core.step import Segment
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.cpu_decode import cpu_decode
 from shardmesh.engine.cuda_graph import decode_graphs
-from shardmesh.engine.groups import ShardGroups
+from shardmesh.engine.groups import ShardGroups, StageLink
 from shardmesh.engine.kv_cache import ActivationLog, AnyKVCache
 from shardmesh.engine.model import Transformer
 
@@ -65,29 +65,18 @@ class StageEngine:
 
     @torch.inference_mode()
     def step(self, batch: BatchLayout | None, token_ids: Tensor | None = None, all_logits: bool = False,
-             relay: Relay | None = None) -> Tensor | None:  # fmt: skip
+             relay: Relay | None = None, tokens_from: StageLink | None = None) -> Tensor | None:  # fmt: skip
         """Run one step over the segments this stage computes (`batch`; None: none). The first stage takes
-        `token_ids` (T,); the last returns logits (B, vocab), or (T, vocab) with `all_logits`. The others send
-        the next stage their output, or what `relay` says."""
+        `token_ids` (T,), or receives them over `tokens_from` (a pipeline's loop link); the last returns logits
+        (B, vocab), or (T, vocab) with `all_logits`. The others send the next stage their output, or what `relay`
+        says."""
         out = None
         if batch is not None:
-            if self.is_first:
-                if token_ids is None or token_ids.shape != (batch.num_tokens,):
-                    raise ValueError(f"first stage needs {batch.num_tokens} token ids for this batch")
-                x = token_ids.to(self.device)
-            else:
-                assert self.groups.prev is not None
-                x = self.groups.prev.recv((batch.num_tokens, self.model.cfg.hidden_size), self.dtype, self.device)
-            if self.graphs is not None and self.graphs.accepts(batch, all_logits):
-                out = self.graphs.run(batch, x)
-            elif self.native is not None and self.native.accepts(batch, all_logits):
-                out = self.native.run(batch, x)
-            else:
-                out = self.model(x, batch, self.cache, all_logits=all_logits)
-            if self.is_last:
-                return out
+            out = self._received(batch, all_logits, tokens_from)
+            if out is None:
+                out = self._computed(batch, self._input(batch, token_ids, tokens_from), all_logits)
         if self.is_last:
-            return None
+            return out
         if relay is None:
             # The rows first, then the log: the next stage waits for the rows, and writing the log before them
             # put ~0.08 ms a token (0.14 at 16 sequences) on a pipeline's critical path (docs/performance.md,
@@ -98,6 +87,34 @@ class StageEngine:
             self._record(batch, out)
             self._send(self._relayed(relay, out))
         return None
+
+    def _received(self, batch: BatchLayout, all_logits: bool, tokens_from: StageLink | None) -> Tensor | None:
+        """The step's output where the CPU decode path receives the step's input itself, inside its call
+        (`CpuDecode.run_received`: what the stage did after a receive from Python was on a pipeline's critical path),
+        else None and nothing received."""
+        link = tokens_from if self.is_first else self.groups.prev
+        if self.native is None or link is None or not self.native.accepts(batch, all_logits):
+            return None
+        return self.native.run_received(batch, link)
+
+    def _input(self, batch: BatchLayout, token_ids: Tensor | None, tokens_from: StageLink | None) -> Tensor:
+        """The step's input: the first stage's token ids (given, or received over `tokens_from`), else the previous
+        stage's activations."""
+        if self.is_first:
+            if tokens_from is not None:
+                token_ids = tokens_from.recv((batch.num_tokens,), torch.int64, "cpu")
+            if token_ids is None or token_ids.shape != (batch.num_tokens,):
+                raise ValueError(f"first stage needs {batch.num_tokens} token ids for this batch")
+            return token_ids.to(self.device)
+        assert self.groups.prev is not None
+        return self.groups.prev.recv((batch.num_tokens, self.model.cfg.hidden_size), self.dtype, self.device)
+
+    def _computed(self, batch: BatchLayout, x: Tensor, all_logits: bool) -> Tensor:
+        if self.graphs is not None and self.graphs.accepts(batch, all_logits):
+            return self.graphs.run(batch, x)
+        if self.native is not None and self.native.accepts(batch, all_logits):
+            return self.native.run(batch, x)
+        return self.model(x, batch, self.cache, all_logits=all_logits)
 
     def _send(self, x: Tensor | None) -> None:
         if x is not None and x.shape[0]:

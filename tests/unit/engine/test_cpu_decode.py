@@ -15,11 +15,11 @@ from shardmesh.core.dtypes import Quantization
 from shardmesh.core.layout import ShardSpec
 from shardmesh.core.step import Segment
 from shardmesh.engine import cpu_decode as cpu_decode_module
-from shardmesh.engine import cpu_kernels, sampling
+from shardmesh.engine import cpu_kernels, sampling, shm_link
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.cpu_decode import CpuDecode, cpu_decode
 from shardmesh.engine.cpu_features import cpu_flags
-from shardmesh.engine.groups import ShardGroups, SingleRank
+from shardmesh.engine.groups import ShardGroups, SingleRank, StageLink
 from shardmesh.engine.linear import KERNEL_ENV, BlockedCpuKernel, BlockedInt8Kernel, dequantize, quantize_groups
 from shardmesh.engine.loader import build_shard
 from shardmesh.engine.model import Transformer
@@ -402,6 +402,78 @@ def test_a_rank_whose_peer_closed_the_group_fails_its_one_call_naming_it(tmp_pat
     for rank in (0, 2):
         assert "rank 1" in messages[rank] and "closed the group (its epoch broke)" in messages[rank]
     assert "the group broke earlier (rank 1 closed the group: a test broke it)" in messages[1]
+
+
+def _pipelined(engine: StageEngine, rank: int, steps: int) -> tuple[list[Tensor], list[bool]]:
+    """A prompt, then `steps` greedy decode steps through a pp=2 mesh, the last stage sending each drawn token back
+    to the first over the loop link, which the first receives in its step (`tokens_from`): the last stage's logits
+    of every step, and on each stage whether every decode step's input was received inside the layers' call."""
+    native = engine.native
+    assert native is not None
+    taken: list[bool] = []
+    received = native.run_received
+
+    def counted(batch: BatchLayout, link: StageLink) -> Tensor | None:
+        out = received(batch, link)
+        taken.append(out is not None)
+        return out
+
+    native.run_received = counted  # type: ignore[method-assign]
+    prompt = PROMPTS[0]
+    logits = [engine.step(BatchLayout.build([Segment(0, 0, len(prompt))]), torch.tensor(prompt) if rank == 0 else None)]
+    loop = engine.groups.loop
+    assert loop is not None
+    for k in range(steps):
+        batch = BatchLayout.build([Segment(0, len(prompt) + k, 1)])
+        if rank == 1:
+            loop.send(logits[-1].argmax(-1))  # type: ignore[union-attr]
+            logits.append(engine.step(batch))
+        else:
+            engine.step(batch, tokens_from=loop)
+    return [x for x in logits if x is not None], taken
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stages_that_receive_inside_the_layers_call_compute_what_a_receive_from_python_gives(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:  # fmt: skip
+    """Over shared-memory links a stage waits for its input inside the layers' call (`decode_layers_received`):
+    the first stage for the drawn token, which it embeds there, the next for the activations. Every step of a pp=2
+    mesh takes that way, and the logits are those of the same mesh receiving from Python first, to the bit."""
+    monkeypatch.delenv(shm_link.TRANSPORT_ENV, raising=False)
+    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=4, seed=3)
+    inside = run_mesh(d, 2, 1, lambda engine, rank: _pipelined(engine, rank, 5), dtype=dtype)
+    monkeypatch.setattr(CpuDecode, "run_received", lambda self, batch, link: None)
+    outside = run_mesh(d, 2, 1, lambda engine, rank: _pipelined(engine, rank, 5), dtype=dtype)
+    # The first stage receives every decode step's token inside, the last stage its prompt's rows and every step's.
+    assert inside[0][1] == [True] * 5 and inside[1][1] == [True] * 6
+    assert outside[1][1] == [False] * 6
+    assert len(inside[1][0]) == 6 and all(torch.equal(a, b) for a, b in zip(inside[1][0], outside[1][0], strict=True))
+
+
+def test_a_stage_receiving_inside_the_layers_call_names_a_message_of_the_wrong_size(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The first stage sends two rows of activations where the next stage's step expects one: the next stage's call
+    refuses them before computing, naming both sizes, as a receive from Python would, and the link is broken."""
+    monkeypatch.delenv(shm_link.TRANSPORT_ENV, raising=False)
+    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=4, seed=3)
+
+    def body(engine: StageEngine, rank: int) -> str:
+        hidden = engine.model.cfg.hidden_size
+        if rank == 0:
+            assert engine.groups.next is not None
+            engine.groups.next.send(torch.zeros(2, hidden))
+            return ""
+        try:
+            engine.step(BatchLayout.build([Segment(0, 0, 1)]))
+        except RuntimeError as e:
+            assert engine.groups.prev is not None
+            with pytest.raises(RuntimeError, match="the link broke earlier"):
+                engine.groups.prev.recv((1, hidden), torch.float32, "cpu")
+            return str(e)
+        return "no error"
+
+    message = run_mesh(d, 2, 1, body)[1]
+    assert f"sent {2 * 4 * 48} bytes where side 1 expected a message of {4 * 48}" in message, message
 
 
 def test_a_stack_of_layers_refuses_short_lists_and_is_gone_once_dropped(small: Transformer) -> None:
