@@ -177,14 +177,15 @@ def around_the_forward() -> tuple[list[float], list[tuple[float, float]]]:
     if received is not None:
 
         def run_received(self: Any, *args: Any) -> Any:
-            # The call waits for its input, then computes: its forward starts when the input was there.
-            c0 = time.thread_time()
+            # The call waits for its input, computes, and may send its output on: its forward runs from when the
+            # input was there to the send.
+            c0, self.sending = time.thread_time(), 0.0
             try:
                 out = received(self, *args)
             finally:
                 spent[1] += time.thread_time() - c0
             if out is not None:
-                spans.append((self.arrived, time.perf_counter()))
+                spans.append((self.arrived, time.perf_counter() - self.sending))
             return out
 
         CpuDecode.run_received = run_received  # type: ignore[method-assign]

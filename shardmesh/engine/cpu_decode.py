@@ -18,7 +18,9 @@ A pipeline stage whose link is a shared-memory ring waits for its input inside t
 the activations. Everything the call needs (its arguments, the layout's checks, the buffers) is made before it
 waits. A receive that returned to Python first put that Python, the call's argument conversion and the first layer's
 norm on the pipeline's critical path, cold, at every hop: in stage cores the seam fell from +0.29-0.37 to
-+0.07-0.12 ms a token (docs/performance.md, "The stages receive inside the layers' call").
++0.07-0.12 ms a token (docs/performance.md, "The stages receive inside the layers' call"). A stage before the last
+also sends its output on and writes its activation log from the same call: from Python, that work held a vCPU that
+the stage it had just woken wanted for its own threads.
 
 Tensor parallelism stays where it is: each half returns its partial sum and the row-parallel product's group
 all-reduces it, then adds the bias and the residual, exactly as `tp.RowParallelLinear` and `DecoderLayer` do. Where
@@ -99,6 +101,7 @@ class CpuDecode:
         self._head: tuple[Any, ...] | None = None  # `head_block`'s arguments, gathered with `_layers`
         self._all: _Stack | None = None  # every layer's arguments held by the kernels (`decode_layers`), with `_layers`
         self.arrived = 0.0  # when `run_received`'s last message came, on time.perf_counter
+        self.sending = 0.0  # how long its last send took, where it sent
 
     def accepts(self, batch: BatchLayout, all_logits: bool) -> bool:
         """A step in a slot layout, with last-token logits, of at most `STREAMED_ROWS` rows where layers are
@@ -127,11 +130,14 @@ class CpuDecode:
         return self._head_of(batch, x)
 
     @torch.inference_mode()
-    def run_received(self, batch: BatchLayout, link: StageLink) -> Tensor | None:
+    def run_received(self, batch: BatchLayout, link: StageLink, send_to: StageLink | None = None,
+                     log: Tensor | None = None) -> tuple[Tensor, bool] | None:  # fmt: skip
         """`run` with the step's input received over `link` inside the layers' call (`decode_layers_received`): the
-        token ids on the first stage, else the activations. Everything the call needs is made before it waits, so
-        that none of it is on the pipeline's critical path. None where it cannot be (layers not in one call, more rows
-        than a chunk, a link that is not shared memory): nothing was received, and the caller receives as before."""
+        token ids on the first stage, else the activations; and, given `send_to`, the output sent on from the same
+        call, then written to `log` (an activation log's slot-major data) if given. Everything the call needs is made
+        before it waits, so that none of it is on the pipeline's critical path. (the output, whether the call sent
+        it), or None where it cannot be (layers not in one call, more rows than a chunk, a link that is not shared
+        memory): nothing was received, and the caller receives as before."""
         model = self.model
         cos, sin = model.rope_cos, model.rope_sin
         assert cos is not None and sin is not None, "call init_buffers() first"
@@ -146,15 +152,24 @@ class CpuDecode:
                 return None
         x = torch.empty((n, model.cfg.hidden_size), dtype=model.dtype)
         into = ids if ids is not None else x
-        args = link.native_recv(into)
-        if args is None:
+        nbytes = into.numel() * into.element_size()
+        recv = link.native_recv(nbytes)
+        if recv is None:
             return None
+        out_bytes = x.numel() * x.element_size()
+        send = send_to.native_send(out_bytes) if send_to is not None and model.lm_head is None else None
         self.cache.check(batch)
         slots, positions = batch.kv_index
-        x, status, waited, self.arrived = self.ext.decode_layers_received(self._all.id, x, table, ids, slots,
-                                                                           positions, cos, sin, *args)  # fmt: skip
-        link.received_natively(into, status, waited)
-        return self._head_of(batch, x)
+        x, status, waited, self.arrived, sent, sending = self.ext.decode_layers_received(
+            self._all.id, x, table, ids, slots, positions, cos, sin, recv, send, log if send is not None else None
+        )
+        link.received_natively(nbytes, status, waited)
+        if send is None:
+            return self._head_of(batch, x), False
+        assert send_to is not None
+        self.sending = sending
+        send_to.sent_natively(out_bytes, sent, sending)
+        return x, True
 
     def _head_of(self, batch: BatchLayout, x: Tensor) -> Tensor:
         """The shard's output from its layers' (n, hidden) output x: x itself, or on the last stage the logits of each

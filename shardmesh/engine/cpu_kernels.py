@@ -2261,31 +2261,40 @@ torch::Tensor decode_layers(int64_t id, torch::Tensor x, torch::Tensor slots, to
   return x;
 }
 
-// decode_layers whose input comes over a pipeline link, received inside this call: `recv` is the shared-memory
-// link's link_recv (its address, from `shm_link`), given the rest of its arguments. A later stage receives the
-// activations into x; the first stage (`embed` given) receives the token ids into `ids` and embeds them into x.
-// Returns (x through the layers, the receive's status, the seconds it waited, when its message was there on
-// steady_clock, which is Python's time.perf_counter); on a failure, x as it was. Why: a stage waits through the other
-// stage's turn, and a receive returned to Python before the forward's call was made. That Python, the call's
-// argument conversion and the first layer's norm ran after the message came, cold, on the critical path of every
-// token: ~0.2 ms a hop here (docs/performance.md). Made before the wait, they are off it.
-using LinkRecv = int64_t (*)(torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+// decode_layers whose input comes over a pipeline link, received inside this call, and whose output may go on over the
+// next one from here too. A link's arguments are the shared-memory link's function (link_recv's or link_send's
+// address, from `shm_link`) and the rest of its arguments after the tensor it moves. A later stage receives the
+// activations into x; the first stage (`embed` given) receives the token ids into `ids` and embeds them into x. With
+// `send`, the layers' output is sent on, then written to `log` (the stage's activation log, slots by positions), if
+// given. Returns (x through the layers, the receive's status, the seconds it waited, when its message was there on
+// steady_clock, which is Python's time.perf_counter, the send's status, the seconds the send took); on a failed receive
+// x as it was, and nothing sent. Why: a stage waits through the other stage's turn, and a receive returned to Python
+// before the forward's call was made. That Python, the call's argument conversion and the first layer's norm ran after
+// the message came, cold, on the critical path of every token: ~0.2 ms a hop here. Made before the wait, they are off
+// it; and a send and log write from Python held a vCPU the woken next stage wanted (docs/performance.md).
+using LinkArgs = std::tuple<int64_t, torch::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                            double>;
+using LinkCall = int64_t (*)(torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                              double, double);
-std::tuple<torch::Tensor, int64_t, double, double> decode_layers_received(
+static int64_t call_link(const LinkArgs& a, const torch::Tensor& x) {
+  TORCH_CHECK(std::get<0>(a) != 0, "decode_layers_received: no link function to call");
+  return reinterpret_cast<LinkCall>(std::get<0>(a))(std::get<1>(a), x, std::get<2>(a), std::get<3>(a),
+                                                    std::get<4>(a), std::get<5>(a), std::get<6>(a), std::get<7>(a),
+                                                    std::get<8>(a), std::get<9>(a));
+}
+
+std::tuple<torch::Tensor, int64_t, double, double, int64_t, double> decode_layers_received(
     int64_t id, torch::Tensor x, Opt embed, Opt ids, torch::Tensor slots, torch::Tensor positions, torch::Tensor cos,
-    torch::Tensor sin, int64_t recv, torch::Tensor seg, int64_t seq, int64_t link_slots, int64_t capacity,
-    int64_t data_offset, int64_t peer_pid, int64_t peer_fd, double spin_s, double timeout_s) {
-  TORCH_CHECK(recv != 0, "decode_layers_received: no receive to call");
+    torch::Tensor sin, LinkArgs recv, c10::optional<LinkArgs> send, Opt log) {
   TORCH_CHECK(embed.has_value() == ids.has_value(), "decode_layers_received: embed and ids come together");
   const auto held = held_stack(id, "decode_layers_received");
-  const auto link_recv = reinterpret_cast<LinkRecv>(recv);
-  const auto t0 = std::chrono::steady_clock::now();
-  const int64_t status = link_recv(seg, embed ? *ids : x, seq, link_slots, capacity, data_offset, peer_pid, peer_fd,
-                                   spin_s, timeout_s);
-  const auto t1 = std::chrono::steady_clock::now();
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  const int64_t status = call_link(recv, embed ? *ids : x);
+  const auto t1 = Clock::now();
   const double waited = std::chrono::duration<double>(t1 - t0).count();
   const double arrived = std::chrono::duration<double>(t1.time_since_epoch()).count();
-  if (status != 0) return {x, status, waited, arrived};
+  if (status != 0) return {x, status, waited, arrived, 0, 0.0};
   if (embed) {  // the rows of the token ids, as nn.Embedding gives them
     const auto& table = *embed;
     const int64_t vocab = table.size(0), row = table.size(1) * table.element_size();
@@ -2302,7 +2311,27 @@ std::tuple<torch::Tensor, int64_t, double, double> decode_layers_received(
     x = y;
     return int64_t{0};
   });
-  return {x, 0, waited, arrived};
+  if (!send) return {x, 0, waited, arrived, 0, 0.0};
+  x = x.contiguous();
+  const auto t2 = Clock::now();
+  const int64_t sent = call_link(*send, x);
+  const double sending = std::chrono::duration<double>(Clock::now() - t2).count();
+  if (sent == 0 && log) {  // as the log's own write does it, after the rows are on their way
+    const int64_t row = x.size(1) * x.element_size(), per_slot = log->size(1);
+    TORCH_CHECK(log->is_contiguous() && log->scalar_type() == x.scalar_type() && log->size(2) == x.size(1),
+                "decode_layers_received: the log is not a contiguous (slots, positions, ", x.size(1), ") ",
+                x.scalar_type(), " tensor");
+    const int64_t* slot_of = slots.data_ptr<int64_t>();
+    const int64_t* position_of = positions.data_ptr<int64_t>();
+    auto* dst = static_cast<uint8_t*>(log->data_ptr());
+    const auto* src = static_cast<const uint8_t*>(x.data_ptr());
+    for (int64_t i = 0; i < x.size(0); ++i) {
+      TORCH_CHECK(0 <= slot_of[i] && slot_of[i] < log->size(0) && 0 <= position_of[i] && position_of[i] < per_slot,
+                  "decode_layers_received: row ", i, " is out of the log");
+      std::memcpy(dst + (slot_of[i] * per_slot + position_of[i]) * row, src + i * row, row);
+    }
+  }
+  return {x, 0, waited, arrived, sent, sending};
 }
 
 // decode_layers for a tensor-parallel rank whose row-parallel products have no bias: each half's partial sum goes

@@ -338,21 +338,33 @@ class StageLink:
         self.bytes_sent += x.numel() * x.element_size()
         self.messages_sent += 1
 
-    def native_recv(self, out: Tensor) -> tuple[Any, ...] | None:
-        """Arguments with which a C++ caller receives the next message into `out` itself (`ShmLinkWire.native_recv`),
-        then `received_natively`; None where this link cannot hand its receive over (not shared memory, staged, or
-        `out` more than a message), and the caller receives through `recv`."""
+    def native_recv(self, nbytes: int) -> tuple[Any, ...] | None:
+        """Arguments with which a C++ caller receives the next message, of `nbytes`, itself
+        (`ShmLinkWire.native_recv`), then `received_natively`; None where this link cannot hand its receive over (not
+        shared memory, staged, more than a message), and the caller receives through `recv`."""
         native = getattr(self.wire, "native_recv", None)
-        return native(out) if native is not None and self._staging is None else None
+        return native(nbytes) if native is not None and self._staging is None else None
 
-    def received_natively(self, out: Tensor, status: int, waited: float) -> None:
-        """After a C++ caller received into `out` with `native_recv`'s arguments (see there): counted as `recv`
-        counts, and a failure raises as `recv` would."""
-        nbytes = out.numel() * out.element_size()
-        cast(Any, self.wire).received_natively(status, nbytes, waited)
+    def native_send(self, nbytes: int) -> tuple[Any, ...] | None:
+        """`native_recv` for a send of `nbytes`, then `sent_natively`; None: the caller sends through `send`."""
+        native = getattr(self.wire, "native_send", None)
+        return native(nbytes) if native is not None and self._staging is None else None
+
+    def received_natively(self, nbytes: int, status: int, waited: float) -> None:
+        """After a C++ caller received `nbytes` with `native_recv`'s arguments: counted as `recv` counts, and a
+        failure raises as `recv` would."""
+        cast(Any, self.wire).moved_natively("recv", status, nbytes, waited)
         self.wait_s += waited
         self.bytes_received += nbytes
         self.messages_received += 1
+
+    def sent_natively(self, nbytes: int, status: int, seconds: float) -> None:
+        """After a C++ caller sent `nbytes` with `native_send`'s arguments: counted as `send` counts, and a failure
+        raises as `send` would."""
+        cast(Any, self.wire).moved_natively("send", status, nbytes, seconds)
+        self.send_s += seconds
+        self.bytes_sent += nbytes
+        self.messages_sent += 1
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
         t0 = time.perf_counter()

@@ -24,8 +24,9 @@ it waits for needs that core), then sleeps on the futex word for at most 10 ms a
 other stage's whole turn, and each wake-up would take a core from it), after which it checks that its peer lives
 (one poll() of a pidfd of it; kill(pid, 0) and /proc for a zombie where there is no pidfd) and the group timeout.
 A peer that closes the link (its epoch broke) wakes it at once.
-A CPU stage's decode step receives inside its layers' call (`cpu_decode`): the call is handed `link_recv`'s address
-and its arguments (`ShmLinkWire.native_recv`), and the wire counts and raises after it (`received_natively`).
+A CPU stage's decode step receives, and sends, inside its layers' call (`cpu_decode`): the call is handed `link_recv`'s
+and `link_send`'s addresses and their arguments (`ShmLinkWire.native_recv`, `native_send`), and the wire counts and
+raises after it (`moved_natively`).
 Each failure returns a status that `ShmLinkWire` raises as RuntimeError naming the peer, as a broken Gloo link
 would, and the worker treats it as a lost peer. The kernel is `shm_collective`'s prelude plus the functions
 here, built at first use; without a C++ compiler the negotiation refuses and the link stays on Gloo.
@@ -185,9 +186,10 @@ int64_t link_recv(torch::Tensor seg, torch::Tensor out, int64_t seq, int64_t slo
   return 0;
 }
 
-// link_recv's address, for a kernel of another extension that waits for its input inside the call it computes in
-// (`cpu_kernels.decode_layers_received`).
+// link_recv's and link_send's addresses, for a kernel of another extension that waits for its input inside the call it
+// computes in, and sends its output from there (`cpu_kernels.decode_layers_received`).
 int64_t link_recv_address() { return reinterpret_cast<int64_t>(&link_recv); }
+int64_t link_send_address() { return reinterpret_cast<int64_t>(&link_send); }
 
 // Mark the link closed by `side` and wake whichever side waits, so it reads the mark now.
 void link_close(torch::Tensor seg, int64_t side) {
@@ -199,7 +201,10 @@ void link_close(torch::Tensor seg, int64_t side) {
 """
 
 _KERNEL = InlineKernel(
-    "shardmesh_link", PRELUDE + _SOURCE, ["link_send", "link_recv", "link_recv_address", "link_close"], ["-O3"]
+    "shardmesh_link",
+    PRELUDE + _SOURCE,
+    ["link_send", "link_recv", "link_recv_address", "link_send_address", "link_close"],
+    ["-O3"],
 )
 
 
@@ -264,24 +269,31 @@ class ShmLinkWire:
     def recv_into(self, out: Tensor) -> None:
         self._run("recv", self._ext.link_recv, out)
 
-    def native_recv(self, out: Tensor) -> tuple[Any, ...] | None:
-        """What a C++ caller passes to `link_recv` after `out` (which it receives into), led by the kernel's address;
-        then `received_natively`. None when `out` would not come in one message (the caller receives through
-        `recv_into`). Raises as `recv_into` would on a link that broke earlier."""
-        if self._broken:
-            raise RuntimeError(f"link recv over shm: the link broke earlier ({self._broken})")
-        if out.device.type != "cpu" or not out.is_contiguous() or out.numel() * out.element_size() > self.capacity:
-            return None
-        return (self._ext.link_recv_address(), self._seg, self._seq, self.slots, self.capacity, data_offset(),
-                self.peer_pid, self.peer_fd, self.spin_s, self.timeout_s)  # fmt: skip
+    def native_recv(self, nbytes: int) -> tuple[Any, ...] | None:
+        """What a C++ caller passes to `link_recv` after the tensor it receives into (of `nbytes`), led by the
+        kernel's address; then `moved_natively`. None when that would not come in one message (the caller receives
+        through `recv_into`). Raises as `recv_into` would on a link that broke earlier."""
+        return self._native("recv", "link_recv_address", nbytes)
 
-    def received_natively(self, status: int, nbytes: int, waited: float) -> None:
-        """After a C++ caller received one message of `nbytes` with `native_recv`'s arguments in `waited` seconds,
-        which returned `status`: the sequence moves on, and a failure raises (and breaks the link) as `recv_into`
-        would."""
+    def native_send(self, nbytes: int) -> tuple[Any, ...] | None:
+        """`native_recv` for `link_send`: what a C++ caller passes after a tensor of `nbytes` it sends."""
+        return self._native("send", "link_send_address", nbytes)
+
+    def moved_natively(self, what: str, status: int, nbytes: int, seconds: float) -> None:
+        """After a C++ caller received or sent (`what`) one message of `nbytes` with `native_recv`'s or
+        `native_send`'s arguments in `seconds`, which returned `status`: the sequence moves on, and a failure raises
+        (and breaks the link) as `recv_into` or `send` would."""
         self._seq += 1
         if status != 0:
-            self._failed("recv", status, nbytes, waited)
+            self._failed(what, status, nbytes, seconds)
+
+    def _native(self, what: str, address: str, nbytes: int) -> tuple[Any, ...] | None:
+        if self._broken:
+            raise RuntimeError(f"link {what} over shm: the link broke earlier ({self._broken})")
+        if nbytes > self.capacity:
+            return None
+        return (getattr(self._ext, address)(), self._seg, self._seq, self.slots, self.capacity, data_offset(),
+                self.peer_pid, self.peer_fd, self.spin_s, self.timeout_s)  # fmt: skip
 
     def close(self, why: str) -> None:
         """Mark the link closed in the segment and wake the peer: if it waits on the link, it raises now."""

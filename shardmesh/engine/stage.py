@@ -70,13 +70,17 @@ class StageEngine:
         `token_ids` (T,), or receives them over `tokens_from` (a pipeline's loop link); the last returns logits
         (B, vocab), or (T, vocab) with `all_logits`. The others send the next stage their output, or what `relay`
         says."""
-        out = None
+        out, sent = None, False
         if batch is not None:
-            out = self._received(batch, all_logits, tokens_from)
-            if out is None:
+            received = self._received(batch, all_logits, tokens_from, relay)
+            if received is None:
                 out = self._computed(batch, self._input(batch, token_ids, tokens_from), all_logits)
+            else:
+                out, sent = received
         if self.is_last:
             return out
+        if sent:  # and logged, in the call that computed it
+            return None
         if relay is None:
             # The rows first, then the log: the next stage waits for the rows, and writing the log before them
             # put ~0.08 ms a token (0.14 at 16 sequences) on a pipeline's critical path (docs/performance.md,
@@ -88,14 +92,17 @@ class StageEngine:
             self._send(self._relayed(relay, out))
         return None
 
-    def _received(self, batch: BatchLayout, all_logits: bool, tokens_from: StageLink | None) -> Tensor | None:
-        """The step's output where the CPU decode path receives the step's input itself, inside its call
-        (`CpuDecode.run_received`: what the stage did after a receive from Python was on a pipeline's critical path),
-        else None and nothing received."""
+    def _received(self, batch: BatchLayout, all_logits: bool, tokens_from: StageLink | None,
+                  relay: Relay | None) -> tuple[Tensor, bool] | None:  # fmt: skip
+        """The step's output, and whether it went on to the next stage, where the CPU decode path receives the step's
+        input itself, inside its call (`CpuDecode.run_received`: what the stage did after a receive from Python was
+        on a pipeline's critical path), and sends it on from there unless a replay relays something else; else None
+        and nothing received."""
         link = tokens_from if self.is_first else self.groups.prev
         if self.native is None or link is None or not self.native.accepts(batch, all_logits):
             return None
-        return self.native.run_received(batch, link)
+        log = self.log.data if self.log is not None and relay is None else None
+        return self.native.run_received(batch, link, self.groups.next if relay is None else None, log)
 
     def _input(self, batch: BatchLayout, token_ids: Tensor | None, tokens_from: StageLink | None) -> Tensor:
         """The step's input: the first stage's token ids (given, or received over `tokens_from`), else the previous

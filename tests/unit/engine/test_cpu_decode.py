@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from shardmesh.engine import cpu_kernels, sampling, shm_link
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.cpu_decode import CpuDecode, cpu_decode
 from shardmesh.engine.cpu_features import cpu_flags
-from shardmesh.engine.groups import ShardGroups, SingleRank, StageLink
+from shardmesh.engine.groups import ShardGroups, SingleRank
+from shardmesh.engine.kv_cache import ActivationLog
 from shardmesh.engine.linear import KERNEL_ENV, BlockedCpuKernel, BlockedInt8Kernel, dequantize, quantize_groups
 from shardmesh.engine.loader import build_shard
 from shardmesh.engine.model import Transformer
@@ -404,22 +406,25 @@ def test_a_rank_whose_peer_closed_the_group_fails_its_one_call_naming_it(tmp_pat
     assert "the group broke earlier (rank 1 closed the group: a test broke it)" in messages[1]
 
 
-def _pipelined(engine: StageEngine, rank: int, steps: int) -> tuple[list[Tensor], list[bool]]:
+def _pipelined(engine: StageEngine, rank: int, steps: int) -> tuple[list[Tensor], list[tuple[bool, bool]]]:
     """A prompt, then `steps` greedy decode steps through a pp=2 mesh, the last stage sending each drawn token back
-    to the first over the loop link, which the first receives in its step (`tokens_from`): the last stage's logits
-    of every step, and on each stage whether every decode step's input was received inside the layers' call."""
+    to the first over the loop link, which the first receives in its step (`tokens_from`), and the first stage keeping
+    an activation log: the last stage's logits of every step, or the first stage's log of the sequence's rows; and per
+    step on each stage, whether its input was received inside the layers' call and its output sent on from there."""
     native = engine.native
     assert native is not None
-    taken: list[bool] = []
+    taken: list[tuple[bool, bool]] = []
     received = native.run_received
 
-    def counted(batch: BatchLayout, link: StageLink) -> Tensor | None:
-        out = received(batch, link)
-        taken.append(out is not None)
+    def counted(batch: BatchLayout, *args: Any) -> tuple[Tensor, bool] | None:
+        out = received(batch, *args)
+        taken.append((out is not None, out is not None and out[1]))
         return out
 
     native.run_received = counted  # type: ignore[method-assign]
-    prompt = PROMPTS[0]
+    prompt, hidden = PROMPTS[0], engine.model.cfg.hidden_size
+    if rank == 0:
+        engine.log = ActivationLog(2, 128, hidden, engine.dtype)
     logits = [engine.step(BatchLayout.build([Segment(0, 0, len(prompt))]), torch.tensor(prompt) if rank == 0 else None)]
     loop = engine.groups.loop
     assert loop is not None
@@ -430,24 +435,30 @@ def _pipelined(engine: StageEngine, rank: int, steps: int) -> tuple[list[Tensor]
             logits.append(engine.step(batch))
         else:
             engine.step(batch, tokens_from=loop)
+    if rank == 0:
+        assert engine.log is not None
+        return [engine.log.data[0, : len(prompt) + steps].clone()], taken
     return [x for x in logits if x is not None], taken
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_stages_that_receive_inside_the_layers_call_compute_what_a_receive_from_python_gives(
+def test_stages_that_receive_and_send_inside_the_layers_call_compute_what_python_links_give(
         tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:  # fmt: skip
     """Over shared-memory links a stage waits for its input inside the layers' call (`decode_layers_received`):
-    the first stage for the drawn token, which it embeds there, the next for the activations. Every step of a pp=2
-    mesh takes that way, and the logits are those of the same mesh receiving from Python first, to the bit."""
+    the first stage for the drawn token, which it embeds there, the next for the activations; and the first stage
+    sends its output on and writes its activation log from the same call. Every step of a pp=2 mesh takes that way,
+    and the logits and the log are those of the same mesh receiving and sending from Python, to the bit."""
     monkeypatch.delenv(shm_link.TRANSPORT_ENV, raising=False)
     d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=4, seed=3)
     inside = run_mesh(d, 2, 1, lambda engine, rank: _pipelined(engine, rank, 5), dtype=dtype)
-    monkeypatch.setattr(CpuDecode, "run_received", lambda self, batch, link: None)
+    monkeypatch.setattr(CpuDecode, "run_received", lambda self, *args: None)
     outside = run_mesh(d, 2, 1, lambda engine, rank: _pipelined(engine, rank, 5), dtype=dtype)
-    # The first stage receives every decode step's token inside, the last stage its prompt's rows and every step's.
-    assert inside[0][1] == [True] * 5 and inside[1][1] == [True] * 6
-    assert outside[1][1] == [False] * 6
+    # The first stage receives every decode step's token and sends its rows inside; the last stage receives its
+    # prompt's rows and every step's inside, and sends nothing on.
+    assert inside[0][1] == [(True, True)] * 5 and inside[1][1] == [(True, False)] * 6
+    assert outside[0][1] == [(False, False)] * 5 and outside[1][1] == [(False, False)] * 6
     assert len(inside[1][0]) == 6 and all(torch.equal(a, b) for a, b in zip(inside[1][0], outside[1][0], strict=True))
+    assert torch.equal(inside[0][0][0], outside[0][0][0])
 
 
 def test_a_stage_receiving_inside_the_layers_call_names_a_message_of_the_wrong_size(
@@ -474,6 +485,35 @@ def test_a_stage_receiving_inside_the_layers_call_names_a_message_of_the_wrong_s
 
     message = run_mesh(d, 2, 1, body)[1]
     assert f"sent {2 * 4 * 48} bytes where side 1 expected a message of {4 * 48}" in message, message
+
+
+def test_a_stage_sending_from_the_layers_call_to_a_closed_link_names_the_side_that_closed_it(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The last stage sends the first a token, then closes the link between them (its epoch broke): the first
+    stage receives the token and computes inside its call, whose send is refused, and raises naming the side that
+    closed the link, as a send from Python would; its activation log is not written."""
+    monkeypatch.delenv(shm_link.TRANSPORT_ENV, raising=False)
+    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=4, seed=3)
+
+    def body(engine: StageEngine, rank: int) -> str:
+        loop = engine.groups.loop
+        assert loop is not None
+        if rank == 1:
+            assert engine.groups.prev is not None
+            engine.groups.prev.close("a test broke it")
+            loop.send(torch.tensor([7]))
+            return ""
+        log = engine.log = ActivationLog(2, 16, engine.model.cfg.hidden_size, engine.dtype)
+        log.data.fill_(3.0)
+        try:
+            engine.step(BatchLayout.build([Segment(0, 0, 1)]), tokens_from=loop)
+        except RuntimeError as e:
+            assert bool((log.data == 3.0).all())
+            return str(e)
+        return "no error"
+
+    message = run_mesh(d, 2, 1, body)[0]
+    assert "side 1 (pid " in message and "closed the link (its epoch broke)" in message, message
 
 
 def test_a_stack_of_layers_refuses_short_lists_and_is_gone_once_dropped(small: Transformer) -> None:
