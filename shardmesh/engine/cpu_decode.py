@@ -101,7 +101,7 @@ class CpuDecode:
         self._head: tuple[Any, ...] | None = None  # `head_block`'s arguments, gathered with `_layers`
         self._all: _Stack | None = None  # every layer's arguments held by the kernels (`decode_layers`), with `_layers`
         self.arrived = 0.0  # when `run_received`'s last message came, on time.perf_counter
-        self.sending = 0.0  # how long its last send took, where it sent
+        self.sending = 0.0  # how long its last send took (0: it sent nothing)
 
     def accepts(self, batch: BatchLayout, all_logits: bool) -> bool:
         """A step in a slot layout, with last-token logits, of at most `STREAMED_ROWS` rows where layers are
@@ -135,9 +135,9 @@ class CpuDecode:
         """`run` with the step's input received over `link` inside the layers' call (`decode_layers_received`): the
         token ids on the first stage, else the activations; and, given `send_to`, the output sent on from the same
         call, then written to `log` (an activation log's slot-major data) if given. Everything the call needs is made
-        before it waits, so that none of it is on the pipeline's critical path. (the output, whether the call sent
-        it), or None where it cannot be (layers not in one call, more rows than a chunk, a link that is not shared
-        memory): nothing was received, and the caller receives as before."""
+        before it waits, so that none of it is on the pipeline's critical path. Returns the output and whether the
+        call sent it; or None where it cannot be (layers not in one call, more rows than a chunk, a link that is not
+        shared memory): then nothing was received, and the caller receives as before."""
         model = self.model
         cos, sin = model.rope_cos, model.rope_sin
         assert cos is not None and sin is not None, "call init_buffers() first"
@@ -163,11 +163,11 @@ class CpuDecode:
         x, status, waited, self.arrived, sent, sending = self.ext.decode_layers_received(
             self._all.id, x, table, ids, slots, positions, cos, sin, recv, send, log if send is not None else None
         )
+        self.sending = sending
         link.received_natively(nbytes, status, waited)
         if send is None:
             return self._head_of(batch, x), False
         assert send_to is not None
-        self.sending = sending
         send_to.sent_natively(out_bytes, sent, sending)
         return x, True
 
