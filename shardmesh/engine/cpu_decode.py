@@ -160,9 +160,15 @@ class CpuDecode:
         send = send_to.native_send(out_bytes) if send_to is not None and model.lm_head is None else None
         self.cache.check(batch)
         slots, positions = batch.kv_index
-        x, status, waited, self.arrived, sent, sending = self.ext.decode_layers_received(
-            self._all.id, x, table, ids, slots, positions, cos, sin, recv, send, log if send is not None else None
-        )
+        try:
+            x, status, waited, self.arrived, sent, sending = self.ext.decode_layers_received(
+                self._all.id, x, table, ids, slots, positions, cos, sin, recv, send, log if send is not None else None
+            )
+        except RuntimeError as e:  # raised inside, after the receive or not: the links' counts are unknown now
+            for end in (link, send_to if send is not None else None):
+                if end is not None:
+                    end.close(f"the layers' call that used it failed: {e}")
+            raise
         self.sending = sending
         link.received_natively(nbytes, status, waited)
         if send is None:

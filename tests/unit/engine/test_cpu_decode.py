@@ -487,6 +487,35 @@ def test_a_stage_receiving_inside_the_layers_call_names_a_message_of_the_wrong_s
     assert f"sent {2 * 4 * 48} bytes where side 1 expected a message of {4 * 48}" in message, message
 
 
+def test_a_token_id_past_the_embedding_fails_the_call_naming_it_and_breaks_its_link(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The first stage receives a token id past its embedding's rows inside its call: the call fails naming it, and
+    the link it came over is closed (its messages' count is not known any more), so that neither side can go on on
+    it out of step: the next receive raises, and the sender learns at once that the link was closed."""
+    monkeypatch.delenv(shm_link.TRANSPORT_ENV, raising=False)
+    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=4, seed=3)
+
+    def body(engine: StageEngine, rank: int) -> str:
+        loop = engine.groups.loop
+        assert loop is not None
+        if rank == 1:
+            loop.send(torch.tensor([96]))  # the checkpoint's vocabulary is 96 tokens
+            with pytest.raises(RuntimeError, match="closed the link"):
+                for _ in range(shm_link.SLOTS + 1):  # until the ring is full and the close is read
+                    loop.send(torch.tensor([5]))
+            return ""
+        try:
+            engine.step(BatchLayout.build([Segment(0, 0, 1)]), tokens_from=loop)
+        except RuntimeError as e:
+            with pytest.raises(RuntimeError, match="the link broke earlier"):
+                loop.recv((1,), torch.int64, "cpu")
+            return str(e)
+        return "no error"
+
+    message = run_mesh(d, 2, 1, body)[0]
+    assert "token id 96 is out of the embedding's 96 rows" in message, message
+
+
 def test_a_stage_sending_from_the_layers_call_to_a_closed_link_names_the_side_that_closed_it(
         tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The last stage sends the first a token, then closes the link between them (its epoch broke): the first
