@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from shardmesh.engine import cpu_kernels, sampling, shm_link
 from shardmesh.engine.batch import BatchLayout
 from shardmesh.engine.cpu_decode import CpuDecode, cpu_decode
 from shardmesh.engine.cpu_features import cpu_flags
-from shardmesh.engine.groups import ShardGroups, SingleRank
+from shardmesh.engine.groups import ShardGroups, SingleRank, StageLink
 from shardmesh.engine.kv_cache import ActivationLog
 from shardmesh.engine.linear import KERNEL_ENV, BlockedCpuKernel, BlockedInt8Kernel, dequantize, quantize_groups
 from shardmesh.engine.loader import build_shard
@@ -406,6 +407,19 @@ def test_a_rank_whose_peer_closed_the_group_fails_its_one_call_naming_it(tmp_pat
     assert "the group broke earlier (rank 1 closed the group: a test broke it)" in messages[1]
 
 
+@pytest.fixture
+def shm_pipeline(tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A small checkpoint for a pp=2 thread mesh whose links go through shared memory (the default on one host)."""
+    monkeypatch.delenv(shm_link.TRANSPORT_ENV, raising=False)
+    return make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=4, seed=3)
+
+
+def _loop(engine: StageEngine) -> StageLink:
+    loop = engine.groups.loop
+    assert loop is not None
+    return loop
+
+
 def _pipelined(engine: StageEngine, rank: int, steps: int) -> tuple[list[Tensor], list[tuple[bool, bool]]]:
     """A prompt, then `steps` greedy decode steps through a pp=2 mesh, the last stage sending each drawn token back
     to the first over the loop link, which the first receives in its step (`tokens_from`), and the first stage keeping
@@ -426,8 +440,7 @@ def _pipelined(engine: StageEngine, rank: int, steps: int) -> tuple[list[Tensor]
     if rank == 0:
         engine.log = ActivationLog(2, 128, hidden, engine.dtype)
     logits = [engine.step(BatchLayout.build([Segment(0, 0, len(prompt))]), torch.tensor(prompt) if rank == 0 else None)]
-    loop = engine.groups.loop
-    assert loop is not None
+    loop = _loop(engine)
     for k in range(steps):
         batch = BatchLayout.build([Segment(0, len(prompt) + k, 1)])
         if rank == 1:
@@ -443,16 +456,14 @@ def _pipelined(engine: StageEngine, rank: int, steps: int) -> tuple[list[Tensor]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stages_that_receive_and_send_inside_the_layers_call_compute_what_python_links_give(
-        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:  # fmt: skip
+        shm_pipeline: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:  # fmt: skip
     """Over shared-memory links a stage waits for its input inside the layers' call (`decode_layers_received`):
     the first stage for the drawn token, which it embeds there, the next for the activations; and the first stage
     sends its output on and writes its activation log from the same call. Every step of a pp=2 mesh takes that way,
     and the logits and the log are those of the same mesh receiving and sending from Python, to the bit."""
-    monkeypatch.delenv(shm_link.TRANSPORT_ENV, raising=False)
-    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=4, seed=3)
-    inside = run_mesh(d, 2, 1, lambda engine, rank: _pipelined(engine, rank, 5), dtype=dtype)
+    inside = run_mesh(shm_pipeline, 2, 1, lambda engine, rank: _pipelined(engine, rank, 5), dtype=dtype)
     monkeypatch.setattr(CpuDecode, "run_received", lambda self, *args: None)
-    outside = run_mesh(d, 2, 1, lambda engine, rank: _pipelined(engine, rank, 5), dtype=dtype)
+    outside = run_mesh(shm_pipeline, 2, 1, lambda engine, rank: _pipelined(engine, rank, 5), dtype=dtype)
     # The first stage receives every decode step's token and sends its rows inside; the last stage receives its
     # prompt's rows and every step's inside, and sends nothing on.
     assert inside[0][1] == [(True, True)] * 5 and inside[1][1] == [(True, False)] * 6
@@ -461,12 +472,9 @@ def test_stages_that_receive_and_send_inside_the_layers_call_compute_what_python
     assert torch.equal(inside[0][0][0], outside[0][0][0])
 
 
-def test_a_stage_receiving_inside_the_layers_call_names_a_message_of_the_wrong_size(
-        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_stage_receiving_inside_the_layers_call_names_a_message_of_the_wrong_size(shm_pipeline: Path) -> None:
     """The first stage sends two rows of activations where the next stage's step expects one: the next stage's call
     refuses them before computing, naming both sizes, as a receive from Python would, and the link is broken."""
-    monkeypatch.delenv(shm_link.TRANSPORT_ENV, raising=False)
-    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=4, seed=3)
 
     def body(engine: StageEngine, rank: int) -> str:
         hidden = engine.model.cfg.hidden_size
@@ -483,21 +491,17 @@ def test_a_stage_receiving_inside_the_layers_call_names_a_message_of_the_wrong_s
             return str(e)
         return "no error"
 
-    message = run_mesh(d, 2, 1, body)[1]
+    message = run_mesh(shm_pipeline, 2, 1, body)[1]
     assert f"sent {2 * 4 * 48} bytes where side 1 expected a message of {4 * 48}" in message, message
 
 
-def test_a_token_id_past_the_embedding_fails_the_call_naming_it_and_breaks_its_link(
-        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_token_id_past_the_embedding_fails_the_call_naming_it_and_breaks_its_link(shm_pipeline: Path) -> None:
     """The first stage receives a token id past its embedding's rows inside its call: the call fails naming it, and
     the link it came over is closed (its messages' count is not known any more), so that neither side can go on on
     it out of step: the next receive raises, and the sender learns at once that the link was closed."""
-    monkeypatch.delenv(shm_link.TRANSPORT_ENV, raising=False)
-    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=4, seed=3)
 
     def body(engine: StageEngine, rank: int) -> str:
-        loop = engine.groups.loop
-        assert loop is not None
+        loop = _loop(engine)
         if rank == 1:
             loop.send(torch.tensor([96]))  # the checkpoint's vocabulary is 96 tokens
             with pytest.raises(RuntimeError, match="closed the link"):
@@ -512,21 +516,19 @@ def test_a_token_id_past_the_embedding_fails_the_call_naming_it_and_breaks_its_l
             return str(e)
         return "no error"
 
-    message = run_mesh(d, 2, 1, body)[0]
+    message = run_mesh(shm_pipeline, 2, 1, body)[0]
     assert "token id 96 is out of the embedding's 96 rows" in message, message
 
 
 def test_a_stage_sending_from_the_layers_call_to_a_closed_link_names_the_side_that_closed_it(
-        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    shm_pipeline: Path,
+) -> None:
     """The last stage sends the first a token, then closes the link between them (its epoch broke): the first
     stage receives the token and computes inside its call, whose send is refused, and raises naming the side that
     closed the link, as a send from Python would; its activation log is not written."""
-    monkeypatch.delenv(shm_link.TRANSPORT_ENV, raising=False)
-    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=4, seed=3)
 
     def body(engine: StageEngine, rank: int) -> str:
-        loop = engine.groups.loop
-        assert loop is not None
+        loop = _loop(engine)
         if rank == 1:
             assert engine.groups.prev is not None
             engine.groups.prev.close("a test broke it")
@@ -541,7 +543,7 @@ def test_a_stage_sending_from_the_layers_call_to_a_closed_link_names_the_side_th
             return str(e)
         return "no error"
 
-    message = run_mesh(d, 2, 1, body)[0]
+    message = run_mesh(shm_pipeline, 2, 1, body)[0]
     assert "side 1 (pid " in message and "closed the link (its epoch broke)" in message, message
 
 
