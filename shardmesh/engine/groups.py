@@ -334,9 +334,7 @@ class StageLink:
         x = x.contiguous()
         t0 = time.perf_counter()
         self.wire.send(self._staging.to_host(x) if self._staging is not None else x)
-        self.send_s += time.perf_counter() - t0
-        self.bytes_sent += x.numel() * x.element_size()
-        self.messages_sent += 1
+        self._count_send(x.numel() * x.element_size(), time.perf_counter() - t0)
 
     def native_recv(self, nbytes: int) -> tuple[Any, ...] | None:
         """Arguments with which a C++ caller receives the next message, of `nbytes`, itself
@@ -354,17 +352,13 @@ class StageLink:
         """After a C++ caller received `nbytes` with `native_recv`'s arguments: counted as `recv` counts, and a
         failure raises as `recv` would."""
         cast(Any, self.wire).moved_natively("recv", status, nbytes, waited)
-        self.wait_s += waited
-        self.bytes_received += nbytes
-        self.messages_received += 1
+        self._count_recv(nbytes, waited)
 
     def sent_natively(self, nbytes: int, status: int, seconds: float) -> None:
         """After a C++ caller sent `nbytes` with `native_send`'s arguments: counted as `send` counts, and a failure
         raises as `send` would."""
         cast(Any, self.wire).moved_natively("send", status, nbytes, seconds)
-        self.send_s += seconds
-        self.bytes_sent += nbytes
-        self.messages_sent += 1
+        self._count_send(nbytes, seconds)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
         t0 = time.perf_counter()
@@ -375,10 +369,18 @@ class StageLink:
             host = self._staging.buffer(shape, dtype, pinned=torch.device(device).type == "cuda")
             self.wire.recv_into(host)
             x = self._staging.from_host(host, device)
-        self.wait_s += time.perf_counter() - t0
-        self.bytes_received += x.numel() * x.element_size()
-        self.messages_received += 1
+        self._count_recv(x.numel() * x.element_size(), time.perf_counter() - t0)
         return x
+
+    def _count_send(self, nbytes: int, seconds: float) -> None:
+        self.send_s += seconds
+        self.bytes_sent += nbytes
+        self.messages_sent += 1
+
+    def _count_recv(self, nbytes: int, waited: float) -> None:
+        self.wait_s += waited
+        self.bytes_received += nbytes
+        self.messages_received += 1
 
 
 @dataclass

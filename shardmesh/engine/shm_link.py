@@ -259,6 +259,8 @@ class ShmLinkWire:
         self._seg = torch.frombuffer(segment.mm, dtype=torch.uint8)
         self._seq = 0  # messages through the ring so far, counted alike on both sides
         self._broken = ""
+        # What a C++ caller of another extension calls to move a message itself (`native_recv`, `native_send`).
+        self._addresses = {"recv": ext.link_recv_address(), "send": ext.link_send_address()}
 
     def describe(self) -> str:
         return f"shm ({self.slots} x {self.capacity >> 10} KiB slots)"
@@ -273,11 +275,11 @@ class ShmLinkWire:
         """What a C++ caller passes to `link_recv` after the tensor it receives into (of `nbytes`), led by the
         kernel's address; then `moved_natively`. None when that would not come in one message (the caller receives
         through `recv_into`). Raises as `recv_into` would on a link that broke earlier."""
-        return self._native("recv", "link_recv_address", nbytes)
+        return self._native("recv", nbytes)
 
     def native_send(self, nbytes: int) -> tuple[Any, ...] | None:
         """`native_recv` for `link_send`: what a C++ caller passes after a tensor of `nbytes` it sends."""
-        return self._native("send", "link_send_address", nbytes)
+        return self._native("send", nbytes)
 
     def moved_natively(self, what: str, status: int, nbytes: int, seconds: float) -> None:
         """After a C++ caller received or sent (`what`) one message of `nbytes` with `native_recv`'s or
@@ -287,13 +289,18 @@ class ShmLinkWire:
         if status != 0:
             self._failed(what, status, nbytes, seconds)
 
-    def _native(self, what: str, address: str, nbytes: int) -> tuple[Any, ...] | None:
+    def _native(self, what: str, nbytes: int) -> tuple[Any, ...] | None:
+        self._check_unbroken(what)
+        return None if nbytes > self.capacity else (self._addresses[what], self._seg, *self._ring_args())
+
+    def _check_unbroken(self, what: str) -> None:
         if self._broken:
             raise RuntimeError(f"link {what} over shm: the link broke earlier ({self._broken})")
-        if nbytes > self.capacity:
-            return None
-        return (getattr(self._ext, address)(), self._seg, self._seq, self.slots, self.capacity, data_offset(),
-                self.peer_pid, self.peer_fd, self.spin_s, self.timeout_s)  # fmt: skip
+
+    def _ring_args(self) -> tuple[Any, ...]:
+        """`link_send`'s and `link_recv`'s arguments after the segment and the tensor moved."""
+        return (self._seq, self.slots, self.capacity, data_offset(), self.peer_pid, self.peer_fd, self.spin_s,
+                self.timeout_s)  # fmt: skip
 
     def close(self, why: str) -> None:
         """Mark the link closed in the segment and wake the peer: if it waits on the link, it raises now."""
@@ -302,15 +309,13 @@ class ShmLinkWire:
             self._ext.link_close(self._seg, self.side)
 
     def _run(self, what: str, fn: Any, x: Tensor) -> None:
-        if self._broken:
-            raise RuntimeError(f"link {what} over shm: the link broke earlier ({self._broken})")
+        self._check_unbroken(what)
         if x.device.type != "cpu" or not x.is_contiguous():
             raise ValueError(f"a shared-memory link moves contiguous host tensors, got {x.device} "
                              f"contiguous={x.is_contiguous()}")  # fmt: skip
         nbytes = x.numel() * x.element_size()
         t0 = time.perf_counter()
-        status = fn(self._seg, x, self._seq, self.slots, self.capacity, data_offset(), self.peer_pid, self.peer_fd,
-                    self.spin_s, self.timeout_s)  # fmt: skip
+        status = fn(self._seg, x, *self._ring_args())
         self._seq += max(1, math.ceil(nbytes / self.capacity))
         if status != 0:
             self._failed(what, status, nbytes, time.perf_counter() - t0)
