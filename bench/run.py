@@ -46,6 +46,11 @@ Derived lines, per dtype, each beside its target and whether this run met it:
   interval lies below the target, above it, or holds it (then the run cannot tell the two apart).
 - pipeline: aggregate tokens/s of pp=2 over pp=1 (both tp=1) at 16 streams, per pipeline mode: target >= 0.9x;
   and 16 streams over one stream: target >= 6x.
+- memory floor (no target): a one-stream step reads every weight once, so it takes at least the weights' bytes over
+  the rate this host reads memory at. bench/read_probe.py reads a buffer of those bytes on the step's threads; its
+  passes run between pp=1's one-stream requests (`PROBE_PASSES` after each) and just before and after llama.cpp's,
+  and the report gives each one's floor ÷ its ms per token (1: at the floor). What the llama.cpp target is set
+  beside: two programs both near the floor can only trade places with this host's drift.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -68,7 +73,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import llamacpp  # noqa: E402  (the repository root is on the path only now)
+from bench import llamacpp, read_probe  # noqa: E402  (the repository root is on the path only now)
 from bench.conditions import (  # noqa: E402
     BOUNDARY_GOAL_MS,
     PROMPT,
@@ -84,6 +89,9 @@ from shardmesh.rpc.procs import cores  # noqa: E402
 from shardmesh_cli.up import share_cores  # noqa: E402
 
 DECODE_STEPS = GatewayConfig.decode_steps  # the gateway's default --decode-steps: what `up` runs
+PROBE_PASSES = 3  # read probe passes after each of pp=1's one-stream requests (float32 SmolLM2: ~20 ms each)
+LLAMA_PROBE_PASSES = 10  # and before llama.cpp's measurement, and again after it
+Probe = Callable[[int, int], list[float]]  # (threads, passes) -> GB/s of each pass over one dtype's weights' bytes
 
 
 def baseline_transformers(model_dir: Path, prompt_ids: list[int], new_tokens: int, dtype: str = "float32") -> dict:
@@ -390,14 +398,16 @@ def boundary_pairs(runs: list[dict]) -> list[list[dict]]:
 
 
 def run_meshes(model_dir: Path, runs: list[dict], prompt_ids: list[int], a: argparse.Namespace,
-               flip: bool = False) -> list[dict]:  # fmt: skip
+               flip: bool = False, probe: Probe | None = None) -> list[dict]:  # fmt: skip
     """One step of a round: ``runs``' meshes (`shardmesh up` of each layout and dtype) up at once, and each of their
     stream counts through the gateway.
 
     A stage-boundary pair (pp=1, then pp=2; `boundary_pairs`) measures one stream by alternating single requests
     between its two meshes, `a.pairs` each, in the order A B B A A B ... (B first if `flip`), so the host's
     drift from one minute to the next lands on both alike; the pp=2 row's `boundary_each` holds every pair's
-    difference (pp=2 minus pp=1, ms/token). Then each mesh, in turn, runs its other stream counts."""
+    difference (pp=2 minus pp=1, ms/token). Given `probe`, `PROBE_PASSES` of it run after each of a deployed
+    pp=1's requests, on its threads, the meshes idle: its one-stream row's `probe_gbps`. Then each mesh, in turn,
+    runs its other stream counts."""
     with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
         meshes = []
         for i, run in enumerate(runs):
@@ -412,10 +422,16 @@ def run_meshes(model_dir: Path, runs: list[dict], prompt_ids: list[int], a: argp
         order = [1, 0] if flip else [0, 1]
         if len(runs) == 2:
             parts: list[list[dict]] = [[], []]
+            probed = probe if runs[0]["pp"] == 1 and runs[0].get("deployed", True) else None
+            rates: list[float] = []
             for i in range(a.pairs):
                 for j in order if i % 2 == 0 else order[::-1]:
                     parts[j].append(run_streams(meshes[j].address, prompt_ids, a.new_tokens, 1, repeats=1))
+                    if probed is not None and j == 0:
+                        rates += probed(runs[0]["threads"], PROBE_PASSES)
             found = [{1: merged(parts[0])}, {1: merged(parts[1])}]
+            if rates:
+                found[0][1]["probe_gbps"] = rates
             found[1][1]["boundary_each"] = [b["ms_per_token"] - x["ms_per_token"] for x, b in zip(*parts, strict=True)]
         for j in order if len(runs) == 2 else range(len(runs)):
             for n in runs[j]["streams"]:
@@ -445,25 +461,31 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {info}", file=sys.stderr)
     # The transformers baselines once, first; llama.cpp beside the meshes of its dtype in every round. No mesh
     # runs while a baseline does: each is closed, its processes gone, before the next thing starts.
-    bases = {}
+    bases, probes = {}, {}
     for dtype in a.dtype_list:
         bases[dtype] = baseline_transformers(model_dir, prompt_ids, a.new_tokens, dtype)
         print(f"transformers {dtype}: {bases[dtype]}", file=sys.stderr)
-        bases[dtype]["llama_cpp_rounds"] = []
+        bases[dtype]["llama_cpp_rounds"], bases[dtype]["probe_llama_rounds"] = [], []
+        probes[dtype], bases[dtype]["weight_bytes"], bases[dtype]["probe_skipped"] = prober(model_dir, dtype)
     rows = []
     for number in range(a.rounds):
         for dtype in a.dtype_list:
             planned = boundary_pairs(plan_runs(a.layout_list, a.stream_list, dtype))
             steps: list[list[dict] | None] = [None, *planned]  # None: llama.cpp
+            probe = probes[dtype]
             for step in steps if number % 2 == 0 else steps[::-1]:
                 if step is None:
+                    around = probe(info["cores"], LLAMA_PROBE_PASSES) if probe is not None else []
                     llama = baseline_llamacpp(a.model, prompt_ids, a.new_tokens, info["cores"], dtype)
+                    if probe is not None and "skipped" not in llama:
+                        around += probe(info["cores"], LLAMA_PROBE_PASSES)
                     print(f"round {number + 1} llama.cpp {dtype}: {llama}", file=sys.stderr)
                     bases[dtype]["llama_cpp_rounds"].append(llama)
+                    bases[dtype]["probe_llama_rounds"].append(around)
                     continue
                 group = [{**run, "round": number + 1} for run in step]
                 try:
-                    rows += run_meshes(model_dir, group, prompt_ids, a, flip=number % 2 == 1)
+                    rows += run_meshes(model_dir, group, prompt_ids, a, flip=number % 2 == 1, probe=probe)
                 except Exception as exc:  # one layout or dtype that will not serve must not lose the others' numbers
                     failure = one_line(exc)
                     for run in group:
@@ -471,7 +493,19 @@ def main(argv: list[str] | None = None) -> None:
                         rows.append({**{k: v for k, v in run.items() if k != "streams"}, "failed": failure})
     for base in bases.values():
         base["llama_cpp"] = base["llama_cpp_rounds"][0]
+        base["probe_llama"] = base["probe_llama_rounds"][0]
     report(info, bases, rows, a, Path(a.out))
+
+
+def prober(model_dir: Path, dtype: str) -> tuple[Probe | None, int | None, str]:
+    """The read probe over `dtype`'s weights' bytes (`read_probe`): the probe, those bytes, and "" ; or None and why
+    not (a checkpoint it cannot size, a probe that will not build), which the report says in place of the floor."""
+    try:
+        size = read_probe.weight_bytes(model_dir, dtype)
+        read_probe.measure(size, 1, 1)  # builds it, and touches the buffer's pages
+    except Exception as exc:  # the bench's other numbers stand without it
+        return None, None, one_line(exc)
+    return (lambda threads, passes: read_probe.measure(size, threads, passes)), size, ""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -526,6 +560,30 @@ def llama_target(dtype: str, llama: dict, rows: list[dict], flags: list[str]) ->
     detail = (f"llama.cpp {llama['gguf_type']} {llama['ms_per_token_median']:.2f} ms/token, shardmesh "
               f"{ours['ms_per_token']:.2f}")  # fmt: skip
     return _target(name, dtype, llama["ms_per_token_median"] / ours["ms_per_token"], "×", ">=", goal, detail, why)
+
+
+def floor_targets(dtype: str, base: dict, rows: list[dict]) -> list[dict]:
+    """How near this host's memory floor one stream decodes, pp=1 and llama.cpp: the floor (`weight_bytes` at the
+    median of the read probe's passes beside each, `read_probe.floor_ms`) over its ms per token; 1 is at the floor.
+    No target: what the target against llama.cpp is set beside."""
+    note = "no target: the floor is the weights' bytes at the read probe's rate"
+    size, ours, llama = base.get("weight_bytes"), _one_stream_pp1(rows), base.get("llama_cpp") or {}
+    out = []
+    for name, ms, rates in (
+        ("pp=1 one stream ÷ this host's memory floor (floor ms ÷ ours)", ours and ours.get("ms_per_token"),
+         ours and ours.get("probe_gbps")),
+        ("llama.cpp one stream ÷ the same floor (floor ms ÷ its ms)", llama.get("ms_per_token_median"),
+         base.get("probe_llama")),
+    ):  # fmt: skip
+        if not size or not ms or not rates:
+            why = base.get("probe_skipped") or "needs the read probe, --layouts 1x1 and --streams 1 (and llama.cpp)"
+            out.append(_target(name, dtype, None, "×", ">=", None, why_none=f"not measured: {why}"))
+            continue
+        floor = read_probe.floor_ms(size, rates)
+        detail = (f"floor {floor:.2f} ms: {size / 1e6:.0f} MB at {statistics.median(rates):.1f} GB/s (median of "
+                  f"{len(rates)} passes), against {ms:.2f} ms/token")  # fmt: skip
+        out.append(_target(name, dtype, floor / ms, "×", ">=", None, detail, note))
+    return out
 
 
 def tp_target(dtype: str, rows: list[dict], cores: int | None = None) -> dict:
@@ -631,6 +689,7 @@ def targets(bases: dict[str, dict], rows: list[dict], flags: list[str], cores: i
     for dtype, base in bases.items():
         mine = _measured(rows, dtype)
         out.append(llama_target(dtype, base.get("llama_cpp") or {}, mine, flags))
+        out += floor_targets(dtype, base, mine)
         out.append(tp_target(dtype, mine, cores))
         out += boundary_targets(dtype, mine)
         out += throughput_targets(dtype, mine)
@@ -646,7 +705,8 @@ def round_targets(bases: dict[str, dict], rows: list[dict], flags: list[str],
     per_round = []
     for number in numbers:
         mine = [r for r in rows if r.get("round", 1) == number]
-        here = {dtype: {**base, "llama_cpp": _nth(base.get("llama_cpp_rounds"), number - 1, base.get("llama_cpp"))}
+        here = {dtype: {**base, "llama_cpp": _nth(base.get("llama_cpp_rounds"), number - 1, base.get("llama_cpp")),
+                        "probe_llama": _nth(base.get("probe_llama_rounds"), number - 1, base.get("probe_llama"))}
                 for dtype, base in bases.items()}  # fmt: skip
         per_round.append({(t["dtype"], t["name"]): t for t in targets(here, mine, flags, cores)})
     if len(per_round) == 1:
@@ -750,6 +810,7 @@ def markdown(info: dict, bases: dict[str, dict], rows: list[dict], found: list[d
         each = [x.get("ms_per_token_median") for x in base.get("llama_cpp_rounds") or []]
         if rounds and all(each):
             lines.append(f"llama.cpp {dtype} ms/token in rounds 1-{len(each)}: {', '.join(f'{x:.2f}' for x in each)}.")
+        lines.append(_probe_line(dtype, base, rows))
     lines += [
         "",
         ("| round " if rounds else "") + "| dtype | pp | tp | pipeline | layers per stage | threads/worker | streams | "
@@ -764,6 +825,21 @@ def markdown(info: dict, bases: dict[str, dict], rows: list[dict], found: list[d
                       "that assumes nothing of their distribution (`median_interval`):", ""]  # fmt: skip
         lines += [_pooled_line(p) for p in pooled]
     return "\n".join(lines) + "\n"
+
+
+def _probe_line(dtype: str, base: dict, rows: list[dict]) -> str:
+    """The read probe's rates in each round, beside llama.cpp and between pp=1's requests (`floor_targets`)."""
+    if not base.get("weight_bytes"):
+        return f"Read probe, {dtype}: not measured ({base.get('probe_skipped') or 'not run'})."
+    beside = [statistics.median(x) for x in base.get("probe_llama_rounds") or [] if x]
+    between = [statistics.median(r["probe_gbps"]) for r in _measured(rows, dtype) if r.get("probe_gbps")]
+
+    def shown(rates: list[float]) -> str:
+        return ", ".join(f"{x:.1f}" for x in rates) or "none"
+
+    return (f"Read probe, {dtype} ({base['weight_bytes'] / 1e6:.0f} MB, the weights one step of one stream reads; "
+            f"bench/read_probe.py), GB/s by round: beside llama.cpp {shown(beside)}; between pp=1's requests "
+            f"{shown(between)}.")  # fmt: skip
 
 
 def _pooled_line(p: dict) -> str:

@@ -197,7 +197,8 @@ def test_rounds_are_alternated_and_llamacpp_stays_beside_pp1(monkeypatch: pytest
     monkeypatch.setattr(run, "cores", lambda: 2)
     order: list[str] = []
 
-    def meshes(model_dir: Path, group: list[dict], ids: list[int], a: argparse.Namespace, flip: bool) -> list[dict]:
+    def meshes(model_dir: Path, group: list[dict], ids: list[int], a: argparse.Namespace, flip: bool,
+               probe: run.Probe | None = None) -> list[dict]:  # fmt: skip
         order.append("+".join(f"{r['round']}:{r['pp']}x{r['tp']}:{r['pipeline']}:{r['threads']}" for r in group)
                      + (" flipped" if flip else ""))  # fmt: skip
         return [_row(r["dtype"], r["pp"], r["tp"], 1, ms=10.0 * r["round"], tok_s=1.0, pipeline=r["pipeline"],
@@ -378,3 +379,52 @@ def test_pooled_boundaries_take_every_round_and_say_what_the_interval_tells() ->
     assert "cannot tell" in got[("bfloat16", "turns")]["verdict"]
     assert got[("bfloat16", "full")]["interval"] is None and "too few" in got[("bfloat16", "full")]["verdict"]
     assert "(too few for an interval)" in run._pooled_line(got[("bfloat16", "full")])
+
+
+def test_the_memory_floor_is_set_beside_pp1_and_llamacpp_each_with_its_own_probe(monkeypatch: pytest.MonkeyPatch,
+                                                                                tmp_path: Path) -> None:  # fmt: skip
+    """The read probe's passes run after each of the deployed pp=1's one-stream requests (the meshes idle), on its
+    threads, and land on its row; each one-stream step's floor is the weights' bytes at the median of the passes
+    beside it, over its ms per token. 1 GB at 20 GB/s is 50 ms: pp=1 at 100 ms is 0.5x its floor, llama.cpp at 40 ms
+    (its own probe at 25 GB/s: 40 ms) 1.0x. No target: the lines carry none."""
+    log: ClassVar[list[str]] = []
+    monkeypatch.setattr(_FakeMesh, "log", log)
+    monkeypatch.setattr(run, "Mesh", _FakeMesh)
+
+    def streams(address: str, ids: list[int], new_tokens: int, n: int, repeats: int | None = None) -> dict:
+        log.append(f"{address}x{n}")
+        return {"streams": n, "tokens": 64 * n, "wall_s": 6.4 * n, "aggregate_tok_s": 10.0, "ttft_ms": 50.0,
+                "ms_per_token": 100.0}  # fmt: skip
+
+    def probe(threads: int, passes: int) -> list[float]:
+        log.append(f"probe threads={threads} passes={passes}")
+        return [10.0, 20.0, 30.0][:passes]
+
+    monkeypatch.setattr(run, "run_streams", streams)
+    a = argparse.Namespace(stream_list=[1], rebalance="none", new_tokens=64, pairs=2)
+    pairs = run.boundary_pairs(run.plan_runs([(1, 1), (2, 1)], [1], "float32"))
+    rows = run.run_meshes(tmp_path, pairs[0], [1, 2], a, probe=probe)
+    rows += run.run_meshes(tmp_path, pairs[1], [1, 2], a, probe=probe)  # its pp=1 is not deployed: not probed
+    probed = f"probe threads={pairs[0][0]['threads']} passes={run.PROBE_PASSES}"
+    assert log[:8] == ["up pp1", "up pp2", "pp1x1", probed, "pp2x1", "pp2x1", "pp1x1", probed]
+    assert log.count(probed) == 2 and sum(x.startswith("probe") for x in log) == 2
+    pp1 = next(r for r in rows if r["pp"] == 1 and r["deployed"])
+    assert pp1["probe_gbps"] == [10.0, 20.0, 30.0] * 2
+    assert not any(r.get("probe_gbps") for r in rows if r is not pp1)
+    base = {"weight_bytes": 10**9, "llama_cpp": _llama(40.0), "probe_llama": [25.0, 24.0, 26.0]}
+    found = run.floor_targets("float32", base, rows)
+    ours, llama = found
+    assert ours["value"] == pytest.approx(0.5) and llama["value"] == pytest.approx(1.0)
+    assert ours["met"] is None and ours["target"] is None and "floor 50.00 ms: 1000 MB at 20.0 GB/s" in ours["detail"]
+    assert "(median of 6 passes), against 100.00 ms/token" in ours["detail"]
+    line = run._target_line(ours)
+    assert "**0.50×**" in line and "no target" in line and "not met" not in line
+    # Without the probe (it would not build, or no checkpoint to size) both lines say why, and nothing breaks.
+    skipped = run.floor_targets("float32", {"probe_skipped": "RuntimeError: no compiler"}, rows)
+    assert all(t["value"] is None and "not measured: RuntimeError: no compiler" in t["note"] for t in skipped)
+    assert "Read probe, float32: not measured (RuntimeError: no compiler)" in run._probe_line(
+        "float32", {"probe_skipped": "RuntimeError: no compiler"}, rows
+    )
+    assert "GB/s by round: beside llama.cpp 25.0; between pp=1's requests 20.0." in run._probe_line(
+        "float32", {**base, "probe_llama_rounds": [[25.0]]}, rows
+    )
