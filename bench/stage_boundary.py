@@ -24,7 +24,8 @@ each derived number is taken within a cycle and reported as the median over cycl
 - the boundary split in two: the pp=2 stages' compute per token (each stage's `stats.compute_s`, its steps less its
   waits for input) minus pp=1's, and the rest (the links, each step's Python, the stages' handing over);
 - the seam on the critical path, timestamped: every forward of the CPU decode path (`CpuDecode.run`; a stage that
-  receives its input inside the call, `CpuDecode.run_received`, from when that input was there) is stamped on
+  receives its input inside the call, `CpuDecode.run_received`, from when that input was there; pp=1's later steps
+  drawn greedily in one call, `run_greedy_steps`, as that call stamps them, its draw inside) is stamped on
   `time.perf_counter` (one clock for all the processes), and a token's time between forwards (pp=1: from one
   forward's end to the next's start; pp=2: around the loop and the activations' hop) is taken less pp=1's within
   each cycle. What the boundary itself adds to a token, in tenths of a millisecond, where the wall time moves by
@@ -189,6 +190,21 @@ def around_the_forward() -> tuple[list[float], list[tuple[float, float]]]:
             return out
 
         CpuDecode.run_received = run_received  # type: ignore[method-assign]
+    greedy = getattr(CpuDecode, "run_greedy_steps", None)
+    if greedy is not None:
+
+        def run_greedy_steps(self: Any, *args: Any) -> Any:
+            # pp=1's later steps and their draws in one call: each step's forward as that call stamped it.
+            c0 = time.thread_time()
+            try:
+                drawn = greedy(self, *args)
+            finally:
+                spent[1] += time.thread_time() - c0
+            if drawn is not None:
+                spans.extend(self.stamps)
+            return drawn
+
+        CpuDecode.run_greedy_steps = run_greedy_steps  # type: ignore[method-assign]
     return spent, spans
 
 

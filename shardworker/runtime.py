@@ -645,7 +645,14 @@ class StageWorkerCore:
         sending = loop is not None and last
         if sending:  # what the call's first step drew; each later step's draw is sent as soon as it is drawn
             self._send_drawn(rt, loop, tokens, entries)
-        for k, layout in enumerate(layouts, 1):
+        drawn = self._greedy_steps(rt, entries, params, layouts, tokens) if first and last else None
+        if drawn is not None:  # every later step, and its draws, in one call
+            seconds, ids, logsums = drawn
+            elapsed, forward_s = elapsed + seconds, forward_s + seconds
+            for step_ids, step_logsums in zip(ids, logsums, strict=True):  # a greedy draw's log-probability: -logsum
+                sampled += [Sampled(e.request_id, t, -logsum, ()) for e, t, logsum
+                            in zip(entries, step_ids, step_logsums, strict=True)]  # fmt: skip
+        for k, layout in enumerate(layouts if drawn is None else [], 1):
             t0 = time.perf_counter()
             try:
                 if first and loop is None:  # a single stage embeds what it drew itself
@@ -676,6 +683,29 @@ class StageWorkerCore:
         self.stats.compute_s += forward_s - comm.recv_wait_s  # every wait, the drawn token's too, is in the step
         self.stats.recv_wait_s += comm.recv_wait_s
         return StepResult(sampled, elapsed, result.comm + comm, rt.placement, len(layouts) + 1)
+
+    def _greedy_steps(self, rt: _Runtime, entries: list[StepEntry], params: list[SamplingParams],
+                      layouts: list[BatchLayout],
+                      tokens: list[int]) -> tuple[float, list[list[int]], list[list[float]]] | None:  # fmt: skip
+        """A single stage whose every entry draws greedily, with no penalty and no alternatives asked for: a decode
+        call's later steps, their draws included, in one call of its engine (`StageEngine.greedy_steps`), the first
+        fed `tokens`. Returns the seconds it took, and each step's drawn ids and their rows' log-sum-exp (the draw's
+        log-probability is minus it, as `sampling.greedy` gives it); None where it cannot, and nothing ran. Why:
+        returning to Python between steps for the bookkeeping and the draw took ~0.25 ms a token on the only stage's
+        critical path (docs/performance.md, "A single stage's greedy steps in one call")."""
+        if not all(p.greedy and not p.penalized and p.top_logprobs == 0 for p in params):
+            return None
+        for e in entries:  # how far each slot's cache is written once they are done, as each step records it
+            rt.caches.record_end(e.slot, e.start_pos + len(layouts) + 1)
+        t0 = time.perf_counter()
+        try:
+            drawn = rt.engine.greedy_steps(layouts, torch.tensor(tokens, dtype=torch.int64))
+        except RuntimeError as e:  # as a step's failure is reported (`_later_steps`)
+            raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
+        if drawn is None:
+            return None
+        ids, _, logsums = drawn
+        return time.perf_counter() - t0, ids.tolist(), logsums.tolist()
 
     def _send_drawn(self, rt: _Runtime, loop: StageLink, tokens: list[int], entries: list[StepEntry]) -> None:
         """The last stage's draws, over the loop link to the first stage, whose next step embeds them. Sent as

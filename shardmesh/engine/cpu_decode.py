@@ -102,6 +102,7 @@ class CpuDecode:
         self._all: _Stack | None = None  # every layer's arguments held by the kernels (`decode_layers`), with `_layers`
         self.arrived = 0.0  # when `run_received`'s last message came, on time.perf_counter
         self.sending = 0.0  # how long its last send took (0: it sent nothing)
+        self.stamps: list[tuple[float, float]] = []  # `run_greedy_steps`' steps: (start, end) on time.perf_counter
 
     def accepts(self, batch: BatchLayout, all_logits: bool) -> bool:
         """A step in a slot layout, with last-token logits, of at most `STREAMED_ROWS` rows where layers are
@@ -176,6 +177,34 @@ class CpuDecode:
         assert send_to is not None
         send_to.sent_natively(out_bytes, sent, sending)
         return x, True
+
+    @torch.inference_mode()
+    def run_greedy_steps(self, batches: list[BatchLayout], token_ids: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """A single stage's greedy decode steps (`batches`, which `accepts`, each of the same rows), all in one call
+        (`decode_steps_greedy`): step k embeds what step k - 1 drew (`token_ids` for the first), computes at
+        batches[k]'s places, and draws each row's most likely token. Returns the drawn ids, each argmax's logit and the
+        log of its row's exponentials' sum, each (steps, rows), as `cpu_kernels.greedy_rows` gives them at each step;
+        None where it cannot (layers not in one call, a head that is not a whole blocked product, more rows than a
+        chunk): then nothing ran."""
+        model, n = self.model, batches[0].num_tokens
+        cos, sin = model.rope_cos, model.rope_sin
+        assert cos is not None and sin is not None, "call init_buffers() first"
+        self._calls()
+        embed = model.model.embed_tokens
+        if (self._all is None or self._all.reduced or self._head is None or embed is None or n > ROW_CHUNK
+                or token_ids.shape != (n,) or any(b.num_tokens != n for b in batches)):  # fmt: skip
+            return None
+        table = embed.weight
+        if table.dtype != model.dtype or not table.is_contiguous():
+            return None
+        for b in batches:
+            self.cache.check(b)
+        slots = torch.stack([b.kv_index[0] for b in batches])
+        positions = torch.stack([b.kv_index[1] for b in batches])
+        ids, top, logsum, times = self.ext.decode_steps_greedy(self._all.id, token_ids.to(torch.int64), table, slots,
+                                                               positions, cos, sin, *self._head)  # fmt: skip
+        self.stamps = [(start, end) for start, end in times.tolist()]
+        return ids, top, logsum
 
     def _head_of(self, batch: BatchLayout, x: Tensor) -> Tensor:
         """The shard's output from its layers' (n, hidden) output x: x itself, or on the last stage the logits of each

@@ -2192,6 +2192,9 @@ struct LayerStack {
   std::vector<Opt> b_qkv, s_qkv, b_o, s_o, b_gate_up, s_gate_up, b_down, s_down;
   int64_t n_heads, n_kv;
 };
+static double since_epoch(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(t.time_since_epoch()).count();
+}
 static std::mutex stacks_lock;
 static std::map<int64_t, std::shared_ptr<const LayerStack>> stacks;
 static int64_t stacks_made = 0;
@@ -2259,6 +2262,58 @@ torch::Tensor decode_layers(int64_t id, torch::Tensor x, torch::Tensor slots, to
     return int64_t{0};
   });
   return x;
+}
+
+// A single stage's decode call, greedy, all its steps after the first in one call: step k embeds the tokens step k - 1
+// drew (`ids` for step 0), runs stack `id`'s layers at slots[k] and positions[k] (steps x rows each), then the head
+// (head_block: the final norm, weights w, bias b, int8 scales s) and each row's greedy token (greedy_rows). Returns the
+// drawn ids, each argmax's logit and the log of its row's exponentials' sum, each (steps, rows): what sampling.greedy
+// takes from greedy_rows at each step, so a token's log-probability is minus the last; and each step's start and end
+// (steps, 2) on steady_clock, which is Python's time.perf_counter. Why: between two steps a
+// worker returned to Python for the step's bookkeeping and the draw, ~0.25 ms a token of a ~10-20 ms step, all of it on
+// the only stage's critical path (docs/performance.md, "A single stage's greedy steps in one call").
+std::vector<torch::Tensor> decode_steps_greedy(int64_t id, torch::Tensor ids, torch::Tensor embed, torch::Tensor slots,
+                                               torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                                               torch::Tensor norm, double eps, Weights w, Opt b, Opt s) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && slots.dim() == 2 &&
+                  slots.sizes() == positions.sizes() && slots.size(1) == ids.size(0) &&
+                  slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
+              "decode_steps_greedy: ids must be (rows) int64 and slots and positions (steps, rows) int64, not ",
+              ids.sizes(), ", ", slots.sizes(), " and ", positions.sizes());
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "decode_steps_greedy: the embedding must be contiguous");
+  const auto held = held_stack(id, "decode_steps_greedy");
+  const int64_t steps = slots.size(0), rows = ids.size(0), vocab = embed.size(0);
+  const int64_t row = embed.size(1) * embed.element_size();
+  auto drawn = torch::empty({steps, rows}, torch::kLong);
+  auto top = torch::empty({steps, rows}, torch::kFloat), logsum = torch::empty({steps, rows}, torch::kFloat);
+  const auto slots_c = slots.contiguous(), positions_c = positions.contiguous();
+  auto in = torch::empty({rows, embed.size(1)}, embed.options());
+  auto times = torch::empty({steps, 2}, torch::kDouble);
+  double* stamp = times.data_ptr<double>();
+  torch::Tensor feed = ids.contiguous();
+  for (int64_t k = 0; k < steps; ++k) {
+    stamp[2 * k] = since_epoch(std::chrono::steady_clock::now());
+    const int64_t* id_of = feed.data_ptr<int64_t>();
+    auto* dst = static_cast<uint8_t*>(in.data_ptr());
+    const auto* src = static_cast<const uint8_t*>(embed.data_ptr());
+    for (int64_t i = 0; i < rows; ++i) {  // the rows of the token ids, as nn.Embedding gives them
+      TORCH_CHECK(0 <= id_of[i] && id_of[i] < vocab, "decode_steps_greedy: token id ", id_of[i],
+                  " is out of the embedding's ", vocab, " rows");
+      std::memcpy(dst + i * row, src + id_of[i] * row, row);
+    }
+    torch::Tensor x = in;
+    run_stack(*held, x, slots_c[k], positions_c[k], cos, sin, true, [&](torch::Tensor& y) {
+      x = y;
+      return int64_t{0};
+    });
+    const auto found = greedy_rows(head_block(x, norm, eps, w, b, s));
+    std::copy_n(found[0].data_ptr<int64_t>(), rows, drawn.data_ptr<int64_t>() + k * rows);
+    std::copy_n(found[1].data_ptr<float>(), rows, top.data_ptr<float>() + k * rows);
+    std::copy_n(found[2].data_ptr<float>(), rows, logsum.data_ptr<float>() + k * rows);
+    feed = found[0];
+    stamp[2 * k + 1] = since_epoch(std::chrono::steady_clock::now());
+  }
+  return {drawn, top, logsum, times};
 }
 
 // decode_layers whose input comes over a pipeline link, received inside this call, and whose output may go on over the
@@ -2466,8 +2521,8 @@ def isa_kernel(isa: str) -> InlineKernel:
         _KERNELS[isa] = InlineKernel(
             "shardmesh_cpu", source.replace("@AMX_ENV@", AMX_ENV),
             ["linear", "rows_linear", "attention_block", "mlp_block", "stack_layers", "decode_layers",
-             "decode_layers_reduced", "decode_layers_received", "drop_layers", "head_block", "greedy_rows",
-             "bf16_rows_ways", "bf16_rows", "set_bf16_rows", "bf16_rows_probe", "set_attend_segment",
+             "decode_layers_reduced", "decode_layers_received", "decode_steps_greedy", "drop_layers", "head_block",
+             "greedy_rows", "bf16_rows_ways", "bf16_rows", "set_bf16_rows", "bf16_rows_probe", "set_attend_segment",
              "quantize_groups"],
             ISA_FLAGS[isa],
         )  # fmt: skip

@@ -92,6 +92,17 @@ class StageEngine:
             self._send(self._relayed(relay, out))
         return None
 
+    @torch.inference_mode()
+    def greedy_steps(self, batches: list[BatchLayout], token_ids: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """A single stage's greedy decode steps (`batches`, one a step) in one call of the CPU decode path
+        (`CpuDecode.run_greedy_steps`), the first fed `token_ids` and each later one what the step before it drew:
+        the drawn ids, each argmax's logit and its row's log-sum-exp, each (steps, rows). None where it cannot, and
+        nothing ran: the caller runs `step` for each and samples."""
+        if (not (self.is_first and self.is_last) or self.native is None or not batches
+                or not all(self.native.accepts(b, False) for b in batches)):  # fmt: skip
+            return None
+        return self.native.run_greedy_steps(batches, token_ids)
+
     def _received(self, batch: BatchLayout, all_logits: bool, tokens_from: StageLink | None,
                   relay: Relay | None) -> tuple[Tensor, bool] | None:  # fmt: skip
         """The step's output, and whether it went on to the next stage, where the CPU decode path receives the step's

@@ -472,6 +472,50 @@ def test_stages_that_receive_and_send_inside_the_layers_call_compute_what_python
     assert torch.equal(inside[0][0][0], outside[0][0][0])
 
 
+# (llama-gqa-tied's random weights draw the token they are fed: a step fed the wrong token would go unseen there.)
+@pytest.mark.parametrize("family", ["qwen2-bias-tied", "llama-mha-untied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_single_stages_greedy_steps_in_one_call_draw_what_steps_one_at_a_time_draw(
+        tmp_path: pytest.TempPathFactory, family: str, dtype: torch.dtype) -> None:  # fmt: skip
+    """Five greedy decode steps of three sequences in one call (`decode_steps_greedy`), each step embedding what the
+    one before drew: the same tokens, log-sum-exps (so log-probabilities) and KV cache, to the bit, as five steps one
+    call each, each drawn by `sampling.greedy` from that step's logits."""
+    d = make_checkpoint(tmp_path, family, num_layers=2, seed=5)
+    model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
+    slots = [3, 0, 7]
+    caches = {way: prefilled(model, slots, dtype) for way in ("each", "one call")}
+    runners = {way: cpu_decode(model, cache, torch.device("cpu")) for way, cache in caches.items()}
+    first = torch.tensor([11, 5, 42])
+    layouts = [BatchLayout.build([Segment(s, len(PROMPTS[i]) + k, 1) for i, s in enumerate(slots)]) for k in range(5)]
+    each_ids, each_lp = [], []
+    fed = first
+    for batch in layouts:
+        runner = runners["each"]
+        assert runner is not None
+        ids, logprobs, _ = sampling.greedy(runner.run(batch, fed))
+        each_ids.append(ids)
+        each_lp.append(logprobs)
+        fed = torch.tensor(ids)
+    runner = runners["one call"]
+    assert runner is not None
+    drawn = runner.run_greedy_steps(layouts, first)
+    assert drawn is not None
+    ids, _, logsum = drawn
+    assert ids.tolist() == each_ids and (-logsum).tolist() == each_lp
+    assert torch.equal(caches["one call"].data, caches["each"].data)
+    assert each_ids[0] != first.tolist()  # the later steps are fed other tokens than the first: what each drew
+
+
+def test_a_single_stages_greedy_steps_name_a_token_past_the_embedding(small: Transformer) -> None:
+    cache = small.make_cache(2, torch.float32, "cpu")
+    runner = cpu_decode(small, cache, torch.device("cpu"))
+    assert runner is not None
+    layouts = [BatchLayout.build([Segment(0, k, 1)]) for k in range(2)]
+    vocab = small.cfg.vocab_size
+    with pytest.raises(RuntimeError, match=f"token id {vocab} is out of the embedding's {vocab} rows"):
+        runner.run_greedy_steps(layouts, torch.tensor([vocab]))
+
+
 def test_a_stage_receiving_inside_the_layers_call_names_a_message_of_the_wrong_size(shm_pipeline: Path) -> None:
     """The first stage sends two rows of activations where the next stage's step expects one: the next stage's call
     refuses them before computing, naming both sizes, as a receive from Python would, and the link is broken."""

@@ -69,6 +69,24 @@ def test_one_call_of_several_steps_draws_what_single_steps_draw(model: Path, sto
     assert decode(core, SEEDED, 10, 9) == single
 
 
+def test_greedy_steps_in_one_call_give_the_log_probabilities_of_single_steps(model: Path, store: dist.TCPStore) -> None:
+    """A single stage's greedy call of several steps draws them all in one call of its engine; each token's
+    log-probability is the one a call per step samples, to the bit."""
+    core = one_stage(model, store)
+
+    def drawn(per_call: int) -> list[tuple[int, float]]:
+        first = core.step(5, [entry(0, PROMPT)]).sampled[0]
+        out = [(first.token_id, first.logprob)]
+        while len(out) < 9:
+            k = min(per_call, 9 - len(out))
+            result = core.step(5, [entry(len(PROMPT) + len(out) - 1, (out[-1][0],))], k)
+            out += [(s.token_id, s.logprob) for s in result.sampled]
+        core.release([("r", 1)])
+        return out
+
+    assert drawn(4) == drawn(1)
+
+
 def test_two_sequences_step_together_and_a_paged_cache_too(model: Path, store: dist.TCPStore) -> None:
     core = one_stage(model, store, PAGED)
     reference = reference_greedy(model, list(PROMPT), 9)[0]
