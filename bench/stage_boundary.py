@@ -25,7 +25,8 @@ each derived number is taken within a cycle and reported as the median over cycl
   waits for input) minus pp=1's, and the rest (the links, each step's Python, the stages' handing over);
 - the seam on the critical path, timestamped: every forward of the CPU decode path (`CpuDecode.run`; a stage that
   receives its input inside the call, `CpuDecode.run_received`, from when that input was there; pp=1's later steps
-  drawn greedily in one call, `run_greedy_steps`, as that call stamps them, its draw inside) is stamped on
+  drawn greedily in one call, `run_greedy_steps`, and a pipeline's last stage's, `run_greedy_steps_received`, as
+  those calls stamp them, the draw inside) is stamped on
   `time.perf_counter` (one clock for all the processes), and a token's time between forwards (pp=1: from one
   forward's end to the next's start; pp=2: around the loop and the activations' hop) is taken less pp=1's within
   each cycle. What the boundary itself adds to a token, in tenths of a millisecond, where the wall time moves by
@@ -205,6 +206,22 @@ def around_the_forward() -> tuple[list[float], list[tuple[float, float]]]:
             return drawn
 
         CpuDecode.run_greedy_steps = run_greedy_steps  # type: ignore[method-assign]
+    greedy_received = getattr(CpuDecode, "run_greedy_steps_received", None)
+    if greedy_received is not None:
+
+        def run_greedy_steps_received(self: Any, *args: Any) -> Any:
+            # A pipeline's last stage, its later steps and draws in one call: each step's forward from when its input
+            # was there to its draw, as that call stamped them.
+            c0 = time.thread_time()
+            try:
+                drawn = greedy_received(self, *args)
+            finally:
+                spent[1] += time.thread_time() - c0
+            if drawn is not None:
+                spans.extend(self.stamps)
+            return drawn
+
+        CpuDecode.run_greedy_steps_received = run_greedy_steps_received  # type: ignore[method-assign]
     return spent, spans
 
 

@@ -645,7 +645,7 @@ class StageWorkerCore:
         sending = loop is not None and last
         if sending:  # what the call's first step drew; each later step's draw is sent as soon as it is drawn
             self._send_drawn(rt, loop, tokens, entries)
-        drawn = self._greedy_steps(rt, entries, params, layouts, tokens) if first and last else None
+        drawn = self._greedy_steps(rt, entries, params, layouts, tokens, loop if sending else None) if last else None
         if drawn is not None:  # every later step, and its draws, in one call
             seconds, ids, logsums = drawn
             elapsed, forward_s = elapsed + seconds, forward_s + seconds
@@ -685,21 +685,23 @@ class StageWorkerCore:
         return StepResult(sampled, elapsed, result.comm + comm, rt.placement, len(layouts) + 1)
 
     def _greedy_steps(self, rt: _Runtime, entries: list[StepEntry], params: list[SamplingParams],
-                      layouts: list[BatchLayout],
-                      tokens: list[int]) -> tuple[float, list[list[int]], list[list[float]]] | None:  # fmt: skip
-        """A single stage whose every entry draws greedily, with no penalty and no alternatives asked for: a decode
-        call's later steps, their draws included, in one call of its engine (`StageEngine.greedy_steps`), the first
-        fed `tokens`. Returns the seconds it took, and each step's drawn ids and their rows' log-sum-exp (the draw's
+                      layouts: list[BatchLayout], tokens: list[int],
+                      loop: StageLink | None) -> tuple[float, list[list[int]], list[list[float]]] | None:  # fmt: skip
+        """The last stage, every entry drawing greedily, with no penalty and no alternatives asked for: a decode
+        call's later steps, their draws included, in one call of its engine (`StageEngine.greedy_steps`). A single
+        stage feeds the first `tokens`; a pipeline's last stage receives each step's activations and sends its draws
+        over `loop`. Returns the seconds it took, and each step's drawn ids and their rows' log-sum-exp (the draw's
         log-probability is minus it, as `sampling.greedy` gives it); None where it cannot, and nothing ran. Why:
-        returning to Python between steps for the bookkeeping and the draw took ~0.25 ms a token on the only stage's
-        critical path (docs/performance.md, "A single stage's greedy steps in one call")."""
+        returning to Python between steps for the bookkeeping and the draw took ~0.25 ms a token, on a single stage's
+        critical path, and on a pipeline's between its head and the send the first stage waits for
+        (docs/performance.md, "A single stage's greedy steps in one call")."""
         if not all(p.greedy and not p.penalized and p.top_logprobs == 0 for p in params):
             return None
         for e in entries:  # how far each slot's cache is written once they are done, as each step records it
             rt.caches.record_end(e.slot, e.start_pos + len(layouts) + 1)
         t0 = time.perf_counter()
         try:
-            drawn = rt.engine.greedy_steps(layouts, torch.tensor(tokens, dtype=torch.int64))
+            drawn = rt.engine.greedy_steps(layouts, torch.tensor(tokens, dtype=torch.int64), loop)
         except RuntimeError as e:  # as a step's failure is reported (`_later_steps`)
             raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
         if drawn is None:

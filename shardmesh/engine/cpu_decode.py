@@ -206,6 +206,48 @@ class CpuDecode:
         self.stamps = [(start, end) for start, end in times.tolist()]
         return ids, top, logsum
 
+    @torch.inference_mode()
+    def run_greedy_steps_received(self, batches: list[BatchLayout], link: StageLink,
+                                  loop: StageLink) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
+        """`run_greedy_steps` on a pipeline's last stage (`decode_steps_greedy_received`): step k receives its
+        activations over `link`, computes at batches[k]'s places, draws, and sends the drawn ids to the first stage
+        over `loop`, all but the last step's. None where it cannot (as `run_greedy_steps`, or links not over shared
+        memory): then nothing was received. A link that fails raises as a receive or send from Python would, after the
+        steps before it are counted; the steps' stamps are in `stamps`."""
+        model, n = self.model, batches[0].num_tokens
+        cos, sin = model.rope_cos, model.rope_sin
+        assert cos is not None and sin is not None, "call init_buffers() first"
+        self._calls()
+        if (self._all is None or self._all.reduced or self._head is None or model.model.embed_tokens is not None
+                or n > ROW_CHUNK or any(b.num_tokens != n for b in batches)):  # fmt: skip
+            return None
+        x = torch.empty((n, model.cfg.hidden_size), dtype=model.dtype)
+        in_bytes, id_bytes = x.numel() * x.element_size(), n * 8
+        recv = link.native_recv(in_bytes)
+        send = loop.native_send(id_bytes) if recv is not None else None
+        if recv is None or send is None:
+            return None
+        for b in batches:
+            self.cache.check(b)
+        slots = torch.stack([b.kv_index[0] for b in batches])
+        positions = torch.stack([b.kv_index[1] for b in batches])
+        try:
+            ids, top, logsum, times, done = self.ext.decode_steps_greedy_received(
+                self._all.id, x, slots, positions, cos, sin, *self._head, recv, send
+            )
+        except RuntimeError as e:  # raised inside, after a receive or not: the links' counts are unknown now
+            for end in (link, loop):
+                end.close(f"the layers' call that used it failed: {e}")
+            raise
+        self.stamps = []
+        last = len(batches) - 1
+        for k, (status, waited, arrived, drawn_at, sent, sending) in enumerate(times[: done + 1].tolist()):
+            link.received_natively(in_bytes, int(status), waited)  # raises on a failed receive
+            if k < last:
+                loop.sent_natively(id_bytes, int(sent), sending)  # and this on a failed send
+            self.stamps.append((arrived, drawn_at))
+        return ids, top, logsum
+
     def _head_of(self, batch: BatchLayout, x: Tensor) -> Tensor:
         """The shard's output from its layers' (n, hidden) output x: x itself, or on the last stage the logits of each
         sequence's last row."""

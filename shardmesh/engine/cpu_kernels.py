@@ -2389,6 +2389,62 @@ std::tuple<torch::Tensor, int64_t, double, double, int64_t, double> decode_layer
   return {x, 0, waited, arrived, sent, sending};
 }
 
+// decode_steps_greedy on a pipeline's last stage: step k receives its activations over `recv` (message seq + k of that
+// link), runs the layers at slots[k] and positions[k], the head and the draw, and sends the drawn ids back to the first
+// stage over `send` (the loop link, message seq + k), but the last step's, which the call's reply carries. Stops at the
+// first receive or send that fails. Returns (drawn ids, argmax logits, log-sum-exps, each (steps, rows); a (steps, 6)
+// float64 tensor of each step's receive status, wait, arrival and end of its draw on steady_clock, send status and
+// send seconds, rows past a failed step zero; the steps done whole). Why: the draw and the step's bookkeeping in Python
+// stood between the head and the send of the tokens the first stage waits for.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> decode_steps_greedy_received(
+    int64_t id, torch::Tensor x, torch::Tensor slots, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+    torch::Tensor norm, double eps, Weights w, Opt b, Opt s, LinkArgs recv, LinkArgs send) {
+  TORCH_CHECK(slots.dim() == 2 && slots.sizes() == positions.sizes() && slots.scalar_type() == at::kLong &&
+                  positions.scalar_type() == at::kLong && slots.size(1) == x.size(0),
+              "decode_steps_greedy_received: slots and positions must be (steps, ", x.size(0), ") int64, not ",
+              slots.sizes(), " and ", positions.sizes());
+  const auto held = held_stack(id, "decode_steps_greedy_received");
+  const int64_t steps = slots.size(0), rows = x.size(0);
+  auto drawn = torch::empty({steps, rows}, torch::kLong);
+  auto top = torch::empty({steps, rows}, torch::kFloat), logsum = torch::empty({steps, rows}, torch::kFloat);
+  auto times = torch::empty({steps, 6}, torch::kDouble);
+  double* t = times.data_ptr<double>();
+  std::fill(t, t + 6 * steps, 0.0);
+  const auto slots_c = slots.contiguous(), positions_c = positions.contiguous();
+  using Clock = std::chrono::steady_clock;
+  int64_t done = 0;
+  for (int64_t k = 0; k < steps; ++k) {
+    double* row = t + 6 * k;
+    LinkArgs in_k = recv, out_k = send;
+    std::get<2>(in_k) += k;
+    std::get<2>(out_k) += k;
+    const auto t0 = Clock::now();
+    const int64_t status = call_link(in_k, x);
+    const auto t1 = Clock::now();
+    row[0] = static_cast<double>(status), row[1] = std::chrono::duration<double>(t1 - t0).count();
+    row[2] = since_epoch(t1);
+    if (status != 0) break;
+    torch::Tensor y = x;
+    run_stack(*held, y, slots_c[k], positions_c[k], cos, sin, true, [&](torch::Tensor& out) {
+      y = out;
+      return int64_t{0};
+    });
+    const auto found = greedy_rows(head_block(y, norm, eps, w, b, s));
+    std::copy_n(found[0].data_ptr<int64_t>(), rows, drawn.data_ptr<int64_t>() + k * rows);
+    std::copy_n(found[1].data_ptr<float>(), rows, top.data_ptr<float>() + k * rows);
+    std::copy_n(found[2].data_ptr<float>(), rows, logsum.data_ptr<float>() + k * rows);
+    const auto t2 = Clock::now();
+    row[3] = since_epoch(t2);
+    if (k + 1 < steps) {  // the first stage's next step waits for these; the last step's go back in the reply
+      const int64_t sent = call_link(out_k, found[0]);
+      row[4] = static_cast<double>(sent), row[5] = std::chrono::duration<double>(Clock::now() - t2).count();
+      if (sent != 0) break;
+    }
+    ++done;
+  }
+  return {drawn, top, logsum, times, done};
+}
+
 // decode_layers for a tensor-parallel rank whose row-parallel products have no bias: each half's partial sum goes
 // to `reduce`, the shared-memory collective's shm_all_reduce_add (its address, from `shm_collective`), given the
 // rest of its arguments, which writes x + the sum over ranks over it, as CpuDecode's call per half does through
@@ -2521,9 +2577,9 @@ def isa_kernel(isa: str) -> InlineKernel:
         _KERNELS[isa] = InlineKernel(
             "shardmesh_cpu", source.replace("@AMX_ENV@", AMX_ENV),
             ["linear", "rows_linear", "attention_block", "mlp_block", "stack_layers", "decode_layers",
-             "decode_layers_reduced", "decode_layers_received", "decode_steps_greedy", "drop_layers", "head_block",
-             "greedy_rows", "bf16_rows_ways", "bf16_rows", "set_bf16_rows", "bf16_rows_probe", "set_attend_segment",
-             "quantize_groups"],
+             "decode_layers_reduced", "decode_layers_received", "decode_steps_greedy", "decode_steps_greedy_received",
+             "drop_layers", "head_block", "greedy_rows", "bf16_rows_ways", "bf16_rows", "set_bf16_rows",
+             "bf16_rows_probe", "set_attend_segment", "quantize_groups"],
             ISA_FLAGS[isa],
         )  # fmt: skip
     return _KERNELS[isa]

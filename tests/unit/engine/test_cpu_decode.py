@@ -506,6 +506,81 @@ def test_a_single_stages_greedy_steps_in_one_call_draw_what_steps_one_at_a_time_
     assert each_ids[0] != first.tolist()  # the later steps are fed other tokens than the first: what each drew
 
 
+def _greedy_pipeline(engine: StageEngine, rank: int, together: bool) -> list[tuple[list[int], list[float]]]:
+    """A prompt, then 5 greedy decode steps through a pp=2 mesh: the first stage receives each step's tokens over the
+    loop link; the last stage draws them one step a call (`sampling.greedy`, then a send) or, `together`, all in one
+    call (`StageEngine.greedy_steps`). The last stage's draws and their log-probabilities, each step's."""
+    prompt, loop = PROMPTS[0], _loop(engine)
+    batches = [BatchLayout.build([Segment(0, len(prompt) + k, 1)]) for k in range(5)]
+    logits = engine.step(BatchLayout.build([Segment(0, 0, len(prompt))]), torch.tensor(prompt) if rank == 0 else None)
+    if rank == 0:
+        for batch in batches:
+            engine.step(batch, tokens_from=loop)
+        return []
+    assert logits is not None
+    first, _, _ = sampling.greedy(logits)
+    loop.send(torch.tensor(first))
+    if together:
+        drawn = engine.greedy_steps(batches, torch.tensor(first), loop)
+        assert drawn is not None
+        ids, _, logsum = drawn
+        return [(i, [-x for x in ls]) for i, ls in zip(ids.tolist(), logsum.tolist(), strict=True)]
+    out = []
+    for k, batch in enumerate(batches):
+        step_logits = engine.step(batch)
+        assert step_logits is not None
+        ids, logprobs, _ = sampling.greedy(step_logits)
+        out.append((ids, logprobs))
+        if k < len(batches) - 1:
+            loop.send(torch.tensor(ids))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_pipelines_last_stage_draws_its_greedy_steps_in_one_call_as_one_at_a_time(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:  # fmt: skip
+    """The last stage of a pp=2 mesh runs five greedy steps in one call (`decode_steps_greedy_received`): each
+    receives its activations, draws, and sends the tokens back to the first stage, which feeds them to its next step.
+    The draws and their log-probabilities are those of the last stage drawing one step a call, to the bit. (An
+    untied model: the tied one of `shm_pipeline` draws the token it is fed, so a wrong token sent would go unseen.)"""
+    monkeypatch.delenv(shm_link.TRANSPORT_ENV, raising=False)
+    d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=4, seed=3)
+    one_call = run_mesh(d, 2, 1, lambda engine, rank: _greedy_pipeline(engine, rank, True), dtype=dtype)
+    each = run_mesh(d, 2, 1, lambda engine, rank: _greedy_pipeline(engine, rank, False), dtype=dtype)
+    assert len(one_call[1]) == 5 and one_call[1] == each[1]
+    assert len({tuple(ids) for ids, _ in each[1]}) > 1  # the tokens fed back change from step to step
+
+
+def test_a_last_stage_drawing_in_one_call_fails_naming_the_stage_that_closed_its_link(shm_pipeline: Path) -> None:
+    """The first stage computes two of five greedy steps, then closes its link to the last stage (its epoch broke):
+    the last stage's call of five steps fails at the third step's receive, naming the side that closed the link, as
+    a receive from Python would; the two steps before it were counted."""
+
+    def body(engine: StageEngine, rank: int) -> str:
+        prompt, loop = PROMPTS[0], _loop(engine)
+        batches = [BatchLayout.build([Segment(0, len(prompt) + k, 1)]) for k in range(5)]
+        logits = engine.step(BatchLayout.build([Segment(0, 0, len(prompt))]),
+                             torch.tensor(prompt) if rank == 0 else None)  # fmt: skip
+        if rank == 0:
+            for batch in batches[:2]:
+                engine.step(batch, tokens_from=loop)
+            assert engine.groups.next is not None
+            engine.groups.next.close("a test broke it")
+            return ""
+        assert logits is not None
+        first = logits.argmax(-1)
+        loop.send(first)
+        try:
+            engine.greedy_steps(batches, first, loop)
+        except RuntimeError as e:
+            assert engine.groups.prev is not None and engine.groups.prev.messages_received == 3  # prompt + 2
+            return str(e)
+        return "no error"
+
+    message = run_mesh(shm_pipeline, 2, 1, body)[1]
+    assert "side 0 (pid " in message and "closed the link (its epoch broke)" in message, message
+
+
 def test_a_single_stages_greedy_steps_name_a_token_past_the_embedding(small: Transformer) -> None:
     cache = small.make_cache(2, torch.float32, "cpu")
     runner = cpu_decode(small, cache, torch.device("cpu"))

@@ -158,7 +158,8 @@ def test_a_stage_failing_part_way_through_a_call_fails_its_peers_at_once(model: 
     """The last stage raises something that is neither a refusal nor a lost peer in the second step of a call of
     4, after the first stage has begun waiting for that step's token: its epoch breaks and its groups close, so the
     first stage (and the stage between) fail on a closed link, not at the group timeout (30 s here: the message
-    would say so), and every stage waits for a new epoch. Over Gloo links and over shared-memory ones."""
+    would say so), and every stage waits for a new epoch. Over Gloo links and over shared-memory ones. The request
+    samples (seeded): greedy calls draw their later steps inside the layers' call, where no Python `sample` runs."""
     monkeypatch.setenv(shm_link.TRANSPORT_ENV, links)
     ids = tuple(f"w{i}" for i in range(stages))
     cores = [new_core(w) for w in ids]
@@ -173,7 +174,7 @@ def test_a_stage_failing_part_way_through_a_call_fails_its_peers_at_once(model: 
         return sample(*args, **kwargs)
 
     monkeypatch.setattr(runtime, "sample", failing_sample)
-    step = entry(len(PROMPT), (first,))
+    step = entry(len(PROMPT), (first,), SEEDED)
     results = on_every_core(cores, lambda core: core.step(5, [step], 4), raising=False)
     assert len(calls) == 2
     assert all(isinstance(r, MeshError) for r in results), results
