@@ -191,37 +191,25 @@ def around_the_forward() -> tuple[list[float], list[tuple[float, float]]]:
             return out
 
         CpuDecode.run_received = run_received  # type: ignore[method-assign]
-    greedy = getattr(CpuDecode, "run_greedy_steps", None)
-    if greedy is not None:
 
-        def run_greedy_steps(self: Any, *args: Any) -> Any:
-            # pp=1's later steps and their draws in one call: each step's forward as that call stamped it.
+    def stamped(f: Any) -> Any:
+        # A call that draws its steps itself (pp=1's `run_greedy_steps`, a pipeline's last stage's
+        # `run_greedy_steps_received`): each step's forward as the call stamped it, from its input to its draw.
+        def run(self: Any, *args: Any) -> Any:
             c0 = time.thread_time()
             try:
-                drawn = greedy(self, *args)
+                drawn = f(self, *args)
             finally:
                 spent[1] += time.thread_time() - c0
             if drawn is not None:
                 spans.extend(self.stamps)
             return drawn
 
-        CpuDecode.run_greedy_steps = run_greedy_steps  # type: ignore[method-assign]
-    greedy_received = getattr(CpuDecode, "run_greedy_steps_received", None)
-    if greedy_received is not None:
+        return run
 
-        def run_greedy_steps_received(self: Any, *args: Any) -> Any:
-            # A pipeline's last stage, its later steps and draws in one call: each step's forward from when its input
-            # was there to its draw, as that call stamped them.
-            c0 = time.thread_time()
-            try:
-                drawn = greedy_received(self, *args)
-            finally:
-                spent[1] += time.thread_time() - c0
-            if drawn is not None:
-                spans.extend(self.stamps)
-            return drawn
-
-        CpuDecode.run_greedy_steps_received = run_greedy_steps_received  # type: ignore[method-assign]
+    for name in ("run_greedy_steps", "run_greedy_steps_received"):  # a commit from before them has neither
+        if (f := getattr(CpuDecode, name, None)) is not None:
+            setattr(CpuDecode, name, stamped(f))
     return spent, spans
 
 

@@ -2264,6 +2264,34 @@ torch::Tensor decode_layers(int64_t id, torch::Tensor x, torch::Tensor slots, to
   return x;
 }
 
+// A greedy step on stack st after its input x: the layers at slots and positions, the head (head_block's norm, weights,
+// bias, int8 scales) and greedy_rows' draws of each row.
+static std::vector<torch::Tensor> layers_and_draw(const LayerStack& st, torch::Tensor x, const torch::Tensor& slots,
+                                                  const torch::Tensor& positions, const torch::Tensor& cos,
+                                                  const torch::Tensor& sin, const torch::Tensor& norm, double eps,
+                                                  const Weights& w, const Opt& b, const Opt& s) {
+  run_stack(st, x, slots, positions, cos, sin, true, [&](torch::Tensor& y) {
+    x = y;
+    return int64_t{0};
+  });
+  return greedy_rows(head_block(x, norm, eps, w, b, s));
+}
+
+// A call's greedy draws, (steps, rows) each: the ids, each argmax's logit, each row's log-sum-exp.
+struct Draws {
+  torch::Tensor ids, top, logsum;
+  Draws(int64_t steps, int64_t rows)
+      : ids(torch::empty({steps, rows}, torch::kLong)),
+        top(torch::empty({steps, rows}, torch::kFloat)),
+        logsum(torch::empty({steps, rows}, torch::kFloat)) {}
+  void put(int64_t k, const std::vector<torch::Tensor>& found) {  // step k's, as greedy_rows gave them
+    const int64_t rows = ids.size(1);
+    std::copy_n(found[0].data_ptr<int64_t>(), rows, ids.data_ptr<int64_t>() + k * rows);
+    std::copy_n(found[1].data_ptr<float>(), rows, top.data_ptr<float>() + k * rows);
+    std::copy_n(found[2].data_ptr<float>(), rows, logsum.data_ptr<float>() + k * rows);
+  }
+};
+
 // A single stage's decode call, greedy, all its steps after the first in one call: step k embeds the tokens step k - 1
 // drew (`ids` for step 0), runs stack `id`'s layers at slots[k] and positions[k] (steps x rows each), then the head
 // (head_block: the final norm, weights w, bias b, int8 scales s) and each row's greedy token (greedy_rows). Returns the
@@ -2284,8 +2312,7 @@ std::vector<torch::Tensor> decode_steps_greedy(int64_t id, torch::Tensor ids, to
   const auto held = held_stack(id, "decode_steps_greedy");
   const int64_t steps = slots.size(0), rows = ids.size(0), vocab = embed.size(0);
   const int64_t row = embed.size(1) * embed.element_size();
-  auto drawn = torch::empty({steps, rows}, torch::kLong);
-  auto top = torch::empty({steps, rows}, torch::kFloat), logsum = torch::empty({steps, rows}, torch::kFloat);
+  Draws drawn(steps, rows);
   const auto slots_c = slots.contiguous(), positions_c = positions.contiguous();
   auto in = torch::empty({rows, embed.size(1)}, embed.options());
   auto times = torch::empty({steps, 2}, torch::kDouble);
@@ -2301,19 +2328,12 @@ std::vector<torch::Tensor> decode_steps_greedy(int64_t id, torch::Tensor ids, to
                   " is out of the embedding's ", vocab, " rows");
       std::memcpy(dst + i * row, src + id_of[i] * row, row);
     }
-    torch::Tensor x = in;
-    run_stack(*held, x, slots_c[k], positions_c[k], cos, sin, true, [&](torch::Tensor& y) {
-      x = y;
-      return int64_t{0};
-    });
-    const auto found = greedy_rows(head_block(x, norm, eps, w, b, s));
-    std::copy_n(found[0].data_ptr<int64_t>(), rows, drawn.data_ptr<int64_t>() + k * rows);
-    std::copy_n(found[1].data_ptr<float>(), rows, top.data_ptr<float>() + k * rows);
-    std::copy_n(found[2].data_ptr<float>(), rows, logsum.data_ptr<float>() + k * rows);
+    const auto found = layers_and_draw(*held, in, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s);
+    drawn.put(k, found);
     feed = found[0];
     stamp[2 * k + 1] = since_epoch(std::chrono::steady_clock::now());
   }
-  return {drawn, top, logsum, times};
+  return {drawn.ids, drawn.top, drawn.logsum, times};
 }
 
 // decode_layers whose input comes over a pipeline link, received inside this call, and whose output may go on over the
@@ -2405,8 +2425,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> 
               slots.sizes(), " and ", positions.sizes());
   const auto held = held_stack(id, "decode_steps_greedy_received");
   const int64_t steps = slots.size(0), rows = x.size(0);
-  auto drawn = torch::empty({steps, rows}, torch::kLong);
-  auto top = torch::empty({steps, rows}, torch::kFloat), logsum = torch::empty({steps, rows}, torch::kFloat);
+  Draws drawn(steps, rows);
   auto times = torch::empty({steps, 6}, torch::kDouble);
   double* t = times.data_ptr<double>();
   std::fill(t, t + 6 * steps, 0.0);
@@ -2424,15 +2443,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> 
     row[0] = static_cast<double>(status), row[1] = std::chrono::duration<double>(t1 - t0).count();
     row[2] = since_epoch(t1);
     if (status != 0) break;
-    torch::Tensor y = x;
-    run_stack(*held, y, slots_c[k], positions_c[k], cos, sin, true, [&](torch::Tensor& out) {
-      y = out;
-      return int64_t{0};
-    });
-    const auto found = greedy_rows(head_block(y, norm, eps, w, b, s));
-    std::copy_n(found[0].data_ptr<int64_t>(), rows, drawn.data_ptr<int64_t>() + k * rows);
-    std::copy_n(found[1].data_ptr<float>(), rows, top.data_ptr<float>() + k * rows);
-    std::copy_n(found[2].data_ptr<float>(), rows, logsum.data_ptr<float>() + k * rows);
+    const auto found = layers_and_draw(*held, x, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s);
+    drawn.put(k, found);
     const auto t2 = Clock::now();
     row[3] = since_epoch(t2);
     if (k + 1 < steps) {  // the first stage's next step waits for these; the last step's go back in the reply
@@ -2442,7 +2454,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> 
     }
     ++done;
   }
-  return {drawn, top, logsum, times, done};
+  return {drawn.ids, drawn.top, drawn.logsum, times, done};
 }
 
 // decode_layers for a tensor-parallel rank whose row-parallel products have no bias: each half's partial sum goes
