@@ -102,7 +102,9 @@ class CpuDecode:
         self._all: _Stack | None = None  # every layer's arguments held by the kernels (`decode_layers`), with `_layers`
         self.arrived = 0.0  # when `run_received`'s last message came, on time.perf_counter
         self.sending = 0.0  # how long its last send took (0: it sent nothing)
-        self.stamps: list[tuple[float, float]] = []  # `run_greedy_steps`' steps: (start, end) on time.perf_counter
+        # The last greedy call's steps on time.perf_counter: (start, end) for `run_greedy_steps`, (input there, draw
+        # done) for `run_greedy_steps_received`.
+        self.stamps: list[tuple[float, float]] = []
 
     def accepts(self, batch: BatchLayout, all_logits: bool) -> bool:
         """A step in a slot layout, with last-token logits, of at most `STREAMED_ROWS` rows where layers are
