@@ -175,41 +175,33 @@ def around_the_forward() -> tuple[list[float], list[tuple[float, float]]]:
 
     StageWorkerCore._decode_steps = timed(StageWorkerCore._decode_steps, 0)  # type: ignore[method-assign]
     CpuDecode.run = timed(CpuDecode.run, 1, spans)  # type: ignore[method-assign]
-    received = getattr(CpuDecode, "run_received", None)  # a commit from before it (`--against`) has none
-    if received is not None:
 
-        def run_received(self: Any, *args: Any) -> Any:
-            # The call waits for its input, computes, and may send its output on: its forward runs from when the
-            # input was there to the send.
-            c0 = time.thread_time()
-            try:
-                out = received(self, *args)
-            finally:
-                spent[1] += time.thread_time() - c0
-            if out is not None:
-                spans.append((self.arrived, time.perf_counter() - self.sending))
-            return out
-
-        CpuDecode.run_received = run_received  # type: ignore[method-assign]
-
-    def stamped(f: Any) -> Any:
-        # A call that draws its steps itself (pp=1's `run_greedy_steps`, a pipeline's last stage's
-        # `run_greedy_steps_received`): each step's forward as the call stamped it, from its input to its draw.
+    def stamped(f: Any, forwards: Any) -> Any:
+        # A call that runs its forwards itself, each from when its input was there: its thread CPU goes to the
+        # forwards, and `forwards(self)` gives their spans once it has returned something (None: it ran nothing).
         def run(self: Any, *args: Any) -> Any:
             c0 = time.thread_time()
             try:
-                drawn = f(self, *args)
+                out = f(self, *args)
             finally:
                 spent[1] += time.thread_time() - c0
-            if drawn is not None:
-                spans.extend(self.stamps)
-            return drawn
+            if out is not None:
+                spans.extend(forwards(self))
+            return out
 
         return run
 
-    for name in ("run_greedy_steps", "run_greedy_steps_received"):  # a commit from before them has neither
+    ways = {  # a commit from before a way (`--against`) has no such method
+        # Waits for its input, computes, and may send its output on: its forward runs from when the input was there
+        # to the send.
+        "run_received": lambda self: [(self.arrived, time.perf_counter() - self.sending)],
+        # Draws its steps itself (pp=1's, a pipeline's last stage's): each step as the call stamped it.
+        "run_greedy_steps": lambda self: self.stamps,
+        "run_greedy_steps_received": lambda self: self.stamps,
+    }
+    for name, forwards in ways.items():
         if (f := getattr(CpuDecode, name, None)) is not None:
-            setattr(CpuDecode, name, stamped(f))
+            setattr(CpuDecode, name, stamped(f, forwards))
     return spent, spans
 
 

@@ -199,10 +199,7 @@ class CpuDecode:
         table = embed.weight
         if table.dtype != model.dtype or not table.is_contiguous():
             return None
-        for b in batches:
-            self.cache.check(b)
-        slots = torch.stack([b.kv_index[0] for b in batches])
-        positions = torch.stack([b.kv_index[1] for b in batches])
+        slots, positions = self._step_places(batches)
         ids, top, logsum, times = self.ext.decode_steps_greedy(self._all.id, token_ids.to(torch.int64), table, slots,
                                                                positions, cos, sin, *self._head)  # fmt: skip
         self.stamps = [(start, end) for start, end in times.tolist()]
@@ -229,10 +226,7 @@ class CpuDecode:
         send = loop.native_send(id_bytes) if recv is not None else None
         if recv is None or send is None:
             return None
-        for b in batches:
-            self.cache.check(b)
-        slots = torch.stack([b.kv_index[0] for b in batches])
-        positions = torch.stack([b.kv_index[1] for b in batches])
+        slots, positions = self._step_places(batches)
         try:
             ids, top, logsum, times, done = self.ext.decode_steps_greedy_received(
                 self._all.id, x, slots, positions, cos, sin, *self._head, recv, send
@@ -249,6 +243,13 @@ class CpuDecode:
                 loop.sent_natively(id_bytes, int(sent), sending)  # and this on a failed send
             self.stamps.append((arrived, drawn_at))
         return ids, top, logsum
+
+    def _step_places(self, batches: list[BatchLayout]) -> tuple[Tensor, Tensor]:
+        """Each step's KV slots and positions, (steps, rows) each, for a call of several steps, every layout checked
+        against the cache first."""
+        for b in batches:
+            self.cache.check(b)
+        return torch.stack([b.kv_index[0] for b in batches]), torch.stack([b.kv_index[1] for b in batches])
 
     def _head_of(self, batch: BatchLayout, x: Tensor) -> Tensor:
         """The shard's output from its layers' (n, hidden) output x: x itself, or on the last stage the logits of each

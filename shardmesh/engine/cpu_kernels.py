@@ -2264,6 +2264,17 @@ torch::Tensor decode_layers(int64_t id, torch::Tensor x, torch::Tensor slots, to
   return x;
 }
 
+// The embedding's rows of `n` token ids into dst, as nn.Embedding gives them; `who` names the caller in an error.
+static void embed_rows(const torch::Tensor& table, const int64_t* id_of, int64_t n, void* dst, const char* who) {
+  const int64_t vocab = table.size(0), row = table.size(1) * table.element_size();
+  const auto* src = static_cast<const uint8_t*>(table.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(0 <= id_of[i] && id_of[i] < vocab, who, ": token id ", id_of[i], " is out of the embedding's ", vocab,
+                " rows");
+    std::memcpy(static_cast<uint8_t*>(dst) + i * row, src + id_of[i] * row, row);
+  }
+}
+
 // A greedy step on stack st after its input x: the layers at slots and positions, the head (head_block's norm, weights,
 // bias, int8 scales) and greedy_rows' draws of each row.
 static std::vector<torch::Tensor> layers_and_draw(const LayerStack& st, torch::Tensor x, const torch::Tensor& slots,
@@ -2310,8 +2321,7 @@ std::vector<torch::Tensor> decode_steps_greedy(int64_t id, torch::Tensor ids, to
               ids.sizes(), ", ", slots.sizes(), " and ", positions.sizes());
   TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "decode_steps_greedy: the embedding must be contiguous");
   const auto held = held_stack(id, "decode_steps_greedy");
-  const int64_t steps = slots.size(0), rows = ids.size(0), vocab = embed.size(0);
-  const int64_t row = embed.size(1) * embed.element_size();
+  const int64_t steps = slots.size(0), rows = ids.size(0);
   Draws drawn(steps, rows);
   const auto slots_c = slots.contiguous(), positions_c = positions.contiguous();
   auto in = torch::empty({rows, embed.size(1)}, embed.options());
@@ -2320,14 +2330,7 @@ std::vector<torch::Tensor> decode_steps_greedy(int64_t id, torch::Tensor ids, to
   torch::Tensor feed = ids.contiguous();
   for (int64_t k = 0; k < steps; ++k) {
     stamp[2 * k] = since_epoch(std::chrono::steady_clock::now());
-    const int64_t* id_of = feed.data_ptr<int64_t>();
-    auto* dst = static_cast<uint8_t*>(in.data_ptr());
-    const auto* src = static_cast<const uint8_t*>(embed.data_ptr());
-    for (int64_t i = 0; i < rows; ++i) {  // the rows of the token ids, as nn.Embedding gives them
-      TORCH_CHECK(0 <= id_of[i] && id_of[i] < vocab, "decode_steps_greedy: token id ", id_of[i],
-                  " is out of the embedding's ", vocab, " rows");
-      std::memcpy(dst + i * row, src + id_of[i] * row, row);
-    }
+    embed_rows(embed, feed.data_ptr<int64_t>(), rows, in.data_ptr(), "decode_steps_greedy");
     const auto found = layers_and_draw(*held, in, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s);
     drawn.put(k, found);
     feed = found[0];
@@ -2352,7 +2355,7 @@ using LinkArgs = std::tuple<int64_t, torch::Tensor, int64_t, int64_t, int64_t, i
 using LinkCall = int64_t (*)(torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                              double, double);
 static int64_t call_link(const LinkArgs& a, const torch::Tensor& x) {
-  TORCH_CHECK(std::get<0>(a) != 0, "decode_layers_received: no link function to call");
+  TORCH_CHECK(std::get<0>(a) != 0, "a layers' call over a link: no link function to call");
   return reinterpret_cast<LinkCall>(std::get<0>(a))(std::get<1>(a), x, std::get<2>(a), std::get<3>(a),
                                                     std::get<4>(a), std::get<5>(a), std::get<6>(a), std::get<7>(a),
                                                     std::get<8>(a), std::get<9>(a));
@@ -2368,20 +2371,9 @@ std::tuple<torch::Tensor, int64_t, double, double, int64_t, double> decode_layer
   const int64_t status = call_link(recv, embed ? *ids : x);
   const auto t1 = Clock::now();
   const double waited = std::chrono::duration<double>(t1 - t0).count();
-  const double arrived = std::chrono::duration<double>(t1.time_since_epoch()).count();
+  const double arrived = since_epoch(t1);
   if (status != 0) return {x, status, waited, arrived, 0, 0.0};
-  if (embed) {  // the rows of the token ids, as nn.Embedding gives them
-    const auto& table = *embed;
-    const int64_t vocab = table.size(0), row = table.size(1) * table.element_size();
-    const int64_t* id_of = ids->data_ptr<int64_t>();
-    auto* dst = static_cast<uint8_t*>(x.data_ptr());
-    const auto* src = static_cast<const uint8_t*>(table.data_ptr());
-    for (int64_t i = 0; i < ids->numel(); ++i) {
-      TORCH_CHECK(0 <= id_of[i] && id_of[i] < vocab, "decode_layers_received: token id ", id_of[i],
-                  " is out of the embedding's ", vocab, " rows");
-      std::memcpy(dst + i * row, src + id_of[i] * row, row);
-    }
-  }
+  if (embed) embed_rows(*embed, ids->data_ptr<int64_t>(), ids->numel(), x.data_ptr(), "decode_layers_received");
   run_stack(*held, x, slots, positions, cos, sin, true, [&](torch::Tensor& y) {
     x = y;
     return int64_t{0};
