@@ -1,7 +1,7 @@
 """This checkout against an earlier commit, in one run: did a change make serving slower?
 
     .venv/bin/python bench/against.py REV [--layouts 1x1,2x1] [--streams 1,16] [--dtype float32] [--rounds 3]
-                                          [--prompt-tokens N]
+                                          [--prompt-tokens N] [--temperature T [--top-p P] [--top-k K]]
 
 REV is checked out into a temporary git worktree (removed afterwards). For each layout, the two
 checkouts' meshes (`shardmesh up`, same model, flags and threads) are started in turn, A B A B ...,
@@ -10,7 +10,8 @@ streams: one burst). Alternating keeps slow drifts of the machine (another tenan
 landing on one side only. The table gives each side's median over its rounds and the ratio this / REV,
 per figure: decode ms per token (below 1 is faster) and aggregate tokens/s (above 1 is faster).
 `--prompt-tokens N` sends a longer prompt instead: bench/run.py's request repeated until its chat encoding holds N
-tokens or more (for changes to prompts: their time to first token).
+tokens or more (for changes to prompts: their time to first token). `--temperature T` (above 0) sends sampled
+requests instead of greedy ones, seeded and ignoring the end of sequence (for changes to sampling).
 
 Writes bench/results/<host>-<date>-against-<rev>.{md,json} and prints the markdown.
 """
@@ -68,13 +69,13 @@ def checked_out(rev: str, into: Path) -> Iterator[str]:
 
 
 def measure(tree: Path, model_dir: Path, pp: int, tp: int, streams: list[int], prompt_ids: list[int],
-            new_tokens: int, dtype: str) -> dict[int, dict]:  # fmt: skip
+            new_tokens: int, dtype: str, sampling: dict | None = None) -> dict[int, dict]:  # fmt: skip
     share = share_cores(pp, tp, "cpu", "auto", None, cores())
     with tempfile.TemporaryDirectory() as logs:
         mesh = Mesh(model_dir, pp, tp, share.pipeline, max(streams), Path(logs), share.worker_threads, "none", tree,
                     extra=("--dtype", dtype))  # fmt: skip
         try:
-            return {n: run_streams(mesh.address, prompt_ids, new_tokens, n) for n in streams}
+            return {n: run_streams(mesh.address, prompt_ids, new_tokens, n, sampling=sampling) for n in streams}
         finally:
             mesh.close()
 
@@ -90,8 +91,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="meshes started per checkout and layout, alternating")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of at least this many tokens (default: "
                     "bench/run.py's, ~46)")  # fmt: skip
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampled requests (seeded, ignoring the end of "
+                    "sequence) at this temperature; 0, the default, is greedy")  # fmt: skip
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
+    if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
+        ap.error(f"--temperature >= 0, --top-p in (0, 1], --top-k >= 0: got {a.temperature}, {a.top_p}, {a.top_k}")
+    sampling = {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "seed": 7} if a.temperature else None
     if a.prompt_tokens < 0 or a.prompt_tokens + a.new_tokens > MAX_CONTEXT:
         ap.error(f"--prompt-tokens: 0 to {MAX_CONTEXT} less --new-tokens ({a.new_tokens}), got {a.prompt_tokens}")
 
@@ -114,7 +122,8 @@ def main() -> None:
                     for side, tree in (
                         (("this", ROOT), ("rev", other)) if i % 2 == 0 else (("rev", other), ("this", ROOT))
                     ):
-                        runs[side].append(measure(tree, model_dir, pp, tp, streams, prompt_ids, a.new_tokens, a.dtype))
+                        runs[side].append(measure(tree, model_dir, pp, tp, streams, prompt_ids, a.new_tokens, a.dtype,
+                                                  sampling))  # fmt: skip
                         print(f"pp={pp} tp={tp} {side} round {i}: {runs[side][-1]}", file=sys.stderr)
                 for n in streams:
                     row = {"pp": pp, "tp": tp, "streams": n}
@@ -131,7 +140,7 @@ def report(info: dict, commit: str, rows: list[dict], a: argparse.Namespace) -> 
         f"## This checkout against {commit[:7]} — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
         f"{info['date']}",
         "",
-        f"Model `{a.model}` {a.dtype}, greedy, a prompt of {a.prompt_len} tokens, {a.new_tokens} new tokens; "
+        f"Model `{a.model}` {a.dtype}, {drawn(a)}, a prompt of {a.prompt_len} tokens, {a.new_tokens} new tokens; "
         f"each side's median over {a.rounds} meshes "
         "started in turn (A B A B ...). Ratio = this ÷ REV: below 1 is faster for ms/token and time to first token "
         "(TTFT), above 1 for tok/s.",
@@ -144,9 +153,18 @@ def report(info: dict, commit: str, rows: list[dict], a: argparse.Namespace) -> 
         cells = [f"{r[key]['this']:.1f} | {r[key]['rev']:.1f} | {r[key]['ratio']:.3f}" for key, _, _ in FIGURES]
         lines.append(f"| {r['pp']} | {r['tp']} | {r['streams']} | {' | '.join(cells)} |")
     md = "\n".join(lines) + "\n"
-    # The dtype in the name: runs of both dtypes against one commit on one day would overwrite each other.
-    save_results(Path(a.out), info, f"-against-{commit[:7]}-{a.dtype}", md,
-                 {"against": commit, "dtype": a.dtype, "prompt_tokens": a.prompt_len, "rows": rows})  # fmt: skip
+    # The dtype and the sampling in the name: runs of both against one commit on one day would overwrite each other.
+    sampled = f"-t{a.temperature:g}-p{a.top_p:g}-k{a.top_k}" if a.temperature else ""
+    save_results(Path(a.out), info, f"-against-{commit[:7]}-{a.dtype}{sampled}", md,
+                 {"against": commit, "dtype": a.dtype, "prompt_tokens": a.prompt_len, "sampling": drawn(a),
+                  "rows": rows})  # fmt: skip
+
+
+def drawn(a: argparse.Namespace) -> str:
+    """How the requests drew their tokens, in words."""
+    if not a.temperature:
+        return "greedy"
+    return f"sampled (temperature {a.temperature:g}, top-p {a.top_p:g}, top-k {a.top_k}, seeded, ignoring EOS)"
 
 
 if __name__ == "__main__":

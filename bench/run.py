@@ -217,15 +217,19 @@ class Mesh:
         self.proc.wait(timeout=30)
 
 
-def run_streams(address: str, prompt_ids: list[int], new_tokens: int, n: int, repeats: int | None = None) -> dict:
+def run_streams(address: str, prompt_ids: list[int], new_tokens: int, n: int, repeats: int | None = None,
+                sampling: dict | None = None) -> dict:  # fmt: skip
     """`n` concurrent greedy requests through the gateway at `address`, `repeats` times in a row (default: 3 for one
-    stream, whose median is taken, else once), after a short warm-up request."""
+    stream, whose median is taken, else once), after a short warm-up request. `sampling`: fields of the requests'
+    SamplingParams instead of greedy ones (temperature, top_p, top_k, seed); those requests ignore the end of
+    sequence, so that every one decodes `new_tokens` whatever it draws."""
     import grpc
 
     from shardmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
 
     stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
-    params = gateway_pb2.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, stop=[])
+    fields = {"temperature": 0.0, **({**sampling, "ignore_eos": True} if sampling else {})}
+    params = gateway_pb2.SamplingParams(max_new_tokens=new_tokens, stop=[], **fields)
     req = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt_ids), params=params)
     results: list = []
 

@@ -13,19 +13,23 @@ from bench import against
 
 
 def test_report_names_the_dtype_and_gives_every_figure(tmp_path: Path) -> None:
-    """Runs of two dtypes against one commit on one day go to two files, and the table has time to first token
-    beside decode ms/token and tokens/s, each with this ÷ REV."""
+    """Runs of two dtypes, and of sampled requests, against one commit on one day go to files of their own, and the
+    table has time to first token beside decode ms/token and tokens/s, each with this ÷ REV."""
     info = {"host": "vm", "date": "2026-11-29T06:00:00+00:00", "cpu": "cpu", "cores": 2, "torch": "2.13.0"}
     rows = [{"pp": 1, "tp": 1, "streams": 16, "ms_per_token": {"this": 30.0, "rev": 32.0, "ratio": 30 / 32},
              "aggregate_tok_s": {"this": 400.0, "rev": 360.0, "ratio": 400 / 360},
              "ttft_ms": {"this": 54.0, "rev": 77.0, "ratio": 54 / 77}}]  # fmt: skip
     for dtype in ("float32", "bfloat16"):
-        args = argparse.Namespace(model="m", dtype=dtype, new_tokens=64, rounds=3, out=str(tmp_path), prompt_len=46)
-        against.report(info, "f40302c" + "0" * 33, rows, args)
+        for temperature, top_p in ((0.0, 1.0), (0.7, 0.9)):
+            args = argparse.Namespace(model="m", dtype=dtype, new_tokens=64, rounds=3, out=str(tmp_path),
+                                      prompt_len=46, temperature=temperature, top_p=top_p, top_k=0)  # fmt: skip
+            against.report(info, "f40302c" + "0" * 33, rows, args)
+    stems = ["bfloat16-t0.7-p0.9-k0", "bfloat16", "float32-t0.7-p0.9-k0", "float32"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "vm-2026-11-29-against-f40302c-bfloat16.json", "vm-2026-11-29-against-f40302c-bfloat16.md",
-        "vm-2026-11-29-against-f40302c-float32.json", "vm-2026-11-29-against-f40302c-float32.md",
-    ]  # fmt: skip
+        f"vm-2026-11-29-against-f40302c-{stem}.{ext}" for stem in stems for ext in ("json", "md")
+    ]
+    sampled = (tmp_path / "vm-2026-11-29-against-f40302c-float32-t0.7-p0.9-k0.md").read_text()
+    assert "float32, sampled (temperature 0.7, top-p 0.9, top-k 0, seeded, ignoring EOS), a prompt" in sampled
     md = (tmp_path / "vm-2026-11-29-against-f40302c-bfloat16.md").read_text()
     assert "| 1 | 1 | 16 | 30.0 | 32.0 | 0.938 | 400.0 | 360.0 | 1.111 | 54.0 | 77.0 | 0.701 |" in md
     assert "Model `m` bfloat16, greedy, a prompt of 46 tokens" in md

@@ -8,6 +8,23 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from shardmesh.engine import cpu_kernels
+from shardmesh.engine.cpu_features import cpu_flags
+
+# The kernels come in an AVX-512 and an AVX2 version (and plain loops), and a host compiles only the widest it has: on
+# a CPU with AVX-512 a test taking `isa` runs on its AVX2 build as well (SHARDMESH_CPU_ISA=avx2), so neither goes
+# untested.
+ISAS = ["native", *(["avx2"] if "avx512f" in cpu_flags() else [])]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The compiled kernels of one build, as this process's (`cpu_kernels._KERNEL`), for the test's duration."""
+    kernel = cpu_kernels.isa_kernel(request.param)
+    assert kernel.module() is not None, kernel.build_error
+    monkeypatch.setattr(cpu_kernels, "_KERNEL", kernel)
+    return request.param
+
 
 @pytest.fixture
 def store(request: pytest.FixtureRequest) -> Iterator[dist.TCPStore]:

@@ -33,19 +33,9 @@ from tests.thread_mesh import run_mesh
 from tests.unit.engine.test_model import PROMPTS, prefilled
 from tests.waiting import WAIT_S
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C++ build: {cpu_kernels.build_error()}")
-
-# The kernels come in an AVX-512 and an AVX2 version (and plain loops), and a host compiles only the widest it has: on
-# a CPU with AVX-512 every test here runs on its AVX2 build as well (SHARDMESH_CPU_ISA=avx2), so neither goes untested.
-ISAS = ["native", *(["avx2"] if "avx512f" in cpu_flags() else [])]
-
-
-@pytest.fixture(autouse=True, params=ISAS)
-def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    kernel = cpu_kernels.isa_kernel(request.param)
-    assert kernel.module() is not None, kernel.build_error
-    monkeypatch.setattr(cpu_kernels, "_KERNEL", kernel)
-    return request.param
+# Every test here runs on each build of the kernels this CPU can run (the `isa` fixture).
+pytestmark = [pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C++ build: {cpu_kernels.build_error()}"),
+              pytest.mark.usefixtures("isa")]  # fmt: skip
 
 
 # rows, N, K. On a CPU with AMX, bfloat16 products whose K is a multiple of 32 go through its tiles, 16 rows at a time

@@ -7,11 +7,17 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from shardmesh.core.step import SamplingParams, StepEntry
 from shardmesh.engine.penalties import TokenHistory, apply_penalties
-from shardmesh.engine.sampling import _shape, draw_seed, sample
+from shardmesh.engine.sampling import sample, uniform, weights
 
 VOCAB = 97
 
@@ -75,15 +81,25 @@ def test_a_position_written_again_counts_once_and_positions_past_the_draw_not_at
     assert history.counts([1], [1], [4], VOCAB)[0, 5] == 2 and history.counts([1], [2], [4], VOCAB)[0, 5] == 1
 
 
-def test_min_p_equals_transformers_warper() -> None:
-    logits = _logits(4, 4)
-    for row, (temperature, min_p) in enumerate([(1.0, 0.05), (0.7, 0.2), (1.3, 0.5), (0.5, 1.0)]):
-        got = _shape(logits[row], SamplingParams(temperature=temperature, min_p=min_p, seed=1))
-        warped = TemperatureLogitsWarper(temperature)(None, logits[row : row + 1].clone())
-        expected = MinPLogitsWarper(min_p)(None, warped)[0]
-        assert torch.equal(got.isinf(), expected.isinf()), row
-        assert torch.allclose(got[~got.isinf()], expected[~expected.isinf()])
-        assert 0 < int((~got.isinf()).sum()) < VOCAB or min_p == 1.0
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"),
+                         [(1.0, 0, 1.0, 0.05), (0.7, 0, 1.0, 0.2), (1.3, 0, 1.0, 0.5), (0.5, 0, 1.0, 1.0),
+                          (1.0, 10, 1.0, 0.0), (0.8, 0, 0.9, 0.0), (1.2, 0, 0.3, 0.0), (0.7, 40, 0.95, 0.02),
+                          (1.5, 30, 0.6, 0.1)])  # fmt: skip
+def test_the_tokens_a_draw_keeps_are_transformers_warpers(temperature: float, top_k: int, top_p: float,
+                                                          min_p: float) -> None:  # fmt: skip
+    """Temperature, then top-k, top-p and min-p, as transformers' warpers apply them: the same tokens kept, with
+    the same probabilities."""
+    for row, logits in enumerate(_logits(4, 4)):
+        p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=1)
+        got = weights(logits, p)
+        warped = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
+        for warper, on in ((TopKLogitsWarper(max(top_k, 1)), top_k), (TopPLogitsWarper(top_p), top_p < 1),
+                           (MinPLogitsWarper(min_p), min_p)):  # fmt: skip
+            warped = warper(None, warped) if on else warped
+        kept = ~warped[0].isinf()
+        assert torch.equal(got > 0, kept), row
+        assert torch.allclose(got / got.sum(), warped[0].softmax(-1), atol=1e-6)
+        assert 0 < int(kept.sum()) < VOCAB or min_p == 1.0
 
 
 def test_greedy_with_a_penalty_takes_the_penalised_argmax_and_reports_the_model_logprob() -> None:
@@ -107,8 +123,9 @@ def test_a_sampled_row_draws_from_the_penalised_shaped_distribution_seeded_by_it
     p = SamplingParams(temperature=0.8, top_k=20, min_p=0.05, seed=21, repetition_penalty=1.4,
                        frequency_penalty=0.3, presence_penalty=0.6, prompt_len=2)  # fmt: skip
     drawn = [sample(logits, [p], [6], history, slots).token_ids[0] for _ in range(3)]
-    probs = _shape(apply_penalties(logits, [p], history, slots, [6])[0], p).softmax(-1)
-    expected = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(draw_seed(21, 6))))
+    w = weights(apply_penalties(logits, [p], history, slots, [6])[0], p).double()
+    target, run = uniform(21, 6) * float(w.sum()), 0.0
+    expected = next(t for t in range(VOCAB) if w[t] > 0 and (run := run + float(w[t])) > target)
     assert drawn == [expected] * 3
 
 
