@@ -25,7 +25,7 @@ each derived number is taken within a cycle and reported as the median over cycl
   waits for input) minus pp=1's, and the rest (the links, each step's Python, the stages' handing over);
 - the seam on the critical path, timestamped: every forward of the CPU decode path (`CpuDecode.run`; a stage that
   receives its input inside the call, `CpuDecode.run_received`, from when that input was there; pp=1's later steps
-  drawn greedily in one call, `run_greedy_steps`, and a pipeline's last stage's, `run_greedy_steps_received`, as
+  drawn greedily in one call, `run_drawn_steps`, and a pipeline's last stage's, `run_drawn_steps_received`, as
   those calls stamp them, the draw inside) is stamped on
   `time.perf_counter` (one clock for all the processes), and a token's time between forwards (pp=1: from one
   forward's end to the next's start; pp=2: around the loop and the activations' hop) is taken less pp=1's within
@@ -196,8 +196,8 @@ def around_the_forward() -> tuple[list[float], list[tuple[float, float]]]:
         # to the send.
         "run_received": lambda self: [(self.arrived, time.perf_counter() - self.sending)],
         # Draws its steps itself (pp=1's, a pipeline's last stage's): each step as the call stamped it.
-        "run_greedy_steps": lambda self: self.stamps,
-        "run_greedy_steps_received": lambda self: self.stamps,
+        "run_drawn_steps": lambda self: self.stamps,
+        "run_drawn_steps_received": lambda self: self.stamps,
     }
     for name, forwards in ways.items():
         if (f := getattr(CpuDecode, name, None)) is not None:

@@ -56,7 +56,7 @@ from shardmesh.engine.kv_cache import ActivationLog, AnyKVCache, PagedActivation
 from shardmesh.engine.loader import build_shard, parse_dtype
 from shardmesh.engine.model import Transformer
 from shardmesh.engine.penalties import TokenHistory
-from shardmesh.engine.sampling import random_seed, sample
+from shardmesh.engine.sampling import draw_table, random_seed, sample, seed_bits
 from shardmesh.engine.stage import Relay, StageEngine
 from shardmesh.engine.timing import calibrate_shard
 from shardmesh.engine.tp import bind_group
@@ -645,13 +645,13 @@ class StageWorkerCore:
         sending = loop is not None and last
         if sending:  # what the call's first step drew; each later step's draw is sent as soon as it is drawn
             self._send_drawn(rt, loop, tokens, entries)
-        drawn = self._greedy_steps(rt, entries, params, layouts, tokens, loop if sending else None) if last else None
+        drawn = self._drawn_steps(rt, entries, params, layouts, tokens, loop if sending else None) if last else None
         if drawn is not None:  # every later step, and its draws, in one call
-            seconds, ids, logsums = drawn
+            seconds, ids, logprobs = drawn
             elapsed, forward_s = elapsed + seconds, forward_s + seconds
-            for step_ids, step_logsums in zip(ids, logsums, strict=True):  # a greedy draw's log-probability: -logsum
-                sampled += [Sampled(e.request_id, t, -logsum, ()) for e, t, logsum
-                            in zip(entries, step_ids, step_logsums, strict=True)]  # fmt: skip
+            for step_ids, step_logprobs in zip(ids, logprobs, strict=True):
+                sampled += [Sampled(e.request_id, t, lp, ()) for e, t, lp
+                            in zip(entries, step_ids, step_logprobs, strict=True)]  # fmt: skip
         for k, layout in enumerate(layouts if drawn is None else [], 1):
             t0 = time.perf_counter()
             try:
@@ -684,30 +684,30 @@ class StageWorkerCore:
         self.stats.recv_wait_s += comm.recv_wait_s
         return StepResult(sampled, elapsed, result.comm + comm, rt.placement, len(layouts) + 1)
 
-    def _greedy_steps(self, rt: _Runtime, entries: list[StepEntry], params: list[SamplingParams],
-                      layouts: list[BatchLayout], tokens: list[int],
-                      loop: StageLink | None) -> tuple[float, list[list[int]], list[list[float]]] | None:  # fmt: skip
-        """The last stage, every entry drawing greedily, with no penalty and no alternatives asked for: a decode
-        call's later steps, their draws included, in one call of its engine (`StageEngine.greedy_steps`). A single
-        stage feeds the first `tokens`; a pipeline's last stage receives each step's activations and sends its draws
-        over `loop`. Returns the seconds it took, and each step's drawn ids and their rows' log-sum-exp (the draw's
-        log-probability is minus it, as `sampling.greedy` gives it); None where it cannot, and nothing ran. Why:
-        returning to Python between steps for the bookkeeping and the draw took ~0.25 ms a token, on a single stage's
-        critical path, and on a pipeline's between its head and the send the first stage waits for
-        (docs/performance.md, "A single stage's greedy steps in one call")."""
-        if not all(p.greedy and not p.penalized and p.top_logprobs == 0 for p in params):
+    def _drawn_steps(self, rt: _Runtime, entries: list[StepEntry], params: list[SamplingParams],
+                     layouts: list[BatchLayout], tokens: list[int],
+                     loop: StageLink | None) -> tuple[float, list[list[int]], list[list[float]]] | None:  # fmt: skip
+        """The last stage, every entry greedy or sampled (seeded), with no penalty and no alternatives asked for: a
+        decode call's later steps, their draws included, in one call of its engine (`StageEngine.drawn_steps`). A
+        single stage feeds the first `tokens`; a pipeline's last stage receives each step's activations and sends its
+        draws over `loop`. Returns the seconds it took, and each step's drawn ids and their log-probabilities (as
+        `sampling.sample` gives them); None where it cannot, and nothing ran. Why: returning to Python between steps
+        for the bookkeeping and the draw took ~0.25 ms a token, on a single stage's critical path, and on a pipeline's
+        between its head and the send the first stage waits for (docs/performance.md, "A single stage's greedy steps
+        in one call", and "Sampled draws in one pass" for sampled rows)."""
+        if not all(not p.penalized and p.top_logprobs == 0 and (p.greedy or p.seed is not None) for p in params):
             return None
+        draws = None if all(p.greedy for p in params) else (draw_table(params), seed_bits(params))
         for e in entries:  # how far each slot's cache is written once they are done, as each step records it
             rt.caches.record_end(e.slot, e.start_pos + len(layouts) + 1)
         t0 = time.perf_counter()
         try:
-            drawn = rt.engine.greedy_steps(layouts, torch.tensor(tokens, dtype=torch.int64), loop)
+            drawn = rt.engine.drawn_steps(layouts, torch.tensor(tokens, dtype=torch.int64), loop, draws)
         except RuntimeError as e:  # as a step's failure is reported (`_later_steps`)
             raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
         if drawn is None:
             return None
-        ids, _, logsums = drawn
-        return time.perf_counter() - t0, ids.tolist(), logsums.tolist()
+        return time.perf_counter() - t0, drawn.ids.tolist(), drawn.logprobs()
 
     def _send_drawn(self, rt: _Runtime, loop: StageLink, tokens: list[int], entries: list[StepEntry]) -> None:
         """The last stage's draws, over the loop link to the first stage, whose next step embeds them. Sent as

@@ -89,6 +89,21 @@ ROW_CHUNK = CPU_ROW_CHUNK
 STREAMED_ROWS = 16
 
 
+@dataclass(frozen=True)
+class Drawn:
+    """A call of several decode steps' draws, (steps, rows) each: the drawn ids, each row's largest logit, the log of
+    its exponentials' sum after it, and the drawn token's logit; a draw's log-probability is
+    (picked - top) - logsum, as `sampling.sample` reports it (-logsum for a greedy row)."""
+
+    ids: Tensor
+    top: Tensor
+    logsum: Tensor
+    picked: Tensor
+
+    def logprobs(self) -> list[list[float]]:
+        return ((self.picked - self.top) - self.logsum).tolist()
+
+
 class CpuDecode:
     """Runs the decode steps of one CPU shard through `cpu_kernels`' layer halves: all layers in one call
     (`decode_layers`) where they are whole, else each half in a call of its own (`one_call=False`: always)."""
@@ -102,8 +117,8 @@ class CpuDecode:
         self._all: _Stack | None = None  # every layer's arguments held by the kernels (`decode_layers`), with `_layers`
         self.arrived = 0.0  # when `run_received`'s last message came, on time.perf_counter
         self.sending = 0.0  # how long its last send took (0: it sent nothing)
-        # The last greedy call's steps on time.perf_counter: (start, end) for `run_greedy_steps`, (input there, draw
-        # done) for `run_greedy_steps_received`.
+        # The last drawn call's steps on time.perf_counter: (start, end) for `run_drawn_steps`, (input there, draw
+        # done) for `run_drawn_steps_received`.
         self.stamps: list[tuple[float, float]] = []
 
     def accepts(self, batch: BatchLayout, all_logits: bool) -> bool:
@@ -181,13 +196,14 @@ class CpuDecode:
         return x, True
 
     @torch.inference_mode()
-    def run_greedy_steps(self, batches: list[BatchLayout], token_ids: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-        """A single stage's greedy decode steps (`batches`, which `accepts`, each of the same rows), all in one call
-        (`decode_steps_greedy`): step k embeds what step k - 1 drew (`token_ids` for the first), computes at
-        batches[k]'s places, and draws each row's most likely token. Returns the drawn ids, each argmax's logit and the
-        log of its row's exponentials' sum, each (steps, rows), as `cpu_kernels.greedy_rows` gives them at each step;
-        None where it cannot (layers not in one call, a head that is not a whole blocked product, more rows than a
-        chunk): then nothing ran."""
+    def run_drawn_steps(self, batches: list[BatchLayout], token_ids: Tensor,
+                        draws: tuple[Tensor, Tensor] | None = None) -> Drawn | None:  # fmt: skip
+        """A single stage's decode steps (`batches`, which `accepts`, each of the same rows), all in one call
+        (`decode_steps_drawn`): step k embeds what step k - 1 drew (`token_ids` for the first), computes at
+        batches[k]'s places, and draws each row's token: its most likely, or, with `draws` (`sampling.draw_table`
+        and `sampling.seed_bits` of the rows), as `sampling.draw` does at the drawn token's position. None where it
+        cannot (layers not in one call, a head that is not a whole blocked product, more rows than a chunk): then
+        nothing ran."""
         model, n = self.model, batches[0].num_tokens
         cos, sin = model.rope_cos, model.rope_sin
         assert cos is not None and sin is not None, "call init_buffers() first"
@@ -200,17 +216,19 @@ class CpuDecode:
         if table.dtype != model.dtype or not table.is_contiguous():
             return None
         slots, positions = self._step_places(batches)
-        ids, top, logsum, times = self.ext.decode_steps_greedy(self._all.id, token_ids.to(torch.int64), table, slots,
-                                                               positions, cos, sin, *self._head)  # fmt: skip
+        table_and_seeds = draws or (None, None)
+        ids, top, logsum, picked, times = self.ext.decode_steps_drawn(
+            self._all.id, token_ids.to(torch.int64), table, slots, positions, cos, sin, *self._head, *table_and_seeds
+        )
         self.stamps = [(start, end) for start, end in times.tolist()]
-        return ids, top, logsum
+        return Drawn(ids, top, logsum, picked)
 
     @torch.inference_mode()
-    def run_greedy_steps_received(self, batches: list[BatchLayout], link: StageLink,
-                                  loop: StageLink) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
-        """`run_greedy_steps` on a pipeline's last stage (`decode_steps_greedy_received`): step k receives its
+    def run_drawn_steps_received(self, batches: list[BatchLayout], link: StageLink, loop: StageLink,
+                                 draws: tuple[Tensor, Tensor] | None = None) -> Drawn | None:  # fmt: skip
+        """`run_drawn_steps` on a pipeline's last stage (`decode_steps_drawn_received`): step k receives its
         activations over `link`, computes at batches[k]'s places, draws, and sends the drawn ids to the first stage
-        over `loop`, all but the last step's. None where it cannot (as `run_greedy_steps`, or links not over shared
+        over `loop`, all but the last step's. None where it cannot (as `run_drawn_steps`, or links not over shared
         memory): then nothing was received. A link that fails raises as a receive or send from Python would, after the
         steps before it are counted; the steps' stamps are in `stamps`."""
         model, n = self.model, batches[0].num_tokens
@@ -228,8 +246,8 @@ class CpuDecode:
             return None
         slots, positions = self._step_places(batches)
         try:
-            ids, top, logsum, times, done = self.ext.decode_steps_greedy_received(
-                self._all.id, x, slots, positions, cos, sin, *self._head, recv, send
+            ids, top, logsum, picked, times, done = self.ext.decode_steps_drawn_received(
+                self._all.id, x, slots, positions, cos, sin, *self._head, recv, send, *(draws or (None, None))
             )
         except RuntimeError as e:  # raised inside, after a receive or not: the links' counts are unknown now
             for end in (link, loop):
@@ -242,7 +260,7 @@ class CpuDecode:
             if k < last:
                 loop.sent_natively(id_bytes, int(sent), sending)  # and this on a failed send
             self.stamps.append((arrived, drawn_at))
-        return ids, top, logsum
+        return Drawn(ids, top, logsum, picked)
 
     def _step_places(self, batches: list[BatchLayout]) -> tuple[Tensor, Tensor]:
         """Each step's KV slots and positions, (steps, rows) each, for a call of several steps, every layout checked

@@ -1443,12 +1443,32 @@ static void top_p_cut(const float* z, float* e, int64_t n, double top_p, std::ve
   for (; j < found.size(); ++j) e[found[j]] = 0.f;
 }
 
+// A row's settings, as `sampling.draw_table` lays them out (float64): temperature (0: greedy), top_k (0: none),
+// top_p (1: none), min_p (0: none).
+struct DrawSettings {
+  float temperature;
+  int64_t top_k;
+  double top_p;
+  float min_p;
+  explicit DrawSettings(const double* row)
+      : temperature(static_cast<float>(row[0])), top_k(static_cast<int64_t>(row[1])), top_p(row[2]),
+        min_p(static_cast<float>(row[3])) {}
+};
+
+// One thread's buffers for its rows' draws.
+struct DrawScratch {
+  std::vector<float> z, e, fbucket;
+  std::vector<int64_t> ibucket;
+  std::vector<double> sums;
+};
+
 // One row's draw (see above), or -1 where its logits hold a NaN or no finite value.
-static int64_t draw_row(const float* x, int64_t n, float temperature, int64_t top_k, double top_p, float min_p,
-                        double u, std::vector<float>& z, std::vector<float>& e, std::vector<float>& fbucket,
-                        std::vector<int64_t>& ibucket, std::vector<double>& sums) {
+static int64_t draw_row(const float* x, int64_t n, const DrawSettings& d, double u, DrawScratch& w) {
+  auto& z = w.z;
+  auto& e = w.e;
   z.resize(n);
   e.resize(n);
+  const float temperature = d.temperature;
   float top = -INFINITY;
   int nan = 0;
 #pragma omp simd reduction(max : top) reduction(| : nan)
@@ -1459,13 +1479,14 @@ static int64_t draw_row(const float* x, int64_t n, float temperature, int64_t to
     top = v > top ? v : top;
   }
   if (nan || !std::isfinite(top)) return -1;
-  const float floor = top_k > 0 && top_k < n ? kth_largest(z.data(), n, top_k, fbucket) : -INFINITY;
+  const float floor = d.top_k > 0 && d.top_k < n ? kth_largest(z.data(), n, d.top_k, w.fbucket) : -INFINITY;
   weights_of(z.data(), n, top, floor, e.data());
-  if (top_p < 1.0) top_p_cut(z.data(), e.data(), n, top_p, sums, ibucket);
-  if (min_p > 0.f)
-    for (int64_t i = 0; i < n; ++i) e[i] = e[i] < min_p ? 0.f : e[i];
+  if (d.top_p < 1.0) top_p_cut(z.data(), e.data(), n, d.top_p, w.sums, w.ibucket);
+  if (d.min_p > 0.f)
+    for (int64_t i = 0; i < n; ++i) e[i] = e[i] < d.min_p ? 0.f : e[i];
   // The running sum in id order, a block at a time until the block the draw falls in, then a token at a time.
-  const double target = u * block_sums(e.data(), n, sums);
+  const auto& sums = w.sums;
+  const double target = u * block_sums(e.data(), n, w.sums);
   double run = 0.0;
   int64_t last = -1;
   for (size_t b = 0; b < sums.size(); ++b) {
@@ -1486,37 +1507,52 @@ static int64_t draw_row(const float* x, int64_t n, float temperature, int64_t to
   return last;
 }
 
-// Each row's draw of `sampling.draw`: x (rows, n) float32 logits; per row its temperature (float32), top_k (int64,
-// 0: off), top_p (float64, 1: off), min_p (float32, 0: off) and uniform u in [0, 1) (float64). -1 for a row whose
-// logits hold a NaN or no finite value.
-torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
-                          torch::Tensor min_p, torch::Tensor u) {
+// The draws of the rows of x (rows, n) whose temperature is above 0 (`table`: (rows, 4) settings, `u`: each row's
+// uniform), into out; the greedy rows' entries are left as they are. Parallel over the sampled rows.
+static void draw_rows(const float* x, int64_t rows, int64_t n, const double* table, const double* u, int64_t* out) {
+  std::vector<int64_t> sampled;
+  for (int64_t r = 0; r < rows; ++r) if (table[4 * r] > 0.0) sampled.push_back(r);
+  at::parallel_for(0, static_cast<int64_t>(sampled.size()), 1, [&](int64_t j0, int64_t j1) {
+    DrawScratch scratch;
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t r = sampled[j];
+      out[r] = draw_row(x + r * n, n, DrawSettings(table + 4 * r), u[r], scratch);
+    }
+  });
+}
+
+// sampling.uniform: the top 53 bits of draw_seed(seed, position), SplitMix64's finaliser of the pair (the seed's
+// bits as Python's unsigned 64-bit arithmetic has them).
+static double uniform_of(int64_t seed, int64_t position) {
+  uint64_t z = static_cast<uint64_t>(seed) * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(position) + 1;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return static_cast<double>((z ^ (z >> 31)) >> 11) * 0x1.0p-53;
+}
+
+static void check_draw_table(const torch::Tensor& table, int64_t rows, const char* who) {
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == rows && table.size(1) == 4 && table.scalar_type() == at::kDouble &&
+                  table.is_contiguous(),
+              who, ": the sampling table must be a contiguous (", rows, ", 4) float64 tensor, not ", table.sizes(), " ",
+              table.scalar_type());
+}
+
+// Each row's draw of `sampling.draw`: x (rows, n) float32 logits, `table` each row's settings ((rows, 4) float64, as
+// `sampling.draw_table` gives them, every temperature above 0) and `u` each row's uniform in [0, 1) (float64). -1 for
+// a row whose logits hold a NaN or no finite value.
+torch::Tensor sample_rows(torch::Tensor x, torch::Tensor table, torch::Tensor u) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0,
               "sample_rows: x must be (rows, n > 0) float32, not ", x.sizes(), " ", x.scalar_type());
-  const int64_t rows = x.size(0), n = x.size(1);
-  auto check = [&](const torch::Tensor& t, at::ScalarType type, const char* name) {
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == rows && t.scalar_type() == type, "sample_rows: ", name, " must be (",
-                rows, ",) ", type, ", not ", t.sizes(), " ", t.scalar_type());
-  };
-  check(temperature, at::kFloat, "temperature");
-  check(top_k, at::kLong, "top_k");
-  check(top_p, at::kDouble, "top_p");
-  check(min_p, at::kFloat, "min_p");
-  check(u, at::kDouble, "u");
+  const int64_t rows = x.size(0);
+  check_draw_table(table, rows, "sample_rows");
+  TORCH_CHECK(u.dim() == 1 && u.size(0) == rows && u.scalar_type() == at::kDouble && u.is_contiguous(),
+              "sample_rows: u must be (", rows, ",) float64, not ", u.sizes(), " ", u.scalar_type());
+  const double* t = table.data_ptr<double>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(t[4 * r] > 0.0, "sample_rows: row ", r, "'s temperature must be above 0, not ", t[4 * r]);
   auto xc = x.contiguous();
   auto ids = torch::empty({rows}, torch::kLong);
-  const float* p = xc.data_ptr<float>();
-  const float *t = temperature.data_ptr<float>(), *mp = min_p.data_ptr<float>();
-  const int64_t* k = top_k.data_ptr<int64_t>();
-  const double *tp = top_p.data_ptr<double>(), *up = u.data_ptr<double>();
-  int64_t* o = ids.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> z, e, fbucket;
-    std::vector<int64_t> ibucket;
-    std::vector<double> sums;
-    for (int64_t r = r0; r < r1; ++r)
-      o[r] = draw_row(p + r * n, n, t[r], k[r], tp[r], mp[r], up[r], z, e, fbucket, ibucket, sums);
-  });
+  draw_rows(xc.data_ptr<float>(), rows, x.size(1), t, u.data_ptr<double>(), ids.data_ptr<int64_t>());
   return ids;
 }
 
@@ -2526,53 +2562,95 @@ static void embed_rows(const torch::Tensor& table, const int64_t* id_of, int64_t
   }
 }
 
-// A greedy step on stack st after its input x: the layers at slots and positions, the head (head_block's norm, weights,
-// bias, int8 scales) and greedy_rows' draws of each row.
+// How a call of several steps draws its rows: each greedy (`table` absent), or by `table`'s settings
+// (`sampling.draw_table`: greedy where a temperature is 0) with each row's `seeds` (int64, the seed's bits).
+struct StepDraws {
+  const Opt& table;
+  const Opt& seeds;
+  StepDraws(const Opt& t, const Opt& s, int64_t rows, const char* who) : table(t), seeds(s) {
+    TORCH_CHECK(t.has_value() == s.has_value(), who, ": a sampling table and seeds come together");
+    if (!t) return;
+    check_draw_table(*t, rows, who);
+    TORCH_CHECK(s->dim() == 1 && s->size(0) == rows && s->scalar_type() == at::kLong && s->is_contiguous(), who,
+                ": seeds must be (", rows, ",) int64, not ", s->sizes(), " ", s->scalar_type());
+  }
+};
+
+// A step on stack st after its input x: the layers at slots and positions, the head (head_block's norm, weights, bias,
+// int8 scales) and each row's draw: greedy_rows' (ids, the argmax's logit, the row's log-sum-exp), the sampled rows'
+// ids replaced by their draws (`draw_rows`, each uniform that of the drawn token's position, one past its input's),
+// and each drawn token's logit (for its log-probability: (it - the argmax's) - the log-sum-exp).
 static std::vector<torch::Tensor> layers_and_draw(const LayerStack& st, torch::Tensor x, const torch::Tensor& slots,
                                                   const torch::Tensor& positions, const torch::Tensor& cos,
                                                   const torch::Tensor& sin, const torch::Tensor& norm, double eps,
-                                                  const Weights& w, const Opt& b, const Opt& s) {
+                                                  const Weights& w, const Opt& b, const Opt& s,
+                                                  const StepDraws& how) {
   run_stack(st, x, slots, positions, cos, sin, true, [&](torch::Tensor& y) {
     x = y;
     return int64_t{0};
   });
-  return greedy_rows(head_block(x, norm, eps, w, b, s));
+  const auto logits = head_block(x, norm, eps, w, b, s).contiguous();
+  auto found = greedy_rows(logits);
+  if (!how.table) {
+    found.push_back(found[1]);
+    return found;
+  }
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* seed = how.seeds->data_ptr<int64_t>();
+  std::vector<double> u(rows);
+  for (int64_t r = 0; r < rows; ++r) u[r] = uniform_of(seed[r], pos[r] + 1);
+  int64_t* ids = found[0].data_ptr<int64_t>();
+  const float* l = logits.data_ptr<float>();
+  draw_rows(l, rows, n, how.table->data_ptr<double>(), u.data(), ids);
+  auto picked = torch::empty({rows}, torch::kFloat);
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(ids[r] >= 0, "a sampled row's logits hold a NaN or no finite value (row ", r, ")");
+    picked.data_ptr<float>()[r] = l[r * n + ids[r]];
+  }
+  found.push_back(picked);
+  return found;
 }
 
-// A call's greedy draws, (steps, rows) each: the ids, each argmax's logit, each row's log-sum-exp.
+// A call's draws, (steps, rows) each: the ids, each argmax's logit, each row's log-sum-exp, each drawn token's logit.
 struct Draws {
-  torch::Tensor ids, top, logsum;
+  torch::Tensor ids, top, logsum, picked;
   Draws(int64_t steps, int64_t rows)
       : ids(torch::empty({steps, rows}, torch::kLong)),
         top(torch::empty({steps, rows}, torch::kFloat)),
-        logsum(torch::empty({steps, rows}, torch::kFloat)) {}
-  void put(int64_t k, const std::vector<torch::Tensor>& found) {  // step k's, as greedy_rows gave them
+        logsum(torch::empty({steps, rows}, torch::kFloat)),
+        picked(torch::empty({steps, rows}, torch::kFloat)) {}
+  void put(int64_t k, const std::vector<torch::Tensor>& found) {  // step k's, as layers_and_draw gave them
     const int64_t rows = ids.size(1);
     std::copy_n(found[0].data_ptr<int64_t>(), rows, ids.data_ptr<int64_t>() + k * rows);
     std::copy_n(found[1].data_ptr<float>(), rows, top.data_ptr<float>() + k * rows);
     std::copy_n(found[2].data_ptr<float>(), rows, logsum.data_ptr<float>() + k * rows);
+    std::copy_n(found[3].data_ptr<float>(), rows, picked.data_ptr<float>() + k * rows);
   }
 };
 
-// A single stage's decode call, greedy, all its steps after the first in one call: step k embeds the tokens step k - 1
-// drew (`ids` for step 0), runs stack `id`'s layers at slots[k] and positions[k] (steps x rows each), then the head
-// (head_block: the final norm, weights w, bias b, int8 scales s) and each row's greedy token (greedy_rows). Returns the
-// drawn ids, each argmax's logit and the log of its row's exponentials' sum, each (steps, rows): what sampling.greedy
-// takes from greedy_rows at each step, so a token's log-probability is minus the last; and each step's start and end
-// (steps, 2) on steady_clock, which is Python's time.perf_counter. Why: between two steps a
-// worker returned to Python for the step's bookkeeping and the draw, ~0.25 ms a token of a ~10-20 ms step, all of it on
-// the only stage's critical path (docs/performance.md, "A single stage's greedy steps in one call").
-std::vector<torch::Tensor> decode_steps_greedy(int64_t id, torch::Tensor ids, torch::Tensor embed, torch::Tensor slots,
-                                               torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                                               torch::Tensor norm, double eps, Weights w, Opt b, Opt s) {
+// A single stage's decode call, all its steps after the first in one call: step k embeds the tokens step k - 1 drew
+// (`ids` for step 0), runs stack `id`'s layers at slots[k] and positions[k] (steps x rows each), then the head
+// (head_block: the final norm, weights w, bias b, int8 scales s) and each row's draw (layers_and_draw: greedy, or as
+// `table` and `seeds` say). Returns the drawn ids, each argmax's logit, the log of its row's exponentials' sum and
+// each drawn token's logit, each (steps, rows): what sampling.sample computes at each step, so a token's
+// log-probability is (the last - the second) - the third; and each step's start and end (steps, 2) on steady_clock,
+// which is Python's time.perf_counter. Why: between two steps a worker returned to Python for the step's bookkeeping
+// and the draw, ~0.25 ms a token of a ~10-20 ms step, all of it on the only stage's critical path (docs/performance.md,
+// "A single stage's greedy steps in one call").
+std::vector<torch::Tensor> decode_steps_drawn(int64_t id, torch::Tensor ids, torch::Tensor embed, torch::Tensor slots,
+                                              torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                                              torch::Tensor norm, double eps, Weights w, Opt b, Opt s, Opt table,
+                                              Opt seeds) {
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && slots.dim() == 2 &&
                   slots.sizes() == positions.sizes() && slots.size(1) == ids.size(0) &&
                   slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
-              "decode_steps_greedy: ids must be (rows) int64 and slots and positions (steps, rows) int64, not ",
+              "decode_steps_drawn: ids must be (rows) int64 and slots and positions (steps, rows) int64, not ",
               ids.sizes(), ", ", slots.sizes(), " and ", positions.sizes());
-  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "decode_steps_greedy: the embedding must be contiguous");
-  const auto held = held_stack(id, "decode_steps_greedy");
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "decode_steps_drawn: the embedding must be contiguous");
+  const auto held = held_stack(id, "decode_steps_drawn");
   const int64_t steps = slots.size(0), rows = ids.size(0);
+  const StepDraws how(table, seeds, rows, "decode_steps_drawn");
   Draws drawn(steps, rows);
   const auto slots_c = slots.contiguous(), positions_c = positions.contiguous();
   auto in = torch::empty({rows, embed.size(1)}, embed.options());
@@ -2581,13 +2659,13 @@ std::vector<torch::Tensor> decode_steps_greedy(int64_t id, torch::Tensor ids, to
   torch::Tensor feed = ids.contiguous();
   for (int64_t k = 0; k < steps; ++k) {
     stamp[2 * k] = since_epoch(std::chrono::steady_clock::now());
-    embed_rows(embed, feed.data_ptr<int64_t>(), rows, in.data_ptr(), "decode_steps_greedy");
-    const auto found = layers_and_draw(*held, in, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s);
+    embed_rows(embed, feed.data_ptr<int64_t>(), rows, in.data_ptr(), "decode_steps_drawn");
+    const auto found = layers_and_draw(*held, in, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s, how);
     drawn.put(k, found);
     feed = found[0];
     stamp[2 * k + 1] = since_epoch(std::chrono::steady_clock::now());
   }
-  return {drawn.ids, drawn.top, drawn.logsum, times};
+  return {drawn.ids, drawn.top, drawn.logsum, drawn.picked, times};
 }
 
 // decode_layers whose input comes over a pipeline link, received inside this call, and whose output may go on over the
@@ -2652,22 +2730,24 @@ std::tuple<torch::Tensor, int64_t, double, double, int64_t, double> decode_layer
   return {x, 0, waited, arrived, sent, sending};
 }
 
-// decode_steps_greedy on a pipeline's last stage: step k receives its activations over `recv` (message seq + k of that
+// decode_steps_drawn on a pipeline's last stage: step k receives its activations over `recv` (message seq + k of that
 // link), runs the layers at slots[k] and positions[k], the head and the draw, and sends the drawn ids back to the first
 // stage over `send` (the loop link, message seq + k), but the last step's, which the call's reply carries. Stops at the
-// first receive or send that fails. Returns (drawn ids, argmax logits, log-sum-exps, each (steps, rows); a (steps, 6)
-// float64 tensor of each step's receive status, wait, arrival and end of its draw on steady_clock, send status and
-// send seconds, rows past a failed step zero; the steps done whole). Why: the draw and the step's bookkeeping in Python
-// stood between the head and the send of the tokens the first stage waits for.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> decode_steps_greedy_received(
-    int64_t id, torch::Tensor x, torch::Tensor slots, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-    torch::Tensor norm, double eps, Weights w, Opt b, Opt s, LinkArgs recv, LinkArgs send) {
+// first receive or send that fails. Returns (drawn ids, argmax logits, log-sum-exps, drawn logits, each (steps,
+// rows); a (steps, 6) float64 tensor of each step's receive status, wait, arrival and end of its draw on steady_clock,
+// send status and send seconds, rows past a failed step zero; the steps done whole). Why: the draw and the step's
+// bookkeeping in Python stood between the head and the send of the tokens the first stage waits for.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>
+decode_steps_drawn_received(int64_t id, torch::Tensor x, torch::Tensor slots, torch::Tensor positions,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor norm, double eps, Weights w, Opt b,
+                            Opt s, LinkArgs recv, LinkArgs send, Opt table, Opt seeds) {
   TORCH_CHECK(slots.dim() == 2 && slots.sizes() == positions.sizes() && slots.scalar_type() == at::kLong &&
                   positions.scalar_type() == at::kLong && slots.size(1) == x.size(0),
-              "decode_steps_greedy_received: slots and positions must be (steps, ", x.size(0), ") int64, not ",
+              "decode_steps_drawn_received: slots and positions must be (steps, ", x.size(0), ") int64, not ",
               slots.sizes(), " and ", positions.sizes());
-  const auto held = held_stack(id, "decode_steps_greedy_received");
+  const auto held = held_stack(id, "decode_steps_drawn_received");
   const int64_t steps = slots.size(0), rows = x.size(0);
+  const StepDraws how(table, seeds, rows, "decode_steps_drawn_received");
   Draws drawn(steps, rows);
   auto times = torch::empty({steps, 6}, torch::kDouble);
   double* t = times.data_ptr<double>();
@@ -2686,7 +2766,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> 
     row[0] = static_cast<double>(status), row[1] = std::chrono::duration<double>(t1 - t0).count();
     row[2] = since_epoch(t1);
     if (status != 0) break;
-    const auto found = layers_and_draw(*held, x, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s);
+    const auto found = layers_and_draw(*held, x, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s, how);
     drawn.put(k, found);
     const auto t2 = Clock::now();
     row[3] = since_epoch(t2);
@@ -2697,7 +2777,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t> 
     }
     ++done;
   }
-  return {drawn.ids, drawn.top, drawn.logsum, times, done};
+  return {drawn.ids, drawn.top, drawn.logsum, drawn.picked, times, done};
 }
 
 // decode_layers for a tensor-parallel rank whose row-parallel products have no bias: each half's partial sum goes
@@ -2832,7 +2912,7 @@ def isa_kernel(isa: str) -> InlineKernel:
         _KERNELS[isa] = InlineKernel(
             "shardmesh_cpu", source.replace("@AMX_ENV@", AMX_ENV),
             ["linear", "rows_linear", "attention_block", "mlp_block", "stack_layers", "decode_layers",
-             "decode_layers_reduced", "decode_layers_received", "decode_steps_greedy", "decode_steps_greedy_received",
+             "decode_layers_reduced", "decode_layers_received", "decode_steps_drawn", "decode_steps_drawn_received",
              "drop_layers", "head_block", "greedy_rows", "sample_rows", "bf16_rows_ways", "bf16_rows", "set_bf16_rows",
              "bf16_rows_probe", "set_attend_segment", "quantize_groups"],
             ISA_FLAGS[isa],
@@ -2950,11 +3030,11 @@ def greedy_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return ids, top, logsum
 
 
-def sample_rows(x: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, u: Tensor) -> Tensor:
-    """Each row's draw as `sampling.draw` defines it, of (rows, n) float32 logits and, per row, its temperature
-    (float32), top_k (int64, 0 for none), top_p (float64, 1 for none), min_p (float32, 0 for none) and uniform in
-    [0, 1) (float64): (rows,) int64 token ids, -1 for a row whose logits hold a NaN or no finite value."""
-    return module().sample_rows(x, temperature, top_k, top_p, min_p, u)  # type: ignore[attr-defined]
+def sample_rows(x: Tensor, table: Tensor, u: Tensor) -> Tensor:
+    """Each row's draw as `sampling.draw` defines it, of (rows, n) float32 logits, each row's settings (`table`, as
+    `sampling.draw_table` lays them out, every temperature above 0) and its uniform in [0, 1) (float64): (rows,) int64
+    token ids, -1 for a row whose logits hold a NaN or no finite value."""
+    return module().sample_rows(x, table, u)  # type: ignore[attr-defined]
 
 
 def module() -> object:

@@ -96,12 +96,8 @@ def draw(rows: Tensor, params: list[SamplingParams], us: list[float], compiled: 
     if compiled is None:
         compiled = rows.device.type == "cpu" and cpu_kernels.loaded()
     if compiled:
-        ids = cpu_kernels.sample_rows(
-            rows.float().cpu(), torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([p.top_k for p in params], dtype=torch.long),
-            torch.tensor([p.top_p for p in params], dtype=torch.float64),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32), torch.tensor(us, dtype=torch.float64),
-        ).tolist()  # fmt: skip
+        ids = cpu_kernels.sample_rows(rows.float().cpu(), draw_table(params), torch.tensor(us, dtype=torch.float64))
+        ids = ids.tolist()
         if min(ids, default=0) < 0:
             raise ValueError("a sampled row's logits hold a NaN or no finite value")
         return ids
@@ -111,6 +107,18 @@ def draw(rows: Tensor, params: list[SamplingParams], us: list[float], compiled: 
         i = int(torch.searchsorted(cum, u * float(cum[-1]), right=True))
         out.append(i if i < cum.shape[0] else int(cum.argmax()))  # past the end only by rounding: the last kept
     return out
+
+
+def draw_table(params: list[SamplingParams]) -> Tensor:
+    """The compiled draws' settings, a row each (float64): temperature (0: greedy), top_k, top_p, min_p."""
+    return torch.tensor([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], dtype=torch.float64)
+
+
+def seed_bits(params: list[SamplingParams]) -> Tensor:
+    """Each row's seed as int64 (an unsigned 64-bit seed's bits; 0 for a greedy row), for the compiled draws, which
+    take each step's uniform from it (`uniform`)."""
+    seeds = [p.seed or 0 for p in params]
+    return torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in seeds], dtype=torch.int64)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from shardmesh.core.step import Segment
 from shardmesh.engine.batch import BatchLayout
-from shardmesh.engine.cpu_decode import cpu_decode
+from shardmesh.engine.cpu_decode import Drawn, cpu_decode
 from shardmesh.engine.cuda_graph import decode_graphs
 from shardmesh.engine.groups import ShardGroups, StageLink
 from shardmesh.engine.kv_cache import ActivationLog, AnyKVCache
@@ -93,22 +93,22 @@ class StageEngine:
         return None
 
     @torch.inference_mode()
-    def greedy_steps(self, batches: list[BatchLayout], token_ids: Tensor,
-                     loop: StageLink | None = None) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
-        """Greedy decode steps (`batches`, one a step) in one call of the CPU decode path, draws included: on a
-        single stage (`CpuDecode.run_greedy_steps`) the first fed `token_ids` and each later one what the step before
-        it drew; on a pipeline's last stage (`run_greedy_steps_received`) each receiving its activations, its draws
-        sent back to the first stage over `loop` but the last step's. Returns the drawn ids, each argmax's logit and
-        its row's log-sum-exp, each (steps, rows). None where it cannot, and nothing ran: the caller runs `step` for
+    def drawn_steps(self, batches: list[BatchLayout], token_ids: Tensor, loop: StageLink | None = None,
+                    draws: tuple[Tensor, Tensor] | None = None) -> Drawn | None:  # fmt: skip
+        """Decode steps (`batches`, one a step) in one call of the CPU decode path, draws included (greedy, or as
+        `draws` says: `sampling.draw_table` and `sampling.seed_bits` of the rows): on a single stage
+        (`CpuDecode.run_drawn_steps`) the first fed `token_ids` and each later one what the step before it drew; on a
+        pipeline's last stage (`run_drawn_steps_received`) each receiving its activations, its draws sent back to the
+        first stage over `loop` but the last step's. None where it cannot, and nothing ran: the caller runs `step` for
         each and samples."""
         if (not self.is_last or self.native is None or not batches
                 or not all(self.native.accepts(b, False) for b in batches)):  # fmt: skip
             return None
         if self.is_first:
-            return self.native.run_greedy_steps(batches, token_ids)
+            return self.native.run_drawn_steps(batches, token_ids, draws)
         if loop is None or self.groups.prev is None:
             return None
-        return self.native.run_greedy_steps_received(batches, self.groups.prev, loop)
+        return self.native.run_drawn_steps_received(batches, self.groups.prev, loop, draws)
 
     def _received(self, batch: BatchLayout, all_logits: bool, tokens_from: StageLink | None,
                   relay: Relay | None) -> tuple[Tensor, bool] | None:  # fmt: skip

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from shardmesh.core.dtypes import Quantization
 from shardmesh.core.layout import ShardSpec
-from shardmesh.core.step import Segment
+from shardmesh.core.step import SamplingParams, Segment
 from shardmesh.engine import cpu_decode as cpu_decode_module
 from shardmesh.engine import cpu_kernels, sampling, shm_link
 from shardmesh.engine.batch import BatchLayout
@@ -462,44 +462,58 @@ def test_stages_that_receive_and_send_inside_the_layers_call_compute_what_python
     assert torch.equal(inside[0][0][0], outside[0][0][0])
 
 
+# Three rows: greedy, sampled with top-p, sampled with top-k and min-p (draws from the sampled rows of a tiny random
+# model at these temperatures change from step to step: a step's uniform taken at the wrong position shows).
+SAMPLED = [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, seed=3),
+           SamplingParams(temperature=1.3, top_k=20, min_p=0.01, seed=2**64 - 5)]  # fmt: skip
+
+
 # (llama-gqa-tied's random weights draw the token they are fed: a step fed the wrong token would go unseen there.)
 @pytest.mark.parametrize("family", ["qwen2-bias-tied", "llama-mha-untied"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_single_stages_greedy_steps_in_one_call_draw_what_steps_one_at_a_time_draw(
-        tmp_path: pytest.TempPathFactory, family: str, dtype: torch.dtype) -> None:  # fmt: skip
-    """Five greedy decode steps of three sequences in one call (`decode_steps_greedy`), each step embedding what the
-    one before drew: the same tokens, log-sum-exps (so log-probabilities) and KV cache, to the bit, as five steps one
-    call each, each drawn by `sampling.greedy` from that step's logits."""
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_single_stages_steps_in_one_call_draw_what_steps_one_at_a_time_draw(
+        tmp_path: pytest.TempPathFactory, family: str, dtype: torch.dtype, sampled: bool) -> None:  # fmt: skip
+    """Five decode steps of three sequences in one call (`decode_steps_drawn`), each step embedding what the one
+    before drew: the same tokens, log-probabilities and KV cache, to the bit, as five steps one call each, each drawn
+    by `sampling.sample` from that step's logits: greedy rows, or (`sampled`) a greedy row beside two seeded ones."""
     d = make_checkpoint(tmp_path, family, num_layers=2, seed=5)
     model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
     slots = [3, 0, 7]
+    params = SAMPLED if sampled else [SamplingParams()] * 3
     caches = {way: prefilled(model, slots, dtype) for way in ("each", "one call")}
     runners = {way: cpu_decode(model, cache, torch.device("cpu")) for way, cache in caches.items()}
     first = torch.tensor([11, 5, 42])
     layouts = [BatchLayout.build([Segment(s, len(PROMPTS[i]) + k, 1) for i, s in enumerate(slots)]) for k in range(5)]
     each_ids, each_lp = [], []
     fed = first
-    for batch in layouts:
+    for k, batch in enumerate(layouts):
         runner = runners["each"]
         assert runner is not None
-        ids, logprobs, _ = sampling.greedy(runner.run(batch, fed))
-        each_ids.append(ids)
-        each_lp.append(logprobs)
-        fed = torch.tensor(ids)
+        d = sampling.sample(runner.run(batch, fed), params, [len(PROMPTS[i]) + k + 1 for i in range(3)])
+        each_ids.append(d.token_ids)
+        each_lp.append(d.logprobs)
+        fed = torch.tensor(d.token_ids)
     runner = runners["one call"]
     assert runner is not None
-    drawn = runner.run_greedy_steps(layouts, first)
+    drawn = runner.run_drawn_steps(layouts, first, (sampling.draw_table(params), sampling.seed_bits(params))
+                                   if sampled else None)  # fmt: skip
     assert drawn is not None
-    ids, _, logsum = drawn
-    assert ids.tolist() == each_ids and (-logsum).tolist() == each_lp
+    assert drawn.ids.tolist() == each_ids and drawn.logprobs() == each_lp
     assert torch.equal(caches["one call"].data, caches["each"].data)
     assert each_ids[0] != first.tolist()  # the later steps are fed other tokens than the first: what each drew
+    assert torch.equal(drawn.picked[:, 0], drawn.top[:, 0])  # the greedy row took its most likely token each step
+    if sampled:  # the sampled rows did not, every time, and drew more than one token
+        assert bool((drawn.picked[:, 1:] < drawn.top[:, 1:]).any())
+        assert all(len({ids[i] for ids in each_ids}) > 1 for i in (1, 2))
 
 
-def _greedy_pipeline(engine: StageEngine, rank: int, together: bool) -> list[tuple[list[int], list[float]]]:
-    """A prompt, then 5 greedy decode steps through a pp=2 mesh: the first stage receives each step's tokens over the
-    loop link; the last stage draws them one step a call (`sampling.greedy`, then a send) or, `together`, all in one
-    call (`StageEngine.greedy_steps`). The last stage's draws and their log-probabilities, each step's."""
+def _drawn_pipeline(engine: StageEngine, rank: int, together: bool,
+                    p: SamplingParams) -> list[tuple[list[int], list[float]]]:  # fmt: skip
+    """A prompt, then 5 decode steps of one sequence drawing as `p` says through a pp=2 mesh: the first stage receives
+    each step's tokens over the loop link; the last stage draws them one step a call (`sampling.sample`, then a send)
+    or, `together`, all in one call (`StageEngine.drawn_steps`). The last stage's draws and their log-probabilities,
+    each step's."""
     prompt, loop = PROMPTS[0], _loop(engine)
     batches = [BatchLayout.build([Segment(0, len(prompt) + k, 1)]) for k in range(5)]
     logits = engine.step(BatchLayout.build([Segment(0, 0, len(prompt))]), torch.tensor(prompt) if rank == 0 else None)
@@ -508,35 +522,38 @@ def _greedy_pipeline(engine: StageEngine, rank: int, together: bool) -> list[tup
             engine.step(batch, tokens_from=loop)
         return []
     assert logits is not None
-    first, _, _ = sampling.greedy(logits)
+    first = sampling.sample(logits, [p], [len(prompt)]).token_ids
     loop.send(torch.tensor(first))
     if together:
-        drawn = engine.greedy_steps(batches, torch.tensor(first), loop)
+        draws = None if p.greedy else (sampling.draw_table([p]), sampling.seed_bits([p]))
+        drawn = engine.drawn_steps(batches, torch.tensor(first), loop, draws)
         assert drawn is not None
-        ids, _, logsum = drawn
-        return [(i, [-x for x in ls]) for i, ls in zip(ids.tolist(), logsum.tolist(), strict=True)]
+        return list(zip(drawn.ids.tolist(), drawn.logprobs(), strict=True))
     out = []
     for k, batch in enumerate(batches):
         step_logits = engine.step(batch)
         assert step_logits is not None
-        ids, logprobs, _ = sampling.greedy(step_logits)
-        out.append((ids, logprobs))
+        d = sampling.sample(step_logits, [p], [len(prompt) + k + 1])
+        out.append((d.token_ids, d.logprobs))
         if k < len(batches) - 1:
-            loop.send(torch.tensor(ids))
+            loop.send(torch.tensor(d.token_ids))
     return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_pipelines_last_stage_draws_its_greedy_steps_in_one_call_as_one_at_a_time(
-        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:  # fmt: skip
-    """The last stage of a pp=2 mesh runs five greedy steps in one call (`decode_steps_greedy_received`): each
-    receives its activations, draws, and sends the tokens back to the first stage, which feeds them to its next step.
-    The draws and their log-probabilities are those of the last stage drawing one step a call, to the bit. (An
-    untied model: the tied one of `shm_pipeline` draws the token it is fed, so a wrong token sent would go unseen.)"""
+@pytest.mark.parametrize("p", [SamplingParams(), SAMPLED[1]], ids=["greedy", "sampled"])
+def test_a_pipelines_last_stage_draws_its_steps_in_one_call_as_one_at_a_time(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+        p: SamplingParams) -> None:  # fmt: skip
+    """The last stage of a pp=2 mesh runs five steps in one call (`decode_steps_drawn_received`): each receives its
+    activations, draws (greedy, or seeded at the token's position), and sends the tokens back to the first stage,
+    which feeds them to its next step. The draws and their log-probabilities are those of the last stage drawing one
+    step a call, to the bit. (An untied model: the tied one of `shm_pipeline` draws the token it is fed, so a wrong
+    token sent would go unseen.)"""
     monkeypatch.delenv(shm_link.TRANSPORT_ENV, raising=False)
     d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=4, seed=3)
-    one_call = run_mesh(d, 2, 1, lambda engine, rank: _greedy_pipeline(engine, rank, True), dtype=dtype)
-    each = run_mesh(d, 2, 1, lambda engine, rank: _greedy_pipeline(engine, rank, False), dtype=dtype)
+    one_call = run_mesh(d, 2, 1, lambda engine, rank: _drawn_pipeline(engine, rank, True, p), dtype=dtype)
+    each = run_mesh(d, 2, 1, lambda engine, rank: _drawn_pipeline(engine, rank, False, p), dtype=dtype)
     assert len(one_call[1]) == 5 and one_call[1] == each[1]
     assert len({tuple(ids) for ids, _ in each[1]}) > 1  # the tokens fed back change from step to step
 
@@ -561,7 +578,7 @@ def test_a_last_stage_drawing_in_one_call_fails_naming_the_stage_that_closed_its
         first = logits.argmax(-1)
         loop.send(first)
         try:
-            engine.greedy_steps(batches, first, loop)
+            engine.drawn_steps(batches, first, loop)
         except RuntimeError as e:
             assert engine.groups.prev is not None and engine.groups.prev.messages_received == 3  # prompt + 2
             return str(e)
@@ -571,14 +588,14 @@ def test_a_last_stage_drawing_in_one_call_fails_naming_the_stage_that_closed_its
     assert "side 0 (pid " in message and "closed the link (its epoch broke)" in message, message
 
 
-def test_a_single_stages_greedy_steps_name_a_token_past_the_embedding(small: Transformer) -> None:
+def test_a_single_stages_drawn_steps_name_a_token_past_the_embedding(small: Transformer) -> None:
     cache = small.make_cache(2, torch.float32, "cpu")
     runner = cpu_decode(small, cache, torch.device("cpu"))
     assert runner is not None
     layouts = [BatchLayout.build([Segment(0, k, 1)]) for k in range(2)]
     vocab = small.cfg.vocab_size
     with pytest.raises(RuntimeError, match=f"token id {vocab} is out of the embedding's {vocab} rows"):
-        runner.run_greedy_steps(layouts, torch.tensor([vocab]))
+        runner.run_drawn_steps(layouts, torch.tensor([vocab]))
 
 
 def test_a_stage_receiving_inside_the_layers_call_names_a_message_of_the_wrong_size(shm_pipeline: Path) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from shardmesh.core.step import SamplingParams
 from shardmesh.engine import cpu_kernels
-from shardmesh.engine.sampling import draw, sample, uniform, weights
+from shardmesh.engine.sampling import draw, draw_table, sample, uniform, weights
 
 pytestmark = [pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C++ build: {cpu_kernels.build_error()}"),
               pytest.mark.usefixtures("isa")]  # fmt: skip
@@ -119,6 +119,11 @@ def test_sample_takes_the_compiled_draws_once_the_kernels_are_loaded(monkeypatch
 
 
 def test_bad_arguments_are_named() -> None:
-    x, f32 = torch.zeros(2, 5), torch.ones(2)
-    with pytest.raises(RuntimeError, match="top_p must be"):
-        cpu_kernels.sample_rows(x, f32, torch.zeros(2, dtype=torch.long), f32, f32, torch.zeros(2, dtype=torch.double))
+    x, u = torch.zeros(2, 5), torch.zeros(2, dtype=torch.double)
+    table = draw_table([SamplingParams(temperature=1.0, seed=1)] * 2)
+    with pytest.raises(RuntimeError, match=r"sampling table must be a contiguous \(2, 4\) float64 tensor"):
+        cpu_kernels.sample_rows(x, table.float(), u)
+    with pytest.raises(RuntimeError, match=r"u must be \(2,\) float64"):
+        cpu_kernels.sample_rows(x, table, u.float())
+    with pytest.raises(RuntimeError, match="row 1's temperature must be above 0"):
+        cpu_kernels.sample_rows(x, draw_table([SamplingParams(temperature=1.0, seed=1), SamplingParams()]), u)

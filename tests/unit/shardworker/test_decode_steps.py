@@ -69,22 +69,36 @@ def test_one_call_of_several_steps_draws_what_single_steps_draw(model: Path, sto
     assert decode(core, SEEDED, 10, 9) == single
 
 
-def test_greedy_steps_in_one_call_give_the_log_probabilities_of_single_steps(model: Path, store: dist.TCPStore) -> None:
-    """A single stage's greedy call of several steps draws them all in one call of its engine; each token's
-    log-probability is the one a call per step samples, to the bit."""
+@pytest.mark.parametrize("sampling", [GREEDY, replace(SEEDED, repetition_penalty=1.0)], ids=["greedy", "sampled"])
+def test_steps_in_one_call_give_the_tokens_and_log_probabilities_of_single_steps(
+        model: Path, store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch,
+        sampling: SamplingParams) -> None:  # fmt: skip
+    """A single stage's call of several steps, greedy or seeded without a penalty, draws them all in one call of its
+    engine (`StageEngine.drawn_steps`); each token and its log-probability is the one a call per step samples, to the
+    bit."""
     core = one_stage(model, store)
+    calls: list[bool] = []
+    original = runtime.StageWorkerCore._drawn_steps
+
+    def spied(self: StageWorkerCore, *args: object) -> object:
+        got = original(self, *args)  # type: ignore[arg-type]
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(runtime.StageWorkerCore, "_drawn_steps", spied)
 
     def drawn(per_call: int) -> list[tuple[int, float]]:
-        first = core.step(5, [entry(0, PROMPT)]).sampled[0]
+        first = core.step(5, [entry(0, PROMPT, sampling)]).sampled[0]
         out = [(first.token_id, first.logprob)]
         while len(out) < 9:
             k = min(per_call, 9 - len(out))
-            result = core.step(5, [entry(len(PROMPT) + len(out) - 1, (out[-1][0],))], k)
+            result = core.step(5, [entry(len(PROMPT) + len(out) - 1, (out[-1][0],), sampling)], k)
             out += [(s.token_id, s.logprob) for s in result.sampled]
         core.release([("r", 1)])
         return out
 
     assert drawn(4) == drawn(1)
+    assert calls and all(calls)  # every call of several steps took the one call
 
 
 def test_two_sequences_step_together_and_a_paged_cache_too(model: Path, store: dist.TCPStore) -> None:
@@ -159,7 +173,8 @@ def test_a_stage_failing_part_way_through_a_call_fails_its_peers_at_once(model: 
     4, after the first stage has begun waiting for that step's token: its epoch breaks and its groups close, so the
     first stage (and the stage between) fail on a closed link, not at the group timeout (30 s here: the message
     would say so), and every stage waits for a new epoch. Over Gloo links and over shared-memory ones. The request
-    samples (seeded): greedy calls draw their later steps inside the layers' call, where no Python `sample` runs."""
+    samples with a penalty: calls without one draw their later steps inside the layers' call, where no Python
+    `sample` runs."""
     monkeypatch.setenv(shm_link.TRANSPORT_ENV, links)
     ids = tuple(f"w{i}" for i in range(stages))
     cores = [new_core(w) for w in ids]
