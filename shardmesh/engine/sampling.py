@@ -62,37 +62,44 @@ def uniform(seed: int, position: int) -> float:
     return (draw_seed(seed, position) >> 11) * 2.0**-53
 
 
-def weights(logits: Tensor, p: SamplingParams) -> Tensor:
-    """The draw's weights over one row of (penalised) logits (V,), float32, zero where a token is dropped. The row over
-    its temperature is z; top-k keeps the tokens whose z is at least the k-th largest (ties kept); each kept token
-    weighs exp(z - max z); top-p then keeps tokens in order of z (ties: the lower id first) while the weight ranked
-    above a token is below top_p of the whole (the first always stays); min-p keeps weights of at least min_p (the
-    largest is 1). This is transformers' order, and its warpers keep the same tokens. A row holding a NaN or no finite
-    logit is a ValueError. `cpu_kernels.sample_rows` computes the same (its exp within an ulp or two of torch's)."""
-    z = logits.float() / p.temperature
-    top = z.max()
-    if bool(z.isnan().any()) or not bool(top.isfinite()):
+def weights(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    """The draws' weights over rows of (penalised) logits (rows, V), float32, zero where a token is dropped; row i
+    draws as `params[i]` says (a temperature above 0). A row over its temperature is z; top-k keeps the tokens whose z
+    is at least the k-th largest (ties kept); each kept token weighs exp(z - max z); top-p then keeps tokens in order
+    of z (ties: the lower id first) while the weight ranked above a token is below top_p of the whole (the first
+    always stays); min-p keeps weights of at least min_p (the largest is 1). This is transformers' order, and its
+    warpers keep the same tokens. A row holding a NaN or no finite logit is a ValueError. All rows at once, on the
+    logits' device; `cpu_kernels.sample_rows` computes the same on a CPU (its exp within an ulp or two of torch's)."""
+    rows, n = logits.shape
+    on = {"device": logits.device}
+    z = logits.float() / torch.tensor([p.temperature for p in params], dtype=torch.float32, **on)[:, None]
+    top = z.max(-1).values
+    if bool((z.isnan().any(-1) | ~top.isfinite()).any()):
         raise ValueError("a sampled row's logits hold a NaN or no finite value")
-    e = torch.exp(z - top)
-    if 0 < p.top_k < z.shape[-1]:
-        e = e.masked_fill(z < torch.topk(z, p.top_k).values[-1], 0.0)
-    if p.top_p < 1:
-        order = torch.sort(z, descending=True, stable=True).indices
-        ranked = e[order].double()
-        before = torch.cat([ranked.new_zeros(1), ranked.cumsum(0)[:-1]])
-        dropped = torch.zeros_like(z, dtype=torch.bool).scatter(0, order, before >= p.top_p * ranked.sum())
-        e = e.masked_fill(dropped, 0.0)
-    if p.min_p > 0:
-        e = e.masked_fill(e < p.min_p, 0.0)
-    return e
+    e = torch.exp(z - top[:, None])
+    ks = [p.top_k if 0 < p.top_k < n else 0 for p in params]
+    if any(ks):  # each row's k-th largest from one top-k of the largest k (-inf where a row has none)
+        kth = torch.topk(z, max(ks), dim=-1).values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], **on)[:, None])
+        kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], **on)[:, None], float("-inf"))
+        e = e.masked_fill(z < kth, 0.0)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, **on)[:, None]
+    if bool((top_p < 1).any()):
+        order = torch.sort(z, dim=-1, descending=True, stable=True).indices
+        ranked = e.gather(1, order).double()
+        before = torch.cat([ranked.new_zeros(rows, 1), ranked.cumsum(-1)[:, :-1]], dim=-1)
+        dropped = (before >= top_p * ranked.sum(-1, keepdim=True)) & (top_p < 1)
+        e = e.masked_fill(torch.zeros_like(dropped).scatter(1, order, dropped), 0.0)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, **on)[:, None]
+    return e.masked_fill(e < min_p, 0.0)
 
 
 def draw(rows: Tensor, params: list[SamplingParams], us: list[float], compiled: bool | None = None) -> list[int]:
     """Each row's token: the first, in id order, whose running sum of `weights` (float64) passes its uniform `us[i]`
     times their sum. One uniform per draw, from (seed, position) alone (`uniform`). `compiled`: through the compiled
-    kernels (`cpu_kernels.sample_rows`) or torch; by default the kernels for CPU rows when this process has them
-    loaded. 16 rows of SmolLM2's 49152 logits at temperature 0.7 and top-p 0.9 had taken 89 ms through torch's sort,
-    softmax and multinomial (docs/performance.md, "Sampled draws in one pass")."""
+    kernels (`cpu_kernels.sample_rows`) or torch, all rows at once on the rows' device; by default the kernels for CPU
+    rows when this process has them loaded. 16 rows of SmolLM2's 49152 logits at temperature 0.7 and top-p 0.9 had
+    taken 89 ms through torch's sort, softmax and multinomial, a row at a time on the CPU (docs/performance.md,
+    "Sampled draws in one pass")."""
     if compiled is None:
         compiled = rows.device.type == "cpu" and cpu_kernels.loaded()
     if compiled:
@@ -101,12 +108,11 @@ def draw(rows: Tensor, params: list[SamplingParams], us: list[float], compiled: 
         if min(ids, default=0) < 0:
             raise ValueError("a sampled row's logits hold a NaN or no finite value")
         return ids
-    out = []
-    for row, p, u in zip(rows.cpu(), params, us, strict=True):
-        cum = weights(row, p).double().cumsum(0)
-        i = int(torch.searchsorted(cum, u * float(cum[-1]), right=True))
-        out.append(i if i < cum.shape[0] else int(cum.argmax()))  # past the end only by rounding: the last kept
-    return out
+    cum = weights(rows, params).double().cumsum(-1)
+    u = torch.tensor(us, dtype=torch.float64, device=rows.device)
+    found = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)[:, 0]
+    # Past the end only by rounding: the last kept token, where the running sum first reaches its total.
+    return torch.where(found < cum.shape[-1], found, cum.argmax(-1)).tolist()
 
 
 def draw_table(params: list[SamplingParams]) -> Tensor:

@@ -91,7 +91,7 @@ def test_the_tokens_a_draw_keeps_are_transformers_warpers(temperature: float, to
     the same probabilities."""
     for row, logits in enumerate(_logits(4, 4)):
         p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=1)
-        got = weights(logits, p)
+        got = weights(logits[None], [p])[0]
         warped = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
         for warper, on in ((TopKLogitsWarper(max(top_k, 1)), top_k), (TopPLogitsWarper(top_p), top_p < 1),
                            (MinPLogitsWarper(min_p), min_p)):  # fmt: skip
@@ -123,7 +123,7 @@ def test_a_sampled_row_draws_from_the_penalised_shaped_distribution_seeded_by_it
     p = SamplingParams(temperature=0.8, top_k=20, min_p=0.05, seed=21, repetition_penalty=1.4,
                        frequency_penalty=0.3, presence_penalty=0.6, prompt_len=2)  # fmt: skip
     drawn = [sample(logits, [p], [6], history, slots).token_ids[0] for _ in range(3)]
-    w = weights(apply_penalties(logits, [p], history, slots, [6])[0], p).double()
+    w = weights(apply_penalties(logits, [p], history, slots, [6]), [p])[0].double()
     target, run = uniform(21, 6) * float(w.sum()), 0.0
     expected = next(t for t in range(VOCAB) if w[t] > 0 and (run := run + float(w[t])) > target)
     assert drawn == [expected] * 3
