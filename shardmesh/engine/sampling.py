@@ -27,7 +27,7 @@ from torch import Tensor
 
 from shardmesh.core.step import SamplingParams
 from shardmesh.engine import cpu_kernels
-from shardmesh.engine.penalties import TokenHistory, apply_penalties
+from shardmesh.engine.penalties import TokenHistory, penalise_
 
 _MASK64 = (1 << 64) - 1
 
@@ -203,8 +203,7 @@ def _penalised(logits: Tensor, params: list[SamplingParams], positions: list[int
         if history is None or slots is None:
             raise ValueError("a row with a penalty needs the token history and its KV slot")
         of = [rows[j] for j in penalised]
-        x[penalised] = apply_penalties(x[penalised], [params[i] for i in of], history, [slots[i] for i in of],
-                                       [positions[i] for i in of])  # fmt: skip
+        penalise_(x, penalised, [params[i] for i in of], history, [slots[i] for i in of], [positions[i] for i in of])
     return x
 
 

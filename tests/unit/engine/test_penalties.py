@@ -70,6 +70,26 @@ def test_frequency_and_presence_penalties_count_generated_tokens_only() -> None:
     assert torch.equal(got[1], logits[1])
 
 
+def test_penalties_computed_where_tokens_occur_equal_the_formulas_over_whole_rows_to_the_bit() -> None:
+    """`apply_penalties` changes only the logits of tokens that occur, with the arithmetic the formulas have over whole
+    rows of counts: every logit is the same, to the bit, including the rows without a penalty."""
+    logits, logs, slots = _logits(4, 9), _histories(4, 5), [2, 0, 6, 4]
+    history = _history_of(logs, slots)
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.7, prompt_len=3),
+              SamplingParams(frequency_penalty=1.5, prompt_len=2), SamplingParams(),
+              SamplingParams(repetition_penalty=0.8, presence_penalty=2.0, prompt_len=9)]  # fmt: skip
+    positions = [len(log) for log in logs]
+    got = apply_penalties(logits, params, history, slots, positions)
+    seen = history.counts(slots, [0] * 4, positions, VOCAB) > 0
+    r = torch.tensor([p.repetition_penalty for p in params])[:, None]
+    x = torch.where(seen, torch.where(logits < 0, logits * r, logits / r), logits)
+    generated = history.counts(slots, [p.prompt_len for p in params], positions, VOCAB)
+    frequency = torch.tensor([p.frequency_penalty for p in params])[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params])[:, None]
+    assert torch.equal(got, x - frequency * generated - presence * (generated > 0))
+    assert torch.equal(got[2], logits[2]) and not torch.equal(got[3], logits[3])
+
+
 def test_a_position_written_again_counts_once_and_positions_past_the_draw_not_at_all() -> None:
     history = TokenHistory(num_slots=2, max_len=16)
     history.record([1] * 6, range(6), [3, 3, 5, 8, 8, 8])  # an earlier, longer sequence in the slot
