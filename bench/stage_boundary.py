@@ -195,9 +195,12 @@ def around_the_forward() -> tuple[list[float], list[tuple[float, float]]]:
         # Waits for its input, computes, and may send its output on: its forward runs from when the input was there
         # to the send.
         "run_received": lambda self: [(self.arrived, time.perf_counter() - self.sending)],
-        # Draws its steps itself (pp=1's, a pipeline's last stage's): each step as the call stamped it.
+        # Draws its steps itself (pp=1's, a pipeline's last stage's): each step as the call stamped it. Commits from
+        # before sampled rows drew there too (a407c11) named them for greedy steps.
         "run_drawn_steps": lambda self: self.stamps,
         "run_drawn_steps_received": lambda self: self.stamps,
+        "run_greedy_steps": lambda self: self.stamps,
+        "run_greedy_steps_received": lambda self: self.stamps,
     }
     for name, forwards in ways.items():
         if (f := getattr(CpuDecode, name, None)) is not None:
