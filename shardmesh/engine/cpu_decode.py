@@ -89,6 +89,13 @@ ROW_CHUNK = CPU_ROW_CHUNK
 STREAMED_ROWS = 16
 
 
+def _raise_not_finite(e: RuntimeError) -> None:
+    """A draw's refusal of logits holding a NaN or no finite value, raised inside a call of several steps, as the
+    ValueError `sampling.draw` raises from Python: the model's output, not a failed peer or link."""
+    if cpu_kernels.NOT_FINITE in str(e):
+        raise ValueError(f"a sampled row's {cpu_kernels.NOT_FINITE}") from None
+
+
 @dataclass(frozen=True)
 class Drawn:
     """A call of several decode steps' draws, (steps, rows) each: the drawn ids, each row's largest logit, the log of
@@ -217,9 +224,14 @@ class CpuDecode:
             return None
         slots, positions = self._step_places(batches)
         table_and_seeds = draws or (None, None)
-        ids, top, logsum, picked, times = self.ext.decode_steps_drawn(
-            self._all.id, token_ids.to(torch.int64), table, slots, positions, cos, sin, *self._head, *table_and_seeds
-        )
+        try:
+            ids, top, logsum, picked, times = self.ext.decode_steps_drawn(
+                self._all.id, token_ids.to(torch.int64), table, slots, positions, cos, sin, *self._head,
+                *table_and_seeds,
+            )  # fmt: skip
+        except RuntimeError as e:
+            _raise_not_finite(e)
+            raise
         self.stamps = [(start, end) for start, end in times.tolist()]
         return Drawn(ids, top, logsum, picked)
 
@@ -252,6 +264,7 @@ class CpuDecode:
         except RuntimeError as e:  # raised inside, after a receive or not: the links' counts are unknown now
             for end in (link, loop):
                 end.close(f"the layers' call that used it failed: {e}")
+            _raise_not_finite(e)
             raise
         self.stamps = []
         last = len(batches) - 1

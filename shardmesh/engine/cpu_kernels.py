@@ -2605,7 +2605,7 @@ static std::vector<torch::Tensor> layers_and_draw(const LayerStack& st, torch::T
   draw_rows(l, rows, n, how.table->data_ptr<double>(), u.data(), ids);
   auto picked = torch::empty({rows}, torch::kFloat);
   for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(ids[r] >= 0, "a sampled row's logits hold a NaN or no finite value (row ", r, ")");
+    TORCH_CHECK(ids[r] >= 0, "a sampled row's @NOT_FINITE@ (row ", r, ")");
     picked.data_ptr<float>()[r] = l[r * n + ids[r]];
   }
   found.push_back(picked);
@@ -2892,6 +2892,10 @@ void quantize_groups(torch::Tensor weight, torch::Tensor values, torch::Tensor s
 #pragma GCC pop_options
 """
 
+# Why a sampled row cannot be drawn, in every way of drawing's error (`sampling.draw`'s, and the C++ calls' of several
+# steps, which `cpu_decode` turns into the same ValueError).
+NOT_FINITE = "logits hold a NaN or no finite value"
+
 # What `SHARDMESH_CPU_ISA` may ask for: "native" (the default) compiles for this CPU, taking the widest paths it has;
 # "avx2" leaves AVX-512 and AMX out, so that a CPU with them runs (and tests, and measures) the AVX2 paths too.
 ISA_ENV = "SHARDMESH_CPU_ISA"
@@ -2908,7 +2912,8 @@ def isa_kernel(isa: str) -> InlineKernel:
         raise ValueError(f"{ISA_ENV}={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
     if isa not in _KERNELS:
         source = (_SOURCE.replace("@ROW@", int8_cpu.ROW_SOURCE).replace("@GROUP@", str(INT8_GROUP))
-                  .replace("@NOT_CARRIED@", str(shm_collective.NOT_CARRIED)))  # fmt: skip
+                  .replace("@NOT_CARRIED@", str(shm_collective.NOT_CARRIED))
+                  .replace("@NOT_FINITE@", NOT_FINITE))  # fmt: skip
         _KERNELS[isa] = InlineKernel(
             "shardmesh_cpu", source.replace("@AMX_ENV@", AMX_ENV),
             ["linear", "rows_linear", "attention_block", "mlp_block", "stack_layers", "decode_layers",

@@ -588,6 +588,26 @@ def test_a_last_stage_drawing_in_one_call_fails_naming_the_stage_that_closed_its
     assert "side 0 (pid " in message and "closed the link (its epoch broke)" in message, message
 
 
+def test_a_sampled_row_without_finite_logits_is_the_value_error_python_draws_raise(tmp_path: Path) -> None:
+    """A model whose final norm holds a NaN: a call of several sampled steps refuses its logits with the ValueError
+    `sampling.draw` raises from Python (the model's output, not a failed peer), while greedy steps take the first NaN
+    as `argmax` does."""
+    d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=2, seed=5)
+    model = build_shard(d, ShardSpec(0, 2, 2), progress=False, max_len=64)
+    with torch.no_grad():
+        model.model.norm.weight[3] = float("nan")
+    runner = cpu_decode(model, prefilled(model, [0]), torch.device("cpu"))
+    assert runner is not None
+    layouts = [BatchLayout.build([Segment(0, len(PROMPTS[0]) + k, 1)]) for k in range(3)]
+    p = [SamplingParams(temperature=1.0, seed=4)]
+    with pytest.raises(ValueError, match="a sampled row's logits hold a NaN or no finite value"):
+        runner.run_drawn_steps(layouts, torch.tensor([7]), (sampling.draw_table(p), sampling.seed_bits(p)))
+    with pytest.raises(ValueError, match="a sampled row's logits hold a NaN or no finite value"):
+        sampling.draw(runner.run(layouts[0], torch.tensor([7])), p, [0.5])
+    greedy = runner.run_drawn_steps(layouts, torch.tensor([7]))
+    assert greedy is not None and greedy.top.isnan().all()
+
+
 def test_a_single_stages_drawn_steps_name_a_token_past_the_embedding(small: Transformer) -> None:
     cache = small.make_cache(2, torch.float32, "cpu")
     runner = cpu_decode(small, cache, torch.device("cpu"))
