@@ -32,6 +32,10 @@ EOS = VOCAB - 1  # "<|im_end|>" of the byte-level tokenizer
 FINISH = {common_pb2.FINISH_REASON_EOS: "stop", common_pb2.FINISH_REASON_STOP_STRING: "stop",
           common_pb2.FINISH_REASON_STOP_TOKEN: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}  # fmt: skip
 HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
+# Room for a request that cannot end before its client's departure is seen: this model decodes a token in well under a
+# millisecond, so 200 tokens could end first on a busy machine (a fresh-clone run once found no cancellation).
+CONTEXT = 4096
+LONG = CONTEXT - 64
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +43,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("openai") / "tiny-chat"
     # Untied embeddings: a tied random model's greedy answer repeats one token; this one's varies (9 distinct tokens
     # in HELLO's first 30), so comparing answers token for token compares something.
-    make_checkpoint(directory, "llama-mha-untied", num_layers=2, seed=1, vocab_size=VOCAB, eos_token_id=EOS)
+    make_checkpoint(directory, "llama-mha-untied", num_layers=2, seed=1, vocab_size=VOCAB, eos_token_id=EOS,
+                    max_position_embeddings=CONTEXT)  # fmt: skip
     return write_tokenizer(directory)
 
 
 @pytest.fixture(scope="module")
 def mesh(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = Mesh(model, 1, 1, tmp_path_factory.mktemp("openai-up"))
+    m = Mesh(model, 1, 1, tmp_path_factory.mktemp("openai-up"), "--max-context", str(CONTEXT))
     try:
         yield m
     finally:
@@ -250,16 +255,16 @@ def test_errors_by_status_code(mesh: Mesh, client: openai.OpenAI, name: str) -> 
 
 def test_closing_the_stream_cancels_the_request(mesh: Mesh, client: openai.OpenAI, name: str) -> None:
     """The chat stream's first chunk (the role) comes before any token; the client leaves right after it, and the
-    scheduler cancels the request long before its 200 tokens."""
-    stream = client.chat.completions.create(model=name, messages=HELLO, max_tokens=200,
-                                            temperature=0, stream=True,
+    scheduler cancels the request long before its ~4000 tokens (the end of sequence ignored)."""
+    stream = client.chat.completions.create(model=name, messages=HELLO, max_tokens=LONG, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True},
                                             extra_headers={"X-Request-Id": "http-stream-gone"})  # fmt: skip
     first = next(iter(stream))
     assert first.choices[0].delta.role == "assistant"
     stream.close()
     wait_until(lambda: bool(_gateway_events(mesh, "request_cancelled", "http-stream-gone")), timeout=60)
     cancelled = _gateway_events(mesh, "request_cancelled", "http-stream-gone")[0]
-    assert cancelled["by"] == "client" and cancelled["completion_tokens"] < 200
+    assert cancelled["by"] == "client" and cancelled["completion_tokens"] < LONG
 
 
 def test_a_client_that_disconnects_cancels_a_whole_answer(mesh: Mesh) -> None:
