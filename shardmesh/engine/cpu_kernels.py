@@ -1275,8 +1275,8 @@ std::vector<torch::Tensor> greedy_rows(torch::Tensor x) {
 // min-p keeps e >= min_p (the largest weight is 1); the draw is the first kept token, in id order, whose running sum
 // of weights (float64) passes u times their sum, u the row's uniform. torch's sort, softmax and multinomial (a fresh
 // generator per row, an exponential draw per token) took 1.6 ms a row at temperature 1 and 5.9 with top-p on
-// SmolLM2's 49152 logits; here the passes are linear, the top-k and top-p cuts found by counting into buckets of the
-// values' leading bits and sorting only the bucket that holds the cut.
+// SmolLM2's 49152 logits; here the passes are linear, and the top-k and top-p cuts search only the tokens above a floor
+// that holds them (`kth_largest`, `top_p_cut`).
 
 // A float's bits as an unsigned key in the float's order (-0 just below +0).
 static inline uint32_t order_key(float f) {
@@ -1408,7 +1408,16 @@ static std::vector<float> masses_above(const float* e, int64_t n) {
 static void top_p_cut(const float* z, float* e, int64_t n, double top_p, std::vector<double>& sums,
                       std::vector<int64_t>& found) {
   const double target = top_p * block_sums(e, n, sums);
-  auto by_z = [&](int64_t a, int64_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); };
+  // `found` in order of z (then id), after a weight of `above` ranked higher: its tokens kept while the weight ranked
+  // above them is below the target, the rest zeroed; false, and nothing zeroed, where they all fall below it.
+  auto cut_among = [&](double above) {
+    std::sort(found.begin(), found.end(), [&](int64_t a, int64_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
+    size_t kept = 0;
+    for (; kept < found.size() && above < target; ++kept) above += e[found[kept]];
+    if (above < target) return false;
+    for (size_t q = kept; q < found.size(); ++q) e[found[q]] = 0.f;
+    return true;
+  };
   const auto masses = masses_above(e, n);
   for (int j = 0; j < FLOORS; ++j) {
     if (masses[j] < target * 1.001) continue;
@@ -1416,12 +1425,7 @@ static void top_p_cut(const float* z, float* e, int64_t n, double top_p, std::ve
     found.clear();
     for (int64_t i = 0; i < n; ++i)
       if (e[i] >= floor) found.push_back(i);
-    std::sort(found.begin(), found.end(), by_z);
-    double above = 0.0;
-    size_t kept = 0;
-    for (; kept < found.size() && above < target; ++kept) above += e[found[kept]];
-    if (above < target) break;  // the float32 mass overstated it after all: the buckets' way
-    for (size_t q = kept; q < found.size(); ++q) e[found[q]] = 0.f;
+    if (!cut_among(0.0)) break;  // the float32 mass overstated it after all: the buckets' way
     for (int64_t i = 0; i < n; ++i) e[i] = e[i] < floor ? 0.f : e[i];
     return;
   }
@@ -1437,10 +1441,7 @@ static void top_p_cut(const float* z, float* e, int64_t n, double top_p, std::ve
     if (k < cut) e[i] = 0.f;
     else if (k == cut && e[i] > 0.f) found.push_back(i);
   }
-  std::sort(found.begin(), found.end(), by_z);
-  size_t j = 0;
-  for (; j < found.size() && above < target; ++j) above += e[found[j]];
-  for (; j < found.size(); ++j) e[found[j]] = 0.f;
+  cut_among(above);  // short of the target only by the sums' rounding: then the whole bucket stays
 }
 
 // A row's settings, as `sampling.draw_table` lays them out (float64): temperature (0: greedy), top_k (0: none),
@@ -1488,23 +1489,22 @@ static int64_t draw_row(const float* x, int64_t n, const DrawSettings& d, double
   const auto& sums = w.sums;
   const double target = u * block_sums(e.data(), n, w.sums);
   double run = 0.0;
-  int64_t last = -1;
   for (size_t b = 0; b < sums.size(); ++b) {
     if (sums[b] <= 0.0) continue;
-    const int64_t begin = static_cast<int64_t>(b) * SUM_BLOCK, end = std::min<int64_t>(n, begin + SUM_BLOCK);
     if (run + sums[b] <= target && b + 1 < sums.size()) {
       run += sums[b];
-      for (int64_t i = end - 1; i >= begin; --i) if (e[i] > 0.f) { last = i; break; }
       continue;
     }
+    const int64_t begin = static_cast<int64_t>(b) * SUM_BLOCK, end = std::min<int64_t>(n, begin + SUM_BLOCK);
     for (int64_t i = begin; i < end; ++i) {
       if (e[i] <= 0.f) continue;
       run += e[i];
-      last = i;
       if (run > target) return i;
     }
   }
-  return last;
+  for (int64_t i = n - 1; i >= 0; --i)  // past the end only by rounding: the last kept token
+    if (e[i] > 0.f) return i;
+  return -1;  // unreached: the largest weight, 1, is always kept
 }
 
 // The draws of the rows of x (rows, n) whose temperature is above 0 (`table`: (rows, 4) settings, `u`: each row's

@@ -30,7 +30,6 @@ from shardmesh.engine import cpu_kernels
 from shardmesh.engine.penalties import TokenHistory, penalise_
 
 _MASK64 = (1 << 64) - 1
-NOT_FINITE = cpu_kernels.NOT_FINITE
 
 
 def draw_seed(seed: int, position: int) -> int:
@@ -76,7 +75,7 @@ def weights(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     z = logits.float() / torch.tensor([p.temperature for p in params], dtype=torch.float32, **on)[:, None]
     top = z.max(-1).values
     if bool((z.isnan().any(-1) | ~top.isfinite()).any()):
-        raise ValueError(f"a sampled row's {NOT_FINITE}")
+        raise ValueError(f"a sampled row's {cpu_kernels.NOT_FINITE}")
     e = torch.exp(z - top[:, None])
     ks = [p.top_k if 0 < p.top_k < n else 0 for p in params]
     if any(ks):  # each row's k-th largest from one top-k of the largest k (-inf where a row has none)
@@ -107,7 +106,7 @@ def draw(rows: Tensor, params: list[SamplingParams], us: list[float], compiled: 
         ids = cpu_kernels.sample_rows(rows.float().cpu(), draw_table(params), torch.tensor(us, dtype=torch.float64))
         ids = ids.tolist()
         if min(ids, default=0) < 0:
-            raise ValueError(f"a sampled row's {NOT_FINITE}")
+            raise ValueError(f"a sampled row's {cpu_kernels.NOT_FINITE}")
         return ids
     cum = weights(rows, params).double().cumsum(-1)
     u = torch.tensor(us, dtype=torch.float64, device=rows.device)
