@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/against.py REV [--layouts 1x1,2x1] [--streams 1,16] [--dtype float32] [--rounds 3]
                                           [--prompt-tokens N] [--temperature T [--top-p P] [--top-k K]]
+                                          [--frequency-penalty F] [--presence-penalty P] [--repetition-penalty R]
 
 REV is checked out into a temporary git worktree (removed afterwards). For each layout, the two
 checkouts' meshes (`shardmesh up`, same model, flags and threads) are started in turn, A B A B ...,
@@ -11,7 +12,8 @@ landing on one side only. The table gives each side's median over its rounds and
 per figure: decode ms per token (below 1 is faster) and aggregate tokens/s (above 1 is faster).
 `--prompt-tokens N` sends a longer prompt instead: bench/run.py's request repeated until its chat encoding holds N
 tokens or more (for changes to prompts: their time to first token). `--temperature T` (above 0) sends sampled
-requests instead of greedy ones, seeded and ignoring the end of sequence (for changes to sampling).
+requests instead of greedy ones, seeded and ignoring the end of sequence (for changes to sampling); the penalties add
+theirs to those requests, or to greedy ones.
 
 Writes bench/results/<host>-<date>-against-<rev>.{md,json} and prints the markdown.
 """
@@ -95,11 +97,17 @@ def main() -> None:
                     "sequence) at this temperature; 0, the default, is greedy")  # fmt: skip
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
     if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
         ap.error(f"--temperature >= 0, --top-p in (0, 1], --top-k >= 0: got {a.temperature}, {a.top_p}, {a.top_k}")
     sampling = {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "seed": 7} if a.temperature else None
+    if penalised(a):
+        sampling = {**(sampling or {}), "frequency_penalty": a.frequency_penalty,
+                    "presence_penalty": a.presence_penalty, "repetition_penalty": a.repetition_penalty}  # fmt: skip
     if a.prompt_tokens < 0 or a.prompt_tokens + a.new_tokens > MAX_CONTEXT:
         ap.error(f"--prompt-tokens: 0 to {MAX_CONTEXT} less --new-tokens ({a.new_tokens}), got {a.prompt_tokens}")
 
@@ -155,16 +163,25 @@ def report(info: dict, commit: str, rows: list[dict], a: argparse.Namespace) -> 
     md = "\n".join(lines) + "\n"
     # The dtype and the sampling in the name: runs of both against one commit on one day would overwrite each other.
     sampled = f"-t{a.temperature:g}-p{a.top_p:g}-k{a.top_k}" if a.temperature else ""
+    if penalised(a):
+        sampled += f"-f{a.frequency_penalty:g}-pr{a.presence_penalty:g}-r{a.repetition_penalty:g}"
     save_results(Path(a.out), info, f"-against-{commit[:7]}-{a.dtype}{sampled}", md,
                  {"against": commit, "dtype": a.dtype, "prompt_tokens": a.prompt_len, "sampling": drawn(a),
                   "rows": rows})  # fmt: skip
 
 
+def penalised(a: argparse.Namespace) -> bool:
+    return bool(a.frequency_penalty or a.presence_penalty or a.repetition_penalty != 1.0)
+
+
 def drawn(a: argparse.Namespace) -> str:
     """How the requests drew their tokens, in words."""
+    penalties = (f", frequency penalty {a.frequency_penalty:g}, presence penalty {a.presence_penalty:g}, repetition "
+                 f"penalty {a.repetition_penalty:g}" if penalised(a) else "")  # fmt: skip
     if not a.temperature:
-        return "greedy"
-    return f"sampled (temperature {a.temperature:g}, top-p {a.top_p:g}, top-k {a.top_k}, seeded, ignoring EOS)"
+        return f"greedy{penalties} (ignoring EOS)" if penalties else "greedy"
+    return (f"sampled (temperature {a.temperature:g}, top-p {a.top_p:g}, top-k {a.top_k}{penalties}, seeded, "
+            f"ignoring EOS)")  # fmt: skip
 
 
 if __name__ == "__main__":

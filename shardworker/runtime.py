@@ -56,7 +56,7 @@ from shardmesh.engine.kv_cache import ActivationLog, AnyKVCache, PagedActivation
 from shardmesh.engine.loader import build_shard, parse_dtype
 from shardmesh.engine.model import Transformer
 from shardmesh.engine.penalties import TokenHistory
-from shardmesh.engine.sampling import draw_table, random_seed, sample, seed_bits
+from shardmesh.engine.sampling import draw_table, penalty_table, random_seed, sample, seed_bits
 from shardmesh.engine.stage import Relay, StageEngine
 from shardmesh.engine.timing import calibrate_shard
 from shardmesh.engine.tp import bind_group
@@ -687,27 +687,54 @@ class StageWorkerCore:
     def _drawn_steps(self, rt: _Runtime, entries: list[StepEntry], params: list[SamplingParams],
                      layouts: list[BatchLayout], tokens: list[int],
                      loop: StageLink | None) -> tuple[float, list[list[int]], list[list[float]]] | None:  # fmt: skip
-        """The last stage, every entry greedy or sampled (seeded), with no penalty and no alternatives asked for: a
+        """The last stage, every entry greedy or sampled (seeded), penalised or not, with no alternatives asked for: a
         decode call's later steps, their draws included, in one call of its engine (`StageEngine.drawn_steps`). A
         single stage feeds the first `tokens`; a pipeline's last stage receives each step's activations and sends its
         draws over `loop`. Returns the seconds it took, and each step's drawn ids and their log-probabilities (as
         `sampling.sample` gives them); None where it cannot, and nothing ran. Why: returning to Python between steps
         for the bookkeeping and the draw took ~0.25 ms a token, on a single stage's critical path, and on a pipeline's
         between its head and the send the first stage waits for (docs/performance.md, "A single stage's greedy steps
-        in one call", and "Sampled draws in one pass" for sampled rows)."""
-        if not all(not p.penalized and p.top_logprobs == 0 and (p.greedy or p.seed is not None) for p in params):
+        in one call", "Sampled draws in one pass" for sampled rows, and "Penalties inside a call of steps")."""
+        if not all(p.top_logprobs == 0 and (p.greedy or p.seed is not None) for p in params):
             return None
-        draws = None if all(p.greedy for p in params) else (draw_table(params), seed_bits(params))
+        history, penalized = rt.caches.tokens, [i for i, p in enumerate(params) if p.penalized]
+        if penalized and history is None:
+            return None
+        greedy = all(p.greedy for p in params) and not penalized
+        draws = None if greedy else (draw_table(params), seed_bits(params))
+        penalties = self._penalties(rt, entries, params, penalized, tokens) if penalized else None
         for e in entries:  # how far each slot's cache is written once they are done, as each step records it
             rt.caches.record_end(e.slot, e.start_pos + len(layouts) + 1)
         t0 = time.perf_counter()
         try:
-            drawn = rt.engine.drawn_steps(layouts, torch.tensor(tokens, dtype=torch.int64), loop, draws)
+            drawn = rt.engine.drawn_steps(layouts, torch.tensor(tokens, dtype=torch.int64), loop, draws, penalties)
         except RuntimeError as e:  # as a step's failure is reported (`_later_steps`)
             raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
         if drawn is None:
             return None
-        return time.perf_counter() - t0, drawn.ids.tolist(), drawn.logprobs()
+        seconds, ids = time.perf_counter() - t0, drawn.ids.tolist()
+        if penalized and len(ids) > 1:  # the tokens the steps after the first fed, where the next call counts them
+            assert history is not None
+            fed = [(entries[i].slot, entries[i].start_pos + 2 + k, ids[k][i]) for k in range(len(ids) - 1)
+                   for i in penalized]  # fmt: skip
+            history.record(*(list(column) for column in zip(*fed, strict=True)))
+        return seconds, ids, drawn.logprobs()
+
+    @staticmethod
+    def _penalties(rt: _Runtime, entries: list[StepEntry], params: list[SamplingParams], penalized: list[int],
+                   tokens: list[int]) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """What a call of steps starts its penalties from (`CpuDecode.run_drawn_steps`): each row's penalties, and the
+        penalised rows' tokens before the first draw, the one its first step feeds (`tokens`, at start_pos + 1)
+        recorded first, as a step of the loop in `_later_steps` records it."""
+        history = rt.caches.tokens
+        assert history is not None
+        slots = [entries[i].slot for i in penalized]
+        history.record(slots, [entries[i].start_pos + 1 for i in penalized], [tokens[i] for i in penalized])
+        ends = [entries[i].start_pos + 2 for i in penalized]
+        vocab = rt.engine.model.cfg.vocab_size
+        tallies = history.tallies(slots, [params[i].prompt_len for i in penalized], ends, vocab)
+        tallies[:, 0] = torch.tensor(penalized, dtype=torch.int64)[tallies[:, 0]]  # the call's rows
+        return penalty_table(params), tallies
 
     def _send_drawn(self, rt: _Runtime, loop: StageLink, tokens: list[int], entries: list[StepEntry]) -> None:
         """The last stage's draws, over the loop link to the first stage, whose next step embeds them. Sent as

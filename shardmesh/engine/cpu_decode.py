@@ -203,13 +203,15 @@ class CpuDecode:
         return x, True
 
     @torch.inference_mode()
-    def run_drawn_steps(self, batches: list[BatchLayout], token_ids: Tensor,
-                        draws: tuple[Tensor, Tensor] | None = None) -> Drawn | None:  # fmt: skip
+    def run_drawn_steps(self, batches: list[BatchLayout], token_ids: Tensor, draws: tuple[Tensor, Tensor] | None = None,
+                        penalties: tuple[Tensor, Tensor] | None = None) -> Drawn | None:  # fmt: skip
         """A single stage's decode steps (`batches`, which `accepts`, each of the same rows), all in one call
         (`decode_steps_drawn`): step k embeds what step k - 1 drew (`token_ids` for the first), computes at
         batches[k]'s places, and draws each row's token: its most likely, or, with `draws` (`sampling.draw_table`
-        and `sampling.seed_bits` of the rows), as `sampling.draw` does at the drawn token's position. None where it
-        cannot (layers not in one call, a head that is not a whole blocked product, more rows than a chunk): then
+        and `sampling.seed_bits` of the rows), as `sampling.draw` does at the drawn token's position. `penalties`
+        (`sampling.penalty_table` of the rows and `TokenHistory.tallies` of their tokens before the first draw; they
+        need `draws`) shape each draw as `sampling.sample` does, counting the call's own draws as it goes. None where
+        it cannot (layers not in one call, a head that is not a whole blocked product, more rows than a chunk): then
         nothing ran."""
         model, n = self.model, batches[0].num_tokens
         cos, sin = model.rope_cos, model.rope_sin
@@ -223,11 +225,10 @@ class CpuDecode:
         if table.dtype != model.dtype or not table.is_contiguous():
             return None
         slots, positions = self._step_places(batches)
-        table_and_seeds = draws or (None, None)
         try:
             ids, top, logsum, picked, times = self.ext.decode_steps_drawn(
                 self._all.id, token_ids.to(torch.int64), table, slots, positions, cos, sin, *self._head,
-                *table_and_seeds,
+                *(draws or (None, None)), *(penalties or (None, None)),
             )  # fmt: skip
         except RuntimeError as e:
             _raise_not_finite(e)
@@ -237,12 +238,13 @@ class CpuDecode:
 
     @torch.inference_mode()
     def run_drawn_steps_received(self, batches: list[BatchLayout], link: StageLink, loop: StageLink,
-                                 draws: tuple[Tensor, Tensor] | None = None) -> Drawn | None:  # fmt: skip
+                                 draws: tuple[Tensor, Tensor] | None = None,
+                                 penalties: tuple[Tensor, Tensor] | None = None) -> Drawn | None:  # fmt: skip
         """`run_drawn_steps` on a pipeline's last stage (`decode_steps_drawn_received`): step k receives its
-        activations over `link`, computes at batches[k]'s places, draws, and sends the drawn ids to the first stage
-        over `loop`, all but the last step's. None where it cannot (as `run_drawn_steps`, or links not over shared
-        memory): then nothing was received. A link that fails raises as a receive or send from Python would, after the
-        steps before it are counted; the steps' stamps are in `stamps`."""
+        activations over `link`, computes at batches[k]'s places, draws (with `penalties`, as `run_drawn_steps`), and
+        sends the drawn ids to the first stage over `loop`, all but the last step's. None where it cannot (as
+        `run_drawn_steps`, or links not over shared memory): then nothing was received. A link that fails raises as a
+        receive or send from Python would, after the steps before it are counted; the steps' stamps are in `stamps`."""
         model, n = self.model, batches[0].num_tokens
         cos, sin = model.rope_cos, model.rope_sin
         assert cos is not None and sin is not None, "call init_buffers() first"
@@ -259,8 +261,9 @@ class CpuDecode:
         slots, positions = self._step_places(batches)
         try:
             ids, top, logsum, picked, times, done = self.ext.decode_steps_drawn_received(
-                self._all.id, x, slots, positions, cos, sin, *self._head, recv, send, *(draws or (None, None))
-            )
+                self._all.id, x, slots, positions, cos, sin, *self._head, recv, send, *(draws or (None, None)),
+                *(penalties or (None, None)),
+            )  # fmt: skip
         except RuntimeError as e:  # raised inside, after a receive or not: the links' counts are unknown now
             for end in (link, loop):
                 end.close(f"the layers' call that used it failed: {e}")

@@ -73,6 +73,7 @@ _SOURCE = r"""
 #include <type_traits>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX512BF16__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -2576,6 +2577,117 @@ struct StepDraws {
   }
 };
 
+// The penalties (engine.penalties) of a call's rows, kept across its steps: each penalised row's tokens so far, and how
+// often each occurs in the whole sequence and in its completion. `settings` is (rows, 4) float64, each row's
+// repetition, frequency and presence penalties and its prompt's length (`sampling.penalty_table`); `tallies` (m, 4)
+// int64, a line per (row, token) that occurs before the call's first draw: row, token, count, count in the completion
+// (`TokenHistory.tallies`). A step applies them to its rows' logits in place (`apply`), as `penalise_` computes them,
+// its draws are made, the logits put back (`restore`: a token's log-probability is the model's), and the drawn tokens
+// counted for the next step (`add`). Why: a call of several steps with a penalty went back to Python for every step's
+// draw, ~0.5 ms a token at one stream and ~3 ms a step at 16 (docs/performance.md, "Penalties inside a call of steps").
+struct StepPenalties {
+  struct Row {
+    int64_t row;
+    float repetition, frequency, presence;
+    int64_t prompt_len;
+    std::vector<int64_t> tokens;
+    std::vector<float> all, generated;  // float32, as penalise_'s counts
+    std::unordered_map<int64_t, size_t> at;
+  };
+  std::vector<Row> rows;
+  bool any_repetition = false, any_frequency = false;  // as penalise_ applies each formula to every penalised row
+  std::vector<std::pair<int64_t, float>> saved;       // (index into the logits, its value before the penalties)
+
+  StepPenalties(const torch::Tensor& settings, const torch::Tensor& tallies, int64_t n_rows, const char* who) {
+    TORCH_CHECK(settings.dim() == 2 && settings.size(0) == n_rows && settings.size(1) == 4 &&
+                    settings.scalar_type() == at::kDouble && settings.is_contiguous(),
+                who, ": the penalties must be a contiguous (", n_rows, ", 4) float64 tensor, not ", settings.sizes(),
+                " ", settings.scalar_type());
+    TORCH_CHECK(tallies.dim() == 2 && tallies.size(1) == 4 && tallies.scalar_type() == at::kLong &&
+                    tallies.is_contiguous(),
+                who, ": the tallies must be a contiguous (m, 4) int64 tensor, not ", tallies.sizes(), " ",
+                tallies.scalar_type());
+    const double* s = settings.data_ptr<double>();
+    std::vector<int64_t> index(n_rows, -1);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const double* q = s + 4 * r;
+      if (q[0] == 1.0 && q[1] == 0.0 && q[2] == 0.0) continue;  // engine.core.step.penalized
+      index[r] = static_cast<int64_t>(rows.size());
+      Row row{r, static_cast<float>(q[0]), static_cast<float>(q[1]), static_cast<float>(q[2]),
+              static_cast<int64_t>(q[3]), {}, {}, {}, {}};
+      rows.push_back(std::move(row));
+      any_repetition |= q[0] != 1.0;
+      any_frequency |= q[1] != 0.0 || q[2] != 0.0;
+    }
+    const int64_t* t = tallies.data_ptr<int64_t>();
+    for (int64_t i = 0; i < tallies.size(0); ++i) {
+      const int64_t* line = t + 4 * i;
+      TORCH_CHECK(0 <= line[0] && line[0] < n_rows && index[line[0]] >= 0 && line[2] >= line[3] && line[3] >= 0,
+                  who, ": tally ", i, " (row ", line[0], ", token ", line[1], ") is not of a penalised row's tokens");
+      Row& row = rows[index[line[0]]];
+      TORCH_CHECK(row.at.emplace(line[1], row.tokens.size()).second, who, ": tally ", i, " repeats token ", line[1],
+                  " of row ", line[0]);
+      row.tokens.push_back(line[1]);
+      row.all.push_back(static_cast<float>(line[2]));
+      row.generated.push_back(static_cast<float>(line[3]));
+    }
+  }
+
+  // Each penalised row of logits l (rows, n), in place, the values it changes saved; then each penalised greedy row's
+  // token (`table`'s temperature 0) is its penalised row's argmax, into ids.
+  void apply(float* l, int64_t n, const double* table, int64_t* ids);
+
+  void restore(float* l) {
+    for (const auto& [i, v] : saved) l[i] = v;
+    saved.clear();
+  }
+
+  // Each row's drawn token, at one past its input's position pos[r], counted for the next step's draw.
+  void add(const int64_t* ids, const int64_t* pos) {
+    for (auto& row : rows) {
+      const int64_t token = ids[row.row];
+      const float in_completion = pos[row.row] + 1 >= row.prompt_len ? 1.f : 0.f;
+      const auto [it, fresh] = row.at.emplace(token, row.tokens.size());
+      if (fresh) {
+        row.tokens.push_back(token);
+        row.all.push_back(1.f);
+        row.generated.push_back(in_completion);
+      } else {
+        row.all[it->second] += 1.f;
+        row.generated[it->second] += in_completion;
+      }
+    }
+  }
+};
+
+// penalise_'s arithmetic, each operation rounded as torch rounds it: contraction off, so that v - f * g is a product
+// then a difference, not an FMA.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+void StepPenalties::apply(float* l, int64_t n, const double* table, int64_t* ids) {
+  for (const auto& row : rows) {
+    float* x = l + row.row * n;
+    for (size_t j = 0; j < row.tokens.size(); ++j) {
+      const int64_t t = row.tokens[j];
+      if (t < 0 || t >= n) continue;  // past the vocabulary: never sent by a gateway, left out as occurrences leaves it
+      const bool generated = row.generated[j] > 0.f;
+      if (!(any_repetition || (any_frequency && generated))) continue;
+      float v = x[t];
+      saved.emplace_back(row.row * n + t, v);
+      if (any_repetition) v = v < 0.f ? v * row.repetition : v / row.repetition;
+      if (any_frequency && generated) {
+        const float by_count = row.frequency * row.generated[j];
+        const float present = row.presence * 1.f;
+        v = v - by_count;
+        v = v - present;
+      }
+      x[t] = v;
+    }
+    if (table[4 * row.row] == 0.0) ids[row.row] = argmax_row(x, n);
+  }
+}
+#pragma GCC pop_options
+
 // A step on stack st after its input x: the layers at slots and positions, the head (head_block's norm, weights, bias,
 // int8 scales) and each row's draw: greedy_rows' (ids, the argmax's logit, the row's log-sum-exp), the sampled rows'
 // ids replaced by their draws (`draw_rows`, each uniform that of the drawn token's position, one past its input's),
@@ -2584,13 +2696,13 @@ static std::vector<torch::Tensor> layers_and_draw(const LayerStack& st, torch::T
                                                   const torch::Tensor& positions, const torch::Tensor& cos,
                                                   const torch::Tensor& sin, const torch::Tensor& norm, double eps,
                                                   const Weights& w, const Opt& b, const Opt& s,
-                                                  const StepDraws& how) {
+                                                  const StepDraws& how, StepPenalties* pen) {
   run_stack(st, x, slots, positions, cos, sin, true, [&](torch::Tensor& y) {
     x = y;
     return int64_t{0};
   });
   const auto logits = head_block(x, norm, eps, w, b, s).contiguous();
-  auto found = greedy_rows(logits);
+  auto found = greedy_rows(logits);  // of the model's logits, before any penalty: what log-probabilities are of
   if (!how.table) {
     found.push_back(found[1]);
     return found;
@@ -2601,15 +2713,30 @@ static std::vector<torch::Tensor> layers_and_draw(const LayerStack& st, torch::T
   std::vector<double> u(rows);
   for (int64_t r = 0; r < rows; ++r) u[r] = uniform_of(seed[r], pos[r] + 1);
   int64_t* ids = found[0].data_ptr<int64_t>();
-  const float* l = logits.data_ptr<float>();
-  draw_rows(l, rows, n, how.table->data_ptr<double>(), u.data(), ids);
+  float* l = logits.data_ptr<float>();
+  const double* table = how.table->data_ptr<double>();
+  if (pen) pen->apply(l, n, table, ids);
+  draw_rows(l, rows, n, table, u.data(), ids);
+  if (pen) pen->restore(l);
   auto picked = torch::empty({rows}, torch::kFloat);
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(ids[r] >= 0, "a sampled row's @NOT_FINITE@ (row ", r, ")");
     picked.data_ptr<float>()[r] = l[r * n + ids[r]];
   }
+  if (pen) pen->add(ids, pos);
   found.push_back(picked);
   return found;
+}
+
+// A call's penalties, where it has any: they need the rows' sampling table (a greedy row's temperature 0).
+static std::unique_ptr<StepPenalties> penalties_of(const Opt& settings, const Opt& tallies, const StepDraws& how,
+                                                   int64_t rows, const char* who) {
+  TORCH_CHECK(settings.has_value() == tallies.has_value(), who, ": penalties and their tallies come together");
+  if (!settings) return nullptr;
+  TORCH_CHECK(how.table.has_value(), who, ": penalties need the rows' sampling table");
+  auto pen = std::make_unique<StepPenalties>(*settings, *tallies, rows, who);
+  if (pen->rows.empty()) return nullptr;
+  return pen;
 }
 
 // A call's draws, (steps, rows) each: the ids, each argmax's logit, each row's log-sum-exp, each drawn token's logit.
@@ -2632,7 +2759,8 @@ struct Draws {
 // A single stage's decode call, all its steps after the first in one call: step k embeds the tokens step k - 1 drew
 // (`ids` for step 0), runs stack `id`'s layers at slots[k] and positions[k] (steps x rows each), then the head
 // (head_block: the final norm, weights w, bias b, int8 scales s) and each row's draw (layers_and_draw: greedy, or as
-// `table` and `seeds` say). Returns the drawn ids, each argmax's logit, the log of its row's exponentials' sum and
+// `table` and `seeds` say, after the rows' `penalties` where given, counted from `tallies` and the call's own draws:
+// StepPenalties). Returns the drawn ids, each argmax's logit, the log of its row's exponentials' sum and
 // each drawn token's logit, each (steps, rows): what sampling.sample computes at each step, so a token's
 // log-probability is (the last - the second) - the third; and each step's start and end (steps, 2) on steady_clock,
 // which is Python's time.perf_counter. Why: between two steps a worker returned to Python for the step's bookkeeping
@@ -2641,7 +2769,7 @@ struct Draws {
 std::vector<torch::Tensor> decode_steps_drawn(int64_t id, torch::Tensor ids, torch::Tensor embed, torch::Tensor slots,
                                               torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                                               torch::Tensor norm, double eps, Weights w, Opt b, Opt s, Opt table,
-                                              Opt seeds) {
+                                              Opt seeds, Opt penalties, Opt tallies) {
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && slots.dim() == 2 &&
                   slots.sizes() == positions.sizes() && slots.size(1) == ids.size(0) &&
                   slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
@@ -2651,6 +2779,7 @@ std::vector<torch::Tensor> decode_steps_drawn(int64_t id, torch::Tensor ids, tor
   const auto held = held_stack(id, "decode_steps_drawn");
   const int64_t steps = slots.size(0), rows = ids.size(0);
   const StepDraws how(table, seeds, rows, "decode_steps_drawn");
+  const auto pen = penalties_of(penalties, tallies, how, rows, "decode_steps_drawn");
   Draws drawn(steps, rows);
   const auto slots_c = slots.contiguous(), positions_c = positions.contiguous();
   auto in = torch::empty({rows, embed.size(1)}, embed.options());
@@ -2660,7 +2789,8 @@ std::vector<torch::Tensor> decode_steps_drawn(int64_t id, torch::Tensor ids, tor
   for (int64_t k = 0; k < steps; ++k) {
     stamp[2 * k] = since_epoch(std::chrono::steady_clock::now());
     embed_rows(embed, feed.data_ptr<int64_t>(), rows, in.data_ptr(), "decode_steps_drawn");
-    const auto found = layers_and_draw(*held, in, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s, how);
+    const auto found =
+        layers_and_draw(*held, in, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s, how, pen.get());
     drawn.put(k, found);
     feed = found[0];
     stamp[2 * k + 1] = since_epoch(std::chrono::steady_clock::now());
@@ -2740,7 +2870,8 @@ std::tuple<torch::Tensor, int64_t, double, double, int64_t, double> decode_layer
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>
 decode_steps_drawn_received(int64_t id, torch::Tensor x, torch::Tensor slots, torch::Tensor positions,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor norm, double eps, Weights w, Opt b,
-                            Opt s, LinkArgs recv, LinkArgs send, Opt table, Opt seeds) {
+                            Opt s, LinkArgs recv, LinkArgs send, Opt table, Opt seeds, Opt penalties,
+                            Opt tallies) {
   TORCH_CHECK(slots.dim() == 2 && slots.sizes() == positions.sizes() && slots.scalar_type() == at::kLong &&
                   positions.scalar_type() == at::kLong && slots.size(1) == x.size(0),
               "decode_steps_drawn_received: slots and positions must be (steps, ", x.size(0), ") int64, not ",
@@ -2748,6 +2879,7 @@ decode_steps_drawn_received(int64_t id, torch::Tensor x, torch::Tensor slots, to
   const auto held = held_stack(id, "decode_steps_drawn_received");
   const int64_t steps = slots.size(0), rows = x.size(0);
   const StepDraws how(table, seeds, rows, "decode_steps_drawn_received");
+  const auto pen = penalties_of(penalties, tallies, how, rows, "decode_steps_drawn_received");
   Draws drawn(steps, rows);
   auto times = torch::empty({steps, 6}, torch::kDouble);
   double* t = times.data_ptr<double>();
@@ -2766,7 +2898,8 @@ decode_steps_drawn_received(int64_t id, torch::Tensor x, torch::Tensor slots, to
     row[0] = static_cast<double>(status), row[1] = std::chrono::duration<double>(t1 - t0).count();
     row[2] = since_epoch(t1);
     if (status != 0) break;
-    const auto found = layers_and_draw(*held, x, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s, how);
+    const auto found =
+        layers_and_draw(*held, x, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s, how, pen.get());
     drawn.put(k, found);
     const auto t2 = Clock::now();
     row[3] = since_epoch(t2);

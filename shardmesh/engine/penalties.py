@@ -74,6 +74,25 @@ class TokenHistory:
         known = tokens < vocab_size
         return rows[known], tokens[known], counts[known].float()
 
+    def tallies(self, slots: Sequence[int], prompt_lens: Sequence[int], ends: Sequence[int],
+                vocab_size: int) -> Tensor:  # fmt: skip
+        """(m, 4) int64 on the CPU, a line per (row, token) that occurs at positions [0, ends[r]) of `slots[r]`: the
+        row, the token, how often it occurs there, and how often from `prompt_lens[r]` on (its completion). What a call
+        of several steps starts its penalties from (`cpu_kernels`' StepPenalties), which counts each step's draws
+        itself; ids past the vocabulary are left out, as `occurrences` leaves them."""
+        device = self.data.device
+        width = max(ends)
+        ids = self.data[torch.tensor(slots, device=device), :width].long()  # (R, W)
+        position = torch.arange(width, device=device)
+        inside = position < torch.tensor(ends, device=device)[:, None]
+        completion = inside & (position >= torch.tensor(prompt_lens, device=device)[:, None])
+        row = torch.arange(len(slots), device=device)[:, None].expand_as(ids)
+        keys = (row * (vocab_size + 1) + ids.clamp(0, vocab_size))[inside]
+        found, where, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+        generated = torch.zeros_like(counts).index_add_(0, where, completion[inside].long())
+        rows, tokens = found // (vocab_size + 1), found % (vocab_size + 1)
+        return torch.stack([rows, tokens, counts, generated], 1)[tokens < vocab_size].cpu()
+
     def counts(self, slots: Sequence[int], starts: Sequence[int], ends: Sequence[int], vocab_size: int) -> Tensor:
         """(R, vocab_size) float32: how often each token occurs at positions [starts[r], ends[r]) of `slots[r]`."""
         rows, tokens, counts = self.occurrences(slots, starts, ends, vocab_size)

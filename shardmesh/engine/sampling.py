@@ -120,6 +120,13 @@ def draw_table(params: list[SamplingParams]) -> Tensor:
     return torch.tensor([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], dtype=torch.float64)
 
 
+def penalty_table(params: list[SamplingParams]) -> Tensor:
+    """The compiled penalties' settings, a row each (float64): repetition, frequency and presence penalties, and the
+    prompt's length (where a row's completion, which frequency and presence count, begins)."""
+    return torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.prompt_len]
+                         for p in params], dtype=torch.float64)  # fmt: skip
+
+
 def seed_bits(params: list[SamplingParams]) -> Tensor:
     """Each row's seed as int64 (an unsigned 64-bit seed's bits; 0 for a greedy row), for the compiled draws, which
     take each step's uniform from it (`uniform`)."""

@@ -94,9 +94,11 @@ class StageEngine:
 
     @torch.inference_mode()
     def drawn_steps(self, batches: list[BatchLayout], token_ids: Tensor, loop: StageLink | None = None,
-                    draws: tuple[Tensor, Tensor] | None = None) -> Drawn | None:  # fmt: skip
+                    draws: tuple[Tensor, Tensor] | None = None,
+                    penalties: tuple[Tensor, Tensor] | None = None) -> Drawn | None:  # fmt: skip
         """Decode steps (`batches`, one a step) in one call of the CPU decode path, draws included (greedy, or as
-        `draws` says: `sampling.draw_table` and `sampling.seed_bits` of the rows): on a single stage
+        `draws` says: `sampling.draw_table` and `sampling.seed_bits` of the rows; penalised as `penalties` say,
+        `CpuDecode.run_drawn_steps`): on a single stage
         (`CpuDecode.run_drawn_steps`) the first fed `token_ids` and each later one what the step before it drew; on a
         pipeline's last stage (`run_drawn_steps_received`) each receiving its activations, its draws sent back to the
         first stage over `loop` but the last step's. None where it cannot, and nothing ran: the caller runs `step` for
@@ -105,10 +107,10 @@ class StageEngine:
                 or not all(self.native.accepts(b, False) for b in batches)):  # fmt: skip
             return None
         if self.is_first:
-            return self.native.run_drawn_steps(batches, token_ids, draws)
+            return self.native.run_drawn_steps(batches, token_ids, draws, penalties)
         if loop is None or self.groups.prev is None:
             return None
-        return self.native.run_drawn_steps_received(batches, self.groups.prev, loop, draws)
+        return self.native.run_drawn_steps_received(batches, self.groups.prev, loop, draws, penalties)
 
     def _received(self, batch: BatchLayout, all_logits: bool, tokens_from: StageLink | None,
                   relay: Relay | None) -> tuple[Tensor, bool] | None:  # fmt: skip

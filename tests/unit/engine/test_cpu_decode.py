@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from shardmesh.engine.kv_cache import ActivationLog
 from shardmesh.engine.linear import KERNEL_ENV, BlockedCpuKernel, BlockedInt8Kernel, dequantize, quantize_groups
 from shardmesh.engine.loader import build_shard
 from shardmesh.engine.model import Transformer
+from shardmesh.engine.penalties import TokenHistory
 from shardmesh.engine.shm_collective import ShmCollective
 from shardmesh.engine.stage import StageEngine
 from tests.checkpoints import make_checkpoint
@@ -508,6 +510,87 @@ def test_a_single_stages_steps_in_one_call_draw_what_steps_one_at_a_time_draw(
         assert all(len({ids[i] for ids in each_ids}) > 1 for i in (1, 2))
 
 
+# A greedy row with a repetition penalty, two sampled rows with penalties of each kind, and one without any.
+PENALISED = [SamplingParams(repetition_penalty=1.6), SamplingParams(temperature=0.9, top_p=0.9, seed=3,
+                                                                    frequency_penalty=1.5, presence_penalty=0.75),
+             SamplingParams(temperature=1.3, top_k=20, seed=2**64 - 5, repetition_penalty=0.7, frequency_penalty=2.0,
+                            presence_penalty=-0.25),
+             SamplingParams(temperature=1.0, seed=9)]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama-gqa-tied", "llama-mha-untied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_penalised_steps_in_one_call_draw_what_steps_one_at_a_time_draw(tmp_path: pytest.TempPathFactory, family: str,
+                                                                        dtype: torch.dtype) -> None:  # fmt: skip
+    """Eight decode steps of four sequences in one call with penalties (`penalties`: the rows' settings and their
+    tokens' tallies before the first draw), the call counting its own draws: the same tokens, log-probabilities (the
+    model's) and KV cache, to the bit, as eight steps one call each, each recording the token it is fed and drawing
+    by `sampling.sample` with the token history. The penalties change what is drawn (llama-gqa-tied's random weights
+    otherwise draw the token they are fed, again and again)."""
+    d = make_checkpoint(tmp_path, family, num_layers=2, seed=5)
+    model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
+    slots, steps = [3, 0, 7, 5], 8
+    lens = [len(PROMPTS[i]) for i in range(4)]
+    params = [replace(p, prompt_len=n) for p, n in zip(PENALISED, lens, strict=True)]
+    histories = {way: TokenHistory(12, 64) for way in ("each", "one call")}
+    for history in histories.values():
+        for slot, prompt in zip(slots, PROMPTS, strict=False):
+            history.record([slot] * len(prompt), range(len(prompt)), prompt)
+    caches = {way: prefilled(model, slots, dtype) for way in ("each", "one call", "unpenalised")}
+    runners = {way: cpu_decode(model, cache, torch.device("cpu")) for way, cache in caches.items()}
+    first = torch.tensor([11, 5, 42, 11])
+    layouts = [BatchLayout.build([Segment(s, lens[i] + k, 1) for i, s in enumerate(slots)]) for k in range(steps)]
+    each_ids, each_lp, fed = [], [], first
+    history = histories["each"]
+    for k, batch in enumerate(layouts):
+        runner = runners["each"]
+        assert runner is not None
+        history.record(slots, [n + k for n in lens], fed.tolist())
+        d = sampling.sample(runner.run(batch, fed), params, [n + k + 1 for n in lens], history, slots)
+        each_ids.append(d.token_ids)
+        each_lp.append(d.logprobs)
+        fed = torch.tensor(d.token_ids)
+    history = histories["one call"]
+    history.record(slots, lens, first.tolist())
+    # The tallies of the penalised rows, the first three.
+    vocab = model.cfg.vocab_size
+    tallies = history.tallies(slots[:3], [p.prompt_len for p in params[:3]], [n + 1 for n in lens[:3]], vocab)
+    penalties = (sampling.penalty_table(params), tallies)
+    draws = (sampling.draw_table(params), sampling.seed_bits(params))
+    runner = runners["one call"]
+    assert runner is not None
+    drawn = runner.run_drawn_steps(layouts, first, draws, penalties)
+    assert drawn is not None
+    assert drawn.ids.tolist() == each_ids and drawn.logprobs() == each_lp
+    assert torch.equal(caches["one call"].data, caches["each"].data)
+    unpenalised = [replace(p, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0) for p in params]
+    runner = runners["unpenalised"]
+    assert runner is not None
+    plain = runner.run_drawn_steps(layouts, first, (sampling.draw_table(unpenalised), sampling.seed_bits(unpenalised)))
+    assert plain is not None
+    differ = [i for i in range(4) if plain.ids[:, i].tolist() != drawn.ids[:, i].tolist()]
+    assert differ[:3] == [0, 1, 2] and 3 not in differ  # the penalties shaped the draws of the rows that have them
+    assert torch.equal(drawn.picked[:, 3], plain.picked[:, 3])
+
+
+def test_penalties_in_a_call_of_steps_are_checked_and_need_a_sampling_table(small: Transformer) -> None:
+    """Malformed penalties are refused, naming what is wrong, before anything runs."""
+    runner = cpu_decode(small, small.make_cache(2, torch.float32, "cpu"), torch.device("cpu"))
+    assert runner is not None
+    layouts = [BatchLayout.build([Segment(0, k, 1)]) for k in range(2)]
+    p = [SamplingParams(temperature=1.0, seed=4, repetition_penalty=1.2)]
+    draws = (sampling.draw_table(p), sampling.seed_bits(p))
+    tallies = torch.tensor([[0, 7, 1, 1]])
+    with pytest.raises(RuntimeError, match="penalties need the rows' sampling table"):
+        runner.run_drawn_steps(layouts, torch.tensor([7]), None, (sampling.penalty_table(p), tallies))
+    with pytest.raises(RuntimeError, match=r"the penalties must be a contiguous \(1, 4\) float64 tensor"):
+        runner.run_drawn_steps(layouts, torch.tensor([7]), draws, (sampling.penalty_table(p * 2), tallies))
+    with pytest.raises(RuntimeError, match=r"tally 1 repeats token 7 of row 0"):
+        runner.run_drawn_steps(layouts, torch.tensor([7]), draws, (sampling.penalty_table(p), tallies.repeat(2, 1)))
+    with pytest.raises(RuntimeError, match=r"tally 0 \(row 1, token 7\) is not of a penalised row's tokens"):
+        runner.run_drawn_steps(layouts, torch.tensor([7]), draws, (sampling.penalty_table(p), tallies + tallies.eq(0)))
+
+
 def _drawn_pipeline(engine: StageEngine, rank: int, together: bool,
                     p: SamplingParams) -> list[tuple[list[int], list[float]]]:  # fmt: skip
     """A prompt, then 5 decode steps of one sequence drawing as `p` says through a pp=2 mesh: the first stage receives
@@ -522,18 +605,27 @@ def _drawn_pipeline(engine: StageEngine, rank: int, together: bool,
             engine.step(batch, tokens_from=loop)
         return []
     assert logits is not None
-    first = sampling.sample(logits, [p], [len(prompt)]).token_ids
+    history = TokenHistory(1, 64)  # what a penalised draw counts: the prompt, then each token fed
+    history.record([0] * len(prompt), range(len(prompt)), prompt)
+    first = sampling.sample(logits, [p], [len(prompt)], history, [0]).token_ids
     loop.send(torch.tensor(first))
     if together:
-        draws = None if p.greedy else (sampling.draw_table([p]), sampling.seed_bits([p]))
-        drawn = engine.drawn_steps(batches, torch.tensor(first), loop, draws)
+        draws = None if p.greedy and not p.penalized else (sampling.draw_table([p]), sampling.seed_bits([p]))
+        penalties = None
+        if p.penalized:
+            history.record([0], [len(prompt)], first)
+            penalties = (sampling.penalty_table([p]), history.tallies([0], [p.prompt_len], [len(prompt) + 1],
+                                                                      engine.model.cfg.vocab_size))  # fmt: skip
+        drawn = engine.drawn_steps(batches, torch.tensor(first), loop, draws, penalties)
         assert drawn is not None
         return list(zip(drawn.ids.tolist(), drawn.logprobs(), strict=True))
-    out = []
+    out, fed = [], first
     for k, batch in enumerate(batches):
         step_logits = engine.step(batch)
         assert step_logits is not None
-        d = sampling.sample(step_logits, [p], [len(prompt) + k + 1])
+        history.record([0], [len(prompt) + k], fed)
+        d = sampling.sample(step_logits, [p], [len(prompt) + k + 1], history, [0])
+        fed = d.token_ids
         out.append((d.token_ids, d.logprobs))
         if k < len(batches) - 1:
             loop.send(torch.tensor(d.token_ids))
@@ -541,15 +633,16 @@ def _drawn_pipeline(engine: StageEngine, rank: int, together: bool,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("p", [SamplingParams(), SAMPLED[1]], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("p", [SamplingParams(), SAMPLED[1], replace(PENALISED[2], prompt_len=len(PROMPTS[0]))],
+                         ids=["greedy", "sampled", "penalised"])  # fmt: skip
 def test_a_pipelines_last_stage_draws_its_steps_in_one_call_as_one_at_a_time(
         tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
         p: SamplingParams) -> None:  # fmt: skip
     """The last stage of a pp=2 mesh runs five steps in one call (`decode_steps_drawn_received`): each receives its
-    activations, draws (greedy, or seeded at the token's position), and sends the tokens back to the first stage,
-    which feeds them to its next step. The draws and their log-probabilities are those of the last stage drawing one
-    step a call, to the bit. (An untied model: the tied one of `shm_pipeline` draws the token it is fed, so a wrong
-    token sent would go unseen.)"""
+    activations, draws (greedy, seeded at the token's position, or that with penalties), and sends the tokens back to
+    the first stage, which feeds them to its next step. The draws and their log-probabilities are those of the last
+    stage drawing one step a call, to the bit. (An untied model: the tied one of `shm_pipeline` draws the token it is
+    fed, so a wrong token sent would go unseen.)"""
     monkeypatch.delenv(shm_link.TRANSPORT_ENV, raising=False)
     d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=4, seed=3)
     one_call = run_mesh(d, 2, 1, lambda engine, rank: _drawn_pipeline(engine, rank, True, p), dtype=dtype)

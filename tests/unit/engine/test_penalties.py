@@ -90,6 +90,28 @@ def test_penalties_computed_where_tokens_occur_equal_the_formulas_over_whole_row
     assert torch.equal(got[2], logits[2]) and not torch.equal(got[3], logits[3])
 
 
+def test_tallies_are_each_rows_tokens_with_their_counts_in_the_sequence_and_in_its_completion() -> None:
+    """What a call of several steps starts its penalties from: a line per (row, token) before each row's end, with the
+    counts `occurrences` gives over the whole sequence and over its completion; stale positions past the end and ids
+    past the vocabulary are not counted."""
+    logs, slots = _histories(3, 7), [4, 1, 6]
+    history = _history_of(logs, slots)
+    history.record([6], [2], [VOCAB + 3])  # an id past the vocabulary
+    ends, prompt_lens = [len(log) - 1 for log in logs], [2, 0, 9]
+    lines = history.tallies(slots, prompt_lens, ends, VOCAB)
+    assert lines.dtype == torch.int64 and lines.shape[1] == 4
+    expected = {}
+    for row, (log, end, n) in enumerate(zip(logs, ends, prompt_lens, strict=True)):
+        log = [VOCAB + 3 if (row, i) == (2, 2) else t for i, t in enumerate(log)]
+        for token, count in Counter(t for t in log[:end] if t < VOCAB).items():
+            expected[row, token] = (count, sum(1 for t in log[n:end] if t == token))
+    assert {(r, t): (a, g) for r, t, a, g in lines.tolist()} == expected
+    assert len(lines) == len(expected) and any(g == 0 < a for a, g in expected.values())
+    rows, tokens, counts = history.occurrences(slots, prompt_lens, ends, VOCAB)
+    completion = {(r, t): g for (r, t), (_, g) in expected.items() if g}
+    assert dict(zip(zip(rows.tolist(), tokens.tolist(), strict=True), counts.tolist(), strict=True)) == completion
+
+
 def test_a_position_written_again_counts_once_and_positions_past_the_draw_not_at_all() -> None:
     history = TokenHistory(num_slots=2, max_len=16)
     history.record([1] * 6, range(6), [3, 3, 5, 8, 8, 8])  # an earlier, longer sequence in the slot

@@ -69,13 +69,16 @@ def test_one_call_of_several_steps_draws_what_single_steps_draw(model: Path, sto
     assert decode(core, SEEDED, 10, 9) == single
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, replace(SEEDED, repetition_penalty=1.0)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("sampling", [GREEDY, replace(SEEDED, repetition_penalty=1.0), SEEDED,
+                                      replace(SEEDED, frequency_penalty=1.2, presence_penalty=-0.5),
+                                      SamplingParams(repetition_penalty=1.5, frequency_penalty=0.4)],
+                         ids=["greedy", "sampled", "repetition", "frequency-presence", "greedy-penalised"])  # fmt: skip
 def test_steps_in_one_call_give_the_tokens_and_log_probabilities_of_single_steps(
         model: Path, store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch,
         sampling: SamplingParams) -> None:  # fmt: skip
-    """A single stage's call of several steps, greedy or seeded without a penalty, draws them all in one call of its
-    engine (`StageEngine.drawn_steps`); each token and its log-probability is the one a call per step samples, to the
-    bit."""
+    """A single stage's call of several steps, greedy or seeded, with penalties or without, draws them all in one call
+    of its engine (`StageEngine.drawn_steps`); each token and its log-probability is the one a call per step samples,
+    to the bit. Calls of 4 steps: the second counts, for its penalties, the tokens the first drew."""
     core = one_stage(model, store)
     calls: list[bool] = []
     original = runtime.StageWorkerCore._drawn_steps
@@ -173,7 +176,7 @@ def test_a_stage_failing_part_way_through_a_call_fails_its_peers_at_once(model: 
     4, after the first stage has begun waiting for that step's token: its epoch breaks and its groups close, so the
     first stage (and the stage between) fail on a closed link, not at the group timeout (30 s here: the message
     would say so), and every stage waits for a new epoch. Over Gloo links and over shared-memory ones. The request
-    samples with a penalty: calls without one draw their later steps inside the layers' call, where no Python
+    asks for top log-probabilities: calls without them draw their later steps inside the layers' call, where no Python
     `sample` runs."""
     monkeypatch.setenv(shm_link.TRANSPORT_ENV, links)
     ids = tuple(f"w{i}" for i in range(stages))
@@ -189,7 +192,7 @@ def test_a_stage_failing_part_way_through_a_call_fails_its_peers_at_once(model: 
         return sample(*args, **kwargs)
 
     monkeypatch.setattr(runtime, "sample", failing_sample)
-    step = entry(len(PROMPT), (first,), SEEDED)
+    step = entry(len(PROMPT), (first,), replace(SEEDED, top_logprobs=2))
     results = on_every_core(cores, lambda core: core.step(5, [step], 4), raising=False)
     assert len(calls) == 2
     assert all(isinstance(r, MeshError) for r in results), results
