@@ -1077,6 +1077,25 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
     if (m == 0) block_dp<R, true>(xq.data() + m * K2, K2, K2, blk, acc);
     else block_dp<R>(xq.data() + m * K2, K2, K2, blk, acc, next_block(M, N, m + R, b, blk + K2 * 2 * NB));
   });
+#elif defined(__AVX512F__)
+  // AVX-512 without its bfloat16 instructions (Skylake-SP to Ice Lake servers, or a guest not shown them): every
+  // product widened, with the widened way's prefetches and chunks above (the rows as they are: no vdpbf16ps to agree
+  // with). Until 2026-12-01 this path asked for nothing ahead and took no chunks; on a Xeon of family 6 model 207 whose
+  // guest shows neither AVX512-BF16 nor AMX, a one-row SmolLM2 step took 18.3 ms in bfloat16 against 25.7 in float32,
+  // 0.71x the time for half the bytes (docs/performance.md, "bfloat16 without its instructions").
+  if (M > 8 && M <= CHUNKED_ROWS) {
+    over_chunks(M, N, K2, bias, y, round_bf16, [&](int64_t m, auto rows, int share, int64_t b, int64_t p0, int64_t p1,
+                                                   float* acc) {
+      chunk_bf16<decltype(rows)::value>(x + m * K, K, K, wp + b * K2 * 2 * NB, p0, p1, share, acc, p0 == 0);
+    });
+    return;
+  }
+  over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
+    constexpr int R = decltype(rows)::value;
+    const uint16_t* blk = wp + b * K2 * 2 * NB;
+    if (m == 0) block_bf16<R, true>(x + m * K, K, K, blk, acc);
+    else block_bf16<R>(x + m * K, K, K, blk, acc, next_block(M, N, m + R, b, blk + K2 * 2 * NB));
+  });
 #else
   over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
     block_bf16<decltype(rows)::value>(x + m * K, K, K, wp + b * K2 * 2 * NB, acc);
@@ -3030,13 +3049,15 @@ void quantize_groups(torch::Tensor weight, torch::Tensor values, torch::Tensor s
 NOT_FINITE = "logits hold a NaN or no finite value"
 
 # What `SHARDMESH_CPU_ISA` may ask for: "native" (the default) compiles for this CPU, taking the widest paths it has;
-# "avx2" leaves AVX-512 and AMX out, so that a CPU with them runs (and tests, and measures) the AVX2 paths too.
+# "avx512" leaves AVX512-BF16 and AMX out, as on the Skylake-SP to Ice Lake servers that have AVX-512 without them;
+# "avx2" leaves AVX-512 and AMX out. A CPU with more runs (and tests, and measures) those paths too.
 ISA_ENV = "SHARDMESH_CPU_ISA"
+NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 ISA_FLAGS = {
     "native": ["-O3", "-march=native", "-fopenmp-simd"],
-    "avx2": ["-O3", "-march=native", "-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8",
-             "-fopenmp-simd"],
-}  # fmt: skip
+    "avx512": ["-O3", "-march=native", "-mno-avx512bf16", *NO_AMX, "-fopenmp-simd"],
+    "avx2": ["-O3", "-march=native", "-mno-avx512f", *NO_AMX, "-fopenmp-simd"],
+}
 
 
 def isa_kernel(isa: str) -> InlineKernel:

@@ -11,10 +11,12 @@ import torch.distributed as dist
 from shardmesh.engine import cpu_kernels
 from shardmesh.engine.cpu_features import cpu_flags
 
-# The kernels come in an AVX-512 and an AVX2 version (and plain loops), and a host compiles only the widest it has: on
-# a CPU with AVX-512 a test taking `isa` runs on its AVX2 build as well (SHARDMESH_CPU_ISA=avx2), so neither goes
-# untested.
-ISAS = ["native", *(["avx2"] if "avx512f" in cpu_flags() else [])]
+# The kernels come in versions for AVX-512 with its bfloat16 instructions (and AMX), AVX-512 without them, AVX2 (and
+# plain loops), and a host compiles only the widest it has: a test taking `isa` runs on every narrower build this CPU
+# can run as well (SHARDMESH_CPU_ISA=avx512, avx2), so none goes untested.
+_FLAGS = cpu_flags()
+ISAS = ["native", *(["avx512"] if {"avx512_bf16", "amx_bf16"} & _FLAGS else []),
+        *(["avx2"] if "avx512f" in _FLAGS else [])]  # fmt: skip
 
 
 @pytest.fixture(params=ISAS)

@@ -108,7 +108,7 @@ def test_bf16_rows_ways_give_the_same_numbers(isa: str, bf16_ways: list[str], sh
     if "vdpbf16ps" in bf16_ways:
         assert bf16_ways == ["vdpbf16ps", "widened"]
         return
-    assert bf16_ways == ["widened"] and (isa == "avx2" or "avx512_bf16" not in cpu_flags())
+    assert bf16_ways == ["widened"] and (isa in ("avx2", "avx512") or "avx512_bf16" not in cpu_flags())
     with pytest.raises(RuntimeError, match="this build has no vdpbf16ps"):
         cpu_kernels.use_bf16_rows("vdpbf16ps")
 
@@ -1097,13 +1097,15 @@ def test_sampling_takes_the_compiled_greedy_rows_once_the_kernels_are_loaded(mon
 
 
 def test_the_isa_builds_are_named_by_their_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SHARDMESH_CPU_ISA=avx2 compiles without AVX-512 and AMX, under a name of its own (so both builds are cached side
-    by side); a value that names no build is refused by `isa_kernel` and ignored, with a warning, from the
-    environment."""
-    native, avx2 = cpu_kernels.isa_kernel("native"), cpu_kernels.isa_kernel("avx2")
+    """SHARDMESH_CPU_ISA=avx2 compiles without AVX-512 and AMX, =avx512 without AVX512-BF16 and AMX, each under a name
+    of its own (so the builds are cached side by side); a value that names no build is refused by `isa_kernel` and
+    ignored, with a warning, from the environment."""
+    native, avx512, avx2 = (cpu_kernels.isa_kernel(isa) for isa in ("native", "avx512", "avx2"))
     assert "-mno-avx512f" in avx2.cflags and "-mno-amx-tile" in avx2.cflags and "-mno-avx512f" not in native.cflags
-    assert native.name != avx2.name and cpu_kernels.isa_kernel("avx2") is avx2
-    with pytest.raises(ValueError, match="SHARDMESH_CPU_ISA='avx9': expected one of native, avx2"):
+    assert "-mno-avx512bf16" in avx512.cflags and "-mno-amx-bf16" in avx512.cflags
+    assert "-mno-avx512f" not in avx512.cflags and "-mno-avx512bf16" not in native.cflags
+    assert len({native.name, avx512.name, avx2.name}) == 3 and cpu_kernels.isa_kernel("avx2") is avx2
+    with pytest.raises(ValueError, match="SHARDMESH_CPU_ISA='avx9': expected one of native, avx512, avx2"):
         cpu_kernels.isa_kernel("avx9")
     monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx9")
     assert cpu_kernels._isa_from_env() == "native"
