@@ -698,8 +698,9 @@ class StageWorkerCore:
         if not all(p.top_logprobs == 0 and (p.greedy or p.seed is not None) for p in params):
             return None
         history, penalized = rt.caches.tokens, [i for i, p in enumerate(params) if p.penalized]
-        if penalized and history is None:
-            return None
+        native = rt.engine.native
+        if penalized and (history is None or native is None or not native.accepts(layouts[0], False)):
+            return None  # no call to take them (a CUDA worker, a paged cache): not worth their tallies
         greedy = all(p.greedy for p in params) and not penalized
         draws = None if greedy else (draw_table(params), seed_bits(params))
         penalties = self._penalties(rt, entries, params, penalized, tokens) if penalized else None

@@ -119,6 +119,25 @@ def test_two_sequences_step_together_and_a_paged_cache_too(model: Path, store: d
     assert [b, *drawn[1::2]] == reference_greedy(model, list(other), 5)[0]
 
 
+def test_a_penalised_call_the_compiled_path_cannot_take_samples_step_by_step_untallied(
+        model: Path, store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A paged cache's calls take the eager model, one step at a time: a penalised call there draws what calls of one
+    step draw, without tallying its tokens for a compiled call that will not run."""
+    core = one_stage(model, store, PAGED)
+    tallied: list[int] = []
+    original = runtime.StageWorkerCore._penalties
+
+    def spied(*args: object) -> object:
+        tallied.append(1)
+        return original(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runtime.StageWorkerCore, "_penalties", staticmethod(spied))
+    single = decode(core, SEEDED, 9, 1, blocks=TABLE)
+    core.release([("r", 1)])
+    assert decode(core, SEEDED, 9, 4, blocks=TABLE) == single
+    assert tallied == []
+
+
 def pipelined(cores: list[StageWorkerCore], sampling: SamplingParams, n: int, per_call: int,
               version: int = 5) -> list[int]:  # fmt: skip
     """`decode` on every core of a pipeline at once; each call's results are checked against its steps: the last
