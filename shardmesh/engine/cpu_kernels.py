@@ -983,6 +983,29 @@ static inline const void* next_block(int64_t M, int64_t N, int64_t end, int64_t 
   return end == M && b + 1 < (N + NB - 1) / NB ? after : nullptr;
 }
 
+#ifdef __AVX512F__
+// y (M, N) = rows xr (M, K), as they are, times bfloat16 weights wp (packed) widened for FMAs: 9 to CHUNKED_ROWS rows a
+// chunk of each block at a time by every row group (`over_chunks`), others a block at a time, the first row group
+// asking for its weights ahead and the last for the next block (`block_bf16`, `next_block`).
+static void widened_products(const float* xr, int64_t M, int64_t K, int64_t N, const uint16_t* wp, const float* bias,
+                             float* y, bool round_bf16) {
+  const int64_t K2 = (K + 1) / 2;
+  if (M > 8 && M <= CHUNKED_ROWS) {
+    over_chunks(M, N, K2, bias, y, round_bf16, [&](int64_t m, auto rows, int share, int64_t b, int64_t p0, int64_t p1,
+                                                   float* acc) {
+      chunk_bf16<decltype(rows)::value>(xr + m * K, K, K, wp + b * K2 * 2 * NB, p0, p1, share, acc, p0 == 0);
+    });
+    return;
+  }
+  over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
+    constexpr int R = decltype(rows)::value;
+    const uint16_t* blk = wp + b * K2 * 2 * NB;
+    if (m == 0) block_bf16<R, true>(xr + m * K, K, K, blk, acc);
+    else block_bf16<R>(xr + m * K, K, K, blk, acc, next_block(M, N, m + R, b, blk + K2 * 2 * NB));
+  });
+}
+#endif
+
 // y (M, N) float32 = x (M, K) float32 times the packed w, (N, K) as `pack` returns it (int8 weights with `scale`, their
 // groups' scales and offsets as `pack_groups` returns them), + bias. `round_bf16`: the activations are bfloat16, so x
 // holds bfloat16 values (callers pass a bfloat16 tensor's, or rows they rounded as the model rounds) and each result
@@ -1036,19 +1059,7 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
       round_all(true, rounded.get(), M * K);
       xr = rounded.get();
     }
-    if (M > 8 && M <= CHUNKED_ROWS) {
-      over_chunks(M, N, K2, bias, y, round_bf16, [&](int64_t m, auto rows, int share, int64_t b, int64_t p0,
-                                                     int64_t p1, float* acc) {
-        chunk_bf16<decltype(rows)::value>(xr + m * K, K, K, wp + b * K2 * 2 * NB, p0, p1, share, acc, p0 == 0);
-      });
-      return;
-    }
-    over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
-      constexpr int R = decltype(rows)::value;
-      const uint16_t* blk = wp + b * K2 * 2 * NB;
-      if (m == 0) block_bf16<R, true>(xr + m * K, K, K, blk, acc);
-      else block_bf16<R>(xr + m * K, K, K, blk, acc, next_block(M, N, m + R, b, blk + K2 * 2 * NB));
-    });
+    widened_products(xr, M, K, N, wp, bias, y, round_bf16);
     return;
   }
   const std::vector<uint32_t> xq = bf16_pairs(x, M, K);
@@ -1083,19 +1094,7 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
   // with). Until 2026-12-01 this path asked for nothing ahead and took no chunks; on a Xeon of family 6 model 207 whose
   // guest shows neither AVX512-BF16 nor AMX, a one-row SmolLM2 step took 18.3 ms in bfloat16 against 25.7 in float32,
   // 0.71x the time for half the bytes (docs/performance.md, "bfloat16 without its instructions").
-  if (M > 8 && M <= CHUNKED_ROWS) {
-    over_chunks(M, N, K2, bias, y, round_bf16, [&](int64_t m, auto rows, int share, int64_t b, int64_t p0, int64_t p1,
-                                                   float* acc) {
-      chunk_bf16<decltype(rows)::value>(x + m * K, K, K, wp + b * K2 * 2 * NB, p0, p1, share, acc, p0 == 0);
-    });
-    return;
-  }
-  over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
-    constexpr int R = decltype(rows)::value;
-    const uint16_t* blk = wp + b * K2 * 2 * NB;
-    if (m == 0) block_bf16<R, true>(x + m * K, K, K, blk, acc);
-    else block_bf16<R>(x + m * K, K, K, blk, acc, next_block(M, N, m + R, b, blk + K2 * 2 * NB));
-  });
+  widened_products(x, M, K, N, wp, bias, y, round_bf16);
 #else
   over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
     block_bf16<decltype(rows)::value>(x + m * K, K, K, wp + b * K2 * 2 * NB, acc);
