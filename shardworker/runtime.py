@@ -698,12 +698,15 @@ class StageWorkerCore:
         if not all(p.top_logprobs == 0 and (p.greedy or p.seed is not None) for p in params):
             return None
         history, penalized = rt.caches.tokens, [i for i, p in enumerate(params) if p.penalized]
-        native = rt.engine.native
-        if penalized and (history is None or native is None or not native.accepts(layouts[0], False)):
+        if penalized and (history is None or not rt.engine.draws_steps(layouts)):
             return None  # no call to take them (a CUDA worker, a paged cache): not worth their tallies
         greedy = all(p.greedy for p in params) and not penalized
         draws = None if greedy else (draw_table(params), seed_bits(params))
-        penalties = self._penalties(rt, entries, params, penalized, tokens) if penalized else None
+        penalties = None
+        if penalized:
+            assert history is not None
+            vocab = rt.engine.model.cfg.vocab_size
+            penalties = self._penalties(history, vocab, entries, params, penalized, tokens)
         for e in entries:  # how far each slot's cache is written once they are done, as each step records it
             rt.caches.record_end(e.slot, e.start_pos + len(layouts) + 1)
         t0 = time.perf_counter()
@@ -722,17 +725,14 @@ class StageWorkerCore:
         return seconds, ids, drawn.logprobs()
 
     @staticmethod
-    def _penalties(rt: _Runtime, entries: list[StepEntry], params: list[SamplingParams], penalized: list[int],
-                   tokens: list[int]) -> tuple[Tensor, Tensor]:  # fmt: skip
+    def _penalties(history: TokenHistory, vocab: int, entries: list[StepEntry], params: list[SamplingParams],
+                   penalized: list[int], tokens: list[int]) -> tuple[Tensor, Tensor]:  # fmt: skip
         """What a call of steps starts its penalties from (`CpuDecode.run_drawn_steps`): each row's penalties, and the
         penalised rows' tokens before the first draw, the one its first step feeds (`tokens`, at start_pos + 1)
         recorded first, as a step of the loop in `_later_steps` records it."""
-        history = rt.caches.tokens
-        assert history is not None
         slots = [entries[i].slot for i in penalized]
         history.record(slots, [entries[i].start_pos + 1 for i in penalized], [tokens[i] for i in penalized])
         ends = [entries[i].start_pos + 2 for i in penalized]
-        vocab = rt.engine.model.cfg.vocab_size
         tallies = history.tallies(slots, [params[i].prompt_len for i in penalized], ends, vocab)
         tallies[:, 0] = torch.tensor(penalized, dtype=torch.int64)[tallies[:, 0]]  # the call's rows
         return penalty_table(params), tallies

@@ -2629,7 +2629,7 @@ struct StepPenalties {
     std::vector<int64_t> index(n_rows, -1);
     for (int64_t r = 0; r < n_rows; ++r) {
       const double* q = s + 4 * r;
-      if (q[0] == 1.0 && q[1] == 0.0 && q[2] == 0.0) continue;  // engine.core.step.penalized
+      if (q[0] == 1.0 && q[1] == 0.0 && q[2] == 0.0) continue;  // not penalised (shardmesh.core.step.penalized)
       index[r] = static_cast<int64_t>(rows.size());
       Row row{r, static_cast<float>(q[0]), static_cast<float>(q[1]), static_cast<float>(q[2]),
               static_cast<int64_t>(q[3]), {}, {}, {}, {}};

@@ -62,14 +62,9 @@ class TokenHistory:
         """The tokens at positions [starts[r], ends[r]) of `slots[r]`, each row's distinct ones: (rows, token ids,
         counts), one entry per (row, token) that occurs (counts float32). Ids past the vocabulary (never sent by a
         gateway, which checks them) are left out."""
-        device = self.data.device
-        width = max(ends)
-        ids = self.data[torch.tensor(slots, device=device), :width].long()  # (R, W)
-        position = torch.arange(width, device=device)
-        inside = (position >= torch.tensor(starts, device=device)[:, None]) & (
-            position < torch.tensor(ends, device=device)[:, None])  # fmt: skip
-        row = torch.arange(len(slots), device=device)[:, None].expand_as(ids)
-        keys, counts = torch.unique((row * (vocab_size + 1) + ids.clamp(0, vocab_size))[inside], return_counts=True)
+        keys, position, inside = self._keyed(slots, ends, vocab_size)
+        inside &= position >= torch.tensor(starts, device=position.device)[:, None]
+        keys, counts = torch.unique(keys[inside], return_counts=True)
         rows, tokens = keys // (vocab_size + 1), keys % (vocab_size + 1)
         known = tokens < vocab_size
         return rows[known], tokens[known], counts[known].float()
@@ -80,18 +75,24 @@ class TokenHistory:
         row, the token, how often it occurs there, and how often from `prompt_lens[r]` on (its completion). What a call
         of several steps starts its penalties from (`cpu_kernels`' StepPenalties), which counts each step's draws
         itself; ids past the vocabulary are left out, as `occurrences` leaves them."""
-        device = self.data.device
-        width = max(ends)
-        ids = self.data[torch.tensor(slots, device=device), :width].long()  # (R, W)
-        position = torch.arange(width, device=device)
-        inside = position < torch.tensor(ends, device=device)[:, None]
-        completion = inside & (position >= torch.tensor(prompt_lens, device=device)[:, None])
-        row = torch.arange(len(slots), device=device)[:, None].expand_as(ids)
-        keys = (row * (vocab_size + 1) + ids.clamp(0, vocab_size))[inside]
-        found, where, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+        keys, position, inside = self._keyed(slots, ends, vocab_size)
+        completion = position >= torch.tensor(prompt_lens, device=position.device)[:, None]
+        found, where, counts = torch.unique(keys[inside], return_inverse=True, return_counts=True)
         generated = torch.zeros_like(counts).index_add_(0, where, completion[inside].long())
         rows, tokens = found // (vocab_size + 1), found % (vocab_size + 1)
         return torch.stack([rows, tokens, counts, generated], 1)[tokens < vocab_size].cpu()
+
+    def _keyed(self, slots: Sequence[int], ends: Sequence[int], vocab_size: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The tokens of `slots[r]` up to the longest end, (R, W) each: as keys row * (vocab_size + 1) + id (an id past
+        the vocabulary as vocab_size, for the callers to leave out), their positions, and whether a position lies
+        before its row's end."""
+        device = self.data.device
+        width = max(ends)
+        ids = self.data[torch.tensor(slots, device=device), :width].long()
+        row = torch.arange(len(slots), device=device)[:, None].expand_as(ids)
+        position = torch.arange(width, device=device).expand_as(ids)
+        inside = position < torch.tensor(ends, device=device)[:, None]
+        return row * (vocab_size + 1) + ids.clamp(0, vocab_size), position, inside
 
     def counts(self, slots: Sequence[int], starts: Sequence[int], ends: Sequence[int], vocab_size: int) -> Tensor:
         """(R, vocab_size) float32: how often each token occurs at positions [starts[r], ends[r]) of `slots[r]`."""

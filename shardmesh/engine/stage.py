@@ -92,19 +92,23 @@ class StageEngine:
             self._send(self._relayed(relay, out))
         return None
 
+    def draws_steps(self, batches: list[BatchLayout]) -> bool:
+        """Whether `drawn_steps` may take these steps: a last stage on the CPU decode path, which accepts each layout
+        (a pipeline's last stage also needs its links over shared memory, which only the call finds out)."""
+        return (self.is_last and self.native is not None and bool(batches)
+                and all(self.native.accepts(b, False) for b in batches))  # fmt: skip
+
     @torch.inference_mode()
     def drawn_steps(self, batches: list[BatchLayout], token_ids: Tensor, loop: StageLink | None = None,
                     draws: tuple[Tensor, Tensor] | None = None,
                     penalties: tuple[Tensor, Tensor] | None = None) -> Drawn | None:  # fmt: skip
         """Decode steps (`batches`, one a step) in one call of the CPU decode path, draws included (greedy, or as
-        `draws` says: `sampling.draw_table` and `sampling.seed_bits` of the rows; penalised as `penalties` say,
-        `CpuDecode.run_drawn_steps`): on a single stage
-        (`CpuDecode.run_drawn_steps`) the first fed `token_ids` and each later one what the step before it drew; on a
-        pipeline's last stage (`run_drawn_steps_received`) each receiving its activations, its draws sent back to the
-        first stage over `loop` but the last step's. None where it cannot, and nothing ran: the caller runs `step` for
-        each and samples."""
-        if (not self.is_last or self.native is None or not batches
-                or not all(self.native.accepts(b, False) for b in batches)):  # fmt: skip
+        `draws` says: `sampling.draw_table` and `sampling.seed_bits` of the rows; penalised as `penalties` say): on a
+        single stage (`CpuDecode.run_drawn_steps`) the first fed `token_ids` and each later one what the step before it
+        drew; on a pipeline's last stage (`run_drawn_steps_received`) each receiving its activations, its draws sent
+        back to the first stage over `loop` but the last step's. None where it cannot, and nothing ran: the caller
+        runs `step` for each and samples."""
+        if not self.draws_steps(batches):
             return None
         if self.is_first:
             return self.native.run_drawn_steps(batches, token_ids, draws, penalties)
