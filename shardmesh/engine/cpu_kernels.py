@@ -2595,21 +2595,23 @@ struct StepDraws {
   }
 };
 
-// The penalties (engine.penalties) of a call's rows, kept across its steps: each penalised row's tokens so far, and how
-// often each occurs in the whole sequence and in its completion. `settings` is (rows, 4) float64, each row's
+// The penalties (engine.penalties) of a call's rows, kept across its steps: each penalised row's tokens so far (what
+// the repetition penalty takes, once each), and how often each occurs in its completion (what frequency and presence
+// count). `settings` is (rows, 4) float64, each row's
 // repetition, frequency and presence penalties and its prompt's length (`sampling.penalty_table`); `tallies` (m, 4)
 // int64, a line per (row, token) that occurs before the call's first draw: row, token, count, count in the completion
 // (`TokenHistory.tallies`). A step applies them to its rows' logits in place (`apply`), as `penalise_` computes them,
 // its draws are made, the logits put back (`restore`: a token's log-probability is the model's), and the drawn tokens
 // counted for the next step (`add`). Why: a call of several steps with a penalty went back to Python for every step's
-// draw, ~0.5 ms a token at one stream and ~3 ms a step at 16 (docs/performance.md, "Penalties inside a call of steps").
+// draw, and took 1.08x the time a token of one without a penalty, at one row and at 16 (docs/performance.md,
+// "Penalties inside a call of steps").
 struct StepPenalties {
   struct Row {
     int64_t row;
     float repetition, frequency, presence;
     int64_t prompt_len;
     std::vector<int64_t> tokens;
-    std::vector<float> all, generated;  // float32, as penalise_'s counts
+    std::vector<float> generated;  // float32, as penalise_'s counts
     std::unordered_map<int64_t, size_t> at;
   };
   std::vector<Row> rows;
@@ -2632,7 +2634,7 @@ struct StepPenalties {
       if (q[0] == 1.0 && q[1] == 0.0 && q[2] == 0.0) continue;  // not penalised (shardmesh.core.step.penalized)
       index[r] = static_cast<int64_t>(rows.size());
       Row row{r, static_cast<float>(q[0]), static_cast<float>(q[1]), static_cast<float>(q[2]),
-              static_cast<int64_t>(q[3]), {}, {}, {}, {}};
+              static_cast<int64_t>(q[3]), {}, {}, {}};
       rows.push_back(std::move(row));
       any_repetition |= q[0] != 1.0;
       any_frequency |= q[1] != 0.0 || q[2] != 0.0;
@@ -2646,7 +2648,6 @@ struct StepPenalties {
       TORCH_CHECK(row.at.emplace(line[1], row.tokens.size()).second, who, ": tally ", i, " repeats token ", line[1],
                   " of row ", line[0]);
       row.tokens.push_back(line[1]);
-      row.all.push_back(static_cast<float>(line[2]));
       row.generated.push_back(static_cast<float>(line[3]));
     }
   }
@@ -2668,10 +2669,8 @@ struct StepPenalties {
       const auto [it, fresh] = row.at.emplace(token, row.tokens.size());
       if (fresh) {
         row.tokens.push_back(token);
-        row.all.push_back(1.f);
         row.generated.push_back(in_completion);
       } else {
-        row.all[it->second] += 1.f;
         row.generated[it->second] += in_completion;
       }
     }
