@@ -158,12 +158,13 @@ def test_blocked_int8_product_equals_the_dequantized_one(shape: tuple[int, int, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("rows", [1, 5, 16, 40])
 def test_threads_sharing_a_product_compute_every_block_once(dtype: torch.dtype, rows: int) -> None:
-    """Each thread takes its own range of blocks, then the others' unclaimed ones (`over_blocks`). With more threads
-    than this host has cores a thread is often off its core mid-product while the others take its blocks: every
-    product must still equal one thread's, to the bit (each block is computed whole by whoever claims it). float32 at
-    40 rows takes the tiled path instead (fixed panels per thread), which the same check holds."""
+    """Each thread takes its own range of blocks, then the others' unclaimed ones (`each_block`: `over_blocks`, and
+    `over_chunks` for bfloat16 at 9-32 rows on AVX-512). With more threads than this host has cores a thread is often
+    off its core mid-product while the others take its blocks: every product must still equal one thread's, to the
+    bit (each block is computed whole by whoever claims it). float32 at 40 rows on AVX2 takes the tiled path instead
+    (fixed panels per thread), which the same check holds."""
     g = torch.Generator().manual_seed(rows)
     n, k = 32 * 40 + 7, 96  # 41 blocks, the last one short: ranges of 13 and 14 over 3 threads
     w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
