@@ -3,6 +3,7 @@
     .venv/bin/python bench/against.py REV [--layouts 1x1,2x1] [--streams 1,16] [--dtype float32] [--rounds 3]
                                           [--prompt-tokens N] [--temperature T [--top-p P] [--top-k K]]
                                           [--frequency-penalty F] [--presence-penalty P] [--repetition-penalty R]
+                                          [--top-logprobs N]
 
 REV is checked out into a temporary git worktree (removed afterwards). For each layout, the two
 checkouts' meshes (`shardmesh up`, same model, flags and threads) are started in turn, A B A B ...,
@@ -13,7 +14,7 @@ per figure: decode ms per token (below 1 is faster) and aggregate tokens/s (abov
 `--prompt-tokens N` sends a longer prompt instead: bench/run.py's request repeated until its chat encoding holds N
 tokens or more (for changes to prompts: their time to first token). `--temperature T` (above 0) sends sampled
 requests instead of greedy ones, seeded and ignoring the end of sequence (for changes to sampling); the penalties add
-theirs to those requests, or to greedy ones.
+theirs to those requests, or to greedy ones, and `--top-logprobs N` asks each token's N most likely alternatives.
 
 Writes bench/results/<host>-<date>-against-<rev>.{md,json} and prints the markdown.
 """
@@ -35,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.conditions import PROMPT, machine, save_results  # noqa: E402  (the repository root is on the path only now)
 from bench.run import MAX_CONTEXT, Mesh, run_streams  # noqa: E402
+from shardmesh.core.step import MAX_TOP_LOGPROBS  # noqa: E402
 from shardmesh.rpc.procs import cores  # noqa: E402
 from shardmesh_cli.up import share_cores  # noqa: E402
 
@@ -100,6 +102,7 @@ def main() -> None:
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--presence-penalty", type=float, default=0.0)
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--top-logprobs", type=int, default=0, help="alternatives asked for each token (0 to 20)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
     if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
@@ -108,6 +111,10 @@ def main() -> None:
     if penalised(a):
         sampling = {**(sampling or {}), "frequency_penalty": a.frequency_penalty,
                     "presence_penalty": a.presence_penalty, "repetition_penalty": a.repetition_penalty}  # fmt: skip
+    if not 0 <= a.top_logprobs <= MAX_TOP_LOGPROBS:
+        ap.error(f"--top-logprobs: 0 to {MAX_TOP_LOGPROBS}, got {a.top_logprobs}")
+    if a.top_logprobs:
+        sampling = {**(sampling or {}), "top_logprobs": a.top_logprobs}
     if a.prompt_tokens < 0 or a.prompt_tokens + a.new_tokens > MAX_CONTEXT:
         ap.error(f"--prompt-tokens: 0 to {MAX_CONTEXT} less --new-tokens ({a.new_tokens}), got {a.prompt_tokens}")
 
@@ -165,6 +172,8 @@ def report(info: dict, commit: str, rows: list[dict], a: argparse.Namespace) -> 
     sampled = f"-t{a.temperature:g}-p{a.top_p:g}-k{a.top_k}" if a.temperature else ""
     if penalised(a):
         sampled += f"-f{a.frequency_penalty:g}-pr{a.presence_penalty:g}-r{a.repetition_penalty:g}"
+    if getattr(a, "top_logprobs", 0):
+        sampled += f"-lp{a.top_logprobs}"
     save_results(Path(a.out), info, f"-against-{commit[:7]}-{a.dtype}{sampled}", md,
                  {"against": commit, "dtype": a.dtype, "prompt_tokens": a.prompt_len, "sampling": drawn(a),
                   "rows": rows})  # fmt: skip
@@ -178,6 +187,8 @@ def drawn(a: argparse.Namespace) -> str:
     """How the requests drew their tokens, in words."""
     penalties = (f", frequency penalty {a.frequency_penalty:g}, presence penalty {a.presence_penalty:g}, repetition "
                  f"penalty {a.repetition_penalty:g}" if penalised(a) else "")  # fmt: skip
+    if getattr(a, "top_logprobs", 0):
+        penalties += f", {a.top_logprobs} top logprobs a token"
     if not a.temperature:
         return f"greedy{penalties} (ignoring EOS)" if penalties else "greedy"
     return (f"sampled (temperature {a.temperature:g}, top-p {a.top_p:g}, top-k {a.top_k}{penalties}, seeded, "

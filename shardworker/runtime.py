@@ -160,6 +160,17 @@ class StepResult:
         return max(0.0, self.elapsed_s - c.recv_wait_s - c.send_s - c.collective_s)
 
 
+@dataclass(frozen=True)
+class _DrawnSteps:
+    """A decode call's later steps run in one call (`StageWorkerCore._drawn_steps`): the seconds it took and, a list
+    per step, each entry's drawn id, its log-probability and its alternatives."""
+
+    seconds: float
+    ids: list[list[int]]
+    logprobs: list[list[float]]
+    top_logprobs: list[list[tuple[tuple[int, float], ...]]]
+
+
 @dataclass
 class _Caches:
     """A shard's per-sequence state, kept from one epoch to the next while the shard is unchanged."""
@@ -647,11 +658,10 @@ class StageWorkerCore:
             self._send_drawn(rt, loop, tokens, entries)
         drawn = self._drawn_steps(rt, entries, params, layouts, tokens, loop if sending else None) if last else None
         if drawn is not None:  # every later step, and its draws, in one call
-            seconds, ids, logprobs = drawn
-            elapsed, forward_s = elapsed + seconds, forward_s + seconds
-            for step_ids, step_logprobs in zip(ids, logprobs, strict=True):
-                sampled += [Sampled(e.request_id, t, lp, ()) for e, t, lp
-                            in zip(entries, step_ids, step_logprobs, strict=True)]  # fmt: skip
+            elapsed, forward_s = elapsed + drawn.seconds, forward_s + drawn.seconds
+            for step in zip(drawn.ids, drawn.logprobs, drawn.top_logprobs, strict=True):
+                sampled += [Sampled(e.request_id, t, lp, top) for e, t, lp, top
+                            in zip(entries, *step, strict=True)]  # fmt: skip
         for k, layout in enumerate(layouts if drawn is None else [], 1):
             t0 = time.perf_counter()
             try:
@@ -686,22 +696,25 @@ class StageWorkerCore:
 
     def _drawn_steps(self, rt: _Runtime, entries: list[StepEntry], params: list[SamplingParams],
                      layouts: list[BatchLayout], tokens: list[int],
-                     loop: StageLink | None) -> tuple[float, list[list[int]], list[list[float]]] | None:  # fmt: skip
-        """The last stage, every entry greedy or sampled (seeded), penalised or not, with no alternatives asked for: a
+                     loop: StageLink | None) -> _DrawnSteps | None:  # fmt: skip
+        """The last stage, every entry greedy or sampled (seeded), penalised or not, asking for alternatives or not: a
         decode call's later steps, their draws included, in one call of its engine (`StageEngine.drawn_steps`). A
         single stage feeds the first `tokens`; a pipeline's last stage receives each step's activations and sends its
-        draws over `loop`. Returns the seconds it took, and each step's drawn ids and their log-probabilities (as
-        `sampling.sample` gives them); None where it cannot, and nothing ran. Why: returning to Python between steps
-        for the bookkeeping and the draw took ~0.25 ms a token, on a single stage's critical path, and on a pipeline's
-        between its head and the send the first stage waits for (docs/performance.md, "A single stage's greedy steps
-        in one call", "Sampled draws in one pass" for sampled rows, and "Penalties inside a call of steps")."""
-        if not all(p.top_logprobs == 0 and (p.greedy or p.seed is not None) for p in params):
+        draws over `loop`. Returns the seconds it took, and each step's drawn ids, their log-probabilities and the
+        rows' alternatives (as `sampling.sample` gives them); None where it cannot, and nothing ran. Why: returning
+        to Python between steps for the bookkeeping and the draw took ~0.25 ms a token, on a single stage's critical
+        path, and on a pipeline's between its head and the send the first stage waits for (docs/performance.md, "A
+        single stage's greedy steps in one call", "Sampled draws in one pass" for sampled rows, "Penalties inside a
+        call of steps" and "Alternatives inside a call of steps")."""
+        if not all(p.greedy or p.seed is not None for p in params):
             return None
         history, penalized = rt.caches.tokens, [i for i, p in enumerate(params) if p.penalized]
         if penalized and (history is None or not rt.engine.draws_steps(layouts)):
             return None  # no call to take them (a CUDA worker, a paged cache): not worth their tallies
         greedy = all(p.greedy for p in params) and not penalized
         draws = None if greedy else (draw_table(params), seed_bits(params))
+        counts = [p.top_logprobs for p in params]
+        top_counts = torch.tensor(counts, dtype=torch.int64) if any(counts) else None
         penalties = None
         if penalized:
             assert history is not None
@@ -711,7 +724,8 @@ class StageWorkerCore:
             rt.caches.record_end(e.slot, e.start_pos + len(layouts) + 1)
         t0 = time.perf_counter()
         try:
-            drawn = rt.engine.drawn_steps(layouts, torch.tensor(tokens, dtype=torch.int64), loop, draws, penalties)
+            drawn = rt.engine.drawn_steps(layouts, torch.tensor(tokens, dtype=torch.int64), loop, draws, penalties,
+                                          top_counts)  # fmt: skip
         except RuntimeError as e:  # as a step's failure is reported (`_later_steps`)
             raise self._peer_lost(rt, e, request_ids=[x.request_id for x in entries]) from None
         if drawn is None:
@@ -722,7 +736,7 @@ class StageWorkerCore:
             fed = [(entries[i].slot, entries[i].start_pos + 2 + k, ids[k][i]) for k in range(len(ids) - 1)
                    for i in penalized]  # fmt: skip
             history.record(*(list(column) for column in zip(*fed, strict=True)))
-        return seconds, ids, drawn.logprobs()
+        return _DrawnSteps(seconds, ids, drawn.logprobs(), drawn.top_logprobs(counts))
 
     @staticmethod
     def _penalties(history: TokenHistory, vocab: int, entries: list[StepEntry], params: list[SamplingParams],

@@ -100,15 +100,30 @@ def _raise_not_finite(e: RuntimeError) -> None:
 class Drawn:
     """A call of several decode steps' draws, (steps, rows) each: the drawn ids, each row's largest logit, the log of
     its exponentials' sum after it, and the drawn token's logit; a draw's log-probability is
-    (picked - top) - logsum, as `sampling.sample` reports it (-logsum for a greedy row)."""
+    (picked - top) - logsum, as `sampling.sample` reports it (-logsum for a greedy row). `top_ids` and `top_values`
+    (steps, rows, most) hold the alternatives the rows asked for (`top_counts`): each row's first that many largest
+    logits and their ids, in `sampling.top_tokens`' order."""
 
     ids: Tensor
     top: Tensor
     logsum: Tensor
     picked: Tensor
+    top_ids: Tensor
+    top_values: Tensor
 
     def logprobs(self) -> list[list[float]]:
         return ((self.picked - self.top) - self.logsum).tolist()
+
+    def top_logprobs(self, counts: list[int]) -> list[list[tuple[tuple[int, float], ...]]]:
+        """Each step's alternatives, a row each: its `counts[i]` most likely tokens and their log-probabilities, as
+        `sampling.sample` gives them (the same arithmetic as `Normaliser.log_probs`)."""
+        steps = self.ids.shape[0]
+        if self.top_ids.shape[-1] == 0:
+            return [[()] * len(counts) for _ in range(steps)]
+        values = (self.top_values - self.top[..., None]) - self.logsum[..., None]
+        ids, lps = self.top_ids.tolist(), values.tolist()
+        return [[tuple(zip(ids[k][i][:n], lps[k][i][:n], strict=True)) for i, n in enumerate(counts)]
+                for k in range(steps)]  # fmt: skip
 
 
 class CpuDecode:
@@ -204,15 +219,17 @@ class CpuDecode:
 
     @torch.inference_mode()
     def run_drawn_steps(self, batches: list[BatchLayout], token_ids: Tensor, draws: tuple[Tensor, Tensor] | None = None,
-                        penalties: tuple[Tensor, Tensor] | None = None) -> Drawn | None:  # fmt: skip
+                        penalties: tuple[Tensor, Tensor] | None = None,
+                        top_counts: Tensor | None = None) -> Drawn | None:  # fmt: skip
         """A single stage's decode steps (`batches`, which `accepts`, each of the same rows), all in one call
         (`decode_steps_drawn`): step k embeds what step k - 1 drew (`token_ids` for the first), computes at
         batches[k]'s places, and draws each row's token: its most likely, or, with `draws` (`sampling.draw_table`
         and `sampling.seed_bits` of the rows), as `sampling.draw` does at the drawn token's position. `penalties`
         (`sampling.penalty_table` of the rows and `TokenHistory.tallies` of their tokens before the first draw; they
-        need `draws`) shape each draw as `sampling.sample` does, counting the call's own draws as it goes. None where
-        it cannot (layers not in one call, a head that is not a whole blocked product, more rows than a chunk): then
-        nothing ran."""
+        need `draws`) shape each draw as `sampling.sample` does, counting the call's own draws as it goes.
+        `top_counts` (rows,) int64: how many alternatives each row asks for (`top_logprobs`). None where it cannot
+        (layers not in one call, a head that is not a whole blocked product, more rows than a chunk): then nothing
+        ran."""
         model, n = self.model, batches[0].num_tokens
         cos, sin = model.rope_cos, model.rope_sin
         assert cos is not None and sin is not None, "call init_buffers() first"
@@ -226,22 +243,24 @@ class CpuDecode:
             return None
         slots, positions = self._step_places(batches)
         try:
-            ids, top, logsum, picked, times = self.ext.decode_steps_drawn(
+            ids, top, logsum, picked, times, top_ids, top_values = self.ext.decode_steps_drawn(
                 self._all.id, token_ids.to(torch.int64), table, slots, positions, cos, sin, *self._head,
-                *(draws or (None, None)), *(penalties or (None, None)),
+                *(draws or (None, None)), *(penalties or (None, None)), top_counts,
             )  # fmt: skip
         except RuntimeError as e:
             _raise_not_finite(e)
             raise
         self.stamps = [(start, end) for start, end in times.tolist()]
-        return Drawn(ids, top, logsum, picked)
+        return Drawn(ids, top, logsum, picked, top_ids, top_values)
 
     @torch.inference_mode()
     def run_drawn_steps_received(self, batches: list[BatchLayout], link: StageLink, loop: StageLink,
                                  draws: tuple[Tensor, Tensor] | None = None,
-                                 penalties: tuple[Tensor, Tensor] | None = None) -> Drawn | None:  # fmt: skip
+                                 penalties: tuple[Tensor, Tensor] | None = None,
+                                 top_counts: Tensor | None = None) -> Drawn | None:  # fmt: skip
         """`run_drawn_steps` on a pipeline's last stage (`decode_steps_drawn_received`): step k receives its
-        activations over `link`, computes at batches[k]'s places, draws (with `penalties`, as `run_drawn_steps`), and
+        activations over `link`, computes at batches[k]'s places, draws (with `penalties` and `top_counts`, as
+        `run_drawn_steps`), and
         sends the drawn ids to the first stage over `loop`, all but the last step's. None where it cannot (as
         `run_drawn_steps`, or links not over shared memory): then nothing was received. A link that fails raises as a
         receive or send from Python would, after the steps before it are counted; the steps' stamps are in `stamps`."""
@@ -260,9 +279,9 @@ class CpuDecode:
             return None
         slots, positions = self._step_places(batches)
         try:
-            ids, top, logsum, picked, times, done = self.ext.decode_steps_drawn_received(
+            ids, top, logsum, picked, times, done, top_ids, top_values = self.ext.decode_steps_drawn_received(
                 self._all.id, x, slots, positions, cos, sin, *self._head, recv, send, *(draws or (None, None)),
-                *(penalties or (None, None)),
+                *(penalties or (None, None)), top_counts,
             )  # fmt: skip
         except RuntimeError as e:  # raised inside, after a receive or not: the links' counts are unknown now
             for end in (link, loop):
@@ -276,7 +295,7 @@ class CpuDecode:
             if k < last:
                 loop.sent_natively(id_bytes, int(sent), sending)  # and this on a failed send
             self.stamps.append((arrived, drawn_at))
-        return Drawn(ids, top, logsum, picked)
+        return Drawn(ids, top, logsum, picked, top_ids, top_values)
 
     def _step_places(self, batches: list[BatchLayout]) -> tuple[Tensor, Tensor]:
         """Each step's KV slots and positions, (steps, rows) each, for a call of several steps, every layout checked

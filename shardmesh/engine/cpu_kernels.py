@@ -2601,6 +2601,64 @@ struct StepDraws {
   }
 };
 
+// The alternatives a call's rows ask for (`top_logprobs`): `counts` (rows,) int64, how many each (0: none). Each step
+// keeps each such row's that many largest logits of the model's (before any penalty) and their token ids, largest
+// first, a tie going to the lower id and NaN above every number: `sampling.top_tokens`' order, so that a call of steps
+// gives what a step at a time gives. Why: a call whose rows asked for alternatives went back to Python for every
+// step's draw (docs/performance.md, "Alternatives inside a call of steps").
+struct StepTops {
+  std::vector<int64_t> count;
+  int64_t most = 0;
+  torch::Tensor ids, values;  // (steps, rows, most): row r's first count[r] of step k; the rest -1 and 0
+  StepTops(const Opt& counts, int64_t steps, int64_t rows, int64_t vocab, const char* who) : count(rows, 0) {
+    if (counts) {
+      TORCH_CHECK(counts->dim() == 1 && counts->size(0) == rows && counts->scalar_type() == at::kLong, who,
+                  ": top-logprob counts must be (", rows, ",) int64, not ", counts->sizes(), " ",
+                  counts->scalar_type());
+      const auto c = counts->contiguous();
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = c.data_ptr<int64_t>()[r];
+        TORCH_CHECK(n >= 0, who, ": row ", r, " asks for ", n, " top logprobs");
+        count[r] = std::min(n, vocab);
+        most = std::max(most, count[r]);
+      }
+    }
+    ids = torch::empty({steps, rows, most}, torch::kLong);
+    values = torch::empty({steps, rows, most}, torch::kFloat);
+    std::fill_n(ids.data_ptr<int64_t>(), ids.numel(), int64_t{-1});
+    std::fill_n(values.data_ptr<float>(), values.numel(), 0.f);
+  }
+  // a before b: NaN above every number, then the larger, then (equal) the lower id
+  static bool above(float a, int64_t i, float b, int64_t j) {
+    if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && (!std::isnan(b) || i < j);
+    return a > b || (a == b && i < j);
+  }
+  // step k's, of its (rows, n) logits l
+  void take(int64_t k, const float* l, int64_t rows, int64_t n) {
+    if (most == 0) return;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t want = count[r];
+      if (want == 0) continue;
+      int64_t* id = ids.data_ptr<int64_t>() + (k * rows + r) * most;
+      float* v = values.data_ptr<float>() + (k * rows + r) * most;
+      const float* x = l + r * n;
+      int64_t held = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const float xi = x[i];
+        // ids come in increasing order, so a logit equal to the last held one comes after it
+        if (held == want && !above(xi, i, v[held - 1], id[held - 1])) continue;
+        int64_t at = held == want ? want - 1 : held++;
+        for (; at > 0 && above(xi, i, v[at - 1], id[at - 1]); --at) {
+          v[at] = v[at - 1];
+          id[at] = id[at - 1];
+        }
+        v[at] = xi;
+        id[at] = i;
+      }
+    }
+  }
+};
+
 // The penalties (engine.penalties) of a call's rows, kept across its steps: each penalised row's tokens so far (what
 // the repetition penalty takes, once each), and how often each occurs in its completion (what frequency and presence
 // count). `settings` is (rows, 4) float64, each row's
@@ -2719,13 +2777,15 @@ static std::vector<torch::Tensor> layers_and_draw(const LayerStack& st, torch::T
                                                   const torch::Tensor& positions, const torch::Tensor& cos,
                                                   const torch::Tensor& sin, const torch::Tensor& norm, double eps,
                                                   const Weights& w, const Opt& b, const Opt& s,
-                                                  const StepDraws& how, StepPenalties* pen) {
+                                                  const StepDraws& how, StepPenalties* pen, StepTops& tops,
+                                                  int64_t k) {
   run_stack(st, x, slots, positions, cos, sin, true, [&](torch::Tensor& y) {
     x = y;
     return int64_t{0};
   });
   const auto logits = head_block(x, norm, eps, w, b, s).contiguous();
   auto found = greedy_rows(logits);  // of the model's logits, before any penalty: what log-probabilities are of
+  tops.take(k, logits.data_ptr<float>(), logits.size(0), logits.size(1));
   if (!how.table) {
     found.push_back(found[1]);
     return found;
@@ -2792,7 +2852,7 @@ struct Draws {
 std::vector<torch::Tensor> decode_steps_drawn(int64_t id, torch::Tensor ids, torch::Tensor embed, torch::Tensor slots,
                                               torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                                               torch::Tensor norm, double eps, Weights w, Opt b, Opt s, Opt table,
-                                              Opt seeds, Opt penalties, Opt tallies) {
+                                              Opt seeds, Opt penalties, Opt tallies, Opt top_counts) {
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && slots.dim() == 2 &&
                   slots.sizes() == positions.sizes() && slots.size(1) == ids.size(0) &&
                   slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
@@ -2803,6 +2863,7 @@ std::vector<torch::Tensor> decode_steps_drawn(int64_t id, torch::Tensor ids, tor
   const int64_t steps = slots.size(0), rows = ids.size(0);
   const StepDraws how(table, seeds, rows, "decode_steps_drawn");
   const auto pen = penalties_of(penalties, tallies, how, rows, "decode_steps_drawn");
+  StepTops tops(top_counts, steps, rows, w.empty() ? 0 : out_features(w), "decode_steps_drawn");
   Draws drawn(steps, rows);
   const auto slots_c = slots.contiguous(), positions_c = positions.contiguous();
   auto in = torch::empty({rows, embed.size(1)}, embed.options());
@@ -2812,13 +2873,13 @@ std::vector<torch::Tensor> decode_steps_drawn(int64_t id, torch::Tensor ids, tor
   for (int64_t k = 0; k < steps; ++k) {
     stamp[2 * k] = since_epoch(std::chrono::steady_clock::now());
     embed_rows(embed, feed.data_ptr<int64_t>(), rows, in.data_ptr(), "decode_steps_drawn");
-    const auto found =
-        layers_and_draw(*held, in, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s, how, pen.get());
+    const auto found = layers_and_draw(*held, in, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s, how,
+                                       pen.get(), tops, k);
     drawn.put(k, found);
     feed = found[0];
     stamp[2 * k + 1] = since_epoch(std::chrono::steady_clock::now());
   }
-  return {drawn.ids, drawn.top, drawn.logsum, drawn.picked, times};
+  return {drawn.ids, drawn.top, drawn.logsum, drawn.picked, times, tops.ids, tops.values};
 }
 
 // decode_layers whose input comes over a pipeline link, received inside this call, and whose output may go on over the
@@ -2890,11 +2951,12 @@ std::tuple<torch::Tensor, int64_t, double, double, int64_t, double> decode_layer
 // rows); a (steps, 6) float64 tensor of each step's receive status, wait, arrival and end of its draw on steady_clock,
 // send status and send seconds, rows past a failed step zero; the steps done whole). Why: the draw and the step's
 // bookkeeping in Python stood between the head and the send of the tokens the first stage waits for.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, torch::Tensor,
+           torch::Tensor>
 decode_steps_drawn_received(int64_t id, torch::Tensor x, torch::Tensor slots, torch::Tensor positions,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor norm, double eps, Weights w, Opt b,
-                            Opt s, LinkArgs recv, LinkArgs send, Opt table, Opt seeds, Opt penalties,
-                            Opt tallies) {
+                            Opt s, LinkArgs recv, LinkArgs send, Opt table, Opt seeds, Opt penalties, Opt tallies,
+                            Opt top_counts) {
   TORCH_CHECK(slots.dim() == 2 && slots.sizes() == positions.sizes() && slots.scalar_type() == at::kLong &&
                   positions.scalar_type() == at::kLong && slots.size(1) == x.size(0),
               "decode_steps_drawn_received: slots and positions must be (steps, ", x.size(0), ") int64, not ",
@@ -2903,6 +2965,7 @@ decode_steps_drawn_received(int64_t id, torch::Tensor x, torch::Tensor slots, to
   const int64_t steps = slots.size(0), rows = x.size(0);
   const StepDraws how(table, seeds, rows, "decode_steps_drawn_received");
   const auto pen = penalties_of(penalties, tallies, how, rows, "decode_steps_drawn_received");
+  StepTops tops(top_counts, steps, rows, w.empty() ? 0 : out_features(w), "decode_steps_drawn_received");
   Draws drawn(steps, rows);
   auto times = torch::empty({steps, 6}, torch::kDouble);
   double* t = times.data_ptr<double>();
@@ -2921,8 +2984,8 @@ decode_steps_drawn_received(int64_t id, torch::Tensor x, torch::Tensor slots, to
     row[0] = static_cast<double>(status), row[1] = std::chrono::duration<double>(t1 - t0).count();
     row[2] = since_epoch(t1);
     if (status != 0) break;
-    const auto found =
-        layers_and_draw(*held, x, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s, how, pen.get());
+    const auto found = layers_and_draw(*held, x, slots_c[k], positions_c[k], cos, sin, norm, eps, w, b, s, how,
+                                       pen.get(), tops, k);
     drawn.put(k, found);
     const auto t2 = Clock::now();
     row[3] = since_epoch(t2);
@@ -2933,7 +2996,7 @@ decode_steps_drawn_received(int64_t id, torch::Tensor x, torch::Tensor slots, to
     }
     ++done;
   }
-  return {drawn.ids, drawn.top, drawn.logsum, drawn.picked, times, done};
+  return {drawn.ids, drawn.top, drawn.logsum, drawn.picked, times, done, tops.ids, tops.values};
 }
 
 // decode_layers for a tensor-parallel rank whose row-parallel products have no bias: each half's partial sum goes

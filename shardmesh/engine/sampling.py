@@ -214,14 +214,33 @@ def _penalised(logits: Tensor, params: list[SamplingParams], positions: list[int
     return x
 
 
+def top_tokens(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Each row's k largest values of x (B, V) and their indices, largest first, a tie going to the lower index and
+    NaN above every number: (B, k) each. torch.topk picks the same values but orders ties as its selection happens to
+    leave them; this order is the one a compiled call of several steps keeps (`cpu_kernels`' StepTops), so that a
+    request's alternatives do not depend on how its steps were grouped. Only the candidates (values at or above each
+    row's k-th, and NaNs) are sorted."""
+    kth = torch.topk(x, k, dim=-1).values[:, -1:]
+    keep = (x >= kth) | x.isnan()  # at least k a row
+    rows, ids = keep.nonzero(as_tuple=True)  # row by row, ids increasing
+    values = x[rows, ids]
+    order = torch.sort(values, descending=True, stable=True).indices  # ties keep their ids' order
+    order = order[torch.sort(rows[order], stable=True).indices]  # then row by row, each in that order
+    counts = keep.sum(-1)
+    firsts = (torch.cumsum(counts, 0) - counts)[:, None] + torch.arange(k, device=x.device)
+    taken = order[firsts.flatten()]
+    return values[taken].view(-1, k), ids[taken].view(-1, k)
+
+
 def _top_logprobs(logits: Tensor, norm: Normaliser, counts: list[int]) -> list[tuple[tuple[int, float], ...]]:
-    """For each row, its `counts[i]` most likely tokens and their log-probabilities; one top-k for all rows."""
+    """For each row, its `counts[i]` most likely tokens and their log-probabilities (`top_tokens`' order); one
+    selection for all rows."""
     out: list[tuple[tuple[int, float], ...]] = [()] * len(counts)
     rows = [i for i, n in enumerate(counts) if n > 0]
     if not rows:
         return out
     k = min(max(counts[i] for i in rows), logits.shape[-1])
-    values, indices = torch.topk(logits[rows].float(), k, dim=-1)
+    values, indices = top_tokens(logits[rows].float(), k)
     values = norm.log_probs(values, rows)
     for i, ids, lps in zip(rows, indices.tolist(), values.tolist(), strict=True):
         out[i] = tuple(zip(ids[: counts[i]], lps[: counts[i]], strict=True))

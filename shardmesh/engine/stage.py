@@ -100,21 +100,22 @@ class StageEngine:
 
     @torch.inference_mode()
     def drawn_steps(self, batches: list[BatchLayout], token_ids: Tensor, loop: StageLink | None = None,
-                    draws: tuple[Tensor, Tensor] | None = None,
-                    penalties: tuple[Tensor, Tensor] | None = None) -> Drawn | None:  # fmt: skip
+                    draws: tuple[Tensor, Tensor] | None = None, penalties: tuple[Tensor, Tensor] | None = None,
+                    top_counts: Tensor | None = None) -> Drawn | None:  # fmt: skip
         """Decode steps (`batches`, one a step) in one call of the CPU decode path, draws included (greedy, or as
-        `draws` says: `sampling.draw_table` and `sampling.seed_bits` of the rows; penalised as `penalties` say): on a
-        single stage (`CpuDecode.run_drawn_steps`) the first fed `token_ids` and each later one what the step before it
-        drew; on a pipeline's last stage (`run_drawn_steps_received`) each receiving its activations, its draws sent
-        back to the first stage over `loop` but the last step's. None where it cannot, and nothing ran: the caller
-        runs `step` for each and samples."""
+        `draws` says: `sampling.draw_table` and `sampling.seed_bits` of the rows; penalised as `penalties` say; each
+        row's `top_counts` alternatives kept): on a single stage (`CpuDecode.run_drawn_steps`) the first fed
+        `token_ids` and each later one what the step before it drew; on a pipeline's last stage
+        (`run_drawn_steps_received`) each receiving its activations, its draws sent back to the first stage over
+        `loop` but the last step's. None where it cannot, and nothing ran: the caller runs `step` for each and
+        samples."""
         if not self.draws_steps(batches):
             return None
         if self.is_first:
-            return self.native.run_drawn_steps(batches, token_ids, draws, penalties)
+            return self.native.run_drawn_steps(batches, token_ids, draws, penalties, top_counts)
         if loop is None or self.groups.prev is None:
             return None
-        return self.native.run_drawn_steps_received(batches, self.groups.prev, loop, draws, penalties)
+        return self.native.run_drawn_steps_received(batches, self.groups.prev, loop, draws, penalties, top_counts)
 
     def _received(self, batch: BatchLayout, all_logits: bool, tokens_from: StageLink | None,
                   relay: Relay | None) -> tuple[Tensor, bool] | None:  # fmt: skip

@@ -27,16 +27,20 @@ def test_report_names_the_dtype_and_gives_every_figure(tmp_path: Path) -> None:
             against.report(info, "f40302c" + "0" * 33, rows, args)
     args.frequency_penalty, args.repetition_penalty = 0.5, 1.1  # bfloat16, sampled, and penalised
     against.report(info, "f40302c" + "0" * 33, rows, args)
-    stems = ["bfloat16-t0.7-p0.9-k0-f0.5-pr0-r1.1", "bfloat16-t0.7-p0.9-k0", "bfloat16", "float32-t0.7-p0.9-k0",
-             "float32"]  # fmt: skip
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    args.top_logprobs = 5  # and asking for alternatives
+    against.report(info, "f40302c" + "0" * 33, rows, args)
+    stems = ["bfloat16-t0.7-p0.9-k0-f0.5-pr0-r1.1", "bfloat16-t0.7-p0.9-k0-f0.5-pr0-r1.1-lp5",
+             "bfloat16-t0.7-p0.9-k0", "bfloat16", "float32-t0.7-p0.9-k0", "float32"]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         f"vm-2026-11-29-against-f40302c-{stem}.{ext}" for stem in stems for ext in ("json", "md")
-    ]
+    )
     sampled = (tmp_path / "vm-2026-11-29-against-f40302c-float32-t0.7-p0.9-k0.md").read_text()
     assert "float32, sampled (temperature 0.7, top-p 0.9, top-k 0, seeded, ignoring EOS), a prompt" in sampled
     penalised = (tmp_path / "vm-2026-11-29-against-f40302c-bfloat16-t0.7-p0.9-k0-f0.5-pr0-r1.1.md").read_text()
     assert ("top-k 0, frequency penalty 0.5, presence penalty 0, repetition penalty 1.1, seeded, ignoring EOS"
             in penalised)  # fmt: skip
+    alternatives = (tmp_path / "vm-2026-11-29-against-f40302c-bfloat16-t0.7-p0.9-k0-f0.5-pr0-r1.1-lp5.md").read_text()
+    assert "repetition penalty 1.1, 5 top logprobs a token, seeded, ignoring EOS" in alternatives
     md = (tmp_path / "vm-2026-11-29-against-f40302c-bfloat16.md").read_text()
     assert "| 1 | 1 | 16 | 30.0 | 32.0 | 0.938 | 400.0 | 360.0 | 1.111 | 54.0 | 77.0 | 0.701 |" in md
     assert "Model `m` bfloat16, greedy, a prompt of 46 tokens" in md

@@ -482,13 +482,14 @@ def test_a_single_stages_steps_in_one_call_draw_what_steps_one_at_a_time_draw(
     by `sampling.sample` from that step's logits: greedy rows, or (`sampled`) a greedy row beside two seeded ones."""
     d = make_checkpoint(tmp_path, family, num_layers=2, seed=5)
     model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
-    slots = [3, 0, 7]
-    params = SAMPLED if sampled else [SamplingParams()] * 3
+    slots, counts = [3, 0, 7], [3, 0, 5]  # the alternatives each row asks for
+    params = [replace(p, top_logprobs=n) for p, n in zip(SAMPLED if sampled else [SamplingParams()] * 3, counts,
+                                                          strict=True)]  # fmt: skip
     caches = {way: prefilled(model, slots, dtype) for way in ("each", "one call")}
     runners = {way: cpu_decode(model, cache, torch.device("cpu")) for way, cache in caches.items()}
     first = torch.tensor([11, 5, 42])
     layouts = [BatchLayout.build([Segment(s, len(PROMPTS[i]) + k, 1) for i, s in enumerate(slots)]) for k in range(5)]
-    each_ids, each_lp = [], []
+    each_ids, each_lp, each_top = [], [], []
     fed = first
     for k, batch in enumerate(layouts):
         runner = runners["each"]
@@ -496,19 +497,61 @@ def test_a_single_stages_steps_in_one_call_draw_what_steps_one_at_a_time_draw(
         d = sampling.sample(runner.run(batch, fed), params, [len(PROMPTS[i]) + k + 1 for i in range(3)])
         each_ids.append(d.token_ids)
         each_lp.append(d.logprobs)
+        each_top.append(d.top_logprobs)
         fed = torch.tensor(d.token_ids)
     runner = runners["one call"]
     assert runner is not None
     drawn = runner.run_drawn_steps(layouts, first, (sampling.draw_table(params), sampling.seed_bits(params))
-                                   if sampled else None)  # fmt: skip
+                                   if sampled else None, None, torch.tensor(counts))  # fmt: skip
     assert drawn is not None
     assert drawn.ids.tolist() == each_ids and drawn.logprobs() == each_lp
+    assert drawn.top_logprobs(counts) == each_top
+    assert all([len(top) for top in step] == counts for step in each_top)
     assert torch.equal(caches["one call"].data, caches["each"].data)
     assert each_ids[0] != first.tolist()  # the later steps are fed other tokens than the first: what each drew
     assert torch.equal(drawn.picked[:, 0], drawn.top[:, 0])  # the greedy row took its most likely token each step
     if sampled:  # the sampled rows did not, every time, and drew more than one token
         assert bool((drawn.picked[:, 1:] < drawn.top[:, 1:]).any())
         assert all(len({ids[i] for ids in each_ids}) > 1 for i in (1, 2))
+
+
+def test_tied_alternatives_go_lower_id_first_in_a_call_of_steps_and_step_by_step(tmp_path: Path) -> None:
+    """A checkpoint whose LM head rows come in identical pairs (token 2j + 1's row is token 2j's), so that every logit
+    has a twin: each step's alternatives list each tied pair lower id first, with the same log-probability, in a call
+    of several steps (`StepTops`) and step by step (`sampling.top_tokens`) alike. torch.topk alone leaves ties in
+    whatever order its selection does."""
+    from safetensors.torch import load_file, save_file
+
+    d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=2, seed=5)
+    tensors = load_file(d / "model.safetensors")
+    head = tensors["lm_head.weight"]
+    head[1::2] = head[0::2]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    model = build_shard(d, ShardSpec(0, 2, 2), progress=False, max_len=64)
+    slots, counts = [3, 0], [6, 4]
+    params = [SamplingParams(top_logprobs=6), replace(SAMPLED[1], top_logprobs=4)]
+    caches = {way: prefilled(model, slots) for way in ("each", "one call")}
+    runners = {way: cpu_decode(model, cache, torch.device("cpu")) for way, cache in caches.items()}
+    first = torch.tensor([11, 5])
+    layouts = [BatchLayout.build([Segment(s, len(PROMPTS[i]) + k, 1) for i, s in enumerate(slots)]) for k in range(4)]
+    each_top, fed = [], first
+    for k, batch in enumerate(layouts):
+        runner = runners["each"]
+        assert runner is not None
+        d_k = sampling.sample(runner.run(batch, fed), params, [len(PROMPTS[i]) + k + 1 for i in range(2)])
+        each_top.append(d_k.top_logprobs)
+        fed = torch.tensor(d_k.token_ids)
+    runner = runners["one call"]
+    assert runner is not None
+    drawn = runner.run_drawn_steps(layouts, first, (sampling.draw_table(params), sampling.seed_bits(params)), None,
+                                   torch.tensor(counts))  # fmt: skip
+    assert drawn is not None
+    assert drawn.top_logprobs(counts) == each_top
+    for step in each_top:
+        for row, n in zip(step, counts, strict=True):
+            ids, lps = [t for t, _ in row], [lp for _, lp in row]
+            assert len(ids) == n and all(i % 2 == 0 for i in ids[0::2]) and ids[1::2] == [i + 1 for i in ids[0::2]]
+            assert lps[0::2] == lps[1::2]
 
 
 # A greedy row with a repetition penalty, two sampled rows with penalties of each kind, and one without any.
@@ -530,9 +573,9 @@ def test_penalised_steps_in_one_call_draw_what_steps_one_at_a_time_draw(tmp_path
     otherwise draw the token they are fed, again and again)."""
     d = make_checkpoint(tmp_path, family, num_layers=2, seed=5)
     model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
-    slots, steps = [3, 0, 7, 5], 8
+    slots, steps, counts = [3, 0, 7, 5], 8, [0, 4, 0, 2]
     lens = [len(PROMPTS[i]) for i in range(4)]
-    params = [replace(p, prompt_len=n) for p, n in zip(PENALISED, lens, strict=True)]
+    params = [replace(p, prompt_len=n, top_logprobs=c) for p, n, c in zip(PENALISED, lens, counts, strict=True)]
     histories = {way: TokenHistory(12, 64) for way in ("each", "one call")}
     for history in histories.values():
         for slot, prompt in zip(slots, PROMPTS, strict=False):
@@ -541,7 +584,7 @@ def test_penalised_steps_in_one_call_draw_what_steps_one_at_a_time_draw(tmp_path
     runners = {way: cpu_decode(model, cache, torch.device("cpu")) for way, cache in caches.items()}
     first = torch.tensor([11, 5, 42, 11])
     layouts = [BatchLayout.build([Segment(s, lens[i] + k, 1) for i, s in enumerate(slots)]) for k in range(steps)]
-    each_ids, each_lp, fed = [], [], first
+    each_ids, each_lp, each_top, fed = [], [], [], first
     history = histories["each"]
     for k, batch in enumerate(layouts):
         runner = runners["each"]
@@ -550,6 +593,7 @@ def test_penalised_steps_in_one_call_draw_what_steps_one_at_a_time_draw(tmp_path
         d = sampling.sample(runner.run(batch, fed), params, [n + k + 1 for n in lens], history, slots)
         each_ids.append(d.token_ids)
         each_lp.append(d.logprobs)
+        each_top.append(d.top_logprobs)
         fed = torch.tensor(d.token_ids)
     history = histories["one call"]
     history.record(slots, lens, first.tolist())
@@ -560,9 +604,10 @@ def test_penalised_steps_in_one_call_draw_what_steps_one_at_a_time_draw(tmp_path
     draws = (sampling.draw_table(params), sampling.seed_bits(params))
     runner = runners["one call"]
     assert runner is not None
-    drawn = runner.run_drawn_steps(layouts, first, draws, penalties)
+    drawn = runner.run_drawn_steps(layouts, first, draws, penalties, torch.tensor(counts))
     assert drawn is not None
     assert drawn.ids.tolist() == each_ids and drawn.logprobs() == each_lp
+    assert drawn.top_logprobs(counts) == each_top  # the model's alternatives, not the penalised logits'
     assert torch.equal(caches["one call"].data, caches["each"].data)
     unpenalised = [replace(p, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0) for p in params]
     runner = runners["unpenalised"]
@@ -593,11 +638,11 @@ def test_penalties_in_a_call_of_steps_are_checked_and_need_a_sampling_table(smal
 
 
 def _drawn_pipeline(engine: StageEngine, rank: int, together: bool,
-                    p: SamplingParams) -> list[tuple[list[int], list[float]]]:  # fmt: skip
+                    p: SamplingParams) -> list[tuple[list[int], list[float], list]]:  # fmt: skip
     """A prompt, then 5 decode steps of one sequence drawing as `p` says through a pp=2 mesh: the first stage receives
     each step's tokens over the loop link; the last stage draws them one step a call (`sampling.sample`, then a send)
-    or, `together`, all in one call (`StageEngine.drawn_steps`). The last stage's draws and their log-probabilities,
-    each step's."""
+    or, `together`, all in one call (`StageEngine.drawn_steps`). The last stage's draws, their log-probabilities and
+    their alternatives (`p.top_logprobs`), each step's."""
     prompt, loop = PROMPTS[0], _loop(engine)
     batches = [BatchLayout.build([Segment(0, len(prompt) + k, 1)]) for k in range(5)]
     logits = engine.step(BatchLayout.build([Segment(0, 0, len(prompt))]), torch.tensor(prompt) if rank == 0 else None)
@@ -617,9 +662,10 @@ def _drawn_pipeline(engine: StageEngine, rank: int, together: bool,
             history.record([0], [len(prompt)], first)
             penalties = (sampling.penalty_table([p]), history.tallies([0], [p.prompt_len], [len(prompt) + 1],
                                                                       engine.model.cfg.vocab_size))  # fmt: skip
-        drawn = engine.drawn_steps(batches, torch.tensor(first), loop, draws, penalties)
+        counts = torch.tensor([p.top_logprobs]) if p.top_logprobs else None
+        drawn = engine.drawn_steps(batches, torch.tensor(first), loop, draws, penalties, counts)
         assert drawn is not None
-        return list(zip(drawn.ids.tolist(), drawn.logprobs(), strict=True))
+        return list(zip(drawn.ids.tolist(), drawn.logprobs(), drawn.top_logprobs([p.top_logprobs]), strict=True))
     out, fed = [], first
     for k, batch in enumerate(batches):
         step_logits = engine.step(batch)
@@ -627,29 +673,31 @@ def _drawn_pipeline(engine: StageEngine, rank: int, together: bool,
         history.record([0], [len(prompt) + k], fed)
         d = sampling.sample(step_logits, [p], [len(prompt) + k + 1], history, [0])
         fed = d.token_ids
-        out.append((d.token_ids, d.logprobs))
+        out.append((d.token_ids, d.logprobs, d.top_logprobs))
         if k < len(batches) - 1:
             loop.send(torch.tensor(d.token_ids))
     return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("p", [SamplingParams(), SAMPLED[1], replace(PENALISED[2], prompt_len=len(PROMPTS[0]))],
-                         ids=["greedy", "sampled", "penalised"])  # fmt: skip
+@pytest.mark.parametrize("p", [SamplingParams(), SAMPLED[1], replace(PENALISED[2], prompt_len=len(PROMPTS[0])),
+                               replace(SAMPLED[1], top_logprobs=4)],
+                         ids=["greedy", "sampled", "penalised", "alternatives"])  # fmt: skip
 def test_a_pipelines_last_stage_draws_its_steps_in_one_call_as_one_at_a_time(
         tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
         p: SamplingParams) -> None:  # fmt: skip
     """The last stage of a pp=2 mesh runs five steps in one call (`decode_steps_drawn_received`): each receives its
-    activations, draws (greedy, seeded at the token's position, or that with penalties), and sends the tokens back to
-    the first stage, which feeds them to its next step. The draws and their log-probabilities are those of the last
-    stage drawing one step a call, to the bit. (An untied model: the tied one of `shm_pipeline` draws the token it is
-    fed, so a wrong token sent would go unseen.)"""
+    activations, draws (greedy, seeded at the token's position, that with penalties, or with alternatives), and sends
+    the tokens back to the first stage, which feeds them to its next step. The draws, their log-probabilities and
+    alternatives are those of the last stage drawing one step a call, to the bit. (An untied model: the tied one of
+    `shm_pipeline` draws the token it is fed, so a wrong token sent would go unseen.)"""
     monkeypatch.delenv(shm_link.TRANSPORT_ENV, raising=False)
     d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=4, seed=3)
     one_call = run_mesh(d, 2, 1, lambda engine, rank: _drawn_pipeline(engine, rank, True, p), dtype=dtype)
     each = run_mesh(d, 2, 1, lambda engine, rank: _drawn_pipeline(engine, rank, False, p), dtype=dtype)
     assert len(one_call[1]) == 5 and one_call[1] == each[1]
-    assert len({tuple(ids) for ids, _ in each[1]}) > 1  # the tokens fed back change from step to step
+    assert len({tuple(ids) for ids, _, _ in each[1]}) > 1  # the tokens fed back change from step to step
+    assert all(len(top[0]) == p.top_logprobs for _, _, top in one_call[1])
 
 
 def test_a_last_stage_drawing_in_one_call_fails_naming_the_stage_that_closed_its_link(shm_pipeline: Path) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardmesh.core.step import SamplingParams
-from shardmesh.engine.sampling import Draws, draw_seed, sample
+from shardmesh.engine.sampling import Draws, draw_seed, sample, top_tokens
 
 GREEDY = SamplingParams()
 
@@ -59,3 +59,25 @@ def test_a_draw_depends_on_the_seed_and_the_position_only() -> None:
 def test_a_sampled_row_without_a_seed_is_refused() -> None:
     with pytest.raises(ValueError, match="needs a seed"):
         sample(torch.zeros(1, 8), [SamplingParams(temperature=1.0)], [0])
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 7, 12])
+def test_top_tokens_order_ties_by_id_and_nan_above_every_number(k: int) -> None:
+    """`top_tokens` takes each row's k largest, largest first, a tie going to the lower index and NaN above every
+    number (as torch.topk ranks it): the order a compiled call of several steps keeps too. Rows with ties across the
+    k-th place, several NaNs, and -inf."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([
+        [0.5, 2.0, 2.0, -1.0, 2.0, 0.5, 0.5, 3.0, -inf, 0.5, 2.0, 0.0],
+        [1.0, nan, 1.0, nan, -inf, 1.0, 7.0, 1.0, -inf, 1.0, 0.0, 1.0],
+        [-inf] * 6 + [0.0] + [-inf] * 5,
+    ])  # fmt: skip
+
+    def rank(row: list[float], i: int) -> tuple[bool, float, int]:
+        return (row[i] == row[i], -row[i] if row[i] == row[i] else 0.0, i)  # NaN first, then larger, then lower id
+
+    values, ids = top_tokens(x, k)
+    for r, row in enumerate(x.tolist()):
+        want = sorted(range(len(row)), key=lambda i, row=row: rank(row, i))[:k]
+        assert ids[r].tolist() == want
+        torch.testing.assert_close(values[r], x[r, want], rtol=0, atol=0, equal_nan=True)

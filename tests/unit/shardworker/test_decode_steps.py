@@ -71,14 +71,17 @@ def test_one_call_of_several_steps_draws_what_single_steps_draw(model: Path, sto
 
 @pytest.mark.parametrize("sampling", [GREEDY, replace(SEEDED, repetition_penalty=1.0), SEEDED,
                                       replace(SEEDED, frequency_penalty=1.2, presence_penalty=-0.5),
-                                      SamplingParams(repetition_penalty=1.5, frequency_penalty=0.4)],
-                         ids=["greedy", "sampled", "repetition", "frequency-presence", "greedy-penalised"])  # fmt: skip
+                                      SamplingParams(repetition_penalty=1.5, frequency_penalty=0.4),
+                                      replace(GREEDY, top_logprobs=4), replace(SEEDED, top_logprobs=2)],
+                         ids=["greedy", "sampled", "repetition", "frequency-presence", "greedy-penalised",
+                              "greedy-alternatives", "penalised-alternatives"])  # fmt: skip
 def test_steps_in_one_call_give_the_tokens_and_log_probabilities_of_single_steps(
         model: Path, store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch,
         sampling: SamplingParams) -> None:  # fmt: skip
-    """A single stage's call of several steps, greedy or seeded, with penalties or without, draws them all in one call
-    of its engine (`StageEngine.drawn_steps`); each token and its log-probability is the one a call per step samples,
-    to the bit. Calls of 4 steps: the second counts, for its penalties, the tokens the first drew."""
+    """A single stage's call of several steps, greedy or seeded, with penalties or without, asking for alternatives
+    or not, draws them all in one call of its engine (`StageEngine.drawn_steps`); each token, its log-probability
+    and its alternatives are those a call per step samples, to the bit. Calls of 4 steps: the second counts, for its
+    penalties, the tokens the first drew."""
     core = one_stage(model, store)
     calls: list[bool] = []
     original = runtime.StageWorkerCore._drawn_steps
@@ -90,18 +93,20 @@ def test_steps_in_one_call_give_the_tokens_and_log_probabilities_of_single_steps
 
     monkeypatch.setattr(runtime.StageWorkerCore, "_drawn_steps", spied)
 
-    def drawn(per_call: int) -> list[tuple[int, float]]:
+    def drawn(per_call: int) -> list[tuple[int, float, tuple[tuple[int, float], ...]]]:
         first = core.step(5, [entry(0, PROMPT, sampling)]).sampled[0]
-        out = [(first.token_id, first.logprob)]
+        out = [(first.token_id, first.logprob, first.top_logprobs)]
         while len(out) < 9:
             k = min(per_call, 9 - len(out))
             result = core.step(5, [entry(len(PROMPT) + len(out) - 1, (out[-1][0],), sampling)], k)
-            out += [(s.token_id, s.logprob) for s in result.sampled]
+            out += [(s.token_id, s.logprob, s.top_logprobs) for s in result.sampled]
         core.release([("r", 1)])
         return out
 
-    assert drawn(4) == drawn(1)
+    one_call = drawn(4)
+    assert one_call == drawn(1)
     assert calls and all(calls)  # every call of several steps took the one call
+    assert all(len(top) == sampling.top_logprobs for _, _, top in one_call)
 
 
 def test_two_sequences_step_together_and_a_paged_cache_too(model: Path, store: dist.TCPStore) -> None:
@@ -194,9 +199,9 @@ def test_a_stage_failing_part_way_through_a_call_fails_its_peers_at_once(model: 
     """The last stage raises something that is neither a refusal nor a lost peer in the second step of a call of
     4, after the first stage has begun waiting for that step's token: its epoch breaks and its groups close, so the
     first stage (and the stage between) fail on a closed link, not at the group timeout (30 s here: the message
-    would say so), and every stage waits for a new epoch. Over Gloo links and over shared-memory ones. The request
-    asks for top log-probabilities: calls without them draw their later steps inside the layers' call, where no Python
-    `sample` runs."""
+    would say so), and every stage waits for a new epoch. Over Gloo links and over shared-memory ones. The later
+    steps are sampled one at a time in Python (`_drawn_steps` declines them): over shared-memory links the last stage
+    would otherwise draw them inside the layers' call, where no Python `sample` runs."""
     monkeypatch.setenv(shm_link.TRANSPORT_ENV, links)
     ids = tuple(f"w{i}" for i in range(stages))
     cores = [new_core(w) for w in ids]
@@ -211,7 +216,8 @@ def test_a_stage_failing_part_way_through_a_call_fails_its_peers_at_once(model: 
         return sample(*args, **kwargs)
 
     monkeypatch.setattr(runtime, "sample", failing_sample)
-    step = entry(len(PROMPT), (first,), replace(SEEDED, top_logprobs=2))
+    monkeypatch.setattr(runtime.StageWorkerCore, "_drawn_steps", lambda *args: None)
+    step = entry(len(PROMPT), (first,), SEEDED)
     results = on_every_core(cores, lambda core: core.step(5, [step], 4), raising=False)
     assert len(calls) == 2
     assert all(isinstance(r, MeshError) for r in results), results
