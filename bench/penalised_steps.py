@@ -1,7 +1,9 @@
-"""What a penalty costs a decode call, and what drawing a penalised call's steps inside one compiled call saves.
+"""What a penalty costs a decode call, and what drawing a penalised call's steps inside one compiled call saves
+(`--ask alternatives`: the same for calls asking for 5 top log-probabilities a token).
 
     .venv/bin/python bench/penalised_steps.py [--model smollm2-135m-instruct] [--dtype float32] [--rows 1,16]
-                                              [--cycles 30] [--prompt-tokens 300] [--out bench/results]
+                                              [--cycles 30] [--prompt-tokens 300] [--ask penalties|alternatives]
+                                              [--out bench/results]
 
 One process holds one `StageWorkerCore` with the whole model (pp=1, as a worker holds it) and runs calls of 8 decode
 steps (the gateway's default `--decode-steps`) of `--rows` sequences, sampled at temperature 0.7 and top-p 0.9,
@@ -13,10 +15,13 @@ own:
 - `penalised, per step`: the same penalties, with the one call refused (`StageWorkerCore._drawn_steps` answering
   None), so that every later step returns to Python for its forward, the token history's record and
   `sampling.sample`: what every penalised call did before.
+With `--ask alternatives` the second and third ways ask for 5 top log-probabilities a token instead of penalties
+(`no alternatives`, `alternatives, one call`, `alternatives, per step`; `cpu_kernels`' StepTops).
 Each sequence starts from a prompt of `--prompt-tokens` random ids (what the penalties count), the same for every way.
 A number is one call's wall time per token; each ratio is taken within a cycle, against `no penalty`, and reported as
 the median over cycles with its quartiles, so this host's drift (its memory speed moves by 20% within minutes) falls
-on the ways alike. Writes <out>/<host>-<date>-penalised-steps-<dtype>.{md,json} and prints the markdown.
+on the ways alike. Writes <out>/<host>-<date>-penalised-steps-<dtype>.{md,json} (`-alternatives-steps-` with
+`--ask alternatives`) and prints the markdown.
 """
 
 from __future__ import annotations
@@ -37,6 +42,13 @@ from bench.conditions import machine, save_results  # noqa: E402
 STEPS = 8
 PENALTIES = {"frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.1}
 WAYS = ("no penalty", "penalised, one call", "penalised, per step")
+ALTERNATIVES = 5  # top log-probabilities a token, with --ask alternatives
+# what the shaped calls ask for: the three ways' names, the words for it, and the sampling fields it adds
+ASKS = {
+    "penalties": (WAYS, "penalties: frequency 0.5, presence 0.3, repetition 1.1", PENALTIES),
+    "alternatives": (("no alternatives", "alternatives, one call", "alternatives, per step"),
+                     f"{ALTERNATIVES} top log-probabilities a token", {"top_logprobs": ALTERNATIVES}),
+}  # fmt: skip
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -45,23 +57,26 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 
 def report(info: dict, a: argparse.Namespace, got: dict[int, dict[str, list[float]]]) -> tuple[str, dict]:
-    """The markdown and the rows: each way's median ms per token, and its ratio to `no penalty` per cycle."""
+    """The markdown and the rows: each way's median ms per token, and its ratio to the first way's (`no penalty`)
+    and to the third's (`penalised, per step`) per cycle."""
+    names, asked, _ = ASKS[getattr(a, "ask", "penalties")]
     rows: dict[str, Any] = {}
+    title = "Penalised decode calls" if names == WAYS else "Decode calls asking for alternatives"
     lines = [
-        f"## Penalised decode calls — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {info['date']}",
+        f"## {title} — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {info['date']}",
         "",
         f"SmolLM2 {a.dtype}, one stage core (pp=1), calls of {STEPS} decode steps, temperature 0.7, top-p 0.9, seeded; "
-        f"penalties: frequency 0.5, presence 0.3, repetition 1.1; a prompt of {a.prompt_tokens} tokens; {a.cycles} "
-        "cycles, the three ways alternated within each. Ratio: the way's ms per token over `no penalty`'s in the same "
-        "cycle, the median over cycles [quartiles]; below 1 is faster.",
+        f"{asked}; a prompt of {a.prompt_tokens} tokens; {a.cycles} cycles, the three ways alternated within each. "
+        f"Ratio: the way's ms per token over `{names[0]}`'s in the same cycle, the median over cycles [quartiles]; "
+        "below 1 is faster.",
         "",
-        "| rows | way | ms per token | ÷ no penalty [quartiles] | ÷ penalised per step [quartiles] |",
+        f"| rows | way | ms per token | ÷ {names[0]} [quartiles] | ÷ {names[2]} [quartiles] |",
         "|---:|---|---:|---:|---:|",
     ]
     for n, ways in got.items():
-        for way in WAYS:
-            base = [w / b for w, b in zip(ways[way], ways["no penalty"], strict=True)]
-            old = [w / b for w, b in zip(ways[way], ways["penalised, per step"], strict=True)]
+        for way in names:
+            base = [w / b for w, b in zip(ways[way], ways[names[0]], strict=True)]
+            old = [w / b for w, b in zip(ways[way], ways[names[2]], strict=True)]
             q, r = quartiles(base), quartiles(old)
             rows[f"{n}/{way}"] = {"ms_per_token": statistics.median(ways[way]), "over_no_penalty": q,
                                   "over_per_step": r}  # fmt: skip
@@ -78,8 +93,10 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ask", choices=list(ASKS), default="penalties", help="what the shaped calls ask for")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
+    names, _, shape = ASKS[a.ask]
     if a.cycles < 4 or min(a.rows) < 1 or a.prompt_tokens < 1:
         ap.error(f"--cycles at least 4, --rows and --prompt-tokens positive: got {a.cycles}, {a.rows}, "
                  f"{a.prompt_tokens}")  # fmt: skip
@@ -125,19 +142,19 @@ def main() -> None:
         core = StageWorkerCore("w0", torch.device("cpu"), structlog.wrap_logger(structlog.ReturnLogger()), 120.0)
         core.apply(topology)
         plain = SamplingParams(temperature=0.7, top_p=0.9, seed=7, prompt_len=a.prompt_tokens)
-        penalised = replace(plain, **PENALTIES)
-        params = {"no penalty": plain, "penalised, one call": penalised, "penalised, per step": penalised}
-        ids = {way: [f"{'per step' if 'per step' in way else way} {i}" for i in range(n)] for way in WAYS}
-        slot_of = {way: [w * n + i for i in range(n)] for w, way in enumerate(WAYS)}
+        shaped = replace(plain, **shape)
+        params = dict(zip(names, (plain, shaped, shaped), strict=True))
+        ids = {way: [f"{'per step' if 'per step' in way else way} {i}" for i in range(n)] for way in names}
+        slot_of = {way: [w * n + i for i in range(n)] for w, way in enumerate(names)}
         tokens: dict[str, list[int]] = {}
-        for way in WAYS:
+        for way in names:
             first = core.step(version, [StepEntry(r, s, 0, len(prompt), tuple(prompt), params[way])
                                         for r, s in zip(ids[way], slot_of[way], strict=True)])  # fmt: skip
             tokens[way] = [x.token_id for x in first.sampled]
-        pos = {way: len(prompt) for way in WAYS}
-        times: dict[str, list[float]] = {way: [] for way in WAYS}
+        pos = {way: len(prompt) for way in names}
+        times: dict[str, list[float]] = {way: [] for way in names}
         for c in range(a.cycles + 1):  # cycle 0 warms up
-            for way in WAYS[c % 3 :] + WAYS[: c % 3]:
+            for way in names[c % 3 :] + names[: c % 3]:
                 entries = [StepEntry(r, s, pos[way], 1, (tok,), params[way])
                            for r, s, tok in zip(ids[way], slot_of[way], tokens[way], strict=True)]  # fmt: skip
                 t0 = time.perf_counter()
@@ -152,8 +169,10 @@ def main() -> None:
         core.close()
     md, rows = report(info, a, got)
     print(md)
-    save_results(Path(a.out), info, f"-penalised-steps-{a.dtype}", md,
-                 {"dtype": a.dtype, "prompt_tokens": a.prompt_tokens, "rows": rows, "times": got})  # fmt: skip
+    kind = "penalised" if a.ask == "penalties" else "alternatives"
+    save_results(Path(a.out), info, f"-{kind}-steps-{a.dtype}", md,
+                 {"dtype": a.dtype, "prompt_tokens": a.prompt_tokens, "ask": a.ask, "rows": rows,
+                  "times": got})  # fmt: skip
 
 
 if __name__ == "__main__":

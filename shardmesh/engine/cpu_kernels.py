@@ -2643,20 +2643,45 @@ struct StepTops {
       float* v = values.data_ptr<float>() + (k * rows + r) * most;
       const float* x = l + r * n;
       int64_t held = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        const float xi = x[i];
-        // ids come in increasing order, so a logit equal to the last held one comes after it
-        if (held == want && !above(xi, i, v[held - 1], id[held - 1])) continue;
-        int64_t at = held == want ? want - 1 : held++;
-        for (; at > 0 && above(xi, i, v[at - 1], id[at - 1]); --at) {
-          v[at] = v[at - 1];
-          id[at] = id[at - 1];
+      for (int64_t i = 0; i < n;) {
+        if (held == want) {
+          const float last = v[want - 1];
+          if (std::isnan(last)) break;  // a NaN held last: nothing after it comes before it
+          if (i + TOP_LANES <= n && none_above(x + i, last)) {  // most of a row: skipped a vector at a time
+            i += TOP_LANES;
+            continue;
+          }
         }
-        v[at] = xi;
-        id[at] = i;
+        for (const int64_t end = std::min(n, i + TOP_LANES); i < end; ++i) {
+          const float xi = x[i];
+          // ids come in increasing order, so a logit equal to the last held one comes after it
+          if (held == want && !above(xi, i, v[held - 1], id[held - 1])) continue;
+          int64_t at = held == want ? want - 1 : held++;
+          for (; at > 0 && above(xi, i, v[at - 1], id[at - 1]); --at) {
+            v[at] = v[at - 1];
+            id[at] = id[at - 1];
+          }
+          v[at] = xi;
+          id[at] = i;
+        }
       }
     }
   }
+  // Whether none of x[0 .. TOP_LANES) is above `last` (a number) or NaN: then none enters a full list.
+#ifdef __AVX512F__
+  static constexpr int64_t TOP_LANES = 16;
+  static bool none_above(const float* x, float last) {
+    return _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_set1_ps(last), _CMP_NLE_UQ) == 0;
+  }
+#elif defined(SHARDMESH_AVX2)
+  static constexpr int64_t TOP_LANES = 8;
+  static bool none_above(const float* x, float last) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x), _mm256_set1_ps(last), _CMP_NLE_UQ)) == 0;
+  }
+#else
+  static constexpr int64_t TOP_LANES = 1;
+  static bool none_above(const float* x, float last) { return !(x[0] > last) && !std::isnan(x[0]); }
+#endif
 };
 
 // The penalties (engine.penalties) of a call's rows, kept across its steps: each penalised row's tokens so far (what
