@@ -620,7 +620,7 @@ def test_penalised_steps_in_one_call_draw_what_steps_one_at_a_time_draw(tmp_path
 
 
 def test_penalties_in_a_call_of_steps_are_checked_and_need_a_sampling_table(small: Transformer) -> None:
-    """Malformed penalties are refused, naming what is wrong, before anything runs."""
+    """Malformed penalties, or alternatives' counts, are refused, naming what is wrong, before anything runs."""
     runner = cpu_decode(small, small.make_cache(2, torch.float32, "cpu"), torch.device("cpu"))
     assert runner is not None
     layouts = [BatchLayout.build([Segment(0, k, 1)]) for k in range(2)]
@@ -635,6 +635,10 @@ def test_penalties_in_a_call_of_steps_are_checked_and_need_a_sampling_table(smal
         runner.run_drawn_steps(layouts, torch.tensor([7]), draws, (sampling.penalty_table(p), tallies.repeat(2, 1)))
     with pytest.raises(RuntimeError, match=r"tally 0 \(row 1, token 7\) is not of a penalised row's tokens"):
         runner.run_drawn_steps(layouts, torch.tensor([7]), draws, (sampling.penalty_table(p), tallies + tallies.eq(0)))
+    with pytest.raises(RuntimeError, match=r"top-logprob counts must be \(1,\) int64, not \[2\]"):
+        runner.run_drawn_steps(layouts, torch.tensor([7]), None, None, torch.tensor([3, 3]))
+    with pytest.raises(RuntimeError, match=r"row 0 asks for -1 top logprobs"):
+        runner.run_drawn_steps(layouts, torch.tensor([7]), None, None, torch.tensor([-1]))
 
 
 def _drawn_pipeline(engine: StageEngine, rank: int, together: bool,
