@@ -218,8 +218,16 @@ def top_tokens(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Each row's k largest values of x (B, V) and their indices, largest first, a tie going to the lower index and
     NaN above every number: (B, k) each. torch.topk picks the same values but orders ties as its selection happens to
     leave them; this order is the one a compiled call of several steps keeps (`cpu_kernels`' StepTops), so that a
-    request's alternatives do not depend on how its steps were grouped. Only the candidates (values at or above each
-    row's k-th, and NaNs) are sorted."""
+    request's alternatives do not depend on how its steps were grouped. On CPU through the compiled kernels when this
+    process has them loaded (`cpu_kernels.top_rows`, the calls' own selection); elsewhere only the candidates (values
+    at or above each row's k-th, and NaNs) are sorted."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels.loaded():
+        return cpu_kernels.top_rows(x, k)
+    return _top_tokens_torch(x, k)
+
+
+def _top_tokens_torch(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """`top_tokens` in torch ops, on any device."""
     kth = torch.topk(x, k, dim=-1).values[:, -1:]
     keep = (x >= kth) | x.isnan()  # at least k a row
     rows, ids = keep.nonzero(as_tuple=True)  # row by row, ids increasing

@@ -9,7 +9,8 @@ import torch
 
 from shardmesh.core.step import SamplingParams
 from shardmesh.engine import cpu_kernels
-from shardmesh.engine.sampling import draw, draw_table, sample, uniform, weights
+from shardmesh.engine.sampling import _top_tokens_torch, draw, draw_table, sample, uniform, weights
+from tests.unit.engine.test_sampling import TIED, by_hand
 
 pytestmark = [pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C++ build: {cpu_kernels.build_error()}"),
               pytest.mark.usefixtures("isa")]  # fmt: skip
@@ -138,3 +139,16 @@ def test_bad_arguments_are_named() -> None:
         cpu_kernels.sample_rows(x, table, u.float())
     with pytest.raises(RuntimeError, match="row 1's temperature must be above 0"):
         cpu_kernels.sample_rows(x, draw_table([SamplingParams(temperature=1.0, seed=1), SamplingParams()]), u)
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 7, 12])
+def test_the_compiled_top_rows_order_as_top_tokens_in_torch(k: int) -> None:
+    """`cpu_kernels.top_rows` (what `top_tokens` takes on a CPU with the kernels, and what a call of several steps
+    keeps) orders as the torch version: ties across the k-th place, NaNs, -inf; and SmolLM2-wide bfloat16 rows, full of
+    ties, equal to the torch version's ids and values."""
+    values, ids = cpu_kernels.top_rows(TIED, k)
+    assert ids.tolist() == by_hand(TIED, k)
+    torch.testing.assert_close(values, TIED.gather(1, ids), rtol=0, atol=0, equal_nan=True)
+    x = (torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(k)) * 3).to(torch.bfloat16).float()
+    got, want = cpu_kernels.top_rows(x, k), _top_tokens_torch(x, k)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shardmesh.core.step import SamplingParams
+from shardmesh.engine import cpu_kernels
 from shardmesh.engine.sampling import Draws, draw_seed, sample, top_tokens
 
 GREEDY = SamplingParams()
@@ -61,23 +62,30 @@ def test_a_sampled_row_without_a_seed_is_refused() -> None:
         sample(torch.zeros(1, 8), [SamplingParams(temperature=1.0)], [0])
 
 
-@pytest.mark.parametrize("k", [1, 3, 4, 7, 12])
-def test_top_tokens_order_ties_by_id_and_nan_above_every_number(k: int) -> None:
-    """`top_tokens` takes each row's k largest, largest first, a tie going to the lower index and NaN above every
-    number (as torch.topk ranks it): the order a compiled call of several steps keeps too. Rows with ties across the
-    k-th place, several NaNs, and -inf."""
-    nan, inf = float("nan"), float("inf")
-    x = torch.tensor([
-        [0.5, 2.0, 2.0, -1.0, 2.0, 0.5, 0.5, 3.0, -inf, 0.5, 2.0, 0.0],
-        [1.0, nan, 1.0, nan, -inf, 1.0, 7.0, 1.0, -inf, 1.0, 0.0, 1.0],
-        [-inf] * 6 + [0.0] + [-inf] * 5,
-    ])  # fmt: skip
+NAN, INF = float("nan"), float("inf")
+# Rows with ties across the k-th place, several NaNs, and -inf.
+TIED = torch.tensor([
+    [0.5, 2.0, 2.0, -1.0, 2.0, 0.5, 0.5, 3.0, -INF, 0.5, 2.0, 0.0],
+    [1.0, NAN, 1.0, NAN, -INF, 1.0, 7.0, 1.0, -INF, 1.0, 0.0, 1.0],
+    [-INF] * 6 + [0.0] + [-INF] * 5,
+])  # fmt: skip
+
+
+def by_hand(x: torch.Tensor, k: int) -> list[list[int]]:
+    """Each row's k first indices sorted NaN first, then by value descending, then by index."""
 
     def rank(row: list[float], i: int) -> tuple[bool, float, int]:
-        return (row[i] == row[i], -row[i] if row[i] == row[i] else 0.0, i)  # NaN first, then larger, then lower id
+        return (row[i] == row[i], -row[i] if row[i] == row[i] else 0.0, i)
 
-    values, ids = top_tokens(x, k)
-    for r, row in enumerate(x.tolist()):
-        want = sorted(range(len(row)), key=lambda i, row=row: rank(row, i))[:k]
-        assert ids[r].tolist() == want
-        torch.testing.assert_close(values[r], x[r, want], rtol=0, atol=0, equal_nan=True)
+    return [sorted(range(len(row)), key=lambda i, row=row: rank(row, i))[:k] for row in x.tolist()]
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 7, 12])
+def test_top_tokens_order_ties_by_id_and_nan_above_every_number(monkeypatch: pytest.MonkeyPatch, k: int) -> None:
+    """`top_tokens` in torch (where the compiled kernels are not loaded: other devices, or a CPU without a build)
+    takes each row's k largest, largest first, a tie going to the lower index and NaN above every number (as
+    torch.topk ranks it): the order a compiled call of several steps keeps too."""
+    monkeypatch.setattr(cpu_kernels, "loaded", lambda: False)
+    values, ids = top_tokens(TIED, k)
+    assert ids.tolist() == by_hand(TIED, k)
+    torch.testing.assert_close(values, TIED.gather(1, ids), rtol=0, atol=0, equal_nan=True)
