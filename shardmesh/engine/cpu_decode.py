@@ -260,10 +260,10 @@ class CpuDecode:
                                  top_counts: Tensor | None = None) -> Drawn | None:  # fmt: skip
         """`run_drawn_steps` on a pipeline's last stage (`decode_steps_drawn_received`): step k receives its
         activations over `link`, computes at batches[k]'s places, draws (with `penalties` and `top_counts`, as
-        `run_drawn_steps`), and
-        sends the drawn ids to the first stage over `loop`, all but the last step's. None where it cannot (as
-        `run_drawn_steps`, or links not over shared memory): then nothing was received. A link that fails raises as a
-        receive or send from Python would, after the steps before it are counted; the steps' stamps are in `stamps`."""
+        `run_drawn_steps`), and sends the drawn ids to the first stage over `loop`, all but the last step's. None where
+        it cannot (as `run_drawn_steps`, or links not over shared memory): then nothing was received. A link that fails
+        raises as a receive or send from Python would, after the steps before it are counted; the steps' stamps are in
+        `stamps`."""
         model, n = self.model, batches[0].num_tokens
         cos, sin = model.rope_cos, model.rope_sin
         assert cos is not None and sin is not None, "call init_buffers() first"
