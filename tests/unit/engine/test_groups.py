@@ -228,12 +228,16 @@ def test_a_closed_link_fails_its_waiting_peer_at_once_and_raises_on_use(
 ) -> None:
     """Side 0 closes its end of a Gloo link instead of sending: side 1's receive fails on the closed connection, not
     at the group timeout (20 s here, which the message would name), and side 0's own later use raises naming why it
-    closed. (A shared-memory link's close: tests/unit/engine/test_shm_link.py.)"""
+    closed. (A shared-memory link's close: tests/unit/engine/test_shm_link.py.) Side 0 closes only once both sides
+    have formed the link: closed while side 1 still connected, side 1's forming failed instead (a fresh clone's run
+    beside a busy loop, 2026-12-01)."""
     monkeypatch.setenv(shm_link.TRANSPORT_ENV, "gloo")
 
     def side_main(client: dist.Store, side: int) -> str:
         pg, plan = groups.form_link(client, "t/closed", side, torch.device("cpu"), "auto", TIMEOUT, f"side {1 - side}")
         link = StageLink(pg, is_sender=side == 0, plan=plan)
+        client.set(f"t/closed/formed{side}", "1")
+        client.wait([f"t/closed/formed{1 - side}"])  # both formed: the close is the only thing side 1 meets
         if side == 0:
             link.close("its epoch broke")
             with pytest.raises(RuntimeError, match="the process group was closed: its epoch broke"):
