@@ -172,7 +172,7 @@ def report(info: dict, commit: str, rows: list[dict], a: argparse.Namespace) -> 
     sampled = f"-t{a.temperature:g}-p{a.top_p:g}-k{a.top_k}" if a.temperature else ""
     if penalised(a):
         sampled += f"-f{a.frequency_penalty:g}-pr{a.presence_penalty:g}-r{a.repetition_penalty:g}"
-    if getattr(a, "top_logprobs", 0):
+    if a.top_logprobs:
         sampled += f"-lp{a.top_logprobs}"
     save_results(Path(a.out), info, f"-against-{commit[:7]}-{a.dtype}{sampled}", md,
                  {"against": commit, "dtype": a.dtype, "prompt_tokens": a.prompt_len, "sampling": drawn(a),
@@ -187,7 +187,7 @@ def drawn(a: argparse.Namespace) -> str:
     """How the requests drew their tokens, in words."""
     penalties = (f", frequency penalty {a.frequency_penalty:g}, presence penalty {a.presence_penalty:g}, repetition "
                  f"penalty {a.repetition_penalty:g}" if penalised(a) else "")  # fmt: skip
-    if getattr(a, "top_logprobs", 0):
+    if a.top_logprobs:
         penalties += f", {a.top_logprobs} top logprobs a token"
     if not a.temperature:
         return f"greedy{penalties} (ignoring EOS)" if penalties else "greedy"

@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -43,11 +43,24 @@ STEPS = 8
 PENALTIES = {"frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.1}
 WAYS = ("no penalty", "penalised, one call", "penalised, per step")
 ALTERNATIVES = 5  # top log-probabilities a token, with --ask alternatives
-# what the shaped calls ask for: the three ways' names, the words for it, and the sampling fields it adds
+
+
+class Ask(NamedTuple):
+    """What the shaped calls ask for (`--ask`)."""
+
+    ways: tuple[str, str, str]  # plain, shaped in one call, shaped step by step
+    words: str  # what they ask, for the report
+    fields: dict[str, Any]  # the sampling fields it adds
+    title: str  # the report's
+    stem: str  # the results' file name's: <host>-<date>-<stem>-steps-<dtype>
+
+
 ASKS = {
-    "penalties": (WAYS, "penalties: frequency 0.5, presence 0.3, repetition 1.1", PENALTIES),
-    "alternatives": (("no alternatives", "alternatives, one call", "alternatives, per step"),
-                     f"{ALTERNATIVES} top log-probabilities a token", {"top_logprobs": ALTERNATIVES}),
+    "penalties": Ask(WAYS, "penalties: frequency 0.5, presence 0.3, repetition 1.1", PENALTIES,
+                     "Penalised decode calls", "penalised"),
+    "alternatives": Ask(("no alternatives", "alternatives, one call", "alternatives, per step"),
+                        f"{ALTERNATIVES} top log-probabilities a token", {"top_logprobs": ALTERNATIVES},
+                        "Decode calls asking for alternatives", "alternatives"),
 }  # fmt: skip
 
 
@@ -59,14 +72,14 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
 def report(info: dict, a: argparse.Namespace, got: dict[int, dict[str, list[float]]]) -> tuple[str, dict]:
     """The markdown and the rows: each way's median ms per token, and its ratio to the first way's (`no penalty`)
     and to the third's (`penalised, per step`) per cycle."""
-    names, asked, _ = ASKS[getattr(a, "ask", "penalties")]
+    ask = ASKS[a.ask]
+    names = ask.ways
     rows: dict[str, Any] = {}
-    title = "Penalised decode calls" if names == WAYS else "Decode calls asking for alternatives"
     lines = [
-        f"## {title} — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {info['date']}",
+        f"## {ask.title} — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {info['date']}",
         "",
         f"SmolLM2 {a.dtype}, one stage core (pp=1), calls of {STEPS} decode steps, temperature 0.7, top-p 0.9, seeded; "
-        f"{asked}; a prompt of {a.prompt_tokens} tokens; {a.cycles} cycles, the three ways alternated within each. "
+        f"{ask.words}; a prompt of {a.prompt_tokens} tokens; {a.cycles} cycles, the three ways alternated within each. "
         f"Ratio: the way's ms per token over `{names[0]}`'s in the same cycle, the median over cycles [quartiles]; "
         "below 1 is faster.",
         "",
@@ -96,7 +109,7 @@ def main() -> None:
     ap.add_argument("--ask", choices=list(ASKS), default="penalties", help="what the shaped calls ask for")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
-    names, _, shape = ASKS[a.ask]
+    names, shape = ASKS[a.ask].ways, ASKS[a.ask].fields
     if a.cycles < 4 or min(a.rows) < 1 or a.prompt_tokens < 1:
         ap.error(f"--cycles at least 4, --rows and --prompt-tokens positive: got {a.cycles}, {a.rows}, "
                  f"{a.prompt_tokens}")  # fmt: skip
@@ -169,8 +182,7 @@ def main() -> None:
         core.close()
     md, rows = report(info, a, got)
     print(md)
-    kind = "penalised" if a.ask == "penalties" else "alternatives"
-    save_results(Path(a.out), info, f"-{kind}-steps-{a.dtype}", md,
+    save_results(Path(a.out), info, f"-{ASKS[a.ask].stem}-steps-{a.dtype}", md,
                  {"dtype": a.dtype, "prompt_tokens": a.prompt_tokens, "ask": a.ask, "rows": rows,
                   "times": got})  # fmt: skip
 

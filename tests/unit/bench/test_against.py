@@ -23,7 +23,8 @@ def test_report_names_the_dtype_and_gives_every_figure(tmp_path: Path) -> None:
         for temperature, top_p in ((0.0, 1.0), (0.7, 0.9)):
             args = argparse.Namespace(model="m", dtype=dtype, new_tokens=64, rounds=3, out=str(tmp_path),
                                       prompt_len=46, temperature=temperature, top_p=top_p, top_k=0,
-                                      frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0)  # fmt: skip
+                                      frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0,
+                                      top_logprobs=0)  # fmt: skip
             against.report(info, "f40302c" + "0" * 33, rows, args)
     args.frequency_penalty, args.repetition_penalty = 0.5, 1.1  # bfloat16, sampled, and penalised
     against.report(info, "f40302c" + "0" * 33, rows, args)

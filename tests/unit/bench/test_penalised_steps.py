@@ -11,7 +11,7 @@ from bench import penalised_steps
 
 def test_each_ratio_is_taken_within_a_cycle_then_the_median_over_cycles() -> None:
     info = {"cpu": "cpu", "cores": 2, "torch": "2.13.0", "date": "2026-12-01T04:00:00+00:00"}
-    a = argparse.Namespace(dtype="float32", prompt_tokens=300, cycles=4)
+    a = argparse.Namespace(dtype="float32", prompt_tokens=300, cycles=4, ask="penalties")
     # The host slows down in the last two cycles: every way with it. Per cycle, one call is 1.0x no penalty and the
     # per-step way 1.1x, whatever the drift; the medians of the times alone would mix the cycles.
     got = {16: {"no penalty": [50.0, 52.0, 70.0, 72.0], "penalised, one call": [50.0, 52.0, 70.0, 72.0],
