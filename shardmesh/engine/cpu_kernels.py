@@ -734,8 +734,11 @@ static inline void block_amx(const uint32_t* xq, int64_t K2, const uint16_t* w, 
 // the compiler folds the weight loads into the FMAs: 13 loads per 12 FMAs, and the loads bound the loop. On a Zen 3,
 // SmolLM2's four products at 256 rows over 30 layers' weights (alternated in one process, 7 rounds): 495 ms six by 16
 // against 559 three by 32 and 532 on oneDNN. Panels of MC rows keep a 512-row prompt's sums in L1 (one run each: 0.85x
-// the time of three by 32 there, 0.89x without panels). bfloat16's pairs took 22.3 ms a layer tiled against 18.4
-// untiled, so they keep `over_blocks`.
+// the time of three by 32 there, 0.89x without panels). bfloat16 weights take the same loop once each tile is widened
+// to float32 (`tiled`): tiled as pairs, widened in registers for every three rows, they took 22.3 ms a layer against
+// 18.4 untiled; widened once per tile for all the rows, a SmolLM2 prefill of 736 rows took 0.93x the untiled time (on
+// a Zen 3, the two builds alternated 6 times; 0.83-0.95). Decode steps of 4-16 rows took 1.1-1.8x their
+// `over_blocks` time tiled (both dtypes), so they keep it.
 constexpr int64_t TILED_ROWS = 32;  // fewer rows (decode steps) take `over_blocks`: each block read from memory once
 constexpr int64_t KC = 128;         // inputs per tile
 constexpr int64_t MC = 96;          // rows per panel: their sums for a block, 12 KiB
@@ -765,37 +768,22 @@ static inline void half_block_f32(int64_t begin, int64_t end, const float* xr, i
   }
 }
 
-// y (M, N) = x (M, K) times the packed float32 w + bias, for M >= TILED_ROWS: blocks split among the threads; for each
-// block, KC inputs at a time, each half of the block, every six rows.
-static void tiled_f32(const float* x, int64_t M, int64_t K, const float* wp, int64_t N, const float* bias, float* y,
-                      bool round_bf16) {
-  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> acc(MC * NB);
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t m0 = 0; m0 < M; m0 += MC) {
-        const int64_t rows = std::min(MC, M - m0);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-          const int64_t k1 = std::min(K, k0 + KC);
-          for (int h = 0; h < NB; h += 16) {
-            const float* wh = wp + b * K * NB + h;
-            const float* xm = x + m0 * K;
-            int64_t m = 0;
-            for (; m + 6 <= rows; m += 6) half_block_f32<6>(k0, k1, xm + m * K, K, wh, acc.data() + m * NB + h);
-            float* rest = acc.data() + m * NB + h;
-            switch (rows - m) {
-              case 5: half_block_f32<5>(k0, k1, xm + m * K, K, wh, rest); break;
-              case 4: half_block_f32<4>(k0, k1, xm + m * K, K, wh, rest); break;
-              case 3: half_block_f32<3>(k0, k1, xm + m * K, K, wh, rest); break;
-              case 2: half_block_f32<2>(k0, k1, xm + m * K, K, wh, rest); break;
-              case 1: half_block_f32<1>(k0, k1, xm + m * K, K, wh, rest); break;
-              default: break;
-            }
-          }
-        }
-        store_block(y, N, b, m0, static_cast<int>(rows), acc.data(), bias, round_bf16);
-      }
-  });
+// acc (rows x NB) += rows of xr (row stride xs) times inputs [begin, end) of the half block wh (16 outputs, input
+// k's at wh + k * NB): six rows at a time, then the rest.
+static inline void half_rows_f32(int64_t rows, int64_t begin, int64_t end, const float* xr, int64_t xs,
+                                 const float* wh, float* acc) {
+  int64_t m = 0;
+  for (; m + 6 <= rows; m += 6) half_block_f32<6>(begin, end, xr + m * xs, xs, wh, acc + m * NB);
+  const float* xm = xr + m * xs;
+  float* rest = acc + m * NB;
+  switch (rows - m) {
+    case 5: half_block_f32<5>(begin, end, xm, xs, wh, rest); break;
+    case 4: half_block_f32<4>(begin, end, xm, xs, wh, rest); break;
+    case 3: half_block_f32<3>(begin, end, xm, xs, wh, rest); break;
+    case 2: half_block_f32<2>(begin, end, xm, xs, wh, rest); break;
+    case 1: half_block_f32<1>(begin, end, xm, xs, wh, rest); break;
+    default: break;
+  }
 }
 #endif
 
@@ -882,6 +870,52 @@ static void over_chunks(int64_t M, int64_t N, int64_t steps, const float* bias, 
     store_block(y, N, b, 0, static_cast<int>(M), acc, bias, round_bf16);
   });
 }
+
+#ifdef SHARDMESH_AVX2
+// Inputs [k0, k1) of a bfloat16 block (its pairs as `block_bf16` reads them; k0 even) widened to float32 rows of NB:
+// wide[(k - k0) * NB + n] = w[n, k].
+static inline void widen_tile(const uint16_t* blk, int64_t k0, int64_t k1, float* wide) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t k = k0; k < k1; k += 2) {
+    float* out = wide + (k - k0) * NB;
+    for (int j = 0; j < 4; ++j) {
+      const __m256i pj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + k * NB + 16 * j));
+      _mm256_store_ps(out + 8 * j, _mm256_castsi256_ps(_mm256_slli_epi32(pj, 16)));
+      if (k + 1 < k1) _mm256_store_ps(out + NB + 8 * j, _mm256_castsi256_ps(_mm256_and_si256(pj, high)));
+    }
+  }
+}
+
+// y (M, N) = x (M, K) times the packed weights wp + bias on AVX2, for M >= TILED_ROWS: blocks claimed as `over_blocks`
+// claims them (`each_block`); for each block, panels of MC rows, KC inputs at a time, each half of the block, every
+// six rows (`half_rows_f32`). bfloat16 weights (`Widened`) are widened into a float32 tile first, once for all the
+// panel's rows, where `block_bf16` widens each pair again for every three rows. Each output's sum is taken input by
+// input in the order `block_f32` and `block_bf16` take it, so the results are theirs to the bit.
+template <bool Widened>
+static void tiled(const float* x, int64_t M, int64_t K, const void* wp, int64_t N, const float* bias, float* y,
+                  bool round_bf16) {
+  const int64_t K2 = (K + 1) / 2;
+  each_block<MC>(N, [&](int64_t b, float* acc) {
+    alignas(32) float wide[Widened ? KC * NB : 1];
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+      const int64_t rows = std::min(MC, M - m0);
+      const float* xm = x + m0 * K;
+      std::fill(acc, acc + rows * NB, 0.f);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t k1 = std::min(K, k0 + KC);
+        if constexpr (Widened) {
+          widen_tile(static_cast<const uint16_t*>(wp) + b * K2 * 2 * NB, k0, k1, wide);
+          for (int h = 0; h < NB; h += 16) half_rows_f32(rows, 0, k1 - k0, xm + k0, K, wide + h, acc + h);
+        } else {
+          const float* blk = static_cast<const float*>(wp) + b * K * NB;
+          for (int h = 0; h < NB; h += 16) half_rows_f32(rows, k0, k1, xm, K, blk + h, acc + h);
+        }
+      }
+      store_block(y, N, b, m0, static_cast<int>(rows), acc, bias, round_bf16);
+    }
+  });
+}
+#endif
 
 #ifdef __AVX512BF16__
 // The M rows of x (M, K) as bfloat16 pairs, one uint32 per (k, k + 1), K padded to even with a zero: what vdpbf16ps
@@ -1024,7 +1058,7 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
     const float* wp = w.data_ptr<float>();
 #ifdef SHARDMESH_AVX2
     if (M >= TILED_ROWS) {
-      tiled_f32(x, M, K, wp, N, bias, y, round_bf16);
+      tiled<false>(x, M, K, wp, N, bias, y, round_bf16);
       return;
     }
 #endif
@@ -1102,6 +1136,12 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
   // 0.71x the time for half the bytes (docs/performance.md, "bfloat16 without its instructions").
   widened_products(x, M, K, N, wp, bias, y, round_bf16);
 #else
+#ifdef SHARDMESH_AVX2
+  if (M >= TILED_ROWS) {
+    tiled<true>(x, M, K, wp, N, bias, y, round_bf16);
+    return;
+  }
+#endif
   over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
     block_bf16<decltype(rows)::value>(x + m * K, K, K, wp + b * K2 * 2 * NB, acc);
   });
