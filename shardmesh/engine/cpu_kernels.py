@@ -376,11 +376,22 @@ static inline void block_f32(const float* x, int64_t xs, int64_t K, const float*
   });
 }
 
-template <int MB>
+// `Ahead`: the first pass over a block asks for its pairs 32 on (4 KiB) into L1, as the AVX-512 path does. Here
+// float32's blocks are better without (above), but SmolLM2's bfloat16 products from memory at one row took 0.90x the
+// time with it on the Zen 3 (0.84-0.96, three builds alternated 4 times).
+constexpr int64_t BF16_AHEAD = 32;
+template <int MB, bool Ahead = false>
 static inline void block_bf16(const float* x, int64_t xs, int64_t K, const uint16_t* w, float* acc) {
   in_threes<MB>([&](int m0, auto rows) {
     constexpr int R = decltype(rows)::value;
-    in_registers<R>((K + 1) / 2, acc + m0 * NB, [&](Sums* a, int64_t p) { bf16_step<R>(a, x + m0 * xs, xs, K, w, p); });
+    in_registers<R>((K + 1) / 2, acc + m0 * NB, [&](Sums* a, int64_t p) {
+      if (Ahead && m0 == 0) {
+        const char* q = reinterpret_cast<const char*>(w + (p + BF16_AHEAD) * 2 * NB);
+        _mm_prefetch(q, _MM_HINT_T0);
+        _mm_prefetch(q + 64, _MM_HINT_T0);
+      }
+      bf16_step<R>(a, x + m0 * xs, xs, K, w, p);
+    });
   });
 }
 
@@ -737,24 +748,28 @@ static inline void block_amx(const uint32_t* xq, int64_t K2, const uint16_t* w, 
 // the time of three by 32 there, 0.89x without panels). bfloat16 weights take the same loop once each tile is widened
 // to float32 (`tiled`): tiled as pairs, widened in registers for every three rows, they took 22.3 ms a layer against
 // 18.4 untiled; widened once per tile for all the rows, a SmolLM2 prefill of 736 rows took 0.93x the untiled time (on
-// a Zen 3, the two builds alternated 6 times; 0.83-0.95). Decode steps of 4-16 rows took 1.1-1.8x their
-// `over_blocks` time tiled (both dtypes), so they keep it.
-constexpr int64_t TILED_ROWS = 32;  // fewer rows (decode steps) take `over_blocks`: each block read from memory once
-constexpr int64_t KC = 128;         // inputs per tile
-constexpr int64_t MC = 96;          // rows per panel: their sums for a block, 12 KiB
+// a Zen 3, the two builds alternated 6 times; 0.83-0.95). Decode steps of 8 rows or more take it too, each pass
+// asking for the next tile's weights (`tiled`): SmolLM2's products from memory at 16 rows took 0.90-0.97x the time
+// of `over_blocks` in float32 and 0.82-0.88x in bfloat16, at 24 rows 0.86-0.89x and 0.82-0.87x (on the same Zen 3,
+// three builds alternated 4 times, twice); at 4 rows they took 1.0-1.05x, and without asking ahead 1.1-1.8x.
+constexpr int64_t TILED_ROWS = 8;  // fewer rows take `over_blocks`: up to three passes of three rows over each block
+constexpr int64_t KC = 128;        // inputs per tile
+constexpr int64_t MC = 96;         // rows per panel: their sums for a block, 12 KiB
 
 // Inputs begin..end of R rows (xr, row stride xs) times 16 of each input's 32 block weights (wh: the block's weights
-// from the half's first output), added to the rows' sums for those 16 outputs (acc, row stride NB). Two flat arrays
+// from the half's first output), added to the rows' sums for those 16 outputs (acc, row stride NB); the first `lines`
+// steps each ask for a line from `ahead` on into L2 (`tiled`'s next tile). Two flat arrays
 // of sums, not one of pairs: GCC 12 kept an [R][2] array in registers but stored all of it to the stack every step.
 template <int R>
 static inline void half_block_f32(int64_t begin, int64_t end, const float* xr, int64_t xs, const float* wh,
-                                  float* acc) {
+                                  float* acc, const char* ahead = nullptr, int64_t lines = 0) {
   __m256 lo[R], hi[R];
   _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {
     lo[m] = _mm256_loadu_ps(acc + m * NB);
     hi[m] = _mm256_loadu_ps(acc + m * NB + 8);
   }
   for (int64_t k = begin; k < end; ++k) {
+    if (k - begin < lines) _mm_prefetch(ahead + (k - begin) * 64, _MM_HINT_T1);
     const __m256 w0 = _mm256_loadu_ps(wh + k * NB), w1 = _mm256_loadu_ps(wh + k * NB + 8);
     _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {
       const __m256 xv = _mm256_broadcast_ss(xr + m * xs + k);
@@ -769,19 +784,26 @@ static inline void half_block_f32(int64_t begin, int64_t end, const float* xr, i
 }
 
 // acc (rows x NB) += rows of xr (row stride xs) times inputs [begin, end) of the half block wh (16 outputs, input
-// k's at wh + k * NB): six rows at a time, then the rest.
+// k's at wh + k * NB): six rows at a time, then the rest; the `lines` lines from `ahead` on are asked for in equal
+// parts by the passes.
 static inline void half_rows_f32(int64_t rows, int64_t begin, int64_t end, const float* xr, int64_t xs,
-                                 const float* wh, float* acc) {
-  int64_t m = 0;
-  for (; m + 6 <= rows; m += 6) half_block_f32<6>(begin, end, xr + m * xs, xs, wh, acc + m * NB);
+                                 const float* wh, float* acc, const char* ahead = nullptr, int64_t lines = 0) {
+  const int64_t passes = (rows + 5) / 6, each = (lines + passes - 1) / passes;
+  int64_t m = 0, q = 0;
+  auto part = [&](int64_t i) { return ahead == nullptr ? nullptr : ahead + std::min(lines, i * each) * 64; };
+  auto count = [&](int64_t i) { return std::max<int64_t>(0, std::min(lines, (i + 1) * each) - i * each); };
+  for (; m + 6 <= rows; m += 6, ++q)
+    half_block_f32<6>(begin, end, xr + m * xs, xs, wh, acc + m * NB, part(q), count(q));
   const float* xm = xr + m * xs;
   float* rest = acc + m * NB;
+  const char* pa = part(q);
+  const int64_t pl = count(q);
   switch (rows - m) {
-    case 5: half_block_f32<5>(begin, end, xm, xs, wh, rest); break;
-    case 4: half_block_f32<4>(begin, end, xm, xs, wh, rest); break;
-    case 3: half_block_f32<3>(begin, end, xm, xs, wh, rest); break;
-    case 2: half_block_f32<2>(begin, end, xm, xs, wh, rest); break;
-    case 1: half_block_f32<1>(begin, end, xm, xs, wh, rest); break;
+    case 5: half_block_f32<5>(begin, end, xm, xs, wh, rest, pa, pl); break;
+    case 4: half_block_f32<4>(begin, end, xm, xs, wh, rest, pa, pl); break;
+    case 3: half_block_f32<3>(begin, end, xm, xs, wh, rest, pa, pl); break;
+    case 2: half_block_f32<2>(begin, end, xm, xs, wh, rest, pa, pl); break;
+    case 1: half_block_f32<1>(begin, end, xm, xs, wh, rest, pa, pl); break;
     default: break;
   }
 }
@@ -903,12 +925,24 @@ static void tiled(const float* x, int64_t M, int64_t K, const void* wp, int64_t 
       std::fill(acc, acc + rows * NB, 0.f);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t k1 = std::min(K, k0 + KC);
+        // The next tile (past the block's end, the next block's first) is asked for into L2 while the rows pass over
+        // this one, half its lines by each half's passes: without it, decode steps' tiles waited on memory with the
+        // cores idle, then the cores ran with memory idle (two tiles ahead measured no better than one).
+        const int64_t at = k0 + KC, more = std::max<int64_t>(0, (at < K ? K : K + K) - at);
         if constexpr (Widened) {
-          widen_tile(static_cast<const uint16_t*>(wp) + b * K2 * 2 * NB, k0, k1, wide);
-          for (int h = 0; h < NB; h += 16) half_rows_f32(rows, 0, k1 - k0, xm + k0, K, wide + h, acc + h);
+          const uint16_t* blk = static_cast<const uint16_t*>(wp) + b * K2 * 2 * NB;
+          const char* ahead = reinterpret_cast<const char*>(blk + at * NB);
+          const int64_t lines = std::min(KC, more) * NB * 2 / 64;  // bfloat16: 2 bytes a weight
+          widen_tile(blk, k0, k1, wide);
+          for (int h = 0; h < NB; h += 16)
+            half_rows_f32(rows, 0, k1 - k0, xm + k0, K, wide + h, acc + h, ahead + h / 16 * (lines / 2) * 64,
+                          lines / 2);
         } else {
           const float* blk = static_cast<const float*>(wp) + b * K * NB;
-          for (int h = 0; h < NB; h += 16) half_rows_f32(rows, k0, k1, xm, K, blk + h, acc + h);
+          const char* ahead = reinterpret_cast<const char*>(blk + at * NB);
+          const int64_t lines = std::min(KC, more) * NB * 4 / 64;
+          for (int h = 0; h < NB; h += 16)
+            half_rows_f32(rows, k0, k1, xm, K, blk + h, acc + h, ahead + h / 16 * (lines / 2) * 64, lines / 2);
         }
       }
       store_block(y, N, b, m0, static_cast<int>(rows), acc, bias, round_bf16);
@@ -1143,6 +1177,10 @@ static void gemm(const float* x, int64_t M, int64_t K, const torch::Tensor& w, c
   }
 #endif
   over_blocks(M, N, bias, y, round_bf16, [&](int64_t m, auto rows, int64_t b, float* acc) {
+#ifdef SHARDMESH_AVX2
+    if (m == 0) block_bf16<decltype(rows)::value, true>(x + m * K, K, K, wp + b * K2 * 2 * NB, acc);
+    else
+#endif
     block_bf16<decltype(rows)::value>(x + m * K, K, K, wp + b * K2 * 2 * NB, acc);
   });
 #endif

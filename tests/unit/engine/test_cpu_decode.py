@@ -41,10 +41,12 @@ pytestmark = [pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C++ bu
 
 
 # rows, N, K. On a CPU with AMX, bfloat16 products whose K is a multiple of 32 go through its tiles, 16 rows at a time
-# (37: two tiles of rows and one of 5); the others through AVX512-BF16. With AVX2, float32 products of 32 rows or more
-# walk each block in tiles of 128 inputs (K 300: two and a part; 257 odd), in panels of 96 rows (101: one and 5 rows),
-# six rows at a time and the rest (32: 2 left, 34: 4, 37: 1, 101: 5). Widened bfloat16 products of 9 to 32 rows take
-# each block 32 pairs at a time by every group of rows (12 rows by 130 inputs: two chunks of 32 pairs and one of 1).
+# (37: two tiles of rows and one of 5); the others through AVX512-BF16. With AVX2, products of 8 rows or more walk each
+# block in tiles of 128 inputs (K 300: two and a part; 257 and 5 odd, a bfloat16 tile's last pair half padding; 130:
+# one and 2 at 12 rows), each tile's weights widened once in bfloat16, in panels of 96 rows (101: one and 5 rows), six
+# rows at a time and the rest (9: 3 left, 13: 1, 16: 4, 32: 2, 34: 4, 37: 1, 101: 5), asking for the next tile ahead
+# (past the last block's end too). On AVX-512, widened bfloat16 products of 9 to 32 rows take each block 32 pairs at a
+# time by every group of rows (12 rows by 130 inputs: two chunks of 32 pairs and one of 1).
 SHAPES = [(1, 64, 96), (3, 70, 33), (4, 576, 64), (9, 17, 5), (5, 32, 1), (13, 40, 24), (16, 33, 8), (37, 70, 64),
           (16, 40, 32), (32, 40, 300), (34, 33, 257), (101, 40, 130), (12, 70, 130)]  # fmt: skip
 
