@@ -15,6 +15,8 @@ of the bytes, plus an eighth of that for the groups' scales. Rows are taken eigh
 block, their sums in registers (AVX-512: eight rows' in 16 registers; AVX2, whose 16 registers hold a row's 32 sums in
 four, takes them two or three at a time within the pass; other CPUs get a loop the compiler vectorizes,
 `-march=native`), so a block is read from memory once per step whatever the rows (it stays in L2 while they use it).
+On AVX2, 8 rows or more walk each block in tiles of 128 inputs instead, six rows at a time over each half of a tile
+held in L1 (bfloat16's widened once per tile), each pass asking for the next tile ahead (`tiled`).
 Parallel over blocks on PyTorch's threads. Measured on a 2-core Zen 4 (SmolLM2, 2 threads): all products for one row,
 float32 16.6 ms (32.5 GB/s) against oneDNN's packed product 22.8 ms, bfloat16 7.5-10 ms against 20-22 ms for PyTorch's
 bfloat16 product; the whole decode step of 16 sequences (with `cpu_decode`) float32 35.8 ms against 57.7 eager on
