@@ -249,6 +249,23 @@ static void with_data(const torch::Tensor& t, F&& f) {
 // The blocked product: y[m, n] = sum_k x[m, k] w[n, k] + b[n], x float32 (M, K) with row stride xs.
 // ---------------------------------------------------------------------------------------------------------------
 
+#if defined(__AVX512F__) || defined(SHARDMESH_AVX2)
+// On the first pass over a block (`Ahead`: its weights come from memory; later passes of more rows find it in L2),
+// float32 weights are asked for F32_AHEAD inputs on (4 KiB, both lines of each input's 32 weights), into L1. On a Xeon
+// of family 6 model 207 the CPU's own prefetch left the loop waiting: SmolLM2's products took 0.91x the time at one
+// row and 0.69x at 16 with it (8 and 16 KiB ahead: 0.93-0.96x and 0.72x; 2 KiB: 0.96x and 0.79x). On a Zen 5 an
+// earlier try (8 KiB ahead, into L2) changed nothing there.
+constexpr int64_t F32_AHEAD = 32;
+// A step's 128 bytes of weights (a float32 input's 32, or a bfloat16 pair's) asked for into L1. bfloat16's pairs
+// (vdpbf16ps and widened) ask as far ahead, also on a first pass only: on the same Xeon a whole SmolLM2 decode step in
+// bfloat16 took 12.2 against 14.5 ms at one row, 29.2 against 36.3 at 16 (4 alternated rounds of 20 steps); 2 and
+// 8 KiB ahead measured the same as 4 within noise.
+static inline void ask_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(p) + 64, _MM_HINT_T0);
+}
+#endif
+
 #ifdef __AVX512F__
 // A block's sums for MB rows in registers, two of 16 outputs per row, `step(a, i)` adding step i's products, then
 // stored to acc (MB x NB). Explicit registers: a generic loop over NB keeps MB x NB sums in memory for MB > 1 (16 rows
@@ -275,20 +292,6 @@ static inline void add_rows(Sums* a, const float* x, int64_t xs, int64_t k, __m5
   }
 }
 
-// On the first pass over a block (`Ahead`: its weights come from memory; later passes of more rows find it in L2),
-// float32 weights are asked for F32_AHEAD inputs on (4 KiB, both lines of each input's 32 weights), into L1. On a Xeon
-// of family 6 model 207 the CPU's own prefetch left the loop waiting: SmolLM2's products took 0.91x the time at one
-// row and 0.69x at 16 with it (8 and 16 KiB ahead: 0.93-0.96x and 0.72x; 2 KiB: 0.96x and 0.79x). On a Zen 5 an
-// earlier try (8 KiB ahead, into L2) changed nothing there.
-constexpr int64_t F32_AHEAD = 32;
-// A step's 128 bytes of weights (a float32 input's 32, or a bfloat16 pair's) asked for into L1. bfloat16's pairs
-// (vdpbf16ps and widened) ask as far ahead, also on a first pass only: on the same Xeon a whole SmolLM2 decode step in
-// bfloat16 took 12.2 against 14.5 ms at one row, 29.2 against 36.3 at 16 (4 alternated rounds of 20 steps); 2 and
-// 8 KiB ahead measured the same as 4 within noise.
-static inline void ask_ahead(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
-  _mm_prefetch(static_cast<const char*>(p) + 64, _MM_HINT_T0);
-}
 // Step i's 128 bytes of the next block (`next`, nullptr for none), asked for into L2 during a block's last pass.
 static inline void ask_next(const void* next, int64_t i) {
   if (next == nullptr) return;
@@ -378,20 +381,15 @@ static inline void block_f32(const float* x, int64_t xs, int64_t K, const float*
   });
 }
 
-// `Ahead`: the first pass over a block asks for its pairs 32 on (4 KiB) into L1, as the AVX-512 path does. Here
-// float32's blocks are better without (above), but SmolLM2's bfloat16 products from memory at one row took 0.90x the
-// time with it on the Zen 3 (0.84-0.96, three builds alternated 4 times).
-constexpr int64_t BF16_AHEAD = 32;
+// `Ahead`: the first pass over a block asks for its pairs F32_AHEAD on (4 KiB) into L1 (`ask_ahead`), as the AVX-512
+// path does. Here float32's blocks are better without (above), but SmolLM2's bfloat16 products from memory at one row
+// took 0.90x the time with it on the Zen 3 (0.84-0.96, three builds alternated 4 times).
 template <int MB, bool Ahead = false>
 static inline void block_bf16(const float* x, int64_t xs, int64_t K, const uint16_t* w, float* acc) {
   in_threes<MB>([&](int m0, auto rows) {
     constexpr int R = decltype(rows)::value;
     in_registers<R>((K + 1) / 2, acc + m0 * NB, [&](Sums* a, int64_t p) {
-      if (Ahead && m0 == 0) {
-        const char* q = reinterpret_cast<const char*>(w + (p + BF16_AHEAD) * 2 * NB);
-        _mm_prefetch(q, _MM_HINT_T0);
-        _mm_prefetch(q + 64, _MM_HINT_T0);
-      }
+      if (Ahead && m0 == 0) ask_ahead(w + (p + F32_AHEAD) * 2 * NB);
       bf16_step<R>(a, x + m0 * xs, xs, K, w, p);
     });
   });
@@ -764,7 +762,7 @@ constexpr int64_t MC = 96;         // rows per panel: their sums for a block, 12
 // of sums, not one of pairs: GCC 12 kept an [R][2] array in registers but stored all of it to the stack every step.
 template <int R>
 static inline void half_block_f32(int64_t begin, int64_t end, const float* xr, int64_t xs, const float* wh,
-                                  float* acc, const char* ahead = nullptr, int64_t lines = 0) {
+                                  float* acc, const char* ahead, int64_t lines) {
   __m256 lo[R], hi[R];
   _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {
     lo[m] = _mm256_loadu_ps(acc + m * NB);
@@ -789,10 +787,10 @@ static inline void half_block_f32(int64_t begin, int64_t end, const float* xr, i
 // k's at wh + k * NB): six rows at a time, then the rest; the `lines` lines from `ahead` on are asked for in equal
 // parts by the passes.
 static inline void half_rows_f32(int64_t rows, int64_t begin, int64_t end, const float* xr, int64_t xs,
-                                 const float* wh, float* acc, const char* ahead = nullptr, int64_t lines = 0) {
+                                 const float* wh, float* acc, const char* ahead, int64_t lines) {
   const int64_t passes = (rows + 5) / 6, each = (lines + passes - 1) / passes;
   int64_t m = 0, q = 0;
-  auto part = [&](int64_t i) { return ahead == nullptr ? nullptr : ahead + std::min(lines, i * each) * 64; };
+  auto part = [&](int64_t i) { return ahead + std::min(lines, i * each) * 64; };
   auto count = [&](int64_t i) { return std::max<int64_t>(0, std::min(lines, (i + 1) * each) - i * each); };
   for (; m + 6 <= rows; m += 6, ++q)
     half_block_f32<6>(begin, end, xr + m * xs, xs, wh, acc + m * NB, part(q), count(q));
@@ -918,9 +916,12 @@ static inline void widen_tile(const uint16_t* blk, int64_t k0, int64_t k1, float
 template <bool Widened>
 static void tiled(const float* x, int64_t M, int64_t K, const void* wp, int64_t N, const float* bias, float* y,
                   bool round_bf16) {
-  const int64_t K2 = (K + 1) / 2;
+  // bytes a weight; a block's inputs (bfloat16's pairs: K padded to even)
+  constexpr int64_t bytes = Widened ? 2 : 4;
+  const int64_t Kb = Widened ? 2 * ((K + 1) / 2) : K;
   each_block<MC>(N, [&](int64_t b, float* acc) {
     alignas(32) float wide[Widened ? KC * NB : 1];
+    const char* blk = static_cast<const char*>(wp) + b * Kb * NB * bytes;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
       const int64_t rows = std::min(MC, M - m0);
       const float* xm = x + m0 * K;
@@ -931,20 +932,13 @@ static void tiled(const float* x, int64_t M, int64_t K, const void* wp, int64_t 
         // this one, half its lines by each half's passes: without it, decode steps' tiles waited on memory with the
         // cores idle, then the cores ran with memory idle (two tiles ahead measured no better than one).
         const int64_t at = k0 + KC, more = std::max<int64_t>(0, (at < K ? K : K + K) - at);
-        if constexpr (Widened) {
-          const uint16_t* blk = static_cast<const uint16_t*>(wp) + b * K2 * 2 * NB;
-          const char* ahead = reinterpret_cast<const char*>(blk + at * NB);
-          const int64_t lines = std::min(KC, more) * NB * 2 / 64;  // bfloat16: 2 bytes a weight
-          widen_tile(blk, k0, k1, wide);
-          for (int h = 0; h < NB; h += 16)
-            half_rows_f32(rows, 0, k1 - k0, xm + k0, K, wide + h, acc + h, ahead + h / 16 * (lines / 2) * 64,
-                          lines / 2);
-        } else {
-          const float* blk = static_cast<const float*>(wp) + b * K * NB;
-          const char* ahead = reinterpret_cast<const char*>(blk + at * NB);
-          const int64_t lines = std::min(KC, more) * NB * 4 / 64;
-          for (int h = 0; h < NB; h += 16)
-            half_rows_f32(rows, k0, k1, xm, K, blk + h, acc + h, ahead + h / 16 * (lines / 2) * 64, lines / 2);
+        const char* ahead = blk + at * NB * bytes;
+        const int64_t half = std::min(KC, more) * NB * bytes / 64 / 2;  // lines each half's passes ask for
+        if constexpr (Widened) widen_tile(reinterpret_cast<const uint16_t*>(blk), k0, k1, wide);
+        for (int h = 0; h < NB; h += 16) {
+          const char* mine = ahead + h / 16 * half * 64;
+          if constexpr (Widened) half_rows_f32(rows, 0, k1 - k0, xm + k0, K, wide + h, acc + h, mine, half);
+          else half_rows_f32(rows, k0, k1, xm, K, reinterpret_cast<const float*>(blk) + h, acc + h, mine, half);
         }
       }
       store_block(y, N, b, m0, static_cast<int>(rows), acc, bias, round_bf16);
