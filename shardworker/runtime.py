@@ -710,7 +710,7 @@ class StageWorkerCore:
             return None
         history, penalized = rt.caches.tokens, [i for i, p in enumerate(params) if p.penalized]
         if penalized and (history is None or not rt.engine.draws_steps(layouts)):
-            return None  # no call to take them (a CUDA worker, a paged cache): not worth their tallies
+            return None  # no call to take them (a CUDA worker, a paged step it cannot take): not worth their tallies
         greedy = all(p.greedy for p in params) and not penalized
         draws = None if greedy else (draw_table(params), seed_bits(params))
         counts = [p.top_logprobs for p in params]

@@ -6,9 +6,9 @@ On a CPU a decode step's weights stream in ~15-20 ms for SmolLM2, and eager PyTo
 of a layer's ~70 small operations (norms, RoPE, the KV write, attention's reshapes, SwiGLU, residuals) costs a few
 microseconds of dispatch, as much as the layer's products together. This runner computes each half of a layer
 (`cpu_kernels.attention_block`, `mlp_block`) in one call over the same weights, KV cache and RoPE tables as the
-eager model, which still runs every step this one does not accept (logits at every position, paged caches, other
-devices, more than 16 rows of streamed layers). It is the CPU's counterpart of `cuda_graph`: the model stays one
-readable file and this is another way to execute it.
+eager model, which still runs every step this one does not accept (logits at every position, a paged cache's prompt
+rows, other devices, more than 16 rows of streamed layers). It is the CPU's counterpart of `cuda_graph`: the model
+stays one readable file and this is another way to execute it.
 Where every layer is whole, the kernels hold all the layers' arguments (`cpu_kernels.stack_layers`) and one call
 (`decode_layers`) runs them: the 60 calls of a SmolLM2 step from Python cost ~0.3 ms of cold interpreter and argument
 conversion between parallel regions (docs/performance.md, "All of a stage's layers in one call").
@@ -30,17 +30,20 @@ share one, and each return to Python between the halves delayed both (docs/perfo
 rank's layers in one call").
 
 Eligible: a CPU shard whose decoder products all use the blocked kernels (`linear.BlockedCpuKernel`: float32 or
-bfloat16; its subclass `BlockedInt8Kernel`: int8 weights of a float32 shard; kernels built), the slot KV cache, a
-step of decode rows and prompts of any length (the layer halves write every row's key and value before any row
-attends, so each row sees its segment's earlier ones; more than `ROW_CHUNK` rows go through in chunks of rows), logits
-of each sequence's last token. Prompts went to eager's fused attention (SDPA) above 128 tokens until the prompt rows'
-attention tasks were balanced between the threads; then this runner took 0.67-0.73x eager's time at 1024 tokens
-and 0.66-0.68x at 2048, and a prompt's rows attending by runs took 0.86-0.96x of that again (docs/performance.md,
-"Long prompts through the compiled halves"). A float32 shard under a
-memory budget qualifies too, for steps of at most `STREAMED_ROWS` rows: its streamed layers' products are the
-row-major blocks the offload streamer maps from the checkpoint (an int8 shard's: int8 blocks and their groups' scales
-from its int8 copy), which the halves multiply as they lie (`rows`), the streamer bringing each layer in around its
-calls as the layer's hooks do in eager mode (eager dispatch had been most of a hot streamed step's extra time).
+bfloat16; its subclass `BlockedInt8Kernel`: int8 weights of a float32 shard; kernels built). On a paged KV cache
+(`PagedKVCache`), a step of decode rows only, each attending over its sequence's blocks where they lie
+(`cpu_kernels.attend_paged`, `paged_rows`); until 2026-12-02 every paged step ran eagerly, a SmolLM2 decode step
+1.3-1.8x the time of the slot cache's compiled one (docs/performance.md, "A Zen 5 again; the paged KV cache through the
+compiled layers"). On the slot KV cache, a step of decode rows and prompts of any length (the layer halves write every
+row's key and value before any row attends, so each row sees its segment's earlier ones; more than `ROW_CHUNK` rows go
+through in chunks of rows), logits of each sequence's last token. Prompts went to eager's fused attention (SDPA) above
+128 tokens until the prompt rows' attention tasks were balanced between the threads; then this runner took 0.67-0.73x
+eager's time at 1024 tokens and 0.66-0.68x at 2048, and a prompt's rows attending by runs took 0.86-0.96x of that again
+(docs/performance.md, "Long prompts through the compiled halves"). A float32 shard under a memory budget qualifies too,
+for steps of at most `STREAMED_ROWS` rows: its streamed layers' products are the row-major blocks the offload streamer
+maps from the checkpoint (an int8 shard's: int8 blocks and their groups' scales from its int8 copy), which the halves
+multiply as they lie (`rows`), the streamer bringing each layer in around its calls as the layer's hooks do in eager
+mode (eager dispatch had been most of a hot streamed step's extra time).
 """
 
 from __future__ import annotations
@@ -54,9 +57,9 @@ from torch import Tensor
 
 from shardmesh.core.step import CPU_ROW_CHUNK
 from shardmesh.engine import cpu_kernels
-from shardmesh.engine.batch import BatchLayout
+from shardmesh.engine.batch import BatchLayout, PagedDecodeRows
 from shardmesh.engine.groups import StageLink
-from shardmesh.engine.kv_cache import AnyKVCache, KVCache
+from shardmesh.engine.kv_cache import AnyKVCache, PagedKVCache
 from shardmesh.engine.linear import BlockedCpuKernel, LinearProduct
 from shardmesh.engine.model import DecoderLayer, Transformer
 from shardmesh.engine.offload import StreamedInt8Kernel, StreamedKernel
@@ -65,7 +68,7 @@ from shardmesh.engine.tp import RowParallelLinear, VocabParallelHead
 
 def cpu_decode(model: Transformer, cache: AnyKVCache, device: torch.device) -> CpuDecode | None:
     """The runner for a shard whose decode steps it can compute (see the module docstring), else None."""
-    if device.type != "cpu" or not isinstance(cache, KVCache) or model.dtype not in (torch.float32, torch.bfloat16):
+    if device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
         return None
     products = [m for layer in model.model.layers.values() for m in layer.modules() if isinstance(m, LinearProduct)]
     streamed = model.dtype == torch.float32 and model.streamer is not None
@@ -87,6 +90,9 @@ ROW_CHUNK = CPU_ROW_CHUNK
 # streamed, one prompt, this runner against eager (same host, one process): 0.70x the time at 8 tokens, 0.92x at 16,
 # 1.32x at 32, 2.07x at 128.
 STREAMED_ROWS = 16
+# A paged step's head dims: whole vectors of either build's lanes (8 floats on AVX2, 16 on AVX-512), at most what the
+# halves keep in registers (`attend_paged`).
+PAGED_LANES, PAGED_HEAD_DIM = 16, 256
 
 
 def _raise_not_finite(e: RuntimeError) -> None:
@@ -130,7 +136,7 @@ class CpuDecode:
     """Runs the decode steps of one CPU shard through `cpu_kernels`' layer halves: all layers in one call
     (`decode_layers`) where they are whole, else each half in a call of its own (`one_call=False`: always)."""
 
-    def __init__(self, model: Transformer, cache: KVCache, one_call: bool = True) -> None:
+    def __init__(self, model: Transformer, cache: AnyKVCache, one_call: bool = True) -> None:
         self.model, self.cache, self.one_call = model, cache, one_call
         self.ext = cpu_kernels.module()
         self._layers: list[_LayerCalls] = []
@@ -144,11 +150,20 @@ class CpuDecode:
         self.stamps: list[tuple[float, float]] = []
 
     def accepts(self, batch: BatchLayout, all_logits: bool) -> bool:
-        """A step in a slot layout, with last-token logits, of at most `STREAMED_ROWS` rows where layers are
-        streamed."""
-        if all_logits or batch.block_size != 0:
+        """A step with last-token logits, of at most `STREAMED_ROWS` rows where layers are streamed: in a slot layout,
+        or, on a paged cache, of decode rows only (`paged_rows`)."""
+        if all_logits or (batch.block_size != 0 and not self.paged_rows(batch)):
             return False
         return self.model.streamer is None or batch.num_tokens <= STREAMED_ROWS
+
+    def paged_rows(self, batch: BatchLayout) -> bool:
+        """Whether `batch` is a paged step the layer halves attend in place: every segment one decode row, on this
+        runner's paged cache, with head dims of whole vectors (`attend_paged`). A paged step with a prompt's rows
+        takes the eager model, whose prompt attention gathers the prompt's blocks (`PagedKVCache.history`)."""
+        cache, cfg = self.cache, self.model.cfg
+        return (isinstance(cache, PagedKVCache) and batch.block_size == cache.block_size and not batch.looped
+                and isinstance(batch.decode, PagedDecodeRows) and cfg.head_dim % PAGED_LANES == 0
+                and cfg.head_dim <= PAGED_HEAD_DIM and cfg.num_heads // cfg.num_kv_heads <= 16)  # fmt: skip
 
     @torch.inference_mode()
     def run(self, batch: BatchLayout, x: Tensor) -> Tensor:
@@ -157,7 +172,7 @@ class CpuDecode:
         cos, sin = model.rope_cos, model.rope_sin
         assert cos is not None and sin is not None, "call init_buffers() first"
         self.cache.check(batch)
-        slots, positions = batch.kv_index
+        slots, positions = self._places(batch)
         if model.model.embed_tokens is not None:
             x = model.model.embed_tokens(x)
         calls = self._calls()
@@ -183,7 +198,7 @@ class CpuDecode:
         assert cos is not None and sin is not None, "call init_buffers() first"
         self._calls()
         n, embed = batch.num_tokens, model.model.embed_tokens
-        if self._all is None or self._all.reduced or n > ROW_CHUNK:
+        if self._all is None or self._all.reduced or n > ROW_CHUNK or batch.block_size:  # a paged log: from Python
             return None
         table = ids = None
         if embed is not None:
@@ -298,11 +313,28 @@ class CpuDecode:
         return Drawn(ids, top, logsum, picked, top_ids, top_values)
 
     def _step_places(self, batches: list[BatchLayout]) -> tuple[Tensor, Tensor]:
-        """Each step's KV slots and positions, (steps, rows) each, for a call of several steps, every layout checked
-        against the cache first."""
+        """Each step's KV slots, (steps, rows), or block tables, (steps, rows, blocks) padded with block 0, and its
+        positions, (steps, rows), for a call of several steps, every layout checked against the cache first."""
         for b in batches:
             self.cache.check(b)
-        return torch.stack([b.kv_index[0] for b in batches]), torch.stack([b.kv_index[1] for b in batches])
+        places = [self._places(b) for b in batches]
+        positions = torch.stack([p for _, p in places])
+        if not batches[0].block_size:
+            return torch.stack([s for s, _ in places]), positions
+        tables = torch.zeros((len(places), *places[0][0].shape[:1], max(t.shape[1] for t, _ in places)),
+                             dtype=torch.int64)  # fmt: skip
+        for k, (t, _) in enumerate(places):
+            tables[k, :, : t.shape[1]] = t
+        return tables, positions
+
+    @staticmethod
+    def _places(batch: BatchLayout) -> tuple[Tensor, Tensor]:
+        """Where the layer halves put and read each row's key and value: its slot and position, or, in a paged step
+        (`paged_rows`), its sequence's block table, (rows, blocks) int64, and its position."""
+        if not batch.block_size:
+            return batch.kv_index
+        assert isinstance(batch.decode, PagedDecodeRows) and not batch.looped, "a paged step of decode rows only"
+        return batch.decode.tables.to(torch.int64), batch.positions
 
     def _head_of(self, batch: BatchLayout, x: Tensor) -> Tensor:
         """The shard's output from its layers' (n, hidden) output x: x itself, or on the last stage the logits of each

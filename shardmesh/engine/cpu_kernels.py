@@ -2353,11 +2353,154 @@ static void attend_runs(const float* qkv, int64_t M, int64_t nh, int64_t nkv, in
 }
 #endif
 
-// RoPE on the new queries and keys, the keys and values into the cache, each row's heads against its slot.
+#ifdef SHARDMESH_LANES
+// Scores of GC query heads (q: rows hd apart, float32) against positions [0, count) of a block's (hd, BS) key tile:
+// s[h * ss + i] = scale * q_h . key i. A vector of L positions at a time, summed over the dimensions, each key row
+// loaded once for the GC heads, two sums per head in flight (even and odd dimensions: hd is whole vectors, so even).
+template <int GC, typename T>
+static inline void tile_scores(const float* q, int64_t hd, const T* kb, int64_t BS, int64_t count, float scale,
+                               float* s, int64_t ss) {
+  int64_t i = 0;
+  for (; i + L <= count; i += L) {
+    Lanes a0[GC], a1[GC];
+    for (int h = 0; h < GC; ++h) a0[h] = a1[h] = vset(0.f);
+    for (int64_t x = 0; x < hd; x += 2) {
+      const Lanes k0 = vload(kb + x * BS + i), k1 = vload(kb + (x + 1) * BS + i);
+      for (int h = 0; h < GC; ++h) {
+        a0[h] = vfma(vset(q[h * hd + x]), k0, a0[h]);
+        a1[h] = vfma(vset(q[h * hd + x + 1]), k1, a1[h]);
+      }
+    }
+    for (int h = 0; h < GC; ++h) vput(s + h * ss + i, vmul(vadd(a0[h], a1[h]), vset(scale)));
+  }
+  for (; i < count; ++i)  // a block size or a last block that is not whole vectors
+    for (int h = 0; h < GC; ++h) {
+      float a = 0.f;
+      for (int64_t x = 0; x < hd; ++x) a += q[h * hd + x] * load(kb, x * BS + i);
+      s[h * ss + i] = a * scale;
+    }
+}
+
+// acc[h * hd + x] += sum_i p[h * ps + i] * value i [x] over positions [0, count) of a block's (BS, hd) value tile, for
+// GC heads: a vector of dimensions at a time, its sums in registers, each value row loaded once for the GC heads, even
+// and odd positions apart.
+template <int GC, typename T>
+static inline void tile_values(const float* p, int64_t ps, const T* vb, int64_t hd, int64_t count, float* acc) {
+  for (int64_t x = 0; x < hd; x += L) {
+    Lanes a0[GC], a1[GC];
+    for (int h = 0; h < GC; ++h) {
+      a0[h] = vload(acc + h * hd + x);
+      a1[h] = vset(0.f);
+    }
+    int64_t i = 0;
+    for (; i + 2 <= count; i += 2) {
+      const Lanes v0 = vload(vb + i * hd + x), v1 = vload(vb + (i + 1) * hd + x);
+      for (int h = 0; h < GC; ++h) {
+        a0[h] = vfma(vset(p[h * ps + i]), v0, a0[h]);
+        a1[h] = vfma(vset(p[h * ps + i + 1]), v1, a1[h]);
+      }
+    }
+    if (i < count) {
+      const Lanes v0 = vload(vb + i * hd + x);
+      for (int h = 0; h < GC; ++h) a0[h] = vfma(vset(p[h * ps + i]), v0, a0[h]);
+    }
+    for (int h = 0; h < GC; ++h) vput(acc + h * hd + x, vadd(a0[h], a1[h]));
+  }
+}
+
+// f(h0, GC) for the heads of a group, up to four at a time (GC a compile-time count: the sums stay in registers).
+template <typename F>
+static inline void by_fours(int64_t group, F&& f) {
+  for (int64_t h0 = 0; h0 < group; h0 += 4) {
+    switch (std::min<int64_t>(4, group - h0)) {
+      case 4: f(h0, std::integral_constant<int, 4>{}); break;
+      case 3: f(h0, std::integral_constant<int, 3>{}); break;
+      case 2: f(h0, std::integral_constant<int, 2>{}); break;
+      default: f(h0, std::integral_constant<int, 1>{}); break;
+    }
+  }
+}
+
+// `attend` for decode rows over a paged cache (`PagedKVCache`): row m is the one new token of its sequence, at
+// position pos[m], whose positions p lie at offset p % BS of block tables[m * maxb + p / BS]. Per block and key-value
+// head, keys are a (hd, BS) tile, transposed, and values a (BS, hd) tile, the layout `paged_attention` reads in eager
+// mode: a block's scores are vectors along its positions, with no sums across lanes. A task per row and key-value
+// head, as the slot cache's decode rows: RoPE on its group's queries and its key, the key and value into the row's
+// last block, then its queries against its blocks where they lie, each block's tiles asked for while the one before
+// is read. Rows are distinct sequences writing positions no other row reads (the layout checks that no two rows
+// write one block's position; blocks shared by a common prefix are full).
+template <typename T>
+static void attend_paged(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T* kc, T* vc, int64_t BS,
+                         const int64_t* tables, int64_t maxb, const int64_t* pos, const float* cos, const float* sin,
+                         bool bf16, float* out) {
+  const int64_t width = (nh + 2 * nkv) * hd, group = nh / nkv;
+  const int64_t tile = hd * BS * static_cast<int64_t>(sizeof(T));  // bytes of a block's keys (or values) for a head
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const auto cost = [&](int64_t t) { return pos[t / nkv] + 1 + TASK_COST; };
+  balanced_tasks<std::vector<float>>(M * nkv, cost, [&](int64_t t, std::vector<float>& score) {
+    const int64_t m = t / nkv, g = t % nkv, n = pos[m] + 1;
+    const int64_t* table = tables + m * maxb;
+    float* row = qkv + m * width;
+    const float *cm = cos + pos[m] * hd, *sm = sin + pos[m] * hd;
+    rope_heads(row, g * group, (g + 1) * group, hd, cm, sm, bf16);  // the group's queries
+    rope_heads(row, nh + g, nh + g + 1, hd, cm, sm, bf16);         // its key
+    const int64_t into = table[pos[m] / BS] * nkv + g, off = pos[m] % BS;
+    const float *key = row + (nh + g) * hd, *value = row + (nh + nkv + g) * hd;
+    for (int64_t x = 0; x < hd; ++x) {
+      put(kc + into * hd * BS, x * BS + off, key[x]);
+      put(vc + into * BS * hd, off * hd + x, value[x]);
+    }
+    const auto tile_of = [&](const T* cache, int64_t j) { return cache + (table[j] * nkv + g) * hd * BS; };
+    const auto ask = [&](const T* cache, int64_t j) {  // block j's tile, where there is one, into L1
+      if (j * BS >= n) return;
+      const char* at = reinterpret_cast<const char*>(tile_of(cache, j));
+      for (int64_t b = 0; b < tile; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+    };
+    const float* q = row + g * group * hd;
+    score.resize(group * n);
+    ask(kc, 0);
+    for (int64_t j = 0; j * BS < n; ++j) {
+      ask(kc, j + 1);
+      by_fours(group, [&](int64_t h0, auto gc) {
+        tile_scores<decltype(gc)::value>(q + h0 * hd, hd, tile_of(kc, j), BS, std::min(BS, n - j * BS), scale,
+                                         score.data() + h0 * n + j * BS, n);
+      });
+    }
+    softmax_rows(score.data(), group, n);
+    alignas(64) float acc[MAX_GROUP * MAX_HD];
+    std::fill(acc, acc + group * hd, 0.f);
+    ask(vc, 0);
+    for (int64_t j = 0; j * BS < n; ++j) {
+      ask(vc, j + 1);
+      by_fours(group, [&](int64_t h0, auto gc) {
+        tile_values<decltype(gc)::value>(score.data() + h0 * n + j * BS, n, tile_of(vc, j), hd,
+                                         std::min(BS, n - j * BS), acc + h0 * hd);
+      });
+    }
+    float* o = out + (m * nh + g * group) * hd;
+    std::memcpy(o, acc, sizeof(float) * group * hd);
+    round_all(bf16, o, group * hd);
+  });
+}
+#endif
+
+// RoPE on the new queries and keys, the keys and values into the cache, each row's heads against its slot; or, given
+// block tables (`maxb` > 0: `tables` holds M rows of maxb), decode rows against their blocks (`attend_paged`).
 template <typename T>
 static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T* kc, T* vc, int64_t max_len,
                    const int64_t* slots, const int64_t* pos, const float* cos, const float* sin, bool bf16,
-                   float* out) {
+                   float* out, int64_t maxb = 0) {
+  if (maxb > 0) {
+#ifdef SHARDMESH_LANES
+    TORCH_CHECK(hd % L == 0 && hd <= MAX_HD && nh / nkv <= MAX_GROUP,
+                "attention_block: a paged cache takes head dims of whole vectors up to ", MAX_HD, " and at most ",
+                MAX_GROUP, " query heads per key-value head");
+    attend_paged(qkv, M, nh, nkv, hd, kc, vc, max_len, slots, maxb, pos, cos, sin, bf16, out);
+    return;
+#else
+    TORCH_CHECK(false, "attention_block: a paged cache needs the kernels built for AVX2 or AVX-512");
+#endif
+  }
   const int64_t width = (nh + 2 * nkv) * hd;
   // Row m's key and value of head g into the cache at its position.
   auto put_kv = [&](int64_t m, int64_t g) {
@@ -2476,27 +2619,50 @@ static void ask_to_write(const torch::Tensor& k_cache, const torch::Tensor& v_ca
     }
 }
 
+// `ask_to_write` for decode rows over a paged cache (`attend_paged`): each row's key goes down a column of its block's
+// (hd, BS) key tile, a line per dimension, and its value to a row of the value tile.
+static void ask_to_write_paged(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t M, int64_t n_kv,
+                               const int64_t* tables, int64_t maxb, const int64_t* pos) {
+  const int64_t hd = v_cache.size(3), BS = v_cache.size(2), size = v_cache.element_size();
+  const char* kc = static_cast<const char*>(k_cache.data_ptr());
+  const char* vc = static_cast<const char*>(v_cache.data_ptr());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < n_kv; ++g) {
+      const int64_t at = (tables[m * maxb + pos[m] / BS] * n_kv + g) * hd * BS, off = pos[m] % BS;
+      for (int64_t x = 0; x < hd; ++x) __builtin_prefetch(kc + (at + x * BS + off) * size, 1, 3);
+      for (int64_t b = 0; b < hd * size; b += 64) __builtin_prefetch(vc + (at + off * hd) * size + b, 1, 3);
+    }
+}
+
 // Each product comes as its packed weight, its bias and (int8 weights) its scales.
 torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, Weights w_qkv, Opt b_qkv, Opt s_qkv,
                               Weights w_o, Opt b_o, Opt s_o, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor slots, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                               int64_t n_heads, int64_t n_kv, bool residual, bool rows) {
-  const int64_t M = x.size(0), H = x.size(1), hd = k_cache.size(3), max_len = k_cache.size(2);
+  // `slots` (M) for the slot cache, (slots, n_kv, max_len, hd) per layer; or block tables (M, blocks) for a paged
+  // cache of decode rows, whose keys are (blocks, n_kv, hd, block size) and values (blocks, n_kv, block size, hd).
+  const bool paged = slots.dim() == 2;
+  const int64_t M = x.size(0), H = x.size(1), hd = v_cache.size(3), max_len = v_cache.size(2);
   const int64_t n_qkv = out_features(w_qkv);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(n_qkv == (n_heads + 2 * n_kv) * hd, "attention_block: qkv width does not match the heads");
   TORCH_CHECK(k_cache.scalar_type() == x.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "attention_block: the cache must be contiguous, in the activations' dtype");
+  TORCH_CHECK(!paged || (slots.size(0) == M && slots.size(1) > 0 && k_cache.size(2) == hd &&
+                         k_cache.size(3) == max_len && k_cache.size(0) == v_cache.size(0)),
+              "attention_block: block tables of ", slots.sizes(), " for ", M, " rows, paged keys of ",
+              k_cache.sizes(), " and values of ", v_cache.sizes());
   const Scratch h = scratch(M * H), qkv = scratch(M * n_qkv), att = scratch(M * n_heads * hd), y = scratch(M * H);
   auto sl = slots.to(torch::kLong).contiguous(), ps = positions.to(torch::kLong).contiguous();
-  ask_to_write(k_cache, v_cache, M, n_kv, sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>());
+  if (paged) ask_to_write_paged(k_cache, v_cache, M, n_kv, sl.data_ptr<int64_t>(), sl.size(1), ps.data_ptr<int64_t>());
+  else ask_to_write(k_cache, v_cache, M, n_kv, sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>());
   rms_norm(x, norm, eps, bf16, h.get());
   torch::Tensor keep_b, keep_o;
   product(h.get(), M, H, w_qkv, rows, groups_ptr(s_qkv), opt_ptr(b_qkv, keep_b), qkv.get(), bf16);
   auto c = as_float(cos), s = as_float(sin);
   auto run = [&](auto* kc, auto* vc) {
     attend(qkv.get(), M, n_heads, n_kv, hd, kc, vc, max_len, sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(),
-           c.data_ptr<float>(), s.data_ptr<float>(), bf16, att.get());
+           c.data_ptr<float>(), s.data_ptr<float>(), bf16, att.get(), paged ? sl.size(1) : 0);
   };
   if (bf16)
     run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
@@ -2968,11 +3134,13 @@ std::vector<torch::Tensor> decode_steps_drawn(int64_t id, torch::Tensor ids, tor
                                               torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                                               torch::Tensor norm, double eps, Weights w, Opt b, Opt s, Opt table,
                                               Opt seeds, Opt penalties, Opt tallies, Opt top_counts) {
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && slots.dim() == 2 &&
-                  slots.sizes() == positions.sizes() && slots.size(1) == ids.size(0) &&
-                  slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
-              "decode_steps_drawn: ids must be (rows) int64 and slots and positions (steps, rows) int64, not ",
-              ids.sizes(), ", ", slots.sizes(), " and ", positions.sizes());
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && (slots.dim() == 2 || slots.dim() == 3) &&
+                  positions.dim() == 2 && slots.size(0) == positions.size(0) && slots.size(1) == positions.size(1) &&
+                  slots.size(1) == ids.size(0) && slots.scalar_type() == at::kLong &&
+                  positions.scalar_type() == at::kLong,
+              "decode_steps_drawn: ids must be (rows) int64, positions (steps, rows) int64 and slots (steps, rows) or "
+              "block tables (steps, rows, blocks) int64, not ", ids.sizes(), ", ", slots.sizes(), " and ",
+              positions.sizes());
   TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "decode_steps_drawn: the embedding must be contiguous");
   const auto held = held_stack(id, "decode_steps_drawn");
   const int64_t steps = slots.size(0), rows = ids.size(0);
@@ -3072,10 +3240,13 @@ decode_steps_drawn_received(int64_t id, torch::Tensor x, torch::Tensor slots, to
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor norm, double eps, Weights w, Opt b,
                             Opt s, LinkArgs recv, LinkArgs send, Opt table, Opt seeds, Opt penalties, Opt tallies,
                             Opt top_counts) {
-  TORCH_CHECK(slots.dim() == 2 && slots.sizes() == positions.sizes() && slots.scalar_type() == at::kLong &&
-                  positions.scalar_type() == at::kLong && slots.size(1) == x.size(0),
-              "decode_steps_drawn_received: slots and positions must be (steps, ", x.size(0), ") int64, not ",
-              slots.sizes(), " and ", positions.sizes());
+  TORCH_CHECK((slots.dim() == 2 || slots.dim() == 3) && positions.dim() == 2 &&
+                  slots.size(0) == positions.size(0) && slots.size(1) == positions.size(1) &&
+                  slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                  slots.size(1) == x.size(0),
+              "decode_steps_drawn_received: positions must be (steps, ", x.size(0), ") int64 and slots (steps, ",
+              x.size(0), ") or block tables (steps, ", x.size(0), ", blocks) int64, not ", slots.sizes(), " and ",
+              positions.sizes());
   const auto held = held_stack(id, "decode_steps_drawn_received");
   const int64_t steps = slots.size(0), rows = x.size(0);
   const StepDraws how(table, seeds, rows, "decode_steps_drawn_received");

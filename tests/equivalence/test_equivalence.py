@@ -108,6 +108,39 @@ def test_paged_cache_logits_match_transformers(checkpoints, family: str, pp: int
     _assert_matches(results, ref_tokens, ref_logits, family, pp, tp)
 
 
+@pytest.fixture(scope="module")
+def whole_vector_heads(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], list[torch.Tensor]]:
+    """A checkpoint whose head dims are whole vectors (16), which the compiled decode path attends over paged blocks
+    in place (`cpu_decode.CpuDecode.paged_rows`); the families above have 12."""
+    d = make_checkpoint(tmp_path_factory.mktemp("hd16"), "llama-gqa-tied", head_dim=16)
+    tokens, logits = reference_greedy(d, PROMPT, DECODE_STEPS)
+    return d, tokens, logits
+
+
+@pytest.mark.parametrize("block,table", [(BLOCK, TABLE), (16, (3, 1))])
+@pytest.mark.parametrize("pp,tp", [(1, 1), (2, 1), (1, 2)])
+def test_paged_decode_through_the_compiled_path_matches_transformers(whole_vector_heads, pp: int, tp: int, block: int,
+                                                                     table: tuple[int, ...]) -> None:  # fmt: skip
+    """Paged decode steps through the compiled layer halves (every decode step of every stage checked to be one the
+    runner takes), blocks of 4 and 16, crossing from block to block: `transformers`' logits and greedy tokens."""
+    model_dir, ref_tokens, ref_logits = whole_vector_heads
+
+    def seg(start: int, length: int) -> BatchLayout:
+        return BatchLayout.build([Segment(0, start, length, table[: -(-(start + length) // block)])], block_size=block)
+
+    def body(engine, rank):
+        outs = [engine.step(seg(0, len(PROMPT)), torch.tensor(PROMPT), all_logits=True)]
+        for k, t in enumerate(ref_tokens[:DECODE_STEPS]):
+            step = seg(len(PROMPT) + k, 1)
+            assert engine.native is not None and engine.native.accepts(step, False)
+            logits = engine.step(step, torch.tensor([t]))
+            outs.append(None if logits is None else logits[0])
+        return outs
+
+    results = run_mesh(model_dir, pp, tp, body, paged=(16, block))
+    _assert_matches(results, ref_tokens, ref_logits, "llama-gqa-tied head_dim=16", pp, tp)
+
+
 def _assert_matches(results, ref_tokens: list[int], ref_logits: list[torch.Tensor], family: str, pp: int,
                     tp: int) -> None:  # fmt: skip
     for rank in range((pp - 1) * tp, pp * tp):  # every tensor rank of the last stage holds the logits

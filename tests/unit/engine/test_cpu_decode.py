@@ -928,9 +928,97 @@ def test_declines_what_it_cannot_compute(small: Transformer) -> None:
     assert runner.accepts(BatchLayout.build([Segment(0, 4, 1), long]), all_logits=False)
     assert not runner.accepts(BatchLayout.build([Segment(0, 4, 1)]), all_logits=True)
     assert runner.accepts(BatchLayout.build([Segment(0, 4, 1)]), all_logits=False)
-    # a paged cache, another device: eager
-    assert cpu_decode(small, small.make_paged_cache(8, 4, torch.float32, "cpu"), torch.device("cpu")) is None
+    # another device: eager
     assert cpu_decode(small, small.make_cache(2, torch.float32, "cpu"), torch.device("cuda")) is None
+    # a paged cache: decode rows only, of head dims in whole vectors (this model's are 12)
+    paged = cpu_decode(small, small.make_paged_cache(8, 4, torch.float32, "cpu"), torch.device("cpu"))
+    assert paged is not None
+    assert not paged.accepts(BatchLayout.build([Segment(0, 4, 1, (0, 1))], block_size=4), all_logits=False)
+
+
+def _paged_prefilled(model: Transformer, tables: list[tuple[int, ...]], dtype: torch.dtype, block: int) -> Any:
+    """A paged cache in `dtype` holding PROMPTS[i] in the blocks of tables[i], each written alone."""
+    cache = model.make_paged_cache(24, block, dtype, "cpu")
+    with torch.inference_mode():
+        for table, prompt in zip(tables, PROMPTS, strict=False):
+            model(torch.tensor(prompt), BatchLayout.build([Segment(0, 0, len(prompt), table)], block_size=block),
+                  cache)  # fmt: skip
+    return cache
+
+
+# Each sequence's blocks, shuffled and scattered over the pool.
+PAGED_TABLES = {4: [(13, 2, 7, 11), (5, 9, 0, 3), (21, 17, 1, 8), (6, 14, 19, 4)], 16: [(3, 1), (0, 5), (7, 2), (4, 6)]}
+
+
+@pytest.mark.parametrize("family", ["llama-gqa-tied", "llama-mha-untied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [4, 16])
+def test_paged_decode_rows_equal_eager(tmp_path: pytest.TempPathFactory, family: str, dtype: torch.dtype,
+                                       block: int) -> None:  # fmt: skip
+    """Decode rows over a paged cache through the layer halves (`attend_paged`): the logits and the blocks' keys and
+    values the eager model (`paged_attention`) gives, rows in any order over shuffled blocks, across a block's end
+    (blocks of 4: the last vector of positions part-filled; of 16: whole vectors on AVX-512, two on AVX2)."""
+    d = make_checkpoint(tmp_path, family, num_layers=2, seed=3, head_dim=16)
+    model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
+    tables = PAGED_TABLES[block]
+    eager_cache, native_cache = (_paged_prefilled(model, tables, dtype, block) for _ in range(2))
+    runner = cpu_decode(model, native_cache, torch.device("cpu"))
+    assert isinstance(runner, CpuDecode)
+    order = [2, 0, 3, 1]
+    positions = {i: len(PROMPTS[i]) for i in order}
+    for step in range(6 if block == 4 else 12):
+        rows = order[: 4 - step % 3]  # fewer rows, then all again
+        segments = [Segment(0, positions[i], 1, tables[i]) for i in rows]
+        ids = torch.tensor([7 + 3 * i + step for i in rows])
+        batch = BatchLayout.build(segments, block_size=block)
+        assert runner.accepts(batch, all_logits=False)
+        with torch.inference_mode():
+            eager = model(ids, batch, eager_cache)
+            native = runner.run(batch, ids)
+        assert runner._all is not None  # every layer in one call
+        scale = eager.abs().max()
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        assert (native - eager).abs().max() / scale < tol
+        assert torch.equal(native.argmax(-1), eager.argmax(-1))
+        for i in rows:
+            positions[i] += 1
+    assert max(positions.values()) > block  # some sequence went on into its next block
+    cache_tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (native_cache.data.float() - eager_cache.data.float()).abs().max() < cache_tol
+    # a prompt's rows on the paged cache stay eager (its attention gathers the prompt's blocks)
+    prompt = BatchLayout.build([Segment(0, positions[0], 2, tables[0])], block_size=block)
+    assert not runner.accepts(prompt, all_logits=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_steps_in_one_call_draw_what_steps_one_at_a_time_draw(tmp_path: pytest.TempPathFactory,
+                                                                    dtype: torch.dtype) -> None:  # fmt: skip
+    """Five decode steps of three sequences over a paged cache in one call (`decode_steps_drawn`, the block tables
+    (steps, rows, blocks)), a sequence crossing into its next block part-way: the same tokens, log-probabilities and
+    cache, to the bit, as five steps one call each."""
+    d = make_checkpoint(tmp_path, "llama-mha-untied", num_layers=2, seed=5, head_dim=16)
+    model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
+    tables = PAGED_TABLES[4][:3]
+    params = SAMPLED
+    caches = {way: _paged_prefilled(model, tables, dtype, 4) for way in ("each", "one call")}
+    runners = {way: cpu_decode(model, cache, torch.device("cpu")) for way, cache in caches.items()}
+    first = torch.tensor([11, 5, 42])
+    layouts = [BatchLayout.build([Segment(0, len(PROMPTS[i]) + k, 1, t) for i, t in enumerate(tables)], block_size=4)
+               for k in range(5)]  # fmt: skip
+    each_ids, each_lp, fed = [], [], first
+    for k, batch in enumerate(layouts):
+        runner = runners["each"]
+        assert runner is not None
+        d = sampling.sample(runner.run(batch, fed), params, [len(PROMPTS[i]) + k + 1 for i in range(3)])
+        each_ids.append(d.token_ids)
+        each_lp.append(d.logprobs)
+        fed = torch.tensor(d.token_ids)
+    runner = runners["one call"]
+    assert runner is not None
+    drawn = runner.run_drawn_steps(layouts, first, (sampling.draw_table(params), sampling.seed_bits(params)))
+    assert drawn is not None
+    assert drawn.ids.tolist() == each_ids and drawn.logprobs() == each_lp
+    assert torch.equal(caches["one call"].data, caches["each"].data)
 
 
 def test_other_kernels_stay_eager(tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -126,8 +126,9 @@ def test_two_sequences_step_together_and_a_paged_cache_too(model: Path, store: d
 
 def test_a_penalised_call_the_compiled_path_cannot_take_samples_step_by_step_untallied(
         model: Path, store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """A paged cache's calls take the eager model, one step at a time: a penalised call there draws what calls of one
-    step draw, without tallying its tokens for a compiled call that will not run."""
+    """A paged cache whose head dims the compiled path cannot attend in place (this model's 12: `paged_rows`) takes
+    the eager model, one step at a time: a penalised call there draws what calls of one step draw, without tallying
+    its tokens for a compiled call that will not run."""
     core = one_stage(model, store, PAGED)
     tallied: list[int] = []
     original = runtime.StageWorkerCore._penalties
