@@ -31,9 +31,9 @@ rank's layers in one call").
 
 Eligible: a CPU shard whose decoder products all use the blocked kernels (`linear.BlockedCpuKernel`: float32 or
 bfloat16; its subclass `BlockedInt8Kernel`: int8 weights of a float32 shard; kernels built). On a paged KV cache
-(`PagedKVCache`), a step of decode rows only, each attending over its sequence's blocks where they lie
+(`PagedKVCache`), decode rows and prompts, each row attending over its sequence's blocks where they lie
 (`cpu_kernels.attend_paged`, `paged_rows`); until 2026-12-02 every paged step ran eagerly, a SmolLM2 decode step
-1.3-1.8x the time of the slot cache's compiled one (docs/performance.md, "A Zen 5 again; the paged KV cache through the
+1.3-2.0x the time of the slot cache's compiled one (docs/performance.md, "A Zen 5 again; the paged KV cache through the
 compiled layers"). On the slot KV cache, a step of decode rows and prompts of any length (the layer halves write every
 row's key and value before any row attends, so each row sees its segment's earlier ones; more than `ROW_CHUNK` rows go
 through in chunks of rows), logits of each sequence's last token. Prompts went to eager's fused attention (SDPA) above
@@ -157,13 +157,14 @@ class CpuDecode:
         return self.model.streamer is None or batch.num_tokens <= STREAMED_ROWS
 
     def paged_rows(self, batch: BatchLayout) -> bool:
-        """Whether `batch` is a paged step the layer halves attend in place: every segment one decode row, on this
-        runner's paged cache, with head dims of whole vectors (`attend_paged`). A paged step with a prompt's rows
-        takes the eager model, whose prompt attention gathers the prompt's blocks (`PagedKVCache.history`)."""
+        """Whether `batch` is a paged step the layer halves attend in place (`attend_paged`): decode rows and prompts
+        on this runner's paged cache, with head dims of whole vectors. Each prompt row reads its blocks alone, where
+        eager's fused attention (SDPA over the prompt's blocks gathered) shares them, and still took 0.50-0.77x
+        eager's time from 46 to 2048 tokens (SmolLM2; docs/performance.md)."""
         cache, cfg = self.cache, self.model.cfg
-        return (isinstance(cache, PagedKVCache) and batch.block_size == cache.block_size and not batch.looped
-                and isinstance(batch.decode, PagedDecodeRows) and cfg.head_dim % PAGED_LANES == 0
-                and cfg.head_dim <= PAGED_HEAD_DIM and cfg.num_heads // cfg.num_kv_heads <= 16)  # fmt: skip
+        return (isinstance(cache, PagedKVCache) and batch.block_size == cache.block_size
+                and cfg.head_dim % PAGED_LANES == 0 and cfg.head_dim <= PAGED_HEAD_DIM
+                and cfg.num_heads // cfg.num_kv_heads <= 16)  # fmt: skip
 
     @torch.inference_mode()
     def run(self, batch: BatchLayout, x: Tensor) -> Tensor:
@@ -330,11 +331,20 @@ class CpuDecode:
     @staticmethod
     def _places(batch: BatchLayout) -> tuple[Tensor, Tensor]:
         """Where the layer halves put and read each row's key and value: its slot and position, or, in a paged step
-        (`paged_rows`), its sequence's block table, (rows, blocks) int64, and its position."""
+        (`paged_rows`), its sequence's block table, (rows, blocks) int64 padded with block 0, and its position."""
         if not batch.block_size:
             return batch.kv_index
-        assert isinstance(batch.decode, PagedDecodeRows) and not batch.looped, "a paged step of decode rows only"
-        return batch.decode.tables.to(torch.int64), batch.positions
+        decode = batch.decode
+        assert decode is None or isinstance(decode, PagedDecodeRows), "a paged layout's decode rows are paged"
+        if not batch.looped and decode is not None:  # a decode step's: the rows' tables as they are
+            return decode.tables.to(torch.int64), batch.positions
+        width = max([*(len(t) for t in batch.chunk_blocks), decode.tables.shape[1] if decode is not None else 0])
+        tables = torch.zeros((batch.num_tokens, width), dtype=torch.int64)
+        if decode is not None:
+            tables[decode.rows, : decode.tables.shape[1]] = decode.tables.to(torch.int64)
+        for (row, seg), blocks in zip(batch.looped, batch.chunk_blocks, strict=True):
+            tables[row : row + seg.length, : len(blocks)] = blocks
+        return tables, batch.positions
 
     def _head_of(self, batch: BatchLayout, x: Tensor) -> Tensor:
         """The shard's output from its layers' (n, hidden) output x: x itself, or on the last stage the logits of each

@@ -2421,14 +2421,15 @@ static inline void by_fours(int64_t group, F&& f) {
   }
 }
 
-// `attend` for decode rows over a paged cache (`PagedKVCache`): row m is the one new token of its sequence, at
-// position pos[m], whose positions p lie at offset p % BS of block tables[m * maxb + p / BS]. Per block and key-value
-// head, keys are a (hd, BS) tile, transposed, and values a (BS, hd) tile, the layout `paged_attention` reads in eager
-// mode: a block's scores are vectors along its positions, with no sums across lanes. A task per row and key-value
-// head, as the slot cache's decode rows: RoPE on its group's queries and its key, the key and value into the row's
-// last block, then its queries against its blocks where they lie, each block's tiles asked for while the one before
-// is read. Rows are distinct sequences writing positions no other row reads (the layout checks that no two rows
-// write one block's position; blocks shared by a common prefix are full).
+// `attend` over a paged cache (`PagedKVCache`): row m is a token at position pos[m] of its sequence, whose positions p
+// lie at offset p % BS of block tables[m * maxb + p / BS]. Per block and key-value head, keys are a (hd, BS) tile,
+// transposed, and values a (BS, hd) tile, the layout `paged_attention` reads in eager mode: a block's scores are
+// vectors along its positions, with no sums across lanes. A task per row and key-value head: its queries against its
+// blocks where they lie, up to its own position, each block's tiles asked for while the one before is read. In a
+// decode step (rows of distinct sequences) the task first takes its row's RoPE and writes its key and value, as the
+// slot cache's decode rows do; such rows write positions no other row reads (the layout checks that no two rows write
+// one block's position, and blocks shared by a common prefix are full). A prompt's rows are all written first. Each
+// row reads its blocks alone: the slot cache's runs of a prompt's rows sharing each key (`attend_runs`) are not here.
 template <typename T>
 static void attend_paged(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T* kc, T* vc, int64_t BS,
                          const int64_t* tables, int64_t maxb, const int64_t* pos, const float* cos, const float* sin,
@@ -2436,19 +2437,36 @@ static void attend_paged(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t
   const int64_t width = (nh + 2 * nkv) * hd, group = nh / nkv;
   const int64_t tile = hd * BS * static_cast<int64_t>(sizeof(T));  // bytes of a block's keys (or values) for a head
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const auto put_kv = [&](int64_t m, int64_t g) {  // row m's key and value of head g into its block
+    const float* row = qkv + m * width;
+    const int64_t into = tables[m * maxb + pos[m] / BS] * nkv + g, off = pos[m] % BS;
+    const float *key = row + (nh + g) * hd, *value = row + (nh + nkv + g) * hd;
+    for (int64_t x = 0; x < hd; ++x) {
+      put(kc + into * hd * BS, x * BS + off, key[x]);
+      put(vc + into * BS * hd, off * hd + x, value[x]);
+    }
+  };
+  // Rows of distinct sequences (no two tables start at one block: a decode step's) write their own keys in their
+  // tasks; rows that may be one sequence's (a prompt's, attending over each other's new keys) are all written first.
+  std::vector<int64_t> starts(M);
+  for (int64_t m = 0; m < M; ++m) starts[m] = tables[m * maxb];
+  std::sort(starts.begin(), starts.end());
+  const bool in_tasks = std::adjacent_find(starts.begin(), starts.end()) == starts.end();
+  if (!in_tasks)
+    for (int64_t m = 0; m < M; ++m) {
+      rope_heads(qkv + m * width, 0, nh + nkv, hd, cos + pos[m] * hd, sin + pos[m] * hd, bf16);
+      for (int64_t g = 0; g < nkv; ++g) put_kv(m, g);
+    }
   const auto cost = [&](int64_t t) { return pos[t / nkv] + 1 + TASK_COST; };
   balanced_tasks<std::vector<float>>(M * nkv, cost, [&](int64_t t, std::vector<float>& score) {
     const int64_t m = t / nkv, g = t % nkv, n = pos[m] + 1;
     const int64_t* table = tables + m * maxb;
     float* row = qkv + m * width;
-    const float *cm = cos + pos[m] * hd, *sm = sin + pos[m] * hd;
-    rope_heads(row, g * group, (g + 1) * group, hd, cm, sm, bf16);  // the group's queries
-    rope_heads(row, nh + g, nh + g + 1, hd, cm, sm, bf16);         // its key
-    const int64_t into = table[pos[m] / BS] * nkv + g, off = pos[m] % BS;
-    const float *key = row + (nh + g) * hd, *value = row + (nh + nkv + g) * hd;
-    for (int64_t x = 0; x < hd; ++x) {
-      put(kc + into * hd * BS, x * BS + off, key[x]);
-      put(vc + into * BS * hd, off * hd + x, value[x]);
+    if (in_tasks) {
+      const float *cm = cos + pos[m] * hd, *sm = sin + pos[m] * hd;
+      rope_heads(row, g * group, (g + 1) * group, hd, cm, sm, bf16);  // the group's queries
+      rope_heads(row, nh + g, nh + g + 1, hd, cm, sm, bf16);         // its key
+      put_kv(m, g);
     }
     const auto tile_of = [&](const T* cache, int64_t j) { return cache + (table[j] * nkv + g) * hd * BS; };
     const auto ask = [&](const T* cache, int64_t j) {  // block j's tile, where there is one, into L1

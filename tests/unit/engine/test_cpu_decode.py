@@ -985,9 +985,37 @@ def test_paged_decode_rows_equal_eager(tmp_path: pytest.TempPathFactory, family:
     assert max(positions.values()) > block  # some sequence went on into its next block
     cache_tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (native_cache.data.float() - eager_cache.data.float()).abs().max() < cache_tol
-    # a prompt's rows on the paged cache stay eager (its attention gathers the prompt's blocks)
-    prompt = BatchLayout.build([Segment(0, positions[0], 2, tables[0])], block_size=block)
-    assert not runner.accepts(prompt, all_logits=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prompts_equal_eager(tmp_path: pytest.TempPathFactory, dtype: torch.dtype) -> None:
+    """`test_native_prompts_equal_eager` on a paged cache: a prompt's rows all written before any attends over its
+    blocks (shuffled, of 4), whole prompts, a prompt's second chunk beside decode rows; the logits and the blocks as
+    eager leaves them."""
+    d = make_checkpoint(tmp_path, "qwen2-bias-tied", num_layers=2, seed=11, hidden_size=64, intermediate_size=80)
+    model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
+    eager_cache, native_cache = (model.make_paged_cache(24, 4, dtype, "cpu") for _ in range(2))
+    runner = cpu_decode(model, native_cache, torch.device("cpu"))
+    assert isinstance(runner, CpuDecode)
+    tables = {2: (13, 2, 7, 11, 20), 0: (5, 9, 0, 3, 21), 3: (22, 17, 1, 8, 6, 14)}
+    g = torch.Generator().manual_seed(2)
+    steps = [
+        [(2, 0, 9), (0, 0, 1), (3, 0, 17)],  # three prompts, one of a single token
+        [(2, 9, 1), (0, 1, 6), (3, 17, 1)],  # decode rows beside a prompt's second chunk
+        [(2, 10, 1), (0, 7, 1), (3, 18, 1)],
+    ]
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for step in steps:
+        batch = BatchLayout.build([Segment(0, start, n, tables[s]) for s, start, n in step], block_size=4)
+        ids = torch.randint(0, 96, (batch.num_tokens,), generator=g)
+        assert runner.accepts(batch, all_logits=False)
+        with torch.inference_mode():
+            eager, native = model(ids, batch, eager_cache), runner.run(batch, ids)
+        assert native.shape == eager.shape == (len(step), 96)
+        assert (native - eager).abs().max() / eager.abs().max() < tol
+        assert torch.equal(native.argmax(-1), eager.argmax(-1))
+    cache_tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (native_cache.data.float() - eager_cache.data.float()).abs().max() < cache_tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -1042,6 +1070,41 @@ def test_stage_engine_runs_decode_and_prompts_natively(small: Transformer) -> No
     engine.step(BatchLayout.build([Segment(0, 0, 3)]), torch.tensor([1, 2, 3]))  # a short one
     out = engine.step(BatchLayout.build([Segment(0, 3, 1)]), torch.tensor([4]))
     assert len(calls) == 3 and out is not None and out.shape == (1, small.cfg.vocab_size)
+
+
+@pytest.mark.parametrize("stage", ["whole", "first"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_paged_steps_in_chunks_of_rows_equal_one_chunk_and_eager(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+        stage: str) -> None:  # fmt: skip
+    """The test below on a paged cache (head dim 32): chunks of 7 rows cut a 40-token prompt and a 9-token one beside
+    decode rows, each chunk's rows reading what the chunks before wrote into the blocks: the same output and blocks to
+    the bit as one chunk, and eager's within the order of sums."""
+    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=2, seed=9, hidden_size=128, intermediate_size=96)
+    spec = ShardSpec(0, 2, 2) if stage == "whole" else ShardSpec(0, 1, 2)
+    model = build_shard(d, spec, dtype=dtype, progress=False, max_len=64)
+    tables = [(13, 2, 7), (5, 9, 0), tuple(range(14, 24)), (3, 1, 10, 11)]  # decode rows', then the prompts'
+    caches = {way: _paged_prefilled(model, tables[:2], dtype, 4) for way in ("eager", "one", "chunks")}
+    runners = {way: cpu_decode(model, caches[way], torch.device("cpu")) for way in ("one", "chunks")}
+    segments = [Segment(0, 0, 40, tables[2]), Segment(0, len(PROMPTS[0]), 1, tables[0]), Segment(0, 0, 9, tables[3]),
+                Segment(0, len(PROMPTS[1]), 1, tables[1])]  # fmt: skip
+    batch = BatchLayout.build(segments, block_size=4)
+    ids = torch.randint(1, 96, (batch.num_tokens,), generator=torch.Generator().manual_seed(4))
+    out = {}
+    with torch.inference_mode():
+        out["eager"] = model(ids, batch, caches["eager"]).float()
+        for way, chunk in (("one", 64), ("chunks", 7)):
+            monkeypatch.setattr(cpu_decode_module, "ROW_CHUNK", chunk)
+            runner = runners[way]
+            assert runner is not None and runner.accepts(batch, all_logits=False)
+            out[way] = runner.run(batch, ids).float()
+    assert out["one"].shape == out["eager"].shape
+    assert torch.equal(out["chunks"], out["one"]) and torch.equal(caches["chunks"].data, caches["one"].data)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert (out["one"] - out["eager"]).abs().max() / out["eager"].abs().max() < tol
+    native_kv, eager_kv = caches["one"].data.float(), caches["eager"].data.float()
+    cache_tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (native_kv - eager_kv).abs().max() / eager_kv.abs().max() < cache_tol
 
 
 @pytest.mark.parametrize(("stage", "hidden"), [("whole", 128), ("first", 128), ("whole", 48)])

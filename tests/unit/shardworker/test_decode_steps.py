@@ -22,7 +22,7 @@ from shardmesh.engine.sampling import sample
 from shardworker import runtime
 from shardworker.metrics import WorkerMetrics
 from shardworker.runtime import MAX_DECODE_STEPS, StageWorkerCore, _validate_decode_steps
-from tests.checkpoints import reference_greedy
+from tests.checkpoints import make_checkpoint, reference_greedy
 from tests.unit.engine.test_groups import GLOO_CLOSED
 from tests.unit.shardworker.cores import apply_all, new_core, on_every_core, run_step
 from tests.unit.shardworker.fakes import mesh
@@ -269,3 +269,34 @@ def test_what_several_steps_per_call_need_is_checked_naming_the_field(
     with pytest.raises(error) as info:
         _validate_decode_steps(rt, entries, n)  # type: ignore[arg-type]
     assert str(info.value).startswith(f"{field}: "), str(info.value)
+
+
+@pytest.fixture(scope="module")
+def whole_vector_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`model` with head dims of whole vectors (16), whose paged steps take the compiled path (`paged_rows`)."""
+    return make_checkpoint(tmp_path_factory.mktemp("decode16"), "llama-gqa-tied", num_layers=4, seed=5,
+                           eos_token_id=95, head_dim=16)  # fmt: skip
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "penalised"])
+def test_a_paged_cache_draws_its_calls_of_steps_in_one_compiled_call(
+        whole_vector_heads: Path, store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch,
+        sampling: SamplingParams) -> None:  # fmt: skip
+    """On a paged cache the compiled path takes: every call of several steps is one call of the engine, the prompt
+    included in the compiled layers, and draws what calls of one step draw (greedy: `transformers`' tokens)."""
+    core = one_stage(whole_vector_heads, store, PAGED)
+    calls: list[bool] = []
+    original = runtime.StageWorkerCore._drawn_steps
+
+    def spied(self: StageWorkerCore, *args: object) -> object:
+        got = original(self, *args)  # type: ignore[arg-type]
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(runtime.StageWorkerCore, "_drawn_steps", spied)
+    single = decode(core, sampling, 10, 1, blocks=TABLE)
+    core.release([("r", 1)])
+    assert decode(core, sampling, 10, 4, blocks=TABLE) == single
+    assert calls and all(calls)
+    if sampling is GREEDY:
+        assert single == reference_greedy(whole_vector_heads, list(PROMPT), 10)[0]
