@@ -2,7 +2,8 @@
 the slot cache's compiled step, in the same process and run.
 
     .venv/bin/python bench/paged_decode.py [--model smollm2-135m-instruct] [--dtypes float32,bfloat16] [--rows 1,16]
-                                           [--context 200] [--block 16] [--rounds 6] [--steps 10] [--out bench/results]
+                                           [--context 200] [--block 16] [--rounds 6] [--steps 10]
+                                           [--prefills 16x46,1x512] [--out bench/results]
 
 The paged cache (`--kv-block-size`) decoded through the eager model until 2026-12-02: each layer's ~70 PyTorch calls
 and the paged attention kernel (`paged_attention`). Now its decode rows go through the same one call of all the layers
@@ -10,8 +11,10 @@ as the slot cache's (`cpu_decode.CpuDecode.paged_rows`, `cpu_kernels.attend_page
 bench loads the model as one stage (2 threads), writes `--context` tokens of a prompt into each sequence's slot and,
 in a second cache, into blocks of `--block` positions shuffled over the pool, then times `--steps` decode steps of
 each way in turn, the ways' order reversed every round: `slot` (the slot cache, compiled, what a mesh without
---kv-block-size runs), `paged` (compiled) and `paged eager` (the model's forward on the paged cache). A line gives
-each way's median ms a step over all rounds and its ratio to `slot`'s (the median of the rounds' ratios). Writes
+--kv-block-size runs), `paged` (compiled) and `paged eager` (the model's forward on the paged cache). Then, per
+`--prefills` entry (prompts x tokens), one step prefilling that many prompts from position 0, 3 times a way a round.
+A line gives each way's median ms a step over all rounds and its ratio to `slot`'s (the median of the rounds'
+ratios). Writes
 bench/results/<host>-<date>-paged-decode.{md,json} and prints the markdown.
 """
 
@@ -88,6 +91,51 @@ def measure(model_dir: str, dtype_name: str, rows: int, context: int, block: int
     return times
 
 
+def measure_prefill(model_dir: str, dtype_name: str, prompts: int, length: int, block: int,
+                    rounds: int) -> dict[str, list[float]]:  # fmt: skip
+    """Each way's ms for one step of `prompts` prompts of `length` tokens, written from position 0 of fresh slots or
+    blocks (one value per round, the median of 3 steps)."""
+    import torch
+
+    from shardmesh.core.layout import ShardSpec
+    from shardmesh.core.step import Segment
+    from shardmesh.engine.batch import BatchLayout
+    from shardmesh.engine.cpu_decode import cpu_decode
+    from shardmesh.engine.loader import build_shard
+
+    torch.set_num_threads(2)
+    dtype = getattr(torch, dtype_name)
+    layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+    model = build_shard(model_dir, ShardSpec(0, layers, layers), dtype=dtype, progress=False, max_len=length)
+    per_seq = -(-length // block)
+    pool = list(range(prompts * per_seq))
+    random.Random(0).shuffle(pool)
+    tables = [tuple(pool[r * per_seq : (r + 1) * per_seq]) for r in range(prompts)]
+    slots = model.make_cache(prompts, dtype, "cpu")
+    paged = model.make_paged_cache(len(pool), block, dtype, "cpu")
+    runners = {"slot": cpu_decode(model, slots, torch.device("cpu")),
+               "paged": cpu_decode(model, paged, torch.device("cpu"))}  # fmt: skip
+    ids = torch.randint(3, model.cfg.vocab_size, (prompts * length,), generator=torch.Generator().manual_seed(1))
+    slot_batch = BatchLayout.build([Segment(r, 0, length) for r in range(prompts)])
+    paged_batch = BatchLayout.build([Segment(0, 0, length, tables[r]) for r in range(prompts)], block_size=block)
+    times: dict[str, list[float]] = {w: [] for w in WAYS}
+    for rnd in range(rounds):
+        for way in alternated(WAYS, rnd):
+            each = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    if way == "paged eager":
+                        model(ids, paged_batch, paged)
+                    else:
+                        runner, batch = runners[way], slot_batch if way == "slot" else paged_batch
+                        assert runner is not None and runner.accepts(batch, False), f"{way}: not the compiled path"
+                        runner.run(batch, ids)
+                each.append((time.perf_counter() - t0) * 1e3)
+            times[way].append(statistics.median(each))
+    return times
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -97,6 +145,11 @@ def main() -> None:
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument(
+        "--prefills",
+        default="16x46,1x512",
+        help="prompts x tokens of each prefill step timed (comma-separated; empty: none)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     a = p.parse_args()
     if min(a.rows) < 1 or a.context < 1 or a.block < 1 or a.rounds < 1 or a.steps < 1:
@@ -129,6 +182,19 @@ def main() -> None:
             lines.append(f"| {dtype} | {rows} | {ms['slot']:.2f} | {ms['paged']:.2f} ({x['paged']:.2f}x) | "
                          f"{ms['paged eager']:.2f} ({x['paged eager']:.2f}x) | {gain:.2f}x |")  # fmt: skip
             print(f"{dtype} {rows} rows done", file=sys.stderr)
+        for spec in filter(None, a.prefills.split(",")):
+            prompts, length = (int(v) for v in spec.split("x"))
+            t = measure_prefill(model_dir, dtype, prompts, length, a.block, a.rounds)
+            ms = {w: statistics.median(v) for w, v in t.items()}
+            x = {w: statistics.median(v / s for v, s in zip(t[w], t["slot"], strict=True)) for w in WAYS}
+            gain = statistics.median(e / c for e, c in zip(t["paged eager"], t["paged"], strict=True))
+            rows_out.append({"dtype": dtype, "prefill": spec, "ms": ms, "x_slot": x, "eager_over_compiled": gain,
+                             "rounds": t})  # fmt: skip
+            lines.append(
+                f"| {dtype} | prefill {prompts} x {length} | {ms['slot']:.1f} | {ms['paged']:.1f} "
+                f"({x['paged']:.2f}x) | {ms['paged eager']:.1f} ({x['paged eager']:.2f}x) | {gain:.2f}x |"
+            )
+            print(f"{dtype} prefill {spec} done", file=sys.stderr)
     save_results(a.out, info, "-paged-decode", "\n".join(lines) + "\n",
                  {"args": vars(a) | {"out": str(a.out)}, "rows": rows_out})  # fmt: skip
 
