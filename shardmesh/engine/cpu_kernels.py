@@ -2457,47 +2457,62 @@ static void attend_paged(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t
       rope_heads(qkv + m * width, 0, nh + nkv, hd, cos + pos[m] * hd, sin + pos[m] * hd, bf16);
       for (int64_t g = 0; g < nkv; ++g) put_kv(m, g);
     }
-  const auto cost = [&](int64_t t) { return pos[t / nkv] + 1 + TASK_COST; };
-  balanced_tasks<std::vector<float>>(M * nkv, cost, [&](int64_t t, std::vector<float>& score) {
-    const int64_t m = t / nkv, g = t % nkv, n = pos[m] + 1;
+  // A task per row and key-value head; or, with rows enough to share the threads (16 decode rows of SmolLM2: 16 tasks
+  // against 48), a task per row for all its heads, which reads a block's tiles of every head, side by side in the
+  // cache, together.
+  const int64_t span = M >= 4 * at::get_num_threads() ? nkv : 1, per_row = nkv / span;
+  struct Sums {
+    std::vector<float> score, acc;
+  };
+  const auto cost = [&](int64_t t) { return (pos[t / per_row] + 1) * span + TASK_COST; };
+  balanced_tasks<Sums>(M * per_row, cost, [&](int64_t t, Sums& sums) {
+    const int64_t m = t / per_row, g0 = t % per_row * span, g1 = g0 + span, n = pos[m] + 1;
     const int64_t* table = tables + m * maxb;
     float* row = qkv + m * width;
     if (in_tasks) {
       const float *cm = cos + pos[m] * hd, *sm = sin + pos[m] * hd;
-      rope_heads(row, g * group, (g + 1) * group, hd, cm, sm, bf16);  // the group's queries
-      rope_heads(row, nh + g, nh + g + 1, hd, cm, sm, bf16);         // its key
-      put_kv(m, g);
+      rope_heads(row, g0 * group, g1 * group, hd, cm, sm, bf16);  // the groups' queries
+      rope_heads(row, nh + g0, nh + g1, hd, cm, sm, bf16);        // their keys
+      for (int64_t g = g0; g < g1; ++g) put_kv(m, g);
     }
-    const auto tile_of = [&](const T* cache, int64_t j) { return cache + (table[j] * nkv + g) * hd * BS; };
-    const auto ask = [&](const T* cache, int64_t j) {  // block j's tile, where there is one, into L1
-      if (j * BS >= n) return;
-      const char* at = reinterpret_cast<const char*>(tile_of(cache, j));
-      for (int64_t b = 0; b < tile; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+    const auto tile_of = [&](const T* cache, int64_t j, int64_t g) {
+      return cache + (table[j] * nkv + g) * hd * BS;
     };
-    const float* q = row + g * group * hd;
-    score.resize(group * n);
+    const auto ask = [&](const T* cache, int64_t j) {  // block j's tiles of the task's heads, where there are, into L1
+      if (j * BS >= n) return;
+      const char* at = reinterpret_cast<const char*>(tile_of(cache, j, g0));
+      for (int64_t b = 0; b < tile * span; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+    };
+    const int64_t heads = span * group;  // the task's query heads, adjacent in the row
+    const float* q = row + g0 * group * hd;
+    std::vector<float>& score = sums.score;
+    score.resize(heads * n);
     ask(kc, 0);
     for (int64_t j = 0; j * BS < n; ++j) {
       ask(kc, j + 1);
-      by_fours(group, [&](int64_t h0, auto gc) {
-        tile_scores<decltype(gc)::value>(q + h0 * hd, hd, tile_of(kc, j), BS, std::min(BS, n - j * BS), scale,
-                                         score.data() + h0 * n + j * BS, n);
-      });
+      for (int64_t g = g0; g < g1; ++g)
+        by_fours(group, [&](int64_t h0, auto gc) {
+          const int64_t h = (g - g0) * group + h0;
+          tile_scores<decltype(gc)::value>(q + h * hd, hd, tile_of(kc, j, g), BS, std::min(BS, n - j * BS), scale,
+                                           score.data() + h * n + j * BS, n);
+        });
     }
-    softmax_rows(score.data(), group, n);
-    alignas(64) float acc[MAX_GROUP * MAX_HD];
-    std::fill(acc, acc + group * hd, 0.f);
+    softmax_rows(score.data(), heads, n);
+    std::vector<float>& acc = sums.acc;
+    acc.assign(heads * hd, 0.f);
     ask(vc, 0);
     for (int64_t j = 0; j * BS < n; ++j) {
       ask(vc, j + 1);
-      by_fours(group, [&](int64_t h0, auto gc) {
-        tile_values<decltype(gc)::value>(score.data() + h0 * n + j * BS, n, tile_of(vc, j), hd,
-                                         std::min(BS, n - j * BS), acc + h0 * hd);
-      });
+      for (int64_t g = g0; g < g1; ++g)
+        by_fours(group, [&](int64_t h0, auto gc) {
+          const int64_t h = (g - g0) * group + h0;
+          tile_values<decltype(gc)::value>(score.data() + h * n + j * BS, n, tile_of(vc, j, g), hd,
+                                           std::min(BS, n - j * BS), acc.data() + h * hd);
+        });
     }
-    float* o = out + (m * nh + g * group) * hd;
-    std::memcpy(o, acc, sizeof(float) * group * hd);
-    round_all(bf16, o, group * hd);
+    float* o = out + (m * nh + g0 * group) * hd;
+    std::memcpy(o, acc.data(), sizeof(float) * heads * hd);
+    round_all(bf16, o, heads * hd);
   });
 }
 #endif
