@@ -3,7 +3,7 @@
     .venv/bin/python bench/against.py REV [--layouts 1x1,2x1] [--streams 1,16] [--dtype float32] [--rounds 3]
                                           [--prompt-tokens N] [--temperature T [--top-p P] [--top-k K]]
                                           [--frequency-penalty F] [--presence-penalty P] [--repetition-penalty R]
-                                          [--top-logprobs N]
+                                          [--top-logprobs N] [--kv-block-size N]
 
 REV is checked out into a temporary git worktree (removed afterwards). For each layout, the two
 checkouts' meshes (`shardmesh up`, same model, flags and threads) are started in turn, A B A B ...,
@@ -15,6 +15,7 @@ per figure: decode ms per token (below 1 is faster) and aggregate tokens/s (abov
 tokens or more (for changes to prompts: their time to first token). `--temperature T` (above 0) sends sampled
 requests instead of greedy ones, seeded and ignoring the end of sequence (for changes to sampling); the penalties add
 theirs to those requests, or to greedy ones, and `--top-logprobs N` asks each token's N most likely alternatives.
+`--kv-block-size N` starts both sides' meshes with a paged KV cache of blocks of N tokens (`up --kv-block-size`).
 
 Writes bench/results/<host>-<date>-against-<rev>.{md,json} and prints the markdown.
 """
@@ -73,11 +74,13 @@ def checked_out(rev: str, into: Path) -> Iterator[str]:
 
 
 def measure(tree: Path, model_dir: Path, pp: int, tp: int, streams: list[int], prompt_ids: list[int],
-            new_tokens: int, dtype: str, sampling: dict | None = None) -> dict[int, dict]:  # fmt: skip
+            new_tokens: int, dtype: str, sampling: dict | None = None,
+            block_size: int = 0) -> dict[int, dict]:  # fmt: skip
     share = share_cores(pp, tp, "cpu", "auto", None, cores())
+    paged = ("--kv-block-size", str(block_size)) if block_size else ()
     with tempfile.TemporaryDirectory() as logs:
         mesh = Mesh(model_dir, pp, tp, share.pipeline, max(streams), Path(logs), share.worker_threads, "none", tree,
-                    extra=("--dtype", dtype))  # fmt: skip
+                    extra=("--dtype", dtype, *paged))  # fmt: skip
         try:
             return {n: run_streams(mesh.address, prompt_ids, new_tokens, n, sampling=sampling) for n in streams}
         finally:
@@ -103,6 +106,7 @@ def main() -> None:
     ap.add_argument("--presence-penalty", type=float, default=0.0)
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--top-logprobs", type=int, default=0, help="alternatives asked for each token (0 to 20)")
+    ap.add_argument("--kv-block-size", type=int, default=0, help="a paged KV cache of blocks of this many tokens")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
     if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
@@ -138,7 +142,7 @@ def main() -> None:
                         (("this", ROOT), ("rev", other)) if i % 2 == 0 else (("rev", other), ("this", ROOT))
                     ):
                         runs[side].append(measure(tree, model_dir, pp, tp, streams, prompt_ids, a.new_tokens, a.dtype,
-                                                  sampling))  # fmt: skip
+                                                  sampling, a.kv_block_size))  # fmt: skip
                         print(f"pp={pp} tp={tp} {side} round {i}: {runs[side][-1]}", file=sys.stderr)
                 for n in streams:
                     row = {"pp": pp, "tp": tp, "streams": n}
@@ -155,7 +159,8 @@ def report(info: dict, commit: str, rows: list[dict], a: argparse.Namespace) -> 
         f"## This checkout against {commit[:7]} — {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
         f"{info['date']}",
         "",
-        f"Model `{a.model}` {a.dtype}, {drawn(a)}, a prompt of {a.prompt_len} tokens, {a.new_tokens} new tokens; "
+        f"Model `{a.model}` {a.dtype}, {drawn(a)}, a prompt of {a.prompt_len} tokens, {a.new_tokens} new tokens"
+        f"{f', a paged KV cache of blocks of {a.kv_block_size}' if a.kv_block_size else ''}; "
         f"each side's median over {a.rounds} meshes "
         "started in turn (A B A B ...). Ratio = this ÷ REV: below 1 is faster for ms/token and time to first token "
         "(TTFT), above 1 for tok/s.",
@@ -174,6 +179,8 @@ def report(info: dict, commit: str, rows: list[dict], a: argparse.Namespace) -> 
         sampled += f"-f{a.frequency_penalty:g}-pr{a.presence_penalty:g}-r{a.repetition_penalty:g}"
     if a.top_logprobs:
         sampled += f"-lp{a.top_logprobs}"
+    if a.kv_block_size:
+        sampled += f"-paged{a.kv_block_size}"
     save_results(Path(a.out), info, f"-against-{commit[:7]}-{a.dtype}{sampled}", md,
                  {"against": commit, "dtype": a.dtype, "prompt_tokens": a.prompt_len, "sampling": drawn(a),
                   "rows": rows})  # fmt: skip
