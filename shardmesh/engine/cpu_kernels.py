@@ -2483,33 +2483,32 @@ static void attend_paged(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t
       const char* at = reinterpret_cast<const char*>(tile_of(cache, j, g0));
       for (int64_t b = 0; b < tile * span; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
     };
+    // f(tile, j, h, count, gc) for block j's tile of each of the task's heads and up to four of its query heads at a
+    // time (from h, the task's numbering; gc of them), `count` positions of the block; each block's tiles asked for
+    // while the block before is read.
+    const auto over_tiles = [&](const T* cache, auto&& f) {
+      ask(cache, 0);
+      for (int64_t j = 0; j * BS < n; ++j) {
+        ask(cache, j + 1);
+        for (int64_t g = g0; g < g1; ++g)
+          by_fours(group, [&](int64_t h0, auto gc) {
+            f(tile_of(cache, j, g), j, (g - g0) * group + h0, std::min(BS, n - j * BS), gc);
+          });
+      }
+    };
     const int64_t heads = span * group;  // the task's query heads, adjacent in the row
     const float* q = row + g0 * group * hd;
     std::vector<float>& score = sums.score;
     score.resize(heads * n);
-    ask(kc, 0);
-    for (int64_t j = 0; j * BS < n; ++j) {
-      ask(kc, j + 1);
-      for (int64_t g = g0; g < g1; ++g)
-        by_fours(group, [&](int64_t h0, auto gc) {
-          const int64_t h = (g - g0) * group + h0;
-          tile_scores<decltype(gc)::value>(q + h * hd, hd, tile_of(kc, j, g), BS, std::min(BS, n - j * BS), scale,
-                                           score.data() + h * n + j * BS, n);
-        });
-    }
+    over_tiles(kc, [&](const T* keys, int64_t j, int64_t h, int64_t count, auto gc) {
+      tile_scores<decltype(gc)::value>(q + h * hd, hd, keys, BS, count, scale, score.data() + h * n + j * BS, n);
+    });
     softmax_rows(score.data(), heads, n);
     std::vector<float>& acc = sums.acc;
     acc.assign(heads * hd, 0.f);
-    ask(vc, 0);
-    for (int64_t j = 0; j * BS < n; ++j) {
-      ask(vc, j + 1);
-      for (int64_t g = g0; g < g1; ++g)
-        by_fours(group, [&](int64_t h0, auto gc) {
-          const int64_t h = (g - g0) * group + h0;
-          tile_values<decltype(gc)::value>(score.data() + h * n + j * BS, n, tile_of(vc, j, g), hd,
-                                           std::min(BS, n - j * BS), acc.data() + h * hd);
-        });
-    }
+    over_tiles(vc, [&](const T* values, int64_t j, int64_t h, int64_t count, auto gc) {
+      tile_values<decltype(gc)::value>(score.data() + h * n + j * BS, n, values, hd, count, acc.data() + h * hd);
+    });
     float* o = out + (m * nh + g0 * group) * hd;
     std::memcpy(o, acc.data(), sizeof(float) * heads * hd);
     round_all(bf16, o, heads * hd);

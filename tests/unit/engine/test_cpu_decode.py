@@ -224,25 +224,37 @@ def test_native_steps_equal_eager(tmp_path: pytest.TempPathFactory, family: str,
     assert (native_cache.data.float() - eager_cache.data.float()).abs().max() < cache_tol
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["slots", "paged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_prompts_equal_eager(tmp_path: pytest.TempPathFactory, dtype: torch.dtype) -> None:
+def test_native_prompts_equal_eager(tmp_path: pytest.TempPathFactory, dtype: torch.dtype, paged: bool) -> None:
     """Prompts through the layer halves: every row's key and value is written before any row attends, so each row
     sees its own segment's earlier rows. Whole prompts, a prompt's second chunk beside decode rows, the logits of each
-    sequence's last token and the cache as eager leaves them."""
+    sequence's last token and the cache as eager leaves them; in slots, or (`paged`) in shuffled blocks of 4
+    (`attend_paged`)."""
     d = make_checkpoint(tmp_path, "qwen2-bias-tied", num_layers=2, seed=11, hidden_size=64, intermediate_size=80)
     model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
-    eager_cache, native_cache = model.make_cache(4, dtype, "cpu"), model.make_cache(4, dtype, "cpu")
+    if paged:
+        eager_cache, native_cache = (model.make_paged_cache(24, 4, dtype, "cpu") for _ in range(2))
+    else:
+        eager_cache, native_cache = model.make_cache(4, dtype, "cpu"), model.make_cache(4, dtype, "cpu")
     runner = cpu_decode(model, native_cache, torch.device("cpu"))
     assert isinstance(runner, CpuDecode)
+    tables = {2: (13, 2, 7, 11, 20), 0: (5, 9, 0, 3, 21), 3: (22, 17, 1, 8, 6, 14)}  # each slot's blocks, when paged
+
+    def layout(segments: list[tuple[int, int, int]]) -> BatchLayout:  # (slot, start, length) each
+        if paged:
+            return BatchLayout.build([Segment(0, start, n, tables[slot]) for slot, start, n in segments], block_size=4)
+        return BatchLayout.build([Segment(slot, start, n) for slot, start, n in segments])
+
     g = torch.Generator().manual_seed(2)
     steps = [
-        [Segment(2, 0, 9), Segment(0, 0, 1), Segment(3, 0, 17)],  # three prompts, one of a single token
-        [Segment(2, 9, 1), Segment(0, 1, 6), Segment(3, 17, 1)],  # decode rows beside a prompt's second chunk
-        [Segment(2, 10, 1), Segment(0, 7, 1), Segment(3, 18, 1)],
+        [(2, 0, 9), (0, 0, 1), (3, 0, 17)],  # three prompts, one of a single token
+        [(2, 9, 1), (0, 1, 6), (3, 17, 1)],  # decode rows beside a prompt's second chunk
+        [(2, 10, 1), (0, 7, 1), (3, 18, 1)],
     ]
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     for segments in steps:
-        batch = BatchLayout.build(segments)
+        batch = layout(segments)
         ids = torch.randint(0, 96, (batch.num_tokens,), generator=g)
         assert runner.accepts(batch, all_logits=False)
         with torch.inference_mode():
@@ -983,37 +995,6 @@ def test_paged_decode_rows_equal_eager(tmp_path: pytest.TempPathFactory, family:
         for i in rows:
             positions[i] += 1
     assert max(positions.values()) > block  # some sequence went on into its next block
-    cache_tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert (native_cache.data.float() - eager_cache.data.float()).abs().max() < cache_tol
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_prompts_equal_eager(tmp_path: pytest.TempPathFactory, dtype: torch.dtype) -> None:
-    """`test_native_prompts_equal_eager` on a paged cache: a prompt's rows all written before any attends over its
-    blocks (shuffled, of 4), whole prompts, a prompt's second chunk beside decode rows; the logits and the blocks as
-    eager leaves them."""
-    d = make_checkpoint(tmp_path, "qwen2-bias-tied", num_layers=2, seed=11, hidden_size=64, intermediate_size=80)
-    model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
-    eager_cache, native_cache = (model.make_paged_cache(24, 4, dtype, "cpu") for _ in range(2))
-    runner = cpu_decode(model, native_cache, torch.device("cpu"))
-    assert isinstance(runner, CpuDecode)
-    tables = {2: (13, 2, 7, 11, 20), 0: (5, 9, 0, 3, 21), 3: (22, 17, 1, 8, 6, 14)}
-    g = torch.Generator().manual_seed(2)
-    steps = [
-        [(2, 0, 9), (0, 0, 1), (3, 0, 17)],  # three prompts, one of a single token
-        [(2, 9, 1), (0, 1, 6), (3, 17, 1)],  # decode rows beside a prompt's second chunk
-        [(2, 10, 1), (0, 7, 1), (3, 18, 1)],
-    ]
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    for step in steps:
-        batch = BatchLayout.build([Segment(0, start, n, tables[s]) for s, start, n in step], block_size=4)
-        ids = torch.randint(0, 96, (batch.num_tokens,), generator=g)
-        assert runner.accepts(batch, all_logits=False)
-        with torch.inference_mode():
-            eager, native = model(ids, batch, eager_cache), runner.run(batch, ids)
-        assert native.shape == eager.shape == (len(step), 96)
-        assert (native - eager).abs().max() / eager.abs().max() < tol
-        assert torch.equal(native.argmax(-1), eager.argmax(-1))
     cache_tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (native_cache.data.float() - eager_cache.data.float()).abs().max() < cache_tol
 

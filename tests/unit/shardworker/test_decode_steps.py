@@ -59,6 +59,21 @@ def decode(core: StageWorkerCore, sampling: SamplingParams, n: int, per_call: in
     return out
 
 
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each `StageWorkerCore._drawn_steps` of the test drew its steps in one call of the engine (not None)."""
+    calls: list[bool] = []
+    original = runtime.StageWorkerCore._drawn_steps
+
+    def spied(self: StageWorkerCore, *args: object) -> object:
+        got = original(self, *args)  # type: ignore[arg-type]
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(runtime.StageWorkerCore, "_drawn_steps", spied)
+    return calls
+
+
 def test_one_call_of_several_steps_draws_what_single_steps_draw(model: Path, store: dist.TCPStore) -> None:
     core = one_stage(model, store)
     assert decode(core, GREEDY, 12, 5) == reference_greedy(model, list(PROMPT), 12)[0]
@@ -76,22 +91,12 @@ def test_one_call_of_several_steps_draws_what_single_steps_draw(model: Path, sto
                          ids=["greedy", "sampled", "repetition", "frequency-presence", "greedy-penalised",
                               "greedy-alternatives", "penalised-alternatives"])  # fmt: skip
 def test_steps_in_one_call_give_the_tokens_and_log_probabilities_of_single_steps(
-        model: Path, store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch,
-        sampling: SamplingParams) -> None:  # fmt: skip
+        model: Path, store: dist.TCPStore, calls: list[bool], sampling: SamplingParams) -> None:  # fmt: skip
     """A single stage's call of several steps, greedy or seeded, with penalties or without, asking for alternatives
     or not, draws them all in one call of its engine (`StageEngine.drawn_steps`); each token, its log-probability
     and its alternatives are those a call per step samples, to the bit. Calls of 4 steps: the second counts, for its
     penalties, the tokens the first drew."""
     core = one_stage(model, store)
-    calls: list[bool] = []
-    original = runtime.StageWorkerCore._drawn_steps
-
-    def spied(self: StageWorkerCore, *args: object) -> object:
-        got = original(self, *args)  # type: ignore[arg-type]
-        calls.append(got is not None)
-        return got
-
-    monkeypatch.setattr(runtime.StageWorkerCore, "_drawn_steps", spied)
 
     def drawn(per_call: int) -> list[tuple[int, float, tuple[tuple[int, float], ...]]]:
         first = core.step(5, [entry(0, PROMPT, sampling)]).sampled[0]
@@ -280,20 +285,11 @@ def whole_vector_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "penalised"])
 def test_a_paged_cache_draws_its_calls_of_steps_in_one_compiled_call(
-        whole_vector_heads: Path, store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch,
+        whole_vector_heads: Path, store: dist.TCPStore, calls: list[bool],
         sampling: SamplingParams) -> None:  # fmt: skip
     """On a paged cache the compiled path takes: every call of several steps is one call of the engine, the prompt
     included in the compiled layers, and draws what calls of one step draw (greedy: `transformers`' tokens)."""
     core = one_stage(whole_vector_heads, store, PAGED)
-    calls: list[bool] = []
-    original = runtime.StageWorkerCore._drawn_steps
-
-    def spied(self: StageWorkerCore, *args: object) -> object:
-        got = original(self, *args)  # type: ignore[arg-type]
-        calls.append(got is not None)
-        return got
-
-    monkeypatch.setattr(runtime.StageWorkerCore, "_drawn_steps", spied)
     single = decode(core, sampling, 10, 1, blocks=TABLE)
     core.release([("r", 1)])
     assert decode(core, sampling, 10, 4, blocks=TABLE) == single
