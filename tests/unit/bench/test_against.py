@@ -24,13 +24,16 @@ def test_report_names_the_dtype_and_gives_every_figure(tmp_path: Path) -> None:
             args = argparse.Namespace(model="m", dtype=dtype, new_tokens=64, rounds=3, out=str(tmp_path),
                                       prompt_len=46, temperature=temperature, top_p=top_p, top_k=0,
                                       frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0,
-                                      top_logprobs=0)  # fmt: skip
+                                      top_logprobs=0, kv_block_size=0)  # fmt: skip
             against.report(info, "f40302c" + "0" * 33, rows, args)
     args.frequency_penalty, args.repetition_penalty = 0.5, 1.1  # bfloat16, sampled, and penalised
     against.report(info, "f40302c" + "0" * 33, rows, args)
     args.top_logprobs = 5  # and asking for alternatives
     against.report(info, "f40302c" + "0" * 33, rows, args)
+    args.kv_block_size = 16  # and on paged meshes
+    against.report(info, "f40302c" + "0" * 33, rows, args)
     stems = ["bfloat16-t0.7-p0.9-k0-f0.5-pr0-r1.1", "bfloat16-t0.7-p0.9-k0-f0.5-pr0-r1.1-lp5",
+             "bfloat16-t0.7-p0.9-k0-f0.5-pr0-r1.1-lp5-paged16",
              "bfloat16-t0.7-p0.9-k0", "bfloat16", "float32-t0.7-p0.9-k0", "float32"]  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         f"vm-2026-11-29-against-f40302c-{stem}.{ext}" for stem in stems for ext in ("json", "md")
@@ -42,6 +45,9 @@ def test_report_names_the_dtype_and_gives_every_figure(tmp_path: Path) -> None:
             in penalised)  # fmt: skip
     alternatives = (tmp_path / "vm-2026-11-29-against-f40302c-bfloat16-t0.7-p0.9-k0-f0.5-pr0-r1.1-lp5.md").read_text()
     assert "repetition penalty 1.1, 5 top logprobs a token, seeded, ignoring EOS" in alternatives
+    assert ", a paged KV cache of blocks of" not in alternatives
+    paged = (tmp_path / "vm-2026-11-29-against-f40302c-bfloat16-t0.7-p0.9-k0-f0.5-pr0-r1.1-lp5-paged16.md").read_text()
+    assert "64 new tokens, a paged KV cache of blocks of 16; each side's median" in paged
     md = (tmp_path / "vm-2026-11-29-against-f40302c-bfloat16.md").read_text()
     assert "| 1 | 1 | 16 | 30.0 | 32.0 | 0.938 | 400.0 | 360.0 | 1.111 | 54.0 | 77.0 | 0.701 |" in md
     assert "Model `m` bfloat16, greedy, a prompt of 46 tokens" in md
