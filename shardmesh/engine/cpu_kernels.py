@@ -2354,17 +2354,30 @@ static void attend_runs(const float* qkv, int64_t M, int64_t nh, int64_t nkv, in
 #endif
 
 #ifdef SHARDMESH_LANES
+// The line of `next` (the next block's tile, nullptr for none) at the offset of the one being read from this tile,
+// into L1: a tile's lines asked for one by one as the tile before is read. Why: asked for all at once at a block's
+// start (64 prefetches in a row for a float32 tile of 16 positions), the next tiles came no sooner than with no
+// prefetch at all, and a 16-row SmolLM2 step on blocks of 16 read its tiles at half the slot cache's rate; asked for
+// so, the step took 0.70x the time (float32 and bfloat16, 300 tokens of context; one row 0.93x).
+template <typename T>
+static inline void ask_beside(const T* next, int64_t at) {
+  if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + at), _MM_HINT_T0);
+}
+
 // Scores of GC query heads (q: rows hd apart, float32) against positions [0, count) of a block's (hd, BS) key tile:
 // s[h * ss + i] = scale * q_h . key i. A vector of L positions at a time, summed over the dimensions, each key row
 // loaded once for the GC heads, two sums per head in flight (even and odd dimensions: hd is whole vectors, so even).
+// `next`: the next block's key tile, asked for line by line (`ask_beside`).
 template <int GC, typename T>
 static inline void tile_scores(const float* q, int64_t hd, const T* kb, int64_t BS, int64_t count, float scale,
-                               float* s, int64_t ss) {
+                               float* s, int64_t ss, const T* next) {
   int64_t i = 0;
   for (; i + L <= count; i += L) {
     Lanes a0[GC], a1[GC];
     for (int h = 0; h < GC; ++h) a0[h] = a1[h] = vset(0.f);
     for (int64_t x = 0; x < hd; x += 2) {
+      ask_beside(next, x * BS + i);
+      ask_beside(next, (x + 1) * BS + i);
       const Lanes k0 = vload(kb + x * BS + i), k1 = vload(kb + (x + 1) * BS + i);
       for (int h = 0; h < GC; ++h) {
         a0[h] = vfma(vset(q[h * hd + x]), k0, a0[h]);
@@ -2383,9 +2396,10 @@ static inline void tile_scores(const float* q, int64_t hd, const T* kb, int64_t 
 
 // acc[h * hd + x] += sum_i p[h * ps + i] * value i [x] over positions [0, count) of a block's (BS, hd) value tile, for
 // GC heads: a vector of dimensions at a time, its sums in registers, each value row loaded once for the GC heads, even
-// and odd positions apart.
+// and odd positions apart. `next`: the next block's value tile, asked for line by line (`ask_beside`).
 template <int GC, typename T>
-static inline void tile_values(const float* p, int64_t ps, const T* vb, int64_t hd, int64_t count, float* acc) {
+static inline void tile_values(const float* p, int64_t ps, const T* vb, int64_t hd, int64_t count, float* acc,
+                               const T* next) {
   for (int64_t x = 0; x < hd; x += L) {
     Lanes a0[GC], a1[GC];
     for (int h = 0; h < GC; ++h) {
@@ -2394,6 +2408,8 @@ static inline void tile_values(const float* p, int64_t ps, const T* vb, int64_t 
     }
     int64_t i = 0;
     for (; i + 2 <= count; i += 2) {
+      ask_beside(next, i * hd + x);
+      ask_beside(next, (i + 1) * hd + x);
       const Lanes v0 = vload(vb + i * hd + x), v1 = vload(vb + (i + 1) * hd + x);
       for (int h = 0; h < GC; ++h) {
         a0[h] = vfma(vset(p[h * ps + i]), v0, a0[h]);
@@ -2425,17 +2441,17 @@ static inline void by_fours(int64_t group, F&& f) {
 // lie at offset p % BS of block tables[m * maxb + p / BS]. Per block and key-value head, keys are a (hd, BS) tile,
 // transposed, and values a (BS, hd) tile, the layout `paged_attention` reads in eager mode: a block's scores are
 // vectors along its positions, with no sums across lanes. A task per row and key-value head: its queries against its
-// blocks where they lie, up to its own position, each block's tiles asked for while the one before is read. In a
-// decode step (rows of distinct sequences) the task first takes its row's RoPE and writes its key and value, as the
-// slot cache's decode rows do; such rows write positions no other row reads (the layout checks that no two rows write
-// one block's position, and blocks shared by a common prefix are full). A prompt's rows are all written first. Each
-// row reads its blocks alone: the slot cache's runs of a prompt's rows sharing each key (`attend_runs`) are not here.
+// blocks where they lie, up to its own position, each block's tiles asked for line by line while the one before is
+// read. In a decode step (rows of distinct sequences) the task first takes its row's RoPE and writes its key and
+// value, as the slot cache's decode rows do; such rows write positions no other row reads (the layout checks that no
+// two rows write one block's position, and blocks shared by a common prefix are full). A prompt's rows are all written
+// first. Each row reads its blocks alone: the slot cache's runs of a prompt's rows sharing each key (`attend_runs`)
+// are not here.
 template <typename T>
 static void attend_paged(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T* kc, T* vc, int64_t BS,
                          const int64_t* tables, int64_t maxb, const int64_t* pos, const float* cos, const float* sin,
                          bool bf16, float* out) {
   const int64_t width = (nh + 2 * nkv) * hd, group = nh / nkv;
-  const int64_t tile = hd * BS * static_cast<int64_t>(sizeof(T));  // bytes of a block's keys (or values) for a head
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const auto put_kv = [&](int64_t m, int64_t g) {  // row m's key and value of head g into its block
     const float* row = qkv + m * width;
@@ -2478,36 +2494,31 @@ static void attend_paged(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t
     const auto tile_of = [&](const T* cache, int64_t j, int64_t g) {
       return cache + (table[j] * nkv + g) * hd * BS;
     };
-    const auto ask = [&](const T* cache, int64_t j) {  // block j's tiles of the task's heads, where there are, into L1
-      if (j * BS >= n) return;
-      const char* at = reinterpret_cast<const char*>(tile_of(cache, j, g0));
-      for (int64_t b = 0; b < tile * span; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
-    };
-    // f(tile, j, h, count, gc) for block j's tile of each of the task's heads and up to four of its query heads at a
-    // time (from h, the task's numbering; gc of them), `count` positions of the block; each block's tiles asked for
-    // while the block before is read.
+    // f(tile, j, h, count, gc, next) for block j's tile of each of the task's heads and up to four of its query heads
+    // at a time (from h, the task's numbering; gc of them), `count` positions of the block; `next`, the same head's
+    // tile of the next block for the first four to ask for as they read (nullptr past the last).
     const auto over_tiles = [&](const T* cache, auto&& f) {
-      ask(cache, 0);
-      for (int64_t j = 0; j * BS < n; ++j) {
-        ask(cache, j + 1);
+      for (int64_t j = 0; j * BS < n; ++j)
         for (int64_t g = g0; g < g1; ++g)
           by_fours(group, [&](int64_t h0, auto gc) {
-            f(tile_of(cache, j, g), j, (g - g0) * group + h0, std::min(BS, n - j * BS), gc);
+            const T* next = h0 == 0 && (j + 1) * BS < n ? tile_of(cache, j + 1, g) : nullptr;
+            f(tile_of(cache, j, g), j, (g - g0) * group + h0, std::min(BS, n - j * BS), gc, next);
           });
-      }
     };
     const int64_t heads = span * group;  // the task's query heads, adjacent in the row
     const float* q = row + g0 * group * hd;
     std::vector<float>& score = sums.score;
     score.resize(heads * n);
-    over_tiles(kc, [&](const T* keys, int64_t j, int64_t h, int64_t count, auto gc) {
-      tile_scores<decltype(gc)::value>(q + h * hd, hd, keys, BS, count, scale, score.data() + h * n + j * BS, n);
+    over_tiles(kc, [&](const T* keys, int64_t j, int64_t h, int64_t count, auto gc, const T* next) {
+      tile_scores<decltype(gc)::value>(q + h * hd, hd, keys, BS, count, scale, score.data() + h * n + j * BS, n,
+                                       next);
     });
     softmax_rows(score.data(), heads, n);
     std::vector<float>& acc = sums.acc;
     acc.assign(heads * hd, 0.f);
-    over_tiles(vc, [&](const T* values, int64_t j, int64_t h, int64_t count, auto gc) {
-      tile_values<decltype(gc)::value>(score.data() + h * n + j * BS, n, values, hd, count, acc.data() + h * hd);
+    over_tiles(vc, [&](const T* values, int64_t j, int64_t h, int64_t count, auto gc, const T* next) {
+      tile_values<decltype(gc)::value>(score.data() + h * n + j * BS, n, values, hd, count, acc.data() + h * hd,
+                                       next);
     });
     float* o = out + (m * nh + g0 * group) * hd;
     std::memcpy(o, acc.data(), sizeof(float) * heads * hd);
