@@ -6,9 +6,9 @@ On a CPU a decode step's weights stream in ~15-20 ms for SmolLM2, and eager PyTo
 of a layer's ~70 small operations (norms, RoPE, the KV write, attention's reshapes, SwiGLU, residuals) costs a few
 microseconds of dispatch, as much as the layer's products together. This runner computes each half of a layer
 (`cpu_kernels.attention_block`, `mlp_block`) in one call over the same weights, KV cache and RoPE tables as the
-eager model, which still runs every step this one does not accept (logits at every position, a paged cache's prompt
-rows, other devices, more than 16 rows of streamed layers). It is the CPU's counterpart of `cuda_graph`: the model
-stays one readable file and this is another way to execute it.
+eager model, which still runs every step this one does not accept (logits at every position, a paged cache for head
+dims that are not whole vectors, other devices, more than 16 rows of streamed layers). It is the CPU's counterpart of
+`cuda_graph`: the model stays one readable file and this is another way to execute it.
 Where every layer is whole, the kernels hold all the layers' arguments (`cpu_kernels.stack_layers`) and one call
 (`decode_layers`) runs them: the 60 calls of a SmolLM2 step from Python cost ~0.3 ms of cold interpreter and argument
 conversion between parallel regions (docs/performance.md, "All of a stage's layers in one call").
@@ -151,7 +151,7 @@ class CpuDecode:
 
     def accepts(self, batch: BatchLayout, all_logits: bool) -> bool:
         """A step with last-token logits, of at most `STREAMED_ROWS` rows where layers are streamed: in a slot layout,
-        or, on a paged cache, of decode rows only (`paged_rows`)."""
+        or in a paged one that `paged_rows` takes."""
         if all_logits or (batch.block_size != 0 and not self.paged_rows(batch)):
             return False
         return self.model.streamer is None or batch.num_tokens <= STREAMED_ROWS
@@ -322,8 +322,8 @@ class CpuDecode:
         positions = torch.stack([p for _, p in places])
         if not batches[0].block_size:
             return torch.stack([s for s, _ in places]), positions
-        tables = torch.zeros((len(places), *places[0][0].shape[:1], max(t.shape[1] for t, _ in places)),
-                             dtype=torch.int64)  # fmt: skip
+        rows, width = places[0][0].shape[0], max(t.shape[1] for t, _ in places)
+        tables = torch.zeros((len(places), rows, width), dtype=torch.int64)
         for k, (t, _) in enumerate(places):
             tables[k, :, : t.shape[1]] = t
         return tables, positions
