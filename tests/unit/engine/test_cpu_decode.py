@@ -1053,61 +1053,36 @@ def test_stage_engine_runs_decode_and_prompts_natively(small: Transformer) -> No
     assert len(calls) == 3 and out is not None and out.shape == (1, small.cfg.vocab_size)
 
 
-@pytest.mark.parametrize("stage", ["whole", "first"])
+@pytest.mark.parametrize(("stage", "hidden", "paged"), [("whole", 128, False), ("first", 128, False),
+                                                       ("whole", 48, False), ("whole", 128, True),
+                                                       ("first", 128, True)])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_paged_steps_in_chunks_of_rows_equal_one_chunk_and_eager(
-        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
-        stage: str) -> None:  # fmt: skip
-    """The test below on a paged cache (head dim 32): chunks of 7 rows cut a 40-token prompt and a 9-token one beside
-    decode rows, each chunk's rows reading what the chunks before wrote into the blocks: the same output and blocks to
-    the bit as one chunk, and eager's within the order of sums."""
-    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=2, seed=9, hidden_size=128, intermediate_size=96)
-    spec = ShardSpec(0, 2, 2) if stage == "whole" else ShardSpec(0, 1, 2)
-    model = build_shard(d, spec, dtype=dtype, progress=False, max_len=64)
-    tables = [(13, 2, 7), (5, 9, 0), tuple(range(14, 24)), (3, 1, 10, 11)]  # decode rows', then the prompts'
-    caches = {way: _paged_prefilled(model, tables[:2], dtype, 4) for way in ("eager", "one", "chunks")}
-    runners = {way: cpu_decode(model, caches[way], torch.device("cpu")) for way in ("one", "chunks")}
-    segments = [Segment(0, 0, 40, tables[2]), Segment(0, len(PROMPTS[0]), 1, tables[0]), Segment(0, 0, 9, tables[3]),
-                Segment(0, len(PROMPTS[1]), 1, tables[1])]  # fmt: skip
-    batch = BatchLayout.build(segments, block_size=4)
-    ids = torch.randint(1, 96, (batch.num_tokens,), generator=torch.Generator().manual_seed(4))
-    out = {}
-    with torch.inference_mode():
-        out["eager"] = model(ids, batch, caches["eager"]).float()
-        for way, chunk in (("one", 64), ("chunks", 7)):
-            monkeypatch.setattr(cpu_decode_module, "ROW_CHUNK", chunk)
-            runner = runners[way]
-            assert runner is not None and runner.accepts(batch, all_logits=False)
-            out[way] = runner.run(batch, ids).float()
-    assert out["one"].shape == out["eager"].shape
-    assert torch.equal(out["chunks"], out["one"]) and torch.equal(caches["chunks"].data, caches["one"].data)
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    assert (out["one"] - out["eager"]).abs().max() / out["eager"].abs().max() < tol
-    native_kv, eager_kv = caches["one"].data.float(), caches["eager"].data.float()
-    cache_tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert (native_kv - eager_kv).abs().max() / eager_kv.abs().max() < cache_tol
-
-
-@pytest.mark.parametrize(("stage", "hidden"), [("whole", 128), ("first", 128), ("whole", 48)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_steps_in_chunks_of_rows_equal_one_chunk_and_eager(tmp_path: pytest.TempPathFactory,
-                                                               monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
-                                                               stage: str, hidden: int) -> None:  # fmt: skip
+def test_long_steps_in_chunks_of_rows_equal_one_chunk_and_eager(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, stage: str, hidden: int,
+        paged: bool) -> None:  # fmt: skip
     """A step of more than `ROW_CHUNK` rows goes through the layers a chunk of rows at a time, each chunk's prompt rows
     attending over keys the chunks before wrote: the same logits (or a first stage's activations) and cache to the bit
     as one chunk, and eager's within the order of sums. Chunks of 7 rows cut a 40-token prompt, a 9-token one, and
     decode rows beside them. The prompts' rows attend over 1 to 40 positions, so their attention tasks differ in length
     as a long prompt's do, and the threads take them longest first: by key-value head (head dim 32, a multiple of the
-    vector) or by query head (12)."""
+    vector) or by query head (12). `paged`: the same in blocks of 4 (`attend_paged`)."""
     d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=2, seed=9, hidden_size=hidden, intermediate_size=96)
     spec = ShardSpec(0, 2, 2) if stage == "whole" else ShardSpec(0, 1, 2)
     model = build_shard(d, spec, dtype=dtype, progress=False, max_len=64)
     slots = [1, 3]
-    caches = {way: prefilled(model, slots, dtype) for way in ("eager", "one", "chunks")}
+    tables = {1: (13, 2, 7), 3: (5, 9, 0), 0: tuple(range(14, 24)), 2: (3, 1, 10, 11)}  # each slot's, when paged
+    ways = ("eager", "one", "chunks")
+    if paged:
+        caches = {way: _paged_prefilled(model, [tables[s] for s in slots], dtype, 4) for way in ways}
+    else:
+        caches = {way: prefilled(model, slots, dtype) for way in ways}
     runners = {way: cpu_decode(model, caches[way], torch.device("cpu")) for way in ("one", "chunks")}
-    segments = [Segment(0, 0, 40), Segment(slots[0], len(PROMPTS[0]), 1), Segment(2, 0, 9),
-                Segment(slots[1], len(PROMPTS[1]), 1)]  # fmt: skip
-    batch = BatchLayout.build(segments)
+    places = [(0, 0, 40), (slots[0], len(PROMPTS[0]), 1), (2, 0, 9), (slots[1], len(PROMPTS[1]), 1)]
+    if paged:
+        batch = BatchLayout.build([Segment(0, start, n, tables[s]) for s, start, n in places], block_size=4)
+    else:
+        batch = BatchLayout.build([Segment(s, start, n) for s, start, n in places])
+    segments = batch.segments
     ids = torch.randint(1, 96, (batch.num_tokens,), generator=torch.Generator().manual_seed(4))
     out = {}
     with torch.inference_mode():
