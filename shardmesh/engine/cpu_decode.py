@@ -91,8 +91,8 @@ ROW_CHUNK = CPU_ROW_CHUNK
 # 1.32x at 32, 2.07x at 128.
 STREAMED_ROWS = 16
 # A paged step's head dims: whole vectors of either build's lanes (8 floats on AVX2, 16 on AVX-512), at most what the
-# halves keep in registers (`attend_paged`).
-PAGED_LANES, PAGED_HEAD_DIM = 16, 256
+# halves keep in registers; and its query heads per key-value head at most (`attend_paged`: MAX_HD, MAX_GROUP).
+PAGED_LANES, PAGED_HEAD_DIM, PAGED_GROUP = 16, 256, 16
 
 
 def _raise_not_finite(e: RuntimeError) -> None:
@@ -164,7 +164,7 @@ class CpuDecode:
         cache, cfg = self.cache, self.model.cfg
         return (isinstance(cache, PagedKVCache) and batch.block_size == cache.block_size
                 and cfg.head_dim % PAGED_LANES == 0 and cfg.head_dim <= PAGED_HEAD_DIM
-                and cfg.num_heads // cfg.num_kv_heads <= 16)  # fmt: skip
+                and cfg.num_heads // cfg.num_kv_heads <= PAGED_GROUP)  # fmt: skip
 
     @torch.inference_mode()
     def run(self, batch: BatchLayout, x: Tensor) -> Tensor:

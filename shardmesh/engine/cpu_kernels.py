@@ -2173,6 +2173,13 @@ static inline int64_t cache_row(int64_t slot, int64_t g, int64_t nkv, int64_t ma
   return (slot * nkv + g) * max_len + pos;
 }
 
+// `cache_row` for a paged cache (`PagedKVCache`: blocks, nkv heads, BS positions, head dim): where the tile of
+// key-value head g holding position `pos` of a sequence (its block table `table`) starts, counted in cached
+// positions; the position is at offset pos % BS of it.
+static inline int64_t block_row(const int64_t* table, int64_t g, int64_t nkv, int64_t BS, int64_t pos) {
+  return (table[pos / BS] * nkv + g) * BS;
+}
+
 // RoPE on heads [h0, h1) of one row of the new queries and keys (queries, then keys, numbered together):
 // x * cos + rotate_half(x) * sin at the row's position (c, s: its cos and sin rows), each rounded as the model rounds.
 static void rope_heads(float* row, int64_t h0, int64_t h1, int64_t hd, const float* c, const float* s, bool bf16) {
@@ -2455,19 +2462,18 @@ static void attend_paged(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const auto put_kv = [&](int64_t m, int64_t g) {  // row m's key and value of head g into its block
     const float* row = qkv + m * width;
-    const int64_t into = tables[m * maxb + pos[m] / BS] * nkv + g, off = pos[m] % BS;
+    const int64_t at = block_row(tables + m * maxb, g, nkv, BS, pos[m]) * hd, off = pos[m] % BS;
     const float *key = row + (nh + g) * hd, *value = row + (nh + nkv + g) * hd;
     for (int64_t x = 0; x < hd; ++x) {
-      put(kc + into * hd * BS, x * BS + off, key[x]);
-      put(vc + into * BS * hd, off * hd + x, value[x]);
+      put(kc + at, x * BS + off, key[x]);
+      put(vc + at, off * hd + x, value[x]);
     }
   };
   // Rows of distinct sequences (no two tables start at one block: a decode step's) write their own keys in their
   // tasks; rows that may be one sequence's (a prompt's, attending over each other's new keys) are all written first.
   std::vector<int64_t> starts(M);
   for (int64_t m = 0; m < M; ++m) starts[m] = tables[m * maxb];
-  std::sort(starts.begin(), starts.end());
-  const bool in_tasks = std::adjacent_find(starts.begin(), starts.end()) == starts.end();
+  const bool in_tasks = one_row_per_slot(starts.data(), M);
   if (!in_tasks)
     for (int64_t m = 0; m < M; ++m) {
       rope_heads(qkv + m * width, 0, nh + nkv, hd, cos + pos[m] * hd, sin + pos[m] * hd, bf16);
@@ -2492,7 +2498,7 @@ static void attend_paged(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t
       for (int64_t g = g0; g < g1; ++g) put_kv(m, g);
     }
     const auto tile_of = [&](const T* cache, int64_t j, int64_t g) {
-      return cache + (table[j] * nkv + g) * hd * BS;
+      return cache + block_row(table, g, nkv, BS, j * BS) * hd;
     };
     // f(tile, j, h, count, gc, next) for block j's tile of each of the task's heads and up to four of its query heads
     // at a time (from h, the task's numbering; gc of them), `count` positions of the block; `next`, the same head's
@@ -2528,7 +2534,7 @@ static void attend_paged(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t
 #endif
 
 // RoPE on the new queries and keys, the keys and values into the cache, each row's heads against its slot; or, given
-// block tables (`maxb` > 0: `tables` holds M rows of maxb), decode rows against their blocks (`attend_paged`).
+// block tables (`maxb` > 0: `slots` holds M rows of maxb), against its sequence's blocks (`attend_paged`).
 template <typename T>
 static void attend(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T* kc, T* vc, int64_t max_len,
                    const int64_t* slots, const int64_t* pos, const float* cos, const float* sin, bool bf16,
@@ -2662,8 +2668,8 @@ static void ask_to_write(const torch::Tensor& k_cache, const torch::Tensor& v_ca
     }
 }
 
-// `ask_to_write` for decode rows over a paged cache (`attend_paged`): each row's key goes down a column of its block's
-// (hd, BS) key tile, a line per dimension, and its value to a row of the value tile.
+// `ask_to_write` over a paged cache (`attend_paged`): each row's key goes down a column of its block's (hd, BS) key
+// tile, a line per dimension, and its value to a row of the value tile.
 static void ask_to_write_paged(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t M, int64_t n_kv,
                                const int64_t* tables, int64_t maxb, const int64_t* pos) {
   const int64_t hd = v_cache.size(3), BS = v_cache.size(2), size = v_cache.element_size();
@@ -2671,7 +2677,7 @@ static void ask_to_write_paged(const torch::Tensor& k_cache, const torch::Tensor
   const char* vc = static_cast<const char*>(v_cache.data_ptr());
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < n_kv; ++g) {
-      const int64_t at = (tables[m * maxb + pos[m] / BS] * n_kv + g) * hd * BS, off = pos[m] % BS;
+      const int64_t at = block_row(tables + m * maxb, g, n_kv, BS, pos[m]) * hd, off = pos[m] % BS;
       for (int64_t x = 0; x < hd; ++x) __builtin_prefetch(kc + (at + x * BS + off) * size, 1, 3);
       for (int64_t b = 0; b < hd * size; b += 64) __builtin_prefetch(vc + (at + off * hd) * size + b, 1, 3);
     }
@@ -2683,7 +2689,7 @@ torch::Tensor attention_block(torch::Tensor x, torch::Tensor norm, double eps, W
                               torch::Tensor slots, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                               int64_t n_heads, int64_t n_kv, bool residual, bool rows) {
   // `slots` (M) for the slot cache, (slots, n_kv, max_len, hd) per layer; or block tables (M, blocks) for a paged
-  // cache of decode rows, whose keys are (blocks, n_kv, hd, block size) and values (blocks, n_kv, block size, hd).
+  // cache, whose keys are (blocks, n_kv, hd, block size) and values (blocks, n_kv, block size, hd).
   const bool paged = slots.dim() == 2;
   const int64_t M = x.size(0), H = x.size(1), hd = v_cache.size(3), max_len = v_cache.size(2);
   const int64_t n_qkv = out_features(w_qkv);
