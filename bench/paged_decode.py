@@ -36,30 +36,55 @@ from bench.conditions import alternated, machine, save_results  # noqa: E402  (R
 WAYS = ["slot", "paged", "paged eager"]
 
 
-def measure(model_dir: str, dtype_name: str, rows: int, context: int, block: int, rounds: int,
-            steps: int) -> dict[str, list[float]]:  # fmt: skip
-    """Each way's ms per decode step, one value per round (the median of its `steps`)."""
+def _meshless(model_dir: str, dtype_name: str, sequences: int, max_len: int, block: int) -> tuple:
+    """The model as one stage (2 threads), a slot cache and a paged one for `sequences` sequences of `max_len`
+    positions (each sequence's blocks shuffled over the pool, as a pool long in use hands them out), and the
+    compiled runner of each: (model, tables, slot cache, paged cache, runners by way)."""
     import torch
 
     from shardmesh.core.layout import ShardSpec
-    from shardmesh.core.step import Segment
-    from shardmesh.engine.batch import BatchLayout
     from shardmesh.engine.cpu_decode import cpu_decode
     from shardmesh.engine.loader import build_shard
 
     torch.set_num_threads(2)
     dtype = getattr(torch, dtype_name)
     layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
-    max_len = context + rounds * steps + 1
     model = build_shard(model_dir, ShardSpec(0, layers, layers), dtype=dtype, progress=False, max_len=max_len)
     per_seq = -(-max_len // block)
-    pool = list(range(rows * per_seq))
-    random.Random(0).shuffle(pool)  # scattered blocks, as a pool long in use hands them out
-    tables = [tuple(pool[r * per_seq : (r + 1) * per_seq]) for r in range(rows)]
-    slots = model.make_cache(rows, dtype, "cpu")
+    pool = list(range(sequences * per_seq))
+    random.Random(0).shuffle(pool)
+    tables = [tuple(pool[r * per_seq : (r + 1) * per_seq]) for r in range(sequences)]
+    slots = model.make_cache(sequences, dtype, "cpu")
     paged = model.make_paged_cache(len(pool), block, dtype, "cpu")
     runners = {"slot": cpu_decode(model, slots, torch.device("cpu")),
                "paged": cpu_decode(model, paged, torch.device("cpu"))}  # fmt: skip
+    return model, tables, slots, paged, runners
+
+
+def _timed(model, paged, runners: dict, way: str, batch, ids) -> float:
+    """ms of one step of `way`: the compiled runner (checked to take the step), or the model's eager forward."""
+    import torch
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        if way == "paged eager":
+            model(ids, batch, paged)
+        else:
+            runner = runners[way]
+            assert runner is not None and runner.accepts(batch, False), f"{way}: not the compiled path"
+            runner.run(batch, ids)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure(model_dir: str, dtype_name: str, rows: int, context: int, block: int, rounds: int,
+            steps: int) -> dict[str, list[float]]:  # fmt: skip
+    """Each way's ms per decode step, one value per round (the median of its `steps`)."""
+    import torch
+
+    from shardmesh.core.step import Segment
+    from shardmesh.engine.batch import BatchLayout
+
+    model, tables, slots, paged, runners = _meshless(model_dir, dtype_name, rows, context + rounds * steps + 1, block)
     prompt = torch.randint(3, model.cfg.vocab_size, (context,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         for r in range(rows):
@@ -77,15 +102,7 @@ def measure(model_dir: str, dtype_name: str, rows: int, context: int, block: int
                     batch = BatchLayout.build([Segment(r, at, 1) for r in range(rows)])
                 else:
                     batch = BatchLayout.build([Segment(0, at, 1, tables[r]) for r in range(rows)], block_size=block)
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    if way == "paged eager":
-                        model(ids, batch, paged)
-                    else:
-                        runner = runners[way]
-                        assert runner is not None and runner.accepts(batch, False), f"{way}: not the compiled path"
-                        runner.run(batch, ids)
-                each.append((time.perf_counter() - t0) * 1e3)
+                each.append(_timed(model, paged, runners, way, batch, ids))
             times[way].append(statistics.median(each))
         position += steps  # the next round writes the next positions: every way at the same lengths in a round
     return times
@@ -97,43 +114,29 @@ def measure_prefill(model_dir: str, dtype_name: str, prompts: int, length: int, 
     blocks (one value per round, the median of 3 steps)."""
     import torch
 
-    from shardmesh.core.layout import ShardSpec
     from shardmesh.core.step import Segment
     from shardmesh.engine.batch import BatchLayout
-    from shardmesh.engine.cpu_decode import cpu_decode
-    from shardmesh.engine.loader import build_shard
 
-    torch.set_num_threads(2)
-    dtype = getattr(torch, dtype_name)
-    layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
-    model = build_shard(model_dir, ShardSpec(0, layers, layers), dtype=dtype, progress=False, max_len=length)
-    per_seq = -(-length // block)
-    pool = list(range(prompts * per_seq))
-    random.Random(0).shuffle(pool)
-    tables = [tuple(pool[r * per_seq : (r + 1) * per_seq]) for r in range(prompts)]
-    slots = model.make_cache(prompts, dtype, "cpu")
-    paged = model.make_paged_cache(len(pool), block, dtype, "cpu")
-    runners = {"slot": cpu_decode(model, slots, torch.device("cpu")),
-               "paged": cpu_decode(model, paged, torch.device("cpu"))}  # fmt: skip
+    model, tables, _, paged, runners = _meshless(model_dir, dtype_name, prompts, length, block)
     ids = torch.randint(3, model.cfg.vocab_size, (prompts * length,), generator=torch.Generator().manual_seed(1))
-    slot_batch = BatchLayout.build([Segment(r, 0, length) for r in range(prompts)])
-    paged_batch = BatchLayout.build([Segment(0, 0, length, tables[r]) for r in range(prompts)], block_size=block)
+    batches = {"slot": BatchLayout.build([Segment(r, 0, length) for r in range(prompts)])}
+    batches["paged"] = batches["paged eager"] = BatchLayout.build(
+        [Segment(0, 0, length, tables[r]) for r in range(prompts)], block_size=block)  # fmt: skip
     times: dict[str, list[float]] = {w: [] for w in WAYS}
     for rnd in range(rounds):
         for way in alternated(WAYS, rnd):
-            each = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    if way == "paged eager":
-                        model(ids, paged_batch, paged)
-                    else:
-                        runner, batch = runners[way], slot_batch if way == "slot" else paged_batch
-                        assert runner is not None and runner.accepts(batch, False), f"{way}: not the compiled path"
-                        runner.run(batch, ids)
-                each.append((time.perf_counter() - t0) * 1e3)
-            times[way].append(statistics.median(each))
+            times[way].append(statistics.median(_timed(model, paged, runners, way, batches[way], ids)
+                                                for _ in range(3)))  # fmt: skip
     return times
+
+
+def _summary(t: dict[str, list[float]]) -> tuple[dict[str, float], dict[str, float], float]:
+    """Each way's median ms over the rounds, the median of its rounds' ratios to `slot`'s, and the median of the
+    rounds' eager ÷ compiled paged."""
+    ms = {w: statistics.median(v) for w, v in t.items()}
+    x = {w: statistics.median(v / s for v, s in zip(t[w], t["slot"], strict=True)) for w in WAYS}
+    gain = statistics.median(e / c for e, c in zip(t["paged eager"], t["paged"], strict=True))
+    return ms, x, gain
 
 
 def main() -> None:
@@ -174,9 +177,7 @@ def main() -> None:
     for dtype in a.dtypes.split(","):
         for rows in a.rows:
             t = measure(model_dir, dtype, rows, a.context, a.block, a.rounds, a.steps)
-            ms = {w: statistics.median(v) for w, v in t.items()}
-            x = {w: statistics.median(v / s for v, s in zip(t[w], t["slot"], strict=True)) for w in WAYS}
-            gain = statistics.median(e / c for e, c in zip(t["paged eager"], t["paged"], strict=True))
+            ms, x, gain = _summary(t)
             rows_out.append({"dtype": dtype, "rows": rows, "ms": ms, "x_slot": x, "eager_over_compiled": gain,
                              "rounds": t})  # fmt: skip
             lines.append(f"| {dtype} | {rows} | {ms['slot']:.2f} | {ms['paged']:.2f} ({x['paged']:.2f}x) | "
@@ -185,9 +186,7 @@ def main() -> None:
         for spec in filter(None, a.prefills.split(",")):
             prompts, length = (int(v) for v in spec.split("x"))
             t = measure_prefill(model_dir, dtype, prompts, length, a.block, a.rounds)
-            ms = {w: statistics.median(v) for w, v in t.items()}
-            x = {w: statistics.median(v / s for v, s in zip(t[w], t["slot"], strict=True)) for w in WAYS}
-            gain = statistics.median(e / c for e, c in zip(t["paged eager"], t["paged"], strict=True))
+            ms, x, gain = _summary(t)
             rows_out.append({"dtype": dtype, "prefill": spec, "ms": ms, "x_slot": x, "eager_over_compiled": gain,
                              "rounds": t})  # fmt: skip
             lines.append(
