@@ -158,9 +158,8 @@ class CpuDecode:
 
     def paged_rows(self, batch: BatchLayout) -> bool:
         """Whether `batch` is a paged step the layer halves attend in place (`attend_paged`): decode rows and prompts
-        on this runner's paged cache, with head dims of whole vectors. Each prompt row reads its blocks alone, where
-        eager's fused attention (SDPA over the prompt's blocks gathered) shares them, and still took 0.50-0.77x
-        eager's time from 46 to 2048 tokens (SmolLM2; docs/performance.md)."""
+        on this runner's paged cache, with head dims of whole vectors: 0.50-0.77x eager's time from 46 to 2048 tokens
+        of prompt (SmolLM2, before its rows attended by runs; docs/performance.md)."""
         cache, cfg = self.cache, self.model.cfg
         return (isinstance(cache, PagedKVCache) and batch.block_size == cache.block_size
                 and cfg.head_dim % PAGED_LANES == 0 and cfg.head_dim <= PAGED_HEAD_DIM

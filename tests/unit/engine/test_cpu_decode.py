@@ -1146,6 +1146,57 @@ def test_a_prompt_in_one_step_equals_it_token_by_token(tmp_path: pytest.TempPath
     assert torch.equal(whole.data, stepped.data)
 
 
+@pytest.mark.parametrize("block", [4, 16])
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_paged_prompt_in_one_step_equals_it_token_by_token(tmp_path: pytest.TempPathFactory, dtype: torch.dtype,
+                                                             head_dim: int, block: int) -> None:  # fmt: skip
+    """Over a paged cache too, a prompt's rows attend by runs of up to 8 consecutive rows (`attend_paged`: each block's
+    tiles read once for the run), and row for row do what a decode row does alone. Blocks shuffled; of 16 positions,
+    a block's last few scores are a vector like the others (`tile_scores`), of 4 they are dot products one by one.
+    Sequence 0's prompt (36 or 32 tokens), then sequence 1, which shares those blocks (a cached prefix), writes 3
+    positions of its own block; then one step holds sequence 0's next 3 rows followed by sequence 1's: consecutive
+    positions, but tables that differ past the prefix, so not one run. Taken so, and taken one token a step, the steps
+    leave the same cache and last logits to the bit, and match eager's."""
+    d = make_checkpoint(tmp_path, "llama-gqa-tied", num_layers=2, seed=12, hidden_size=4 * head_dim,
+                        intermediate_size=96)  # fmt: skip
+    model = build_shard(d, ShardSpec(0, 2, 2), dtype=dtype, progress=False, max_len=64)
+    prefix = 36 if block == 4 else 32  # whole blocks
+    shared = prefix // block
+    pool = torch.randperm(shared + 6, generator=torch.Generator().manual_seed(4)).tolist()
+    tables = [tuple(pool[: shared + 3]), tuple(pool[:shared] + pool[shared + 3 :])]  # the prefix's, then each its own
+    steps = [[(0, 0, prefix)], [(1, prefix, 3)], [(0, prefix, 3), (1, prefix + 3, 3)]]  # (sequence, start, length)
+    ids = torch.randint(1, 96, (prefix + 9,), generator=torch.Generator().manual_seed(7))
+    caches = {way: model.make_paged_cache(shared + 6, block, dtype, "cpu") for way in ("eager", "at once", "stepped")}
+    runners = {way: cpu_decode(model, caches[way], torch.device("cpu")) for way in ("at once", "stepped")}
+    at_once, stepped = runners["at once"], runners["stepped"]
+    assert at_once is not None and stepped is not None
+
+    def layout(pieces: list[tuple[int, int, int]]) -> BatchLayout:
+        return BatchLayout.build([Segment(0, start, n, tables[s]) for s, start, n in pieces], block_size=block)
+
+    with torch.inference_mode():
+        start = 0
+        for pieces in steps:
+            batch, tokens = layout(pieces), ids[start : start + sum(n for _, _, n in pieces)]
+            assert at_once.accepts(batch, all_logits=False)
+            whole, want = at_once.run(batch, tokens), model(tokens, batch, caches["eager"]).float()
+            one_by_one = []
+            for k, (s, first, n) in enumerate(pieces):
+                for p in range(first, first + n):
+                    token = tokens[sum(m for _, _, m in pieces[:k]) + p - first].reshape(1)
+                    one_by_one.append(stepped.run(layout([(s, p, 1)]), token))
+            start += len(tokens)
+            ends = torch.cat([one_by_one[sum(n for _, _, n in pieces[: k + 1]) - 1] for k in range(len(pieces))])
+            assert torch.equal(whole, ends), pieces
+            tol = 1e-4 if dtype == torch.float32 else 5e-2
+            assert (whole - want).abs().max() / want.abs().max() < tol, pieces
+    assert torch.equal(caches["at once"].data, caches["stepped"].data)
+    eager = caches["eager"].data.float()
+    cache_tol = 1e-5 if dtype == torch.float32 else 2e-2  # relative: bfloat16 keys of ~4 are 2^-6 apart
+    assert (caches["at once"].data.float() - eager).abs().max() / eager.abs().max() < cache_tol
+
+
 @pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_by_segments_equals_eager_however_cut(tmp_path: pytest.TempPathFactory, dtype: torch.dtype,
