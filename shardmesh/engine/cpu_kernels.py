@@ -2470,10 +2470,10 @@ static inline void by_fours(int64_t group, F&& f) {
 // each tile's successor asked for line by line while it is read. A row's heads run the same operations in the same
 // order whatever its run, so a prompt's rows give the same numbers as the same tokens decoded one by one. (Each row
 // reading its blocks alone measured within noise of this on a noisy Ice Lake Xeon; the slot cache's prompts share
-// their keys so, and its long prompts gained from it.) In a decode step (rows of
-// distinct sequences, runs of one) the task first takes its row's RoPE and writes its key and value, as the slot
-// cache's decode rows do; such rows write positions no other row reads (the layout checks that no two rows write one
-// block's position, and blocks shared by a common prefix are full). A prompt's rows are all written first.
+// their keys so, and its long prompts gained from it.) In a decode step (rows of distinct sequences, runs of one) the
+// task first takes its row's RoPE and writes its key and value, as the slot cache's decode rows do; such rows write
+// positions no other row reads (the layout checks that no two rows write one block's position, and blocks shared by a
+// common prefix are full). A prompt's rows are all written first.
 template <typename T>
 static void attend_paged(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t hd, T* kc, T* vc, int64_t BS,
                          const int64_t* tables, int64_t maxb, const int64_t* pos, const float* cos, const float* sin,
