@@ -2252,6 +2252,17 @@ static bool uneven(int64_t tasks) {
   return (tasks + T - 1) / T * T * 8 > tasks * 9;
 }
 
+// Each run's first row, then M: a run is up to RUN_ROWS consecutive rows at consecutive positions, each of which
+// `same(m)` says reads the keys row m - 1 reads (a prompt's rows, attending together).
+template <typename Same>
+static std::vector<int64_t> run_starts(int64_t M, const int64_t* pos, Same&& same) {
+  std::vector<int64_t> first;
+  for (int64_t m = 0; m < M; ++m)
+    if (first.empty() || m - first.back() == RUN_ROWS || pos[m] != pos[m - 1] + 1 || !same(m)) first.push_back(m);
+  first.push_back(M);
+  return first;
+}
+
 // A step's rows (their keys and values already in the cache) attending by runs: up to RUN_ROWS consecutive rows of one
 // slot at consecutive positions (a prompt's) against each key-value head in one task (`attend_rows`), each block of
 // keys and values read once for the run instead of once a row. Rows over more than a segment of positions take
@@ -2263,12 +2274,8 @@ static void attend_runs(const float* qkv, int64_t M, int64_t nh, int64_t nkv, in
                         float* out) {
   const int64_t width = (nh + 2 * nkv) * hd, group = nh / nkv, gh = group * hd;
   const int64_t S = attend_segment.load(std::memory_order_relaxed);
-  std::vector<int64_t> first;  // each run's first row, then M
-  for (int64_t m = 0; m < M; ++m)
-    if (first.empty() || m - first.back() == RUN_ROWS || slots[m] != slots[m - 1] || pos[m] != pos[m - 1] + 1)
-      first.push_back(m);
-  const int64_t runs = static_cast<int64_t>(first.size());
-  first.push_back(M);
+  const std::vector<int64_t> first = run_starts(M, pos, [&](int64_t m) { return slots[m] == slots[m - 1]; });
+  const int64_t runs = static_cast<int64_t>(first.size()) - 1;
   std::vector<int64_t> n(M);
   for (int64_t m = 0; m < M; ++m) n[m] = pos[m] + 1;
   const auto segments = [&](int64_t m) { return (n[m] + S - 1) / S; };  // a run's last row has the most
@@ -2499,17 +2506,13 @@ static void attend_paged(float* qkv, int64_t M, int64_t nh, int64_t nkv, int64_t
       rope_heads(qkv + m * width, 0, nh + nkv, hd, cos + pos[m] * hd, sin + pos[m] * hd, bf16);
       for (int64_t g = 0; g < nkv; ++g) put_kv(m, g);
     }
-  // Each run's first row, then M. A row joins the run of the row before when it is the next position and its table
-  // names the same blocks as the row before's for every block that row reads: the run reads its last row's table.
-  std::vector<int64_t> first;
-  for (int64_t m = 0; m < M; ++m) {
+  // Runs: a row joins the row before's when its table names the same blocks as the row before's for every block that
+  // row reads (the run reads its last row's table).
+  const std::vector<int64_t> first = run_starts(M, pos, [&](int64_t m) {
     const int64_t* before = tables + (m - 1) * maxb;
-    if (first.empty() || m - first.back() == RUN_ROWS || pos[m] != pos[m - 1] + 1 ||
-        !std::equal(before, before + pos[m - 1] / BS + 1, tables + m * maxb))
-      first.push_back(m);
-  }
-  const int64_t runs = static_cast<int64_t>(first.size());
-  first.push_back(M);
+    return std::equal(before, before + pos[m - 1] / BS + 1, tables + m * maxb);
+  });
+  const int64_t runs = static_cast<int64_t>(first.size()) - 1;
   // A task per run and key-value head; or, with runs enough to share the threads (16 decode rows of SmolLM2: 16 tasks
   // against 48), a task per run for all its heads, which reads a block's tiles of every head, side by side in the
   // cache, together.

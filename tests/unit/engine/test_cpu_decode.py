@@ -1181,14 +1181,13 @@ def test_a_paged_prompt_in_one_step_equals_it_token_by_token(tmp_path: pytest.Te
             batch, tokens = layout(pieces), ids[start : start + sum(n for _, _, n in pieces)]
             assert at_once.accepts(batch, all_logits=False)
             whole, want = at_once.run(batch, tokens), model(tokens, batch, caches["eager"]).float()
-            one_by_one = []
-            for k, (s, first, n) in enumerate(pieces):
-                for p in range(first, first + n):
-                    token = tokens[sum(m for _, _, m in pieces[:k]) + p - first].reshape(1)
-                    one_by_one.append(stepped.run(layout([(s, p, 1)]), token))
+            ends = []  # each piece's last logits, its tokens one step each
+            for (s, first, n), chunk in zip(pieces, tokens.split([n for _, _, n in pieces]), strict=True):
+                for i in range(n):
+                    last = stepped.run(layout([(s, first + i, 1)]), chunk[i : i + 1])
+                ends.append(last)
             start += len(tokens)
-            ends = torch.cat([one_by_one[sum(n for _, _, n in pieces[: k + 1]) - 1] for k in range(len(pieces))])
-            assert torch.equal(whole, ends), pieces
+            assert torch.equal(whole, torch.cat(ends)), pieces
             tol = 1e-4 if dtype == torch.float32 else 5e-2
             assert (whole - want).abs().max() / want.abs().max() < tol, pieces
     assert torch.equal(caches["at once"].data, caches["stepped"].data)
